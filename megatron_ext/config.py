@@ -338,13 +338,14 @@ class ExtCheckpointConfig:
     ARG_GROUP: ClassVar[str] = "megatron-ext: checkpointed state"
     ARG_PREFIX: ClassVar[str] = "ext-state"
 
-    on_topology_change: str = field(default="error", metadata=arg(choices=("error", "reset")))
+    on_mismatch: str = field(default="error", metadata=arg(choices=("error", "reset")))
     """What to do when a checkpoint's megatron_ext state was saved with another TP/PP/DP
-    layout: 'error' stops; 'reset' starts the rank-local state (error-feedback residuals,
-    warm starts) from zero with a warning. Model and optimizer load as usual either way."""
+    layout or other compression settings: 'error' stops before training; 'reset' starts
+    the megatron_ext state (error-feedback residuals, warm starts, selected indices) from
+    scratch with a warning. Model and optimizer load as usual either way."""
 
     def __post_init__(self):
-        _check_choice(type(self), "on_topology_change", self.on_topology_change)
+        _check_choice(type(self), "on_mismatch", self.on_mismatch)
 
 
 @dataclass(frozen=True, kw_only=True)

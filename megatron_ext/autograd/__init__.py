@@ -1,0 +1,1 @@
+"""Autograd-level hooks: custom forward/backward of linear layers (pure torch)."""

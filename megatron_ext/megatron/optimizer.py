@@ -1,0 +1,164 @@
+"""Optimizer-step seam: hooks around a megatron-core optimizer's ``step()``.
+
+What it does:
+    :func:`install_optimizer_hooks` overrides ``step`` on the optimizer *instance* (the
+    ``ChainedOptimizer`` megatron-core returns) so that every
+    :class:`~megatron_ext.optim.hooks.OptimizerHook` runs ``pre_step`` once gradients are
+    final and ``post_step`` after the update. :class:`MegatronOptimizerView` gives hooks
+    per-parameter optimizer state keyed by global FQN for every megatron optimizer type:
+    ``FP32Optimizer`` (state on the model parameter), ``Float16OptimizerWithFloat16Params``
+    (state on the fp32 main parameter) and ``DistributedOptimizer`` (state on this rank's
+    flat fp32 shard, with the shard's range in the flattened parameter).
+
+Why instance patching:
+    Megatron-LM's training loop and checkpointing test ``isinstance`` on the optimizer; a
+    wrapper object would break those checks, an instance attribute does not.
+
+Constraints:
+    Uses megatron-core internals that are stable from 0.13 to 0.19
+    (``chained_optimizers``, ``float16_groups`` / ``fp32_from_float16_groups``,
+    ``model_param_group_index_map``, ``_get_model_param_range_map``).
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from megatron_ext.megatron.ddp import StepClock
+from megatron_ext.megatron.naming import global_param_names
+from megatron_ext.optim.hooks import OptimizerHook, OptimizerView, ParamOptimState
+
+__all__ = ["MegatronOptimizerView", "OptimizerHooksHandle", "install_optimizer_hooks"]
+
+
+def _leaf_optimizers(optimizer: Any) -> List[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+class MegatronOptimizerView(OptimizerView):
+    """Per-parameter optimizer state of a megatron-core optimizer, keyed by global FQN.
+
+    Args:
+        optimizer: megatron-core optimizer (usually a ``ChainedOptimizer``).
+        model_chunks: the model chunks it optimizes.
+        clock: the training iteration.
+    """
+
+    def __init__(self, optimizer: Any, model_chunks: Sequence[torch.nn.Module], clock: StepClock):
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        self._clock = clock
+        self._by_fqn: Dict[str, tuple] = {}
+        names: Dict[Any, str] = {}
+        for chunk in model_chunks:
+            names.update(global_param_names(chunk))
+        for leaf in _leaf_optimizers(optimizer):
+            if getattr(leaf, "is_stub_optimizer", False) or leaf.optimizer is None:
+                continue
+            if isinstance(leaf, DistributedOptimizer):
+                for model_param, (gi, go) in leaf.model_param_group_index_map.items():
+                    self._by_fqn[names[model_param]] = ("dist", leaf, model_param, gi, go)
+            elif hasattr(leaf, "float16_groups"):
+                for gi, group in enumerate(leaf.float16_groups):
+                    for j, model_param in enumerate(group):
+                        main = leaf.fp32_from_float16_groups[gi][j]
+                        self._by_fqn[names[model_param]] = ("main", leaf, model_param, main, gi)
+                for gi, group in enumerate(leaf.fp32_from_fp32_groups):
+                    for model_param in group:
+                        self._by_fqn[names[model_param]] = (
+                            "main", leaf, model_param, model_param, gi,
+                        )
+            else:
+                for gi, group in enumerate(leaf.optimizer.param_groups):
+                    for model_param in group["params"]:
+                        self._by_fqn[names[model_param]] = (
+                            "main", leaf, model_param, model_param, gi,
+                        )
+
+    def fqns(self) -> List[str]:
+        return sorted(self._by_fqn)
+
+    def param_state(self, fqn: str) -> Optional[ParamOptimState]:
+        entry = self._by_fqn.get(fqn)
+        if entry is None:
+            return None
+        if entry[0] == "dist":
+            _, leaf, model_param, gi, go = entry
+            group = leaf.optimizer.param_groups[gi]
+            main = group["params"][go]
+            rng = leaf._get_model_param_range_map(model_param)["param"]
+            return ParamOptimState(
+                fqn=fqn,
+                model_param=model_param,
+                main_param=main,
+                state=leaf.optimizer.state.get(main, {}),
+                param_range=(rng.start, rng.end),
+                group=group,
+            )
+        _, leaf, model_param, main, gi = entry
+        return ParamOptimState(
+            fqn=fqn,
+            model_param=model_param,
+            main_param=main,
+            state=leaf.optimizer.state.get(main, {}),
+            param_range=None,
+            group=leaf.optimizer.param_groups[gi],
+        )
+
+    @property
+    def step(self) -> int:
+        return self._clock.step
+
+
+@dataclass
+class OptimizerHooksHandle:
+    """Installed hooks; ``remove()`` restores the optimizer's own ``step``."""
+
+    optimizer: Any
+    hooks: List[OptimizerHook] = field(default_factory=list)
+    view: Optional[MegatronOptimizerView] = None
+
+    def remove(self) -> None:
+        """Drop the instance-level ``step`` override."""
+        if "step" in vars(self.optimizer):
+            del self.optimizer.step
+        self.hooks.clear()
+
+
+def install_optimizer_hooks(
+    optimizer: Any,
+    model_chunks: Sequence[torch.nn.Module],
+    hooks: Sequence[OptimizerHook],
+    *,
+    clock: StepClock,
+) -> OptimizerHooksHandle:
+    """Run ``hooks`` around ``optimizer.step()``.
+
+    Args:
+        optimizer: megatron-core optimizer returned by ``get_megatron_optimizer``.
+        model_chunks: its model chunks.
+        hooks: hooks, run in order (``post_step`` in reverse order).
+        clock: training iteration.
+
+    Returns:
+        Handle with ``remove()``.
+    """
+    view = MegatronOptimizerView(optimizer, model_chunks, clock)
+    handle = OptimizerHooksHandle(optimizer=optimizer, hooks=list(hooks), view=view)
+    original_step = optimizer.step
+
+    def step(self):
+        for hook in handle.hooks:
+            hook.pre_step(view)
+        result = original_step()
+        update_successful = bool(result[0]) if isinstance(result, tuple) else bool(result)
+        for hook in reversed(handle.hooks):
+            hook.post_step(view, update_successful)
+        return result
+
+    optimizer.step = types.MethodType(step, optimizer)
+    return handle

@@ -1,0 +1,1 @@
+"""Optimizer-side extensions (pure torch): hooks around the optimizer step."""

@@ -1,0 +1,89 @@
+"""The contract between the optimizer-step seam and features with optimizer-side state.
+
+What it does:
+    Some methods act at the optimizer step: Radius picks its top-k indices from the AdamW
+    update direction computed from the optimizer's real moment estimates; subspace methods
+    keep constrained weights and their optimizer state in a subspace; row-sparse training
+    keeps state for selected rows only. An :class:`OptimizerHook` runs before and after the
+    wrapped optimizer's ``step()`` and reads or edits per-parameter optimizer state through
+    an :class:`OptimizerView`, which hides how megatron stores it (fp32 optimizer, fp16/bf16
+    optimizer with fp32 main params, distributed optimizer with flat shards).
+
+Constraints:
+    Pure torch; never imports Megatron. Hooks keep their own state keyed by FQN in
+    ``state_dict`` (tensors and primitives only).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+__all__ = ["ParamOptimState", "OptimizerView", "OptimizerHook"]
+
+
+@dataclass
+class ParamOptimState:
+    """Optimizer-side view of one model parameter on this rank."""
+
+    fqn: str
+    """Global parameter FQN."""
+
+    model_param: torch.Tensor
+    """The model parameter (bf16/fp16/fp32, full shape)."""
+
+    main_param: torch.Tensor
+    """The tensor the optimizer updates: the fp32 main parameter, or with the distributed
+    optimizer this rank's flat fp32 shard of it."""
+
+    state: Dict[str, torch.Tensor]
+    """The optimizer's state for ``main_param`` (e.g. ``exp_avg``, ``exp_avg_sq``); empty
+    before the first step."""
+
+    param_range: Optional[Tuple[int, int]] = None
+    """With the distributed optimizer: [start, end) of the flattened model parameter this
+    rank owns; None when the rank holds the whole parameter."""
+
+    group: Dict[str, Any] = field(default_factory=dict)
+    """The optimizer param group (lr, weight_decay, betas, eps, ...)."""
+
+
+class OptimizerView(abc.ABC):
+    """Access to per-parameter optimizer state, independent of megatron's optimizer type."""
+
+    @abc.abstractmethod
+    def fqns(self) -> List[str]:
+        """FQNs of parameters with optimizer state on this rank."""
+
+    @abc.abstractmethod
+    def param_state(self, fqn: str) -> Optional[ParamOptimState]:
+        """State of ``fqn`` on this rank, or None if another rank owns all of it."""
+
+    @property
+    @abc.abstractmethod
+    def step(self) -> int:
+        """Training iteration being stepped."""
+
+
+class OptimizerHook:
+    """Runs around the optimizer step (override what you need)."""
+
+    name: str = "base"
+
+    def pre_step(self, view: OptimizerView) -> None:
+        """After gradients are final, before the update (default: nothing)."""
+
+    def post_step(self, view: OptimizerView, update_successful: bool) -> None:
+        """After the update (default: nothing)."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Rank-local state (tensors and primitives only)."""
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; raise ValueError on missing / unexpected keys."""
+        if state:
+            raise ValueError(f"{self.name} optimizer hook has no state, got {sorted(state)}")

@@ -415,7 +415,9 @@ class ProcessGroupTrafficMeter:
             original = getattr(pg_cls, name, None)
             if original is None:
                 continue
-            self._saved[name] = original
+            # Keep the raw class attribute (pybind11's method descriptor) to restore it;
+            # getattr returns an unbound function that would not bind `self` once set back.
+            self._saved[name] = vars(pg_cls).get(name)
             setattr(pg_cls, name, self._wrap(original, kind, size_fn))
         ProcessGroupTrafficMeter._installed = self
         return self
@@ -424,7 +426,10 @@ class ProcessGroupTrafficMeter:
         """Restore the original ProcessGroup methods."""
         pg_cls = torch.distributed.ProcessGroup
         for name, original in self._saved.items():
-            setattr(pg_cls, name, original)
+            if original is None:
+                delattr(pg_cls, name)
+            else:
+                setattr(pg_cls, name, original)
         self._saved.clear()
         if ProcessGroupTrafficMeter._installed is self:
             ProcessGroupTrafficMeter._installed = None

@@ -1,0 +1,309 @@
+"""Checkpoints of the ``megatron-ext train`` driver through megatron-core dist_checkpointing.
+
+What it does:
+    :func:`save_checkpoint` writes ``<save>/iter_XXXXXXX/`` (torch_dist format) and
+    ``<save>/latest_checkpointed_iteration.txt``, Megatron-LM's layout. The sharded state
+    dict holds the model (``model.sharded_state_dict()``), the optimizer (the distributed
+    optimizer in ``dp_reshardable`` form, as Megatron-LM saves it), the LR scheduler, the
+    iteration and consumed samples, every rank's RNG states, and megatron_ext's per-rank
+    state (:class:`~megatron_ext.state.ExtState`). :func:`load_checkpoint` restores all of
+    it so that a resumed run continues bit for bit.
+
+    megatron_ext state differs across ranks (error-feedback residuals differ across DP
+    ranks), so it is stored as one ``ShardedObject`` per global rank; a copy of its layout
+    and settings fingerprint goes into the common (rank-0) state so a mismatch is detected
+    before loading, and handled by ``--ext-state-on-mismatch`` (error, or reset with a
+    warning).
+
+Why not Megatron-LM's checkpointing:
+    The driver runs on megatron-core alone; Megatron-LM's checkpoint integration lives in
+    the Megatron-LM adapter (issue: Megatron-LM integration).
+
+Constraints:
+    Loading a distributed-optimizer checkpoint needs initialized optimizer state to build
+    the load template; megatron-core's Adam path without TE/Apex has none before the first
+    step, so :func:`load_checkpoint` initializes it with megatron's own
+    ``_init_optimizer_states_with_dummy_values`` (every value is then overwritten by the
+    load).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from megatron_ext.logging import get_logger, warn_once
+from megatron_ext.megatron.naming import unwrap
+from megatron_ext.state import StateMismatch, fingerprint
+
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_iteration", "checkpoint_dir"]
+
+logger = get_logger(__name__)
+
+_TRACKER = "latest_checkpointed_iteration.txt"
+_FORMAT = "megatron_ext-driver-1"
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    """``<root>/iter_XXXXXXX`` (Megatron-LM's naming)."""
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def latest_iteration(root: str) -> Optional[int]:
+    """Iteration in ``<root>/latest_checkpointed_iteration.txt``, or None."""
+    path = os.path.join(root, _TRACKER)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    return int(text)
+
+
+def _rng_state() -> Dict[str, Any]:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch_cpu": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["torch_cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: Dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch_cpu"])
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["torch_cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _ext_meta(runtime: Any) -> Dict[str, Any]:
+    state = runtime.state
+    layout = {k: v for k, v in state.layout.items() if k != "rank"}
+    return {"layout": layout, "fingerprint": fingerprint(state.settings), "settings": state.settings}
+
+
+def _sharded_state_dict(
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    runtime: Any,
+    *,
+    is_loading: bool,
+    include_ext: bool,
+) -> Dict[str, Any]:
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    rank = torch.distributed.get_rank()
+    world = torch.distributed.get_world_size()
+    metadata = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    sd: Dict[str, Any] = {}
+    # As Megatron-LM: state of the bare GPTModel, without DDP / Float16Module prefixes.
+    if len(model_chunks) == 1:
+        sd["model"] = unwrap(model_chunks[0]).sharded_state_dict(metadata=metadata)
+    else:
+        for i, chunk in enumerate(model_chunks):
+            sd[f"model{i}"] = unwrap(chunk).sharded_state_dict(metadata=metadata)
+    model_sd = {}
+    for key, value in sd.items():
+        model_sd.update(value)
+    sd["optimizer"] = optimizer.sharded_state_dict(
+        model_sd, is_loading=is_loading, metadata=dict(_OPTIM_METADATA)
+    )
+    sd["opt_param_scheduler"] = scheduler.state_dict()
+    sd["rng_state"] = ShardedObject(
+        "rng_state_per_rank", _rng_state(), (world,), (rank,), replica_id=0
+    )
+    if include_ext:
+        sd["megatron_ext_state"] = ShardedObject(
+            "megatron_ext/rank_state", runtime.state.state_dict(), (world,), (rank,), replica_id=0
+        )
+    return sd
+
+
+def save_checkpoint(
+    root: str,
+    iteration: int,
+    *,
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    runtime: Any,
+    consumed_samples: int,
+    extra_common: Optional[Dict[str, Any]] = None,
+) -> str:
+    """Save iteration ``iteration`` under ``root`` on every rank (collective).
+
+    Returns:
+        The checkpoint directory.
+    """
+    from megatron.core import dist_checkpointing
+
+    directory = checkpoint_dir(root, iteration)
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        if os.path.isdir(directory):
+            shutil.rmtree(directory)
+        os.makedirs(directory)
+    torch.distributed.barrier()
+    sd = _sharded_state_dict(
+        model_chunks, optimizer, scheduler, runtime, is_loading=False, include_ext=True
+    )
+    sd.update(
+        {
+            "checkpoint_version": _FORMAT,
+            "iteration": iteration,
+            "consumed_samples": consumed_samples,
+            "megatron_ext_meta": _ext_meta(runtime),
+            "torch_adam_steps": _torch_adam_steps(optimizer),
+        }
+    )
+    sd.update(extra_common or {})
+    dist_checkpointing.save(sd, directory)
+    torch.distributed.barrier()
+    if rank == 0:
+        tmp = os.path.join(root, _TRACKER + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(str(iteration))
+        os.replace(tmp, os.path.join(root, _TRACKER))
+    torch.distributed.barrier()
+    return directory
+
+
+def _torch_adam_steps(optimizer: Any) -> List[Optional[float]]:
+    """Per leaf optimizer: the common per-parameter ``step`` of torch Adam(W) state."""
+    steps: List[Optional[float]] = []
+    for leaf in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(leaf, "optimizer", None)
+        values = set()
+        if inner is not None:
+            for st in inner.state.values():
+                if "step" in st:
+                    values.add(float(st["step"]))
+        if len(values) > 1:
+            raise ValueError(f"optimizer steps differ across parameters: {sorted(values)}")
+        steps.append(values.pop() if values else None)
+    return steps
+
+
+def _restore_torch_adam_steps(optimizer: Any, steps: List[Optional[float]]) -> None:
+    """Set torch Adam's per-parameter ``step`` back to the saved value.
+
+    megatron-core 0.16's ``DistributedOptimizer.load_state_dict`` gives every parameter's
+    torch Adam state the *same* ``step`` tensor; torch's Adam then increments that shared
+    tensor once per parameter per step, so bias correction races ahead and a resumed run
+    drifts from the uninterrupted one. (Its ``dp_reshardable`` path can also copy the load
+    template's dummy step.) With TE/Apex FusedAdam the step lives in the param group and is
+    unaffected.
+    """
+    leaves = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    if len(steps) != len(leaves):
+        raise StateMismatch(f"checkpoint has {len(steps)} optimizers, this run {len(leaves)}")
+    for leaf, step in zip(leaves, steps):
+        inner = getattr(leaf, "optimizer", None)
+        if inner is None or step is None:
+            continue
+        for st in inner.state.values():
+            if "step" in st:
+                old = st["step"]
+                # One tensor per parameter: megatron's load assigns a single shared tensor,
+                # which torch's Adam would then increment once per parameter per step.
+                if isinstance(old, torch.Tensor):
+                    st["step"] = torch.full_like(old, step)
+                else:
+                    st["step"] = step
+
+
+def _init_dist_opt_state(optimizer: Any) -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for leaf in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(leaf, DistributedOptimizer) and not leaf.optimizer.state:
+            leaf._init_optimizer_states_with_dummy_values()
+
+
+def load_checkpoint(
+    root: str,
+    *,
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    runtime: Any,
+    on_mismatch: str = "error",
+) -> Optional[Dict[str, Any]]:
+    """Restore the latest checkpoint under ``root`` (collective).
+
+    Returns:
+        The common state (``iteration``, ``consumed_samples``, ...), or None if ``root``
+        holds no checkpoint.
+
+    Raises:
+        StateMismatch: megatron_ext state saved with another layout or settings and
+            ``on_mismatch == 'error'``.
+    """
+    from megatron.core import dist_checkpointing
+
+    iteration = latest_iteration(root)
+    if iteration is None:
+        return None
+    directory = checkpoint_dir(root, iteration)
+    common = dist_checkpointing.load_common_state_dict(directory)
+    if common.get("checkpoint_version") != _FORMAT:
+        raise StateMismatch(
+            f"{directory} is not a megatron-ext train checkpoint "
+            f"(version {common.get('checkpoint_version')!r})"
+        )
+    saved_meta = common.get("megatron_ext_meta", {})
+    meta = _ext_meta(runtime)
+    include_ext = True
+    if saved_meta.get("layout") != meta["layout"] or saved_meta.get("fingerprint") != meta[
+        "fingerprint"
+    ]:
+        message = (
+            f"megatron_ext state in {directory} was saved with layout {saved_meta.get('layout')} "
+            f"and settings {saved_meta.get('settings')}; this run has {meta['layout']} and "
+            f"{meta['settings']}"
+        )
+        if on_mismatch == "error":
+            raise StateMismatch(
+                message + ". Pass --ext-state-on-mismatch reset to start the megatron_ext state "
+                "from scratch."
+            )
+        warn_once(logger, message + "; starting megatron_ext state from scratch (reset).")
+        include_ext = False
+    _init_dist_opt_state(optimizer)
+    template = _sharded_state_dict(
+        model_chunks, optimizer, scheduler, runtime, is_loading=True, include_ext=include_ext
+    )
+    state = dist_checkpointing.load(template, directory)
+    if len(model_chunks) == 1:
+        unwrap(model_chunks[0]).load_state_dict(state["model"], strict=True)
+    else:
+        for i, chunk in enumerate(model_chunks):
+            unwrap(chunk).load_state_dict(state[f"model{i}"], strict=True)
+    # megatron-core 0.16's DistributedOptimizer.load_parameter_state_from_dp_reshardable
+    # copies into views of leaf parameters without @torch.no_grad(); loading is no autograd.
+    with torch.no_grad():
+        optimizer.load_state_dict(state["optimizer"])
+        _restore_torch_adam_steps(optimizer, common["torch_adam_steps"])
+    scheduler.load_state_dict(state["opt_param_scheduler"])
+    _set_rng_state(state["rng_state"])
+    if include_ext:
+        runtime.state.load_state_dict(state["megatron_ext_state"])
+    torch.distributed.barrier()
+    return {k: v for k, v in common.items() if not isinstance(v, dict) or k == "megatron_ext_meta"}

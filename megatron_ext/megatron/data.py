@@ -1,0 +1,685 @@
+"""Pretraining data through megatron-core's datasets: indexed files, GPTDataset, sampling.
+
+What it does:
+    * :func:`write_indexed_dataset` tokenizes documents into megatron-core's indexed format
+      (``<prefix>.bin``/``.idx``) with ``IndexedDatasetBuilder``, using the smallest token
+      dtype that holds the vocabulary (as Megatron-LM's ``tools/preprocess_data.py``).
+    * :func:`prepare_default_data`, :func:`prepare_embedded_data` and
+      :func:`prepare_user_data` produce, once per cache directory, the tokenizer and
+      tokenized data of the embedded corpus or of ``--data-files`` (see
+      :mod:`megatron_ext.data.cache` for the once-only build).
+    * :func:`build_tokenizer` and :func:`build_gpt_datasets` turn a
+      :class:`~megatron_ext.data.config.DataConfig` into a tokenizer and the train/valid/test
+      ``GPTDataset`` splits via ``BlendedMegatronDatasetBuilder``.
+    * :func:`sample_indices` and :class:`MicrobatchIterator` feed microbatches exactly like
+      Megatron-LM's ``MegatronPretrainingSampler`` (``--dataloader-type single``): from
+      ``consumed_samples`` on, each step takes the next ``micro_batch_size * dp_size``
+      consecutive sample indices and data-parallel rank ``r`` gets the ``r``-th slice.
+
+Why:
+    megatron-core's ``GPTDataset`` does the document shuffling, sample packing across
+    document boundaries and index caching; reusing it keeps our runs sample-for-sample
+    comparable with Megatron-LM on the same data, split and seed. The sampler is a plain
+    function of ``consumed_samples`` so a resumed run sees exactly the samples an
+    uninterrupted run would, and so other code (pipeline schedules, accounting) can compute
+    which samples a microbatch carries with :func:`sample_indices`.
+
+Constraints:
+    * Every rank must call :func:`build_gpt_datasets` (it is collective when
+      ``torch.distributed`` is initialized: megatron-core builds the sample indices on rank 0,
+      barriers, then the other ranks load them from the cache). All ranks must therefore see
+      the same cache directory (a shared file system across nodes).
+    * Blends of several ``--data-path`` datasets built without a process group do not cache
+      the ``BlendedDataset`` indices (megatron-core 0.16 would call
+      ``torch.distributed.get_rank()`` there; see :class:`_DatasetBuilder`).
+    * The iterator never wraps around: ``GPTDataset`` is sized for the requested number of
+      samples, so running past it raises :class:`DatasetExhaustedError`.
+    * A split that gets no documents of some dataset (tiny data with the default
+      ``--split 969,30,1``) is refused with a :class:`~megatron_ext.config.ConfigError`;
+      megatron-core would loop forever on it. Splits asked for zero samples are not built
+      (``None``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+
+import numpy
+import torch
+from megatron.core.datasets.blended_dataset import BlendedDataset
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix,
+    parse_and_normalize_split,
+)
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import (
+    DType,
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    get_bin_path,
+    get_idx_path,
+)
+from megatron.core.datasets.utils import Split
+
+from megatron_ext.config import ConfigError
+from megatron_ext.data.cache import build_once
+from megatron_ext.data.config import DataConfig, TokenizerConfig, default_cache_dir
+from megatron_ext.data.corpus import embedded_corpus_documents, embedded_corpus_fingerprint
+from megatron_ext.data.readers import files_fingerprint, iter_file_documents
+from megatron_ext.data.tokenizers import (
+    GPT2BPETokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    tokenize_documents,
+    train_sentencepiece,
+)
+from megatron_ext.logging import get_logger, log_rank_0
+
+__all__ = [
+    "DEFAULT_TOKENIZER_SEED",
+    "DEFAULT_TOKENIZER_THREADS",
+    "DatasetExhaustedError",
+    "write_indexed_dataset",
+    "indexed_dataset_stats",
+    "prepare_default_data",
+    "prepare_embedded_data",
+    "prepare_user_data",
+    "build_tokenizer",
+    "build_gpt_datasets",
+    "sample_indices",
+    "MicrobatchIterator",
+]
+
+logger = get_logger(__name__)
+
+DEFAULT_TOKENIZER_SEED: int = 1234
+"""Seed of the SentencePiece model trained on the embedded corpus."""
+
+DEFAULT_TOKENIZER_THREADS: int = 2
+"""Training threads of that model. Fixed, not the machine's core count: SentencePiece's BPE
+trainer gives a different model for a different thread count, and the cached model must be
+the same on every machine."""
+
+_CORPUS_NAME = "corpus"
+_TOKENIZER_NAME = "tokenizer"
+
+
+class DatasetExhaustedError(RuntimeError):
+    """The sampler asked for samples past the end of the dataset."""
+
+
+def _resolve_cache_dir(cache_dir: Optional[str]) -> str:
+    return os.path.abspath(os.path.expanduser(cache_dir)) if cache_dir else default_cache_dir()
+
+
+# --------------------------------------------------------------------------------------------
+# Indexed datasets
+# --------------------------------------------------------------------------------------------
+
+
+def write_indexed_dataset(
+    documents: Iterable[str],
+    tokenizer: Tokenizer,
+    output_prefix: str,
+    append_eod: bool = True,
+    *,
+    num_workers: int = 1,
+) -> str:
+    """Tokenize documents into ``<output_prefix>.bin`` and ``<output_prefix>.idx``.
+
+    One document becomes one sequence of the indexed dataset (Megatron-LM's layout without
+    ``--split-sentences``). Empty documents are skipped. Both files are written under
+    temporary names and renamed when complete.
+
+    Args:
+        documents: the texts.
+        tokenizer: the tokenizer; its ``vocab_size`` picks the token dtype (uint16 below
+            65500 ids, else int32).
+        output_prefix: path prefix of the two files; the directory is created if needed.
+        append_eod: append ``tokenizer.eod`` after every document, as Megatron-LM's
+            ``--append-eod`` (GPT pretraining needs it to mark document boundaries).
+        num_workers: tokenization parallelism (see
+            :func:`~megatron_ext.data.tokenizers.tokenize_documents`).
+
+    Returns:
+        ``output_prefix``.
+
+    Raises:
+        ValueError: when no document has any token.
+    """
+    output_prefix = os.fspath(output_prefix)
+    out_dir = os.path.dirname(os.path.abspath(output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    tmp_prefix = f"{output_prefix}.tmp-{os.getpid()}"
+    builder = IndexedDatasetBuilder(
+        get_bin_path(tmp_prefix), dtype=DType.optimal_dtype(tokenizer.vocab_size)
+    )
+    eod = [tokenizer.eod] if append_eod else []
+    num_documents = 0
+    try:
+        texts = (doc for doc in documents if doc)
+        for ids in tokenize_documents(tokenizer, texts, num_workers=num_workers):
+            ids = list(ids) + eod
+            if not ids:
+                continue
+            builder.add_document(ids, [len(ids)])
+            num_documents += 1
+        builder.finalize(get_idx_path(tmp_prefix))
+        if num_documents == 0:
+            raise ValueError(f"{output_prefix}: no non-empty documents to write")
+        os.replace(get_bin_path(tmp_prefix), get_bin_path(output_prefix))
+        os.replace(get_idx_path(tmp_prefix), get_idx_path(output_prefix))
+    except BaseException:
+        builder.data_file.close()
+        for path in (get_bin_path(tmp_prefix), get_idx_path(tmp_prefix)):
+            if os.path.exists(path):
+                os.remove(path)
+        raise
+    return output_prefix
+
+
+def indexed_dataset_stats(prefix: str) -> Tuple[int, int]:
+    """Number of documents and of tokens of an indexed dataset.
+
+    Args:
+        prefix: path prefix of the ``.bin``/``.idx`` pair.
+
+    Returns:
+        ``(num_documents, num_tokens)``.
+    """
+    dataset = IndexedDataset(prefix, mmap=True)
+    # Computed while `dataset` is alive: its arrays are views of a memory map it owns.
+    num_documents = len(dataset.document_indices) - 1
+    num_tokens = int(dataset.sequence_lengths.sum(dtype=numpy.int64))
+    del dataset
+    return num_documents, num_tokens
+
+
+# --------------------------------------------------------------------------------------------
+# Cached tokenizers and tokenized corpora
+# --------------------------------------------------------------------------------------------
+
+
+def prepare_default_data(
+    cache_dir: Optional[str] = None, vocab_size: int = 8192
+) -> Tuple[SentencePieceTokenizer, str]:
+    """The SentencePiece tokenizer trained on the embedded corpus, and the tokenized corpus.
+
+    Built once per cache directory under ``<cache_dir>/<corpus fingerprint>-v<vocab_size>/``
+    (``tokenizer.model``, ``corpus.bin``, ``corpus.idx``); safe to call from many processes at
+    once: one builds, the others wait and reuse. The first build takes a few seconds.
+
+    Args:
+        cache_dir: the cache root (default ``$MEGATRON_EXT_CACHE`` or
+            ``~/.cache/megatron_ext``).
+        vocab_size: pieces of the trained model.
+
+    Returns:
+        ``(tokenizer, prefix)`` where ``prefix`` names the indexed dataset.
+    """
+    root = _resolve_cache_dir(cache_dir)
+    target = os.path.join(root, f"{embedded_corpus_fingerprint()}-v{vocab_size}")
+
+    def build(tmp_dir: str) -> Dict[str, Any]:
+        documents = list(embedded_corpus_documents())
+        start = time.time()
+        model_path = train_sentencepiece(
+            documents,
+            os.path.join(tmp_dir, _TOKENIZER_NAME),
+            vocab_size,
+            seed=DEFAULT_TOKENIZER_SEED,
+            num_threads=DEFAULT_TOKENIZER_THREADS,
+        )
+        train_seconds = time.time() - start
+        prefix = write_indexed_dataset(
+            documents,
+            SentencePieceTokenizer(model_path),
+            os.path.join(tmp_dir, _CORPUS_NAME),
+            num_workers=DEFAULT_TOKENIZER_THREADS,
+        )
+        num_documents, num_tokens = indexed_dataset_stats(prefix)
+        return {
+            "num_documents": num_documents,
+            "num_tokens": num_tokens,
+            "num_characters": sum(len(d) for d in documents),
+            "tokenizer_train_seconds": round(train_seconds, 3),
+        }
+
+    marker = build_once(target, build)
+    if marker["built_here"]:
+        info = marker["info"]
+        log_rank_0(
+            logger,
+            logging.INFO,
+            f"built the embedded corpus in {target}: {info['num_documents']} documents, "
+            f"{info['num_tokens']} tokens at vocab {vocab_size} ({marker['build_seconds']} s)",
+        )
+    tokenizer = SentencePieceTokenizer(os.path.join(target, f"{_TOKENIZER_NAME}.model"))
+    return tokenizer, os.path.join(target, _CORPUS_NAME)
+
+
+def prepare_embedded_data(tokenizer: Tokenizer, cache_dir: Optional[str] = None) -> str:
+    """The embedded corpus tokenized with a given tokenizer (e.g. the user's GPT-2 BPE).
+
+    Cached under ``<cache_dir>/<corpus fingerprint>-tok<tokenizer identity>/``.
+
+    Args:
+        tokenizer: the tokenizer.
+        cache_dir: the cache root (default as :func:`prepare_default_data`).
+
+    Returns:
+        The prefix of the indexed dataset.
+    """
+    root = _resolve_cache_dir(cache_dir)
+    target = os.path.join(root, f"{embedded_corpus_fingerprint()}-tok{tokenizer.identity()}")
+    build_once(target, lambda tmp: _write_and_count(embedded_corpus_documents(), tokenizer, tmp))
+    return os.path.join(target, _CORPUS_NAME)
+
+
+def _write_and_count(
+    documents: Iterable[str], tokenizer: Tokenizer, tmp_dir: str
+) -> Dict[str, Any]:
+    prefix = write_indexed_dataset(documents, tokenizer, os.path.join(tmp_dir, _CORPUS_NAME))
+    num_documents, num_tokens = indexed_dataset_stats(prefix)
+    return {"num_documents": num_documents, "num_tokens": num_tokens}
+
+
+def prepare_user_data(
+    files: Sequence[str],
+    text_key: str,
+    tokenizer: Tokenizer,
+    cache_dir: Optional[str] = None,
+) -> str:
+    """Local files (``--data-files``) tokenized into a cached indexed dataset.
+
+    The cache key hashes the files' absolute paths, sizes and modification times, the text
+    column and the tokenizer's identity; editing a file or changing the tokenizer makes a new
+    entry under ``<cache_dir>/files-<key>/``. ``datasets``' own Arrow cache is written to a
+    temporary directory and deleted afterwards.
+
+    Args:
+        files: ``.txt``/``.json``/``.jsonl``/``.csv``/``.parquet`` files (see
+            :mod:`megatron_ext.data.readers`).
+        text_key: column holding the text.
+        tokenizer: the tokenizer.
+        cache_dir: the cache root (default as :func:`prepare_default_data`).
+
+    Returns:
+        The prefix of the indexed dataset.
+
+    Raises:
+        ConfigError: for missing or unreadable files (naming ``--data-files``) or a missing
+            column (naming ``--data-text-key``).
+    """
+    root = _resolve_cache_dir(cache_dir)
+    key = files_fingerprint(files, text_key, tokenizer.identity())
+    target = os.path.join(root, f"files-{key}")
+
+    def build(tmp_dir: str) -> Dict[str, Any]:
+        hf_cache = tempfile.mkdtemp(prefix="hf-", dir=tmp_dir)
+        try:
+            documents = iter_file_documents(files, text_key, hf_cache_dir=hf_cache)
+            info = _write_and_count(documents, tokenizer, tmp_dir)
+        except ValueError as err:
+            if isinstance(err, ConfigError):
+                raise
+            raise ConfigError("--data-files", str(err)) from err
+        finally:
+            shutil.rmtree(hf_cache, ignore_errors=True)
+        return {**info, "files": [os.path.abspath(f) for f in files], "text_key": text_key}
+
+    marker = build_once(target, build)
+    if marker["built_here"]:
+        log_rank_0(
+            logger,
+            logging.INFO,
+            f"tokenized {len(files)} file(s) into {target}: {marker['info']['num_documents']} "
+            f"documents, {marker['info']['num_tokens']} tokens ({marker['build_seconds']} s)",
+        )
+    return os.path.join(target, _CORPUS_NAME)
+
+
+# --------------------------------------------------------------------------------------------
+# From DataConfig to tokenizer and datasets
+# --------------------------------------------------------------------------------------------
+
+
+def _existing_file(path: str, flag: str) -> str:
+    full = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(full):
+        raise ConfigError(flag, f"{path}: no such file")
+    return full
+
+
+def build_tokenizer(data_cfg: TokenizerConfig, cache_dir: Optional[str] = None) -> Tokenizer:
+    """The tokenizer selected by ``data_cfg``.
+
+    Without ``--tokenizer-model``, the SentencePiece model is trained on the embedded corpus
+    and cached (:func:`prepare_default_data`).
+
+    Args:
+        data_cfg: the data (or just tokenizer) configuration.
+        cache_dir: overrides ``data_cfg.cache_dir`` (a :class:`DataConfig`'s
+            ``--data-cache-path``, else the default cache directory).
+
+    Returns:
+        The tokenizer.
+
+    Raises:
+        ConfigError: for missing or unreadable tokenizer files, naming the flag.
+    """
+    if data_cfg.tokenizer_type == "GPT2BPETokenizer":
+        vocab = _existing_file(data_cfg.vocab_file, "--vocab-file")
+        merges = _existing_file(data_cfg.merge_file, "--merge-file")
+        try:
+            return GPT2BPETokenizer(vocab, merges)
+        except ValueError as err:
+            raise ConfigError(["--vocab-file", "--merge-file"], str(err)) from err
+    if data_cfg.tokenizer_model is not None:
+        model = _existing_file(data_cfg.tokenizer_model, "--tokenizer-model")
+        try:
+            return SentencePieceTokenizer(model)
+        except ValueError as err:
+            raise ConfigError("--tokenizer-model", str(err)) from err
+    if cache_dir is None and isinstance(data_cfg, DataConfig):
+        cache_dir = data_cfg.cache_dir
+    tokenizer, _ = prepare_default_data(cache_dir, data_cfg.vocab_size)
+    return tokenizer
+
+
+def _resolve_blend(
+    data_cfg: DataConfig, tokenizer: Tokenizer, cache_dir: str
+) -> Tuple[List[str], Optional[List[float]]]:
+    if data_cfg.data_path is not None:
+        prefixes, weights = data_cfg.blend
+        for prefix in prefixes:
+            for path in (get_bin_path(prefix), get_idx_path(prefix)):
+                if not os.path.isfile(path):
+                    raise ConfigError("--data-path", f"{path}: no such file")
+        return list(prefixes), weights
+    if data_cfg.data_files is not None:
+        prefix = prepare_user_data(
+            data_cfg.data_files, data_cfg.data_text_key, tokenizer, cache_dir
+        )
+        return [prefix], None
+    if data_cfg.trains_tokenizer:
+        default_tokenizer, prefix = prepare_default_data(cache_dir, data_cfg.vocab_size)
+        if default_tokenizer.unique_identifiers != tokenizer.unique_identifiers:
+            raise ValueError(
+                "build_gpt_datasets: the tokenizer is not the one of the embedded corpus data; "
+                "pass the tokenizer returned by build_tokenizer(data_cfg)"
+            )
+        return [prefix], None
+    return [prepare_embedded_data(tokenizer, cache_dir)], None
+
+
+def _check_splits_have_documents(
+    prefixes: Sequence[str], split_matrix: Sequence[Optional[Tuple[float, float]]]
+) -> None:
+    """Refuse splits without tokens: megatron-core's epoch count would never terminate."""
+    for prefix in prefixes:
+        dataset = IndexedDataset(prefix, mmap=True)
+        # Copy: the lengths are a view of a memory map that closes with the dataset object.
+        lengths = numpy.array(dataset.sequence_lengths, dtype=numpy.int64)
+        del dataset
+        num_elements = len(lengths)
+        for split in Split:
+            bookends = split_matrix[split.value]
+            if bookends is None:
+                continue
+            # The same rounding as BlendedMegatronDatasetBuilder._build_megatron_dataset_splits.
+            beg = int(round(bookends[0] * float(num_elements)))
+            end = int(round(bookends[1] * float(num_elements)))
+            if int(lengths[beg:end].sum()) == 0:
+                raise ConfigError(
+                    "--split",
+                    f"the {split.name} split of {prefix} gets no documents ({num_elements} "
+                    "documents in all); give it a larger share, or set its share to 0 "
+                    "(e.g. --split 98,2,0), or ask for 0 samples of it",
+                )
+
+
+class _DatasetBuilder(BlendedMegatronDatasetBuilder):
+    """``BlendedMegatronDatasetBuilder`` that also builds blends without a process group.
+
+    megatron-core 0.16's ``BlendedDataset`` calls ``torch.distributed.get_rank()`` on a miss
+    of its index cache without checking that a process group exists. Without one, its
+    indices (one cheap C++ pass) are therefore built without the cache; ``GPTDataset``
+    indices are cached as usual. With a process group nothing changes.
+    """
+
+    @staticmethod
+    def build_generic_dataset(cls, is_built_on_rank, synchronize_ranks, *args):
+        """``BlendedMegatronDatasetBuilder.build_generic_dataset`` with the fix above."""
+        if cls is BlendedDataset and not torch.distributed.is_initialized():
+            *rest, config = args
+            config = copy.copy(config)
+            config.path_to_cache = None
+            args = (*rest, config)
+        return BlendedMegatronDatasetBuilder.build_generic_dataset(
+            cls, is_built_on_rank, synchronize_ranks, *args
+        )
+
+
+def build_gpt_datasets(
+    data_cfg: DataConfig,
+    *,
+    tokenizer: Tokenizer,
+    seq_length: int,
+    seed: int,
+    num_samples: Tuple[int, int, int],
+    cache_dir: Optional[str] = None,
+    create_attention_mask: bool = True,
+) -> Tuple[Optional[GPTDataset], Optional[GPTDataset], Optional[GPTDataset]]:
+    """Train, validation and test ``GPTDataset`` splits of the configured data.
+
+    Collective when ``torch.distributed`` is initialized: call it on every rank. Every rank
+    gets the datasets (megatron-core builds and caches the sample indices on rank 0 first;
+    the other ranks load them after a barrier).
+
+    Args:
+        data_cfg: the data configuration.
+        tokenizer: the tokenizer of the data (from :func:`build_tokenizer`).
+        seq_length: tokens per sample (the labels are the next ``seq_length`` tokens).
+        seed: seed of the document and sample shuffling.
+        num_samples: samples wanted per split (train, valid, test); each split is sized to
+            at least that many (repeating epochs if needed). A split asked for 0 samples is
+            returned as None.
+        cache_dir: overrides ``data_cfg.cache_dir``; the sample indices are cached in its
+            ``indices/`` subdirectory.
+        create_attention_mask: whether samples carry a ``[1, seq, seq]`` causal mask (not
+            needed by attention kernels that build their own).
+
+    Returns:
+        ``(train, valid, test)``; a ``BlendedDataset`` instead of a ``GPTDataset`` when
+        ``--data-path`` names several datasets.
+
+    Raises:
+        ConfigError: for missing data files, malformed blends or empty splits.
+    """
+    if len(num_samples) != 3 or any(n is None or n < 0 for n in num_samples):
+        raise ValueError(f"num_samples must be three counts >= 0, got {num_samples!r}")
+    root = _resolve_cache_dir(cache_dir or data_cfg.cache_dir)
+    prefixes, weights = _resolve_blend(data_cfg, tokenizer, root)
+    split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(data_cfg.split))
+    # Unrequested splits are dropped; their bookends stay, so the others keep their documents.
+    split_matrix = [None if n == 0 else bookends for bookends, n in zip(split_matrix, num_samples)]
+    _check_splits_have_documents(prefixes, split_matrix)
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=(prefixes, weights),
+        split=data_cfg.split,
+        path_to_cache=os.path.join(root, "indices"),
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=create_attention_mask,
+        mmap_bin_files=True,
+    )
+    config.split_matrix = split_matrix
+    sizes = [int(n) for n in num_samples]
+    train, valid, test = _DatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    return train, valid, test
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling
+# --------------------------------------------------------------------------------------------
+
+
+def _check_sampling_args(micro_batch_size: int, dp_rank: int, dp_size: int) -> None:
+    if micro_batch_size <= 0:
+        raise ValueError(f"micro_batch_size must be > 0, got {micro_batch_size}")
+    if dp_size <= 0:
+        raise ValueError(f"dp_size must be > 0, got {dp_size}")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
+
+
+def sample_indices(
+    consumed_samples: int, microbatch: int, micro_batch_size: int, dp_rank: int, dp_size: int
+) -> torch.LongTensor:
+    """Dataset indices of one microbatch on one data-parallel rank.
+
+    ``consumed_samples + microbatch * micro_batch_size * dp_size + dp_rank * micro_batch_size
+    + j`` for ``j < micro_batch_size``: the layout of Megatron-LM's
+    ``MegatronPretrainingSampler``, where the ``dp_size`` ranks split each block of
+    ``micro_batch_size * dp_size`` consecutive indices. :class:`MicrobatchIterator` uses
+    exactly this function.
+
+    Args:
+        consumed_samples: samples consumed by all data-parallel ranks together before the
+            first microbatch (e.g. at the start of the global batch).
+        microbatch: microbatch number counted from there.
+        micro_batch_size: samples per microbatch per rank.
+        dp_rank: data-parallel rank.
+        dp_size: data-parallel size.
+
+    Returns:
+        ``[micro_batch_size]`` int64 indices.
+    """
+    _check_sampling_args(micro_batch_size, dp_rank, dp_size)
+    if consumed_samples < 0 or microbatch < 0:
+        raise ValueError(
+            f"consumed_samples and microbatch must be >= 0, got {consumed_samples}, {microbatch}"
+        )
+    start = consumed_samples + microbatch * micro_batch_size * dp_size + dp_rank * micro_batch_size
+    return torch.arange(start, start + micro_batch_size, dtype=torch.long)
+
+
+def _collate(samples: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
+    batch: Dict[str, torch.Tensor] = {}
+    for key in samples[0]:
+        values = [s[key] for s in samples]
+        if isinstance(values[0], torch.Tensor):
+            batch[key] = torch.stack(values)
+        elif isinstance(values[0], numpy.ndarray):
+            batch[key] = torch.from_numpy(numpy.stack(values))
+        else:
+            batch[key] = torch.tensor(values)
+    return batch
+
+
+class MicrobatchIterator:
+    """Microbatches of one data-parallel rank, resumable from a sample count.
+
+    Each ``next()`` takes the microbatch ``sample_indices(consumed_samples, 0, ...)`` and
+    advances ``consumed_samples`` by ``micro_batch_size * dp_size`` (the samples all ranks
+    consume together). An iterator built with ``consumed_samples=C`` therefore yields exactly
+    what an uninterrupted one yields after ``C / (micro_batch_size * dp_size)`` microbatches.
+
+    Each microbatch is a dict of ``tokens`` ``[mbs, seq]`` int64, ``labels`` ``[mbs, seq]``
+    int64, ``loss_mask`` ``[mbs, seq]`` float32, ``position_ids`` ``[mbs, seq]`` int64,
+    ``attention_mask`` ``[mbs, 1, seq, seq]`` bool (only when the dataset creates masks),
+    ``sample_index`` ``[mbs]`` int64 and, for blended datasets, ``dataset_id`` ``[mbs]``.
+
+    Args:
+        dataset: a ``GPTDataset`` or ``BlendedDataset`` (anything indexable returning dicts).
+        micro_batch_size: samples per microbatch on this rank.
+        dp_rank: data-parallel rank.
+        dp_size: data-parallel size.
+        consumed_samples: samples consumed by all ranks before the first microbatch; a
+            multiple of ``micro_batch_size * dp_size`` in normal use.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        consumed_samples: int = 0,
+    ):
+        _check_sampling_args(micro_batch_size, dp_rank, dp_size)
+        if consumed_samples < 0:
+            raise ValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
+        self.dataset = dataset
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self._consumed_samples = int(consumed_samples)
+
+    @property
+    def consumed_samples(self) -> int:
+        """Samples consumed by all data-parallel ranks so far (Megatron-LM's
+        ``consumed_train_samples``)."""
+        return self._consumed_samples
+
+    @property
+    def samples_per_microbatch(self) -> int:
+        """Samples consumed per ``next()`` over all ranks: ``micro_batch_size * dp_size``."""
+        return self.micro_batch_size * self.dp_size
+
+    def __len__(self) -> int:
+        """Microbatches left before the dataset is exhausted."""
+        remaining = len(self.dataset) - self._consumed_samples
+        return max(0, remaining // self.samples_per_microbatch)
+
+    def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> Dict[str, torch.Tensor]:
+        end = self._consumed_samples + self.samples_per_microbatch
+        if end > len(self.dataset):
+            raise DatasetExhaustedError(
+                f"the dataset has {len(self.dataset)} samples but the next microbatch needs "
+                f"samples [{self._consumed_samples}, {end}) over all {self.dp_size} "
+                "data-parallel rank(s); build the datasets with more samples (num_samples)"
+            )
+        indices = sample_indices(
+            self._consumed_samples, 0, self.micro_batch_size, self.dp_rank, self.dp_size
+        )
+        batch = _collate([self.dataset[int(i)] for i in indices])
+        batch["sample_index"] = indices
+        self._consumed_samples = end
+        return batch
+
+    def state_dict(self) -> Dict[str, int]:
+        """``{"consumed_samples": int}``."""
+        return {"consumed_samples": self._consumed_samples}
+
+    def load_state_dict(self, state_dict: Dict[str, Union[int, torch.Tensor]]) -> None:
+        """Resume from :meth:`state_dict`.
+
+        Raises:
+            ValueError: when the keys are not exactly ``{"consumed_samples"}``.
+        """
+        if set(state_dict) != {"consumed_samples"}:
+            raise ValueError(
+                f"MicrobatchIterator state has keys {sorted(state_dict)}, expected "
+                "['consumed_samples']"
+            )
+        consumed = int(state_dict["consumed_samples"])
+        if consumed < 0:
+            raise ValueError(f"consumed_samples must be >= 0, got {consumed}")
+        self._consumed_samples = consumed

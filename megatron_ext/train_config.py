@@ -1,0 +1,378 @@
+"""Flags of the ``megatron-ext train`` driver, with Megatron-LM's names.
+
+What it does:
+    The driver trains megatron-core GPT models without a Megatron-LM checkout. Its flags
+    are generated from the dataclasses below by :mod:`megatron_ext.config` and use exactly
+    Megatron-LM's names (``--num-layers``, ``--micro-batch-size``, ``--lr-decay-style``,
+    ``--use-distributed-optimizer``, ...) so a Megatron user's command line carries over.
+    Model presets (``--model gpt-tiny``) and run files (``--config FILE.yaml``) set
+    defaults; flags on the command line override both.
+
+Constraints:
+    Pure Python (no torch, no Megatron): parsing and validation happen before any process
+    group or model exists, so bad flags fail fast with a message naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Dict, List, Optional
+
+from megatron_ext.config import ConfigError, _check_choice, _check_positive, arg, flag_of
+
+__all__ = [
+    "ModelArgs",
+    "ParallelArgs",
+    "TrainingArgs",
+    "CheckpointArgs",
+    "LoggingArgs",
+    "DRIVER_CONFIG_CLASSES",
+    "config_search_path",
+    "find_config_file",
+    "load_yaml_defaults",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelArgs:
+    """GPT / LLaMA-style model shape (megatron-core GPTModel, local or TE layer spec)."""
+
+    ARG_GROUP: ClassVar[str] = "model"
+    ARG_PREFIX: ClassVar[str] = ""
+
+    num_layers: int = 4
+    """Number of transformer layers."""
+
+    hidden_size: int = 256
+    """Transformer hidden size."""
+
+    ffn_hidden_size: Optional[int] = None
+    """MLP hidden size (default 4 * hidden size)."""
+
+    num_attention_heads: int = 4
+    """Number of attention heads."""
+
+    group_query_attention: bool = False
+    """Use grouped-query attention (with --num-query-groups)."""
+
+    num_query_groups: Optional[int] = None
+    """Number of key/value groups for grouped-query attention."""
+
+    seq_length: int = 128
+    """Sequence length (tokens per sample)."""
+
+    max_position_embeddings: Optional[int] = None
+    """Maximum sequence length of the position embedding (default: --seq-length)."""
+
+    normalization: str = field(default="LayerNorm", metadata=arg(choices=("LayerNorm", "RMSNorm")))
+    """Normalization layer."""
+
+    swiglu: bool = False
+    """SwiGLU MLP activation (LLaMA style)."""
+
+    position_embedding_type: str = field(
+        default="learned_absolute", metadata=arg(choices=("learned_absolute", "rope"))
+    )
+    """Position embedding."""
+
+    rotary_base: int = 10000
+    """Base of the rotary position embedding."""
+
+    untie_embeddings_and_output_weights: bool = False
+    """Separate input embedding and output layer weights."""
+
+    disable_bias_linear: bool = False
+    """No bias in linear layers."""
+
+    hidden_dropout: float = 0.1
+    """Dropout probability after attention / MLP."""
+
+    attention_dropout: float = 0.1
+    """Dropout probability of attention weights."""
+
+    init_method_std: float = 0.02
+    """Standard deviation of the weight initialization."""
+
+    transformer_impl: str = field(
+        default="local", metadata=arg(choices=("local", "transformer_engine"))
+    )
+    """Layer implementation: megatron-core's local spec (every megatron_ext feature) or
+    Transformer Engine (GPU with TE installed; only DP/PP compression)."""
+
+    def __post_init__(self):
+        cls = type(self)
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+            _check_positive(cls, name, getattr(self, name))
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                ["--hidden-size", "--num-attention-heads"],
+                f"hidden size {self.hidden_size} is not divisible by "
+                f"{self.num_attention_heads} heads",
+            )
+        if self.group_query_attention:
+            if not self.num_query_groups:
+                raise ConfigError(
+                    "--num-query-groups", "required with --group-query-attention"
+                )
+            if self.num_attention_heads % self.num_query_groups:
+                raise ConfigError(
+                    ["--num-query-groups", "--num-attention-heads"],
+                    "heads must be divisible by query groups",
+                )
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ConfigError(flag_of(cls, name), f"must be in [0, 1), got {value}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelArgs:
+    """Parallel layout and DDP options."""
+
+    ARG_GROUP: ClassVar[str] = "distributed"
+    ARG_PREFIX: ClassVar[str] = ""
+
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel size."""
+
+    pipeline_model_parallel_size: int = 1
+    """Pipeline-parallel size (1F1B schedule)."""
+
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks (gradients are reduce-scattered)."""
+
+    overlap_grad_reduce: bool = False
+    """Overlap the data-parallel gradient reduction with the backward pass."""
+
+    overlap_param_gather: bool = False
+    """Overlap the distributed optimizer's parameter all-gather with the forward pass."""
+
+    ddp_bucket_size: Optional[int] = None
+    """Gradient bucket size in elements (with --overlap-grad-reduce; default megatron's)."""
+
+    accumulate_allreduce_grads_in_fp32: bool = False
+    """Accumulate and reduce gradients in fp32 (always on with --bf16, as in Megatron-LM)."""
+
+    distributed_backend: str = field(default="auto", metadata=arg(choices=("auto", "nccl", "gloo")))
+    """torch.distributed backend: 'auto' = gloo with --cpu, else nccl."""
+
+    distributed_timeout_minutes: int = 10
+    """Timeout of collectives, in minutes."""
+
+    def __post_init__(self):
+        cls = type(self)
+        _check_positive(cls, "tensor_model_parallel_size", self.tensor_model_parallel_size)
+        _check_positive(cls, "pipeline_model_parallel_size", self.pipeline_model_parallel_size)
+        _check_positive(cls, "ddp_bucket_size", self.ddp_bucket_size)
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ConfigError(
+                ["--overlap-param-gather", "--use-distributed-optimizer"],
+                "parameter gather overlap needs the distributed optimizer",
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingArgs:
+    """Batch, optimizer, schedule and precision."""
+
+    ARG_GROUP: ClassVar[str] = "training"
+    ARG_PREFIX: ClassVar[str] = ""
+
+    micro_batch_size: int = 2
+    """Samples per microbatch per data-parallel rank."""
+
+    global_batch_size: Optional[int] = None
+    """Samples per iteration over all data-parallel ranks (default: micro batch * DP)."""
+
+    train_iters: int = 100
+    """Training iterations."""
+
+    lr: float = 1e-3
+    """Peak learning rate."""
+
+    min_lr: float = 1e-4
+    """Minimum learning rate of the decay."""
+
+    lr_decay_style: str = field(
+        default="cosine", metadata=arg(choices=("constant", "linear", "cosine", "inverse-square-root"))
+    )
+    """Learning-rate decay."""
+
+    lr_warmup_iters: int = 10
+    """Linear warm-up iterations."""
+
+    lr_decay_iters: Optional[int] = None
+    """Iterations of the decay (default: --train-iters)."""
+
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+
+    clip_grad: float = 1.0
+    """Gradient clipping by global norm (0 disables)."""
+
+    bf16: bool = False
+    """bf16 parameters and activations with fp32 main parameters and gradients."""
+
+    seed: int = 1234
+    """Random seed (initialization, dropout, data order)."""
+
+    eval_interval: int = 0
+    """Evaluate on the validation split every N iterations (0: only at the end)."""
+
+    eval_iters: int = 2
+    """Validation iterations per evaluation (0 disables evaluation)."""
+
+    exit_interval: Optional[int] = None
+    """Stop (after saving when --save is set) at this iteration, e.g. to test resume."""
+
+    cpu: bool = False
+    """Run megatron-core on CPU with the gloo backend (megatron_ext.megatron.cpu)."""
+
+    num_threads: Optional[int] = None
+    """torch intra-op threads per rank (default with --cpu: cores / ranks on this node)."""
+
+    def __post_init__(self):
+        cls = type(self)
+        for name in ("micro_batch_size", "train_iters", "lr"):
+            _check_positive(cls, name, getattr(self, name))
+        _check_positive(cls, "global_batch_size", self.global_batch_size)
+        _check_positive(cls, "lr_warmup_iters", self.lr_warmup_iters, allow_zero=True)
+        _check_positive(cls, "eval_interval", self.eval_interval, allow_zero=True)
+        _check_positive(cls, "eval_iters", self.eval_iters, allow_zero=True)
+        _check_positive(cls, "exit_interval", self.exit_interval)
+        _check_positive(cls, "num_threads", self.num_threads)
+        if self.min_lr > self.lr:
+            raise ConfigError(["--min-lr", "--lr"], f"min lr {self.min_lr} > lr {self.lr}")
+        decay = self.lr_decay_iters or self.train_iters
+        if self.lr_warmup_iters >= decay:
+            raise ConfigError(
+                ["--lr-warmup-iters", "--lr-decay-iters" if self.lr_decay_iters else "--train-iters"],
+                f"warm-up ({self.lr_warmup_iters} iterations) must be shorter than the decay "
+                f"({decay} iterations)",
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointArgs:
+    """Checkpoints (megatron-core dist_checkpointing, torch_dist format)."""
+
+    ARG_GROUP: ClassVar[str] = "checkpointing"
+    ARG_PREFIX: ClassVar[str] = ""
+
+    save: Optional[str] = None
+    """Directory to save checkpoints to (also the default place of the reports)."""
+
+    load: Optional[str] = None
+    """Directory to resume from (its latest checkpoint)."""
+
+    save_interval: Optional[int] = None
+    """Save every N iterations (and at the end)."""
+
+    def __post_init__(self):
+        _check_positive(type(self), "save_interval", self.save_interval)
+        if self.save_interval and not self.save:
+            raise ConfigError(["--save-interval", "--save"], "a save interval needs --save")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingArgs:
+    """Log line, TensorBoard, progress."""
+
+    ARG_GROUP: ClassVar[str] = "logging"
+    ARG_PREFIX: ClassVar[str] = ""
+
+    log_interval: int = 10
+    """Print the iteration log line every N iterations."""
+
+    tensorboard_dir: Optional[str] = None
+    """Write TensorBoard scalars (loss, lr, grad norm, bytes per category) here."""
+
+    log_json: Optional[str] = None
+    """Append one JSON record per logged iteration to this file (default: <save>/log.jsonl
+    when --save is set)."""
+
+    progress: bool = True
+    """Show a progress bar on the last rank when its output is a terminal."""
+
+    def __post_init__(self):
+        _check_positive(type(self), "log_interval", self.log_interval)
+
+
+DRIVER_CONFIG_CLASSES = (ModelArgs, ParallelArgs, TrainingArgs, CheckpointArgs, LoggingArgs)
+
+
+def config_search_path() -> List[str]:
+    """Directories searched for ``--model NAME`` / ``--config NAME``.
+
+    ``$MEGATRON_EXT_CONFIGS`` (os.pathsep-separated), the repository's ``configs/`` (source
+    or editable install) and ``<prefix>/share/megatron-ext/configs`` (wheel install).
+    """
+    paths = [p for p in os.environ.get("MEGATRON_EXT_CONFIGS", "").split(os.pathsep) if p]
+    here = os.path.dirname(os.path.abspath(__file__))
+    paths.append(os.path.join(os.path.dirname(here), "configs"))
+    paths.append(os.path.join(sys.prefix, "share", "megatron-ext", "configs"))
+    return paths
+
+
+def find_config_file(name: str, subdir: str, flag: str) -> str:
+    """Resolve a config name or path (``gpt-tiny``, ``configs/x.yaml``) to a file."""
+    if os.path.isfile(name):
+        return name
+    candidates = []
+    for base in config_search_path():
+        for stem in (name, f"{name}.yaml", f"{name}.yml"):
+            path = os.path.join(base, subdir, stem) if subdir else os.path.join(base, stem)
+            candidates.append(path)
+            if os.path.isfile(path):
+                return path
+    available = set()
+    for base in config_search_path():
+        folder = os.path.join(base, subdir)
+        if os.path.isdir(folder):
+            available.update(
+                os.path.splitext(f)[0] for f in os.listdir(folder) if f.endswith((".yaml", ".yml"))
+            )
+    raise ConfigError(
+        flag,
+        f"no config named {name!r}; available: {', '.join(sorted(available)) or 'none'} "
+        f"(searched {', '.join(config_search_path())})",
+    )
+
+
+def load_yaml_defaults(
+    path: str, parser: argparse.ArgumentParser, flag: str
+) -> Dict[str, Any]:
+    """Read a YAML mapping of argument names (``num_layers`` or ``num-layers``) to values.
+
+    Raises:
+        ConfigError: unreadable file or a key that is not a flag of ``parser``.
+    """
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(flag, f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(flag, f"{path} must hold a mapping of flag names to values")
+    dests = {a.dest for a in parser._actions}
+    out = {}
+    for key, value in data.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        if dest not in dests:
+            raise ConfigError(flag, f"{path}: unknown setting {key!r}")
+        out[dest] = value
+    return out

@@ -1,0 +1,31 @@
+"""Test-session setup shared by tests/unit, tests/distributed and tests/megatron.
+
+* Data caches (SentencePiece model, indexed datasets, GPTDataset index files) go to
+  ``<repo>/.cache/tests`` (ignored by git) unless ``MEGATRON_EXT_CACHE`` is set, so the
+  suite never writes into the user's ``~/.cache`` and reruns reuse the built data.
+* ``gpu`` tests are skipped without CUDA; ``megatron_lm`` tests without a checkout in
+  ``MEGATRON_LM_DIR``.
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("MEGATRON_EXT_CACHE", str(REPO / ".cache" / "tests"))
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    lm_dir = os.environ.get("MEGATRON_LM_DIR")
+    has_lm = bool(lm_dir) and (Path(lm_dir) / "pretrain_gpt.py").is_file()
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        if "megatron_lm" in item.keywords and not has_lm:
+            item.add_marker(
+                pytest.mark.skip(reason="set MEGATRON_LM_DIR to a Megatron-LM checkout")
+            )

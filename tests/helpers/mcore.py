@@ -1,0 +1,108 @@
+"""Small real megatron-core runs inside spawned ranks, through the production driver.
+
+Each helper runs *inside* a rank started by :func:`tests.helpers.dist.run_ranks`. They use
+``megatron_ext.train.Trainer`` (the code users run) with a tiny model on the embedded
+corpus (vocab 512, cached under MEGATRON_EXT_CACHE), so "stock" and "ext" runs differ only
+in whether megatron_ext's seams are installed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+TINY = [
+    "--cpu",
+    "--num-layers", "2",
+    "--hidden-size", "64",
+    "--num-attention-heads", "4",
+    "--seq-length", "32",
+    "--max-position-embeddings", "32",
+    "--micro-batch-size", "2",
+    "--vocab-size", "512",
+    "--hidden-dropout", "0",
+    "--attention-dropout", "0",
+    "--lr-warmup-iters", "2",
+    "--train-iters", "10",
+    "--eval-iters", "0",
+    "--log-interval", "1000",
+    "--no-progress",
+    "--split", "98,2,0",
+]
+
+
+def make_trainer(flags: Sequence[str]):
+    """A Trainer with distributed setup and data built (collective)."""
+    from megatron_ext.train import Trainer, parse_args
+
+    cfg = parse_args(list(TINY) + list(flags))
+    trainer = Trainer(cfg)
+    trainer.setup_distributed()
+    trainer.build_data()
+    return trainer
+
+
+def build(trainer, *, stock: bool) -> None:
+    """(Re)seed and build model, optimizer and (unless ``stock``) megatron_ext's seams."""
+    trainer.seed()
+    trainer.build_model()
+    trainer.build_optimizer()
+    trainer.install_ext(stock=stock)
+
+
+def train(trainer, steps: int, start: int = 0) -> List[Optional[float]]:
+    """Run ``steps`` iterations from iteration ``start``; returns the losses (last stage)."""
+    gbs = trainer.sizes["gbs"]
+    iterator = trainer._iterator(trainer.train_ds, start * gbs)
+    losses = []
+    for it in range(start, start + steps):
+        loss, _, ok = trainer.train_step(it, it * gbs, iterator)
+        assert ok
+        trainer.runtime.end_step()
+        losses.append(loss)
+    return losses
+
+
+def params(trainer) -> Dict[str, Any]:
+    """Detached copies of this rank's parameters keyed by global FQN."""
+    from megatron_ext.megatron.naming import global_param_names
+
+    out = {}
+    for chunk in trainer.model:
+        for p, name in global_param_names(chunk).items():
+            out[name] = p.detach().clone()
+    return out
+
+
+def optimizer_state(trainer) -> Dict[str, Any]:
+    """Optimizer state tensors of this rank keyed by FQN and state name."""
+    from megatron_ext.megatron.optimizer import MegatronOptimizerView
+    from megatron_ext.megatron.ddp import StepClock
+
+    view = MegatronOptimizerView(trainer.optimizer, trainer.model, StepClock())
+    out = {}
+    for fqn in view.fqns():
+        st = view.param_state(fqn)
+        out[f"{fqn}/main"] = st.main_param.detach().clone()
+        for k, v in st.state.items():
+            if hasattr(v, "clone"):
+                out[f"{fqn}/{k}"] = v.detach().clone()
+    return out
+
+
+def teardown(trainer) -> None:
+    """Remove the seams and drop model and optimizer before the next build."""
+    trainer.runtime.remove()
+    del trainer.model, trainer.optimizer, trainer.scheduler
+
+
+def first_difference(a: Dict[str, Any], b: Dict[str, Any]) -> Optional[str]:
+    """None if both dicts of tensors are bitwise equal, else a description."""
+    import torch
+
+    if set(a) != set(b):
+        return f"keys differ: {sorted(set(a) ^ set(b))[:5]}"
+    for k in sorted(a):
+        if not torch.equal(a[k], b[k]):
+            diff = (a[k].float() - b[k].float()).abs().max().item()
+            return f"{k} differs (max abs diff {diff:.3e})"
+    return None

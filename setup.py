@@ -25,7 +25,7 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]"],
-        "test": ["pytest"],
+        "test": ["pytest", "tensorboard"],
         "report": ["matplotlib", "tensorboard"],
     },
     entry_points={"console_scripts": ["megatron-ext=megatron_ext.cli:main"]},

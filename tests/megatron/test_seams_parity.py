@@ -123,12 +123,37 @@ CASES = {
     "dp2-bf16": ["--bf16"],
     "pp2": ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"],
     "tp2": ["--tensor-model-parallel-size", "2"],
+    "llama-dp2": [
+        "--normalization", "RMSNorm",
+        "--swiglu",
+        "--position-embedding-type", "rope",
+        "--group-query-attention", "--num-query-groups", "2",
+        "--untie-embeddings-and-output-weights",
+        "--disable-bias-linear",
+    ],
+    "llama-pp2": [
+        "--normalization", "RMSNorm",
+        "--swiglu",
+        "--position-embedding-type", "rope",
+        "--group-query-attention", "--num-query-groups", "2",
+        "--untie-embeddings-and-output-weights",
+        "--disable-bias-linear",
+        "--pipeline-model-parallel-size", "2",
+        "--global-batch-size", "8",
+    ],
 }
+WORLD = {"pp2-dp2-distopt": 4}
+CASES["pp2-dp2-distopt"] = [
+    "--pipeline-model-parallel-size", "2",
+    "--global-batch-size", "8",
+    "--use-distributed-optimizer",
+    "--overlap-grad-reduce",
+]
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_all_seams_installed_is_bit_identical_to_stock(case):
-    results = run_ranks(_parity, 2, CASES[case])
+    results = run_ranks(_parity, WORLD.get(case, 2), CASES[case])
     for rank, out in enumerate(results):
         assert out["loss_diff"] is None, f"rank {rank}: losses differ {out['loss_diff']}"
         assert out["param_diff"] is None, f"rank {rank}: {out['param_diff']}"
@@ -145,7 +170,10 @@ def test_all_seams_installed_is_bit_identical_to_stock(case):
         assert all(r["seam_dp"] > 0 for r in results)
     if "distopt" in case:
         assert all(r["reduce_scatter"] == {True} for r in results)
-    if case == "pp2":
+    if case.startswith("pp2-dp2"):
+        assert all(r["seam_dp"] > 0 and r["seam_pp"] > 0 for r in results)
+        assert all(r["p2p_ids_match_sampler"] for r in results)
+    if case in ("pp2", "llama-pp2"):
         for out in results:
             assert out["p2p_ids_match_sampler"], out["trace_kinds"]
             assert out.get("batches_match_sampler", True)

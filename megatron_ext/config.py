@@ -41,6 +41,9 @@ __all__ = [
     "add_config_args",
     "config_from_args",
     "GradCompressionConfig",
+    "SeparateConfig",
+    "RadiusConfig",
+    "PowerSGDConfig",
     "P2PCompressionConfig",
     "GrassConfig",
     "SubspaceConfig",
@@ -220,7 +223,7 @@ def _check_positive(cls: type, name: str, value: Any, *, allow_zero: bool = Fals
 # "none" is accepted, and anything else is refused naming the flag.
 # --------------------------------------------------------------------------------------------
 
-GRAD_COMPRESSION_METHODS: Tuple[str, ...] = ("none",)
+GRAD_COMPRESSION_METHODS: Tuple[str, ...] = ("none", "separate", "radius", "powersgd")
 P2P_COMPRESSION_METHODS: Tuple[str, ...] = ("none",)
 GRASS_METHODS: Tuple[str, ...] = ("none",)
 SUBSPACE_METHODS: Tuple[str, ...] = ("none",)
@@ -246,6 +249,155 @@ class GradCompressionConfig:
     def enabled(self) -> bool:
         """Whether a compressor other than 'none' is selected."""
         return self.method != "none"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SeparateConfig:
+    """SEPARATE: common random projection of gradients with moving-average error feedback."""
+
+    ARG_GROUP: ClassVar[str] = "megatron-ext: SEPARATE (--grad-compression separate)"
+    ARG_PREFIX: ClassVar[str] = "separate"
+
+    ratio: int = 16
+    """Compression ratio: each block of --separate-block-size gradient entries is sent as
+    block-size / ratio random projections (paper: 16; 8-128 tested). Must divide the block
+    size."""
+
+    block_size: int = 256
+    """Entries per projection block. The flat gradient bucket is viewed as rows of this
+    length, all projected by one shared Gaussian block; the estimator's variance depends on
+    the ratio only, while the cost per entry grows with block_size / ratio (see the kernel
+    benchmark)."""
+
+    ef_beta: Optional[float] = None
+    """Moving-average factor of the error feedback, e <- (1-beta) e + beta (h - local
+    estimate of h), reset to zero every --separate-reset-interval steps; 0 disables it.
+    Default 1/ratio. The paper's 0.95 diverges with an unbiased projection: the local
+    estimate misses h by about sqrt(ratio) |h|, so the recursion grows unless beta <
+    2/ratio (measured, gpt-tiny ratio 16, 300 steps: 0.95 -> NaN at step ~40, 0.1 -> loss
+    6.19, 1/16 -> 6.06, 0 -> 6.21; dense 5.52). Values >= 2/ratio are refused."""
+
+    reset_interval: int = 128
+    """Reset the error-feedback buffer to zero every this many steps (paper: 128)."""
+
+    seed: int = 42
+    """Seed of the common random projections (derived with the step and the bucket name, so
+    every rank builds the same matrix without communicating and a restart reproduces it)."""
+
+    adaptive: bool = False
+    """G-SEPARATE: adapt the compression ratio and beta per parameter every
+    --separate-adapt-interval steps from the cosine similarity between the compressed and
+    the dense averaged gradient (measured with one dense all-reduce at those steps); beta
+    stays within [0.5, 1.5] / ratio."""
+
+    adapt_interval: int = 2000
+    """Steps between G-SEPARATE adaptations (paper: 2000)."""
+
+    min_ratio: int = 4
+    """Smallest compression ratio G-SEPARATE may choose."""
+
+    max_ratio: int = 64
+    """Largest compression ratio G-SEPARATE may choose."""
+
+    def __post_init__(self):
+        cls = type(self)
+        for name in ("ratio", "block_size", "reset_interval", "adapt_interval"):
+            _check_positive(cls, name, getattr(self, name))
+        if self.block_size % self.ratio:
+            raise ConfigError(
+                [flag_of(cls, "ratio"), flag_of(cls, "block_size")],
+                f"ratio {self.ratio} must divide the block size {self.block_size}",
+            )
+        if self.ef_beta is not None:
+            if not 0.0 <= self.ef_beta <= 1.0:
+                raise ConfigError(
+                    flag_of(cls, "ef_beta"), f"must be in [0, 1], got {self.ef_beta}"
+                )
+            if self.ef_beta >= 2.0 / self.ratio:
+                raise ConfigError(
+                    [flag_of(cls, "ef_beta"), flag_of(cls, "ratio")],
+                    f"beta {self.ef_beta} >= 2/ratio = {2.0 / self.ratio:.4g}: the error "
+                    "feedback of an unbiased projection grows without bound (it diverged "
+                    "to NaN in our runs); use a smaller beta, e.g. the default 1/ratio",
+                )
+        if self.adaptive:
+            if not (1 <= self.min_ratio <= self.ratio <= self.max_ratio):
+                raise ConfigError(
+                    [flag_of(cls, "min_ratio"), flag_of(cls, "ratio"), flag_of(cls, "max_ratio")],
+                    "need min ratio <= ratio <= max ratio",
+                )
+            if self.block_size % self.max_ratio:
+                raise ConfigError(
+                    [flag_of(cls, "max_ratio"), flag_of(cls, "block_size")],
+                    "the largest ratio must divide the block size",
+                )
+
+    @property
+    def beta_scale(self) -> float:
+        """beta * ratio: the error-feedback factor relative to its stability bound 2/ratio."""
+        return 1.0 if self.ef_beta is None else self.ef_beta * self.ratio
+
+
+@dataclass(frozen=True, kw_only=True)
+class RadiusConfig:
+    """Radius: top-k gradient sparsity with indices reused for T steps, all-reduced densely."""
+
+    ARG_GROUP: ClassVar[str] = "megatron-ext: Radius (--grad-compression radius)"
+    ARG_PREFIX: ClassVar[str] = "radius"
+
+    density: float = 0.4
+    """Fraction of each weight's entries kept (paper: 0.4-0.5); biases and other 1-D
+    parameters are always reduced densely."""
+
+    interval: int = 200
+    """Every this many steps (T) the residual is added back, the gradient is all-reduced
+    densely and the top-k indices are chosen again (paper: 200)."""
+
+    dense_steps: int = 0
+    """Dense all-reduce for the first this many steps (paper: 15-20% of training); the
+    sparse phase starts at this step with a dense reselection step."""
+
+    def __post_init__(self):
+        cls = type(self)
+        if not 0.0 < self.density <= 1.0:
+            raise ConfigError(flag_of(cls, "density"), f"must be in (0, 1], got {self.density}")
+        _check_positive(cls, "interval", self.interval)
+        _check_positive(cls, "dense_steps", self.dense_steps, allow_zero=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PowerSGDConfig:
+    """PowerSGD (PyTorch's powerSGD_hook algorithm), the standard peer baseline."""
+
+    ARG_GROUP: ClassVar[str] = "megatron-ext: PowerSGD (--grad-compression powersgd)"
+    ARG_PREFIX: ClassVar[str] = "powersgd"
+
+    approx_rank: int = 4
+    """Rank of the low-rank approximation of each weight gradient (PyTorch's
+    matrix_approximation_rank)."""
+
+    start_step: int = 10
+    """Dense all-reduce before this step (PyTorch's start_powerSGD_iter)."""
+
+    min_compression_rate: float = 2.0
+    """Compress a matrix only if (rows + cols) * rank is at least this many times smaller
+    than rows * cols; others are reduced densely."""
+
+    warm_start: bool = True
+    """Reuse the previous step's Q as the starting point of the power iteration."""
+
+    error_feedback: bool = True
+    """Add the previous step's approximation error to the gradient before compressing."""
+
+    seed: int = 0
+    """Seed of the initial random Q (identical on every rank)."""
+
+    def __post_init__(self):
+        cls = type(self)
+        _check_positive(cls, "approx_rank", self.approx_rank)
+        _check_positive(cls, "start_step", self.start_step, allow_zero=True)
+        if self.min_compression_rate < 1.0:
+            raise ConfigError(flag_of(cls, "min_compression_rate"), "must be >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -379,6 +531,9 @@ class ParallelLayout:
 
 EXT_CONFIG_CLASSES: Tuple[type, ...] = (
     GradCompressionConfig,
+    SeparateConfig,
+    RadiusConfig,
+    PowerSGDConfig,
     P2PCompressionConfig,
     GrassConfig,
     SubspaceConfig,
@@ -393,6 +548,15 @@ class ExtConfig:
 
     grad: GradCompressionConfig = field(default_factory=GradCompressionConfig)
     """Data-parallel gradient compression."""
+
+    separate: SeparateConfig = field(default_factory=SeparateConfig)
+    """SEPARATE settings."""
+
+    radius: RadiusConfig = field(default_factory=RadiusConfig)
+    """Radius settings."""
+
+    powersgd: PowerSGDConfig = field(default_factory=PowerSGDConfig)
+    """PowerSGD settings."""
 
     p2p: P2PCompressionConfig = field(default_factory=P2PCompressionConfig)
     """Pipeline activation compression."""
@@ -418,6 +582,22 @@ class ExtConfig:
                 out[_dest_of(type(sub), sf)] = getattr(sub, sf.name)
         return out
 
+    def state_settings(self) -> Dict[str, Any]:
+        """The settings that shape megatron_ext's checkpointed state (for its fingerprint):
+        each family's method and the options of the selected methods only."""
+        out: Dict[str, Any] = {
+            "grad_compression": self.grad.method,
+            "p2p_compression": self.p2p.method,
+            "grass_method": self.grass.method,
+            "subspace_method": self.subspace.method,
+        }
+        method_cfg = {"separate": self.separate, "radius": self.radius, "powersgd": self.powersgd}
+        sub = method_cfg.get(self.grad.method)
+        if sub is not None:
+            for sf in dataclasses.fields(sub):
+                out[_dest_of(type(sub), sf)] = getattr(sub, sf.name)
+        return out
+
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add every megatron_ext flag; fits Megatron-LM's ``extra_args_provider``.
@@ -432,10 +612,17 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def ext_config_from_args(args: argparse.Namespace) -> ExtConfig:
     """Build :class:`ExtConfig` from parsed arguments; raises :class:`ConfigError`."""
-    parts = [config_from_args(cls, args) for cls in EXT_CONFIG_CLASSES]
+    by_cls = {cls: config_from_args(cls, args) for cls in EXT_CONFIG_CLASSES}
     return ExtConfig(
-        grad=parts[0], p2p=parts[1], grass=parts[2], subspace=parts[3], comm=parts[4],
-        checkpoint=parts[5],
+        grad=by_cls[GradCompressionConfig],
+        separate=by_cls[SeparateConfig],
+        radius=by_cls[RadiusConfig],
+        powersgd=by_cls[PowerSGDConfig],
+        p2p=by_cls[P2PCompressionConfig],
+        grass=by_cls[GrassConfig],
+        subspace=by_cls[SubspaceConfig],
+        comm=by_cls[CommAccountingConfig],
+        checkpoint=by_cls[ExtCheckpointConfig],
     )
 
 

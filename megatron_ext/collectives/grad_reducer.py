@@ -39,7 +39,14 @@ from torch.distributed.distributed_c10d import _coalescing_manager
 
 from megatron_ext.accounting import CommMeter, ProcessGroupTrafficMeter, collective_wire_bytes
 
-__all__ = ["ParamSlice", "BucketView", "GradSyncContext", "GradReducer", "DenseGradReducer"]
+__all__ = [
+    "ParamSlice",
+    "BucketView",
+    "BucketGroupView",
+    "GradSyncContext",
+    "GradReducer",
+    "DenseGradReducer",
+]
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,17 @@ class BucketView:
 
     key: str = ""
     """Stable name of the bucket (first and last parameter FQN)."""
+
+
+@dataclass
+class BucketGroupView:
+    """A bucket group as bound to a reducer at install time."""
+
+    buckets: List[BucketView]
+    """The group's buckets (stable objects: the same views are passed at every launch)."""
+
+    group: Any
+    """Process group the bucket group reduces over."""
 
 
 @dataclass
@@ -116,6 +134,10 @@ class GradReducer(abc.ABC):
 
     name: str = "base"
     supports: Tuple[str, ...] = ("all_reduce", "reduce_scatter")
+
+    def bind(self, groups: List[BucketGroupView]) -> None:
+        """Called once at install with every bucket group (before any checkpoint load), so
+        stateful reducers can allocate their state and check cross-rank agreement."""
 
     @abc.abstractmethod
     def launch(self, ctx: GradSyncContext) -> Optional[Any]:

@@ -36,6 +36,7 @@ import torch
 
 from megatron_ext.accounting import CommMeter
 from megatron_ext.collectives.grad_reducer import (
+    BucketGroupView,
     BucketView,
     GradReducer,
     GradSyncContext,
@@ -208,8 +209,7 @@ def install_grad_sync(
     from megatron.core.distributed import param_and_grad_buffer as pgb
 
     require_mcore("data-parallel gradient seam (--grad-compression)", "0.16", "0.17")
-    handle = GradSyncHandle()
-    num_groups = 0
+    plan = []
     for chunk in model_chunks:
         if not isinstance(chunk, DistributedDataParallel):
             raise ConfigError(
@@ -231,18 +231,29 @@ def install_grad_sync(
             )
         names = global_param_names(chunk)
         for bucket_group in list(chunk.bucket_groups) + list(chunk.expert_parallel_bucket_groups):
-            bucket_group._megatron_ext = _GroupExt(
-                reducer=reducer,
-                clock=clock,
-                meter=meter,
-                buckets=_bucket_views(bucket_group, names),
-                # Read at install time: megatron swaps the module global for the fp32
-                # accumulating variant when a DDP config asks for it.
-                reduce_scatter_fn=pgb.dist_reduce_scatter_func,
+            group = (
+                bucket_group.intra_distributed_optimizer_instance_group
+                if ddp_config.use_distributed_optimizer
+                else bucket_group.data_parallel_group
             )
-            bucket_group.start_grad_sync = types.MethodType(_ext_start_grad_sync, bucket_group)
-            handle.bucket_groups.append(bucket_group)
-            num_groups += 1
+            plan.append((bucket_group, BucketGroupView(_bucket_views(bucket_group, names), group)))
+    # Bind first (it may check cross-rank agreement and raise) so a failure leaves megatron's
+    # methods untouched.
+    reducer.bind([view for _, view in plan])
+    handle = GradSyncHandle()
+    for bucket_group, view in plan:
+        bucket_group._megatron_ext = _GroupExt(
+            reducer=reducer,
+            clock=clock,
+            meter=meter,
+            buckets=view.buckets,
+            # Read at install time: megatron swaps the module global for the fp32
+            # accumulating variant when a DDP config asks for it.
+            reduce_scatter_fn=pgb.dist_reduce_scatter_func,
+        )
+        bucket_group.start_grad_sync = types.MethodType(_ext_start_grad_sync, bucket_group)
+        handle.bucket_groups.append(bucket_group)
+    num_groups = len(plan)
     log_rank_0(
         logger,
         20,

@@ -39,6 +39,15 @@ def _leaf_optimizers(optimizer: Any) -> List[Any]:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+def _decoupled(inner: Any) -> bool:
+    """AdamW mode of the torch / TE / Apex optimizer inside a megatron optimizer."""
+    if isinstance(inner, torch.optim.AdamW):
+        return True
+    if hasattr(inner, "adam_w_mode"):
+        return bool(inner.adam_w_mode)
+    return False
+
+
 class MegatronOptimizerView(OptimizerView):
     """Per-parameter optimizer state of a megatron-core optimizer, keyed by global FQN.
 
@@ -98,6 +107,7 @@ class MegatronOptimizerView(OptimizerView):
                 state=leaf.optimizer.state.get(main, {}),
                 param_range=(rng.start, rng.end),
                 group=group,
+                decoupled_weight_decay=_decoupled(leaf.optimizer),
             )
         _, leaf, model_param, main, gi = entry
         return ParamOptimState(
@@ -107,6 +117,7 @@ class MegatronOptimizerView(OptimizerView):
             state=leaf.optimizer.state.get(main, {}),
             param_range=None,
             group=leaf.optimizer.param_groups[gi],
+            decoupled_weight_decay=_decoupled(leaf.optimizer),
         )
 
     @property

@@ -46,9 +46,34 @@ from megatron_ext.state import ExtState
 __all__ = ["ExtRuntime", "install", "parallel_layout", "GRAD_REDUCERS", "P2P_CODECS"]
 
 
-# Method name -> factory(config, **context). A method is selectable on the command line once
-# it is listed in config.py's *_METHODS and has a factory here (a unit test checks both).
-GRAD_REDUCERS: Dict[str, Callable[..., GradReducer]] = {"none": lambda cfg, **_: DenseGradReducer()}
+def _separate(cfg: ExtConfig, **_):
+    from megatron_ext.collectives.separate import SeparateReducer
+
+    return SeparateReducer(cfg.separate), []
+
+
+def _radius(cfg: ExtConfig, **_):
+    from megatron_ext.collectives.radius import RadiusOptimizerHook, RadiusReducer
+
+    reducer = RadiusReducer(cfg.radius)
+    return reducer, [RadiusOptimizerHook(reducer)]
+
+
+def _powersgd(cfg: ExtConfig, **_):
+    from megatron_ext.collectives.powersgd import PowerSGDReducer
+
+    return PowerSGDReducer(cfg.powersgd), []
+
+
+# Method name -> factory. A method is selectable on the command line once it is listed in
+# config.py's *_METHODS and has a factory here (a test checks both). Gradient reducers come
+# with the optimizer hooks they need (Radius selects its indices after the optimizer step).
+GRAD_REDUCERS: Dict[str, Callable[..., Tuple[GradReducer, List[OptimizerHook]]]] = {
+    "none": lambda cfg, **_: (DenseGradReducer(), []),
+    "separate": _separate,
+    "radius": _radius,
+    "powersgd": _powersgd,
+}
 P2P_CODECS: Dict[str, Callable[..., P2PCodec]] = {"none": lambda cfg, **_: IdentityCodec()}
 LINEAR_HOOKS: Dict[str, Callable[..., LinearHook]] = {
     "none": lambda cfg, **_: PassThroughLinearHook()
@@ -149,8 +174,6 @@ class ExtRuntime:
         """Extra arguments for megatron's ``forward_backward_func``."""
         if self.communicator is None:
             return {}
-        from megatron.core.process_groups_config import ProcessGroupCollection
-
         return {
             "p2p_communicator": self.communicator,
             "pg_collection": _schedule_pg_collection(),
@@ -227,10 +250,11 @@ def install(
 
         pg_meter = ProcessGroupTrafficMeter(classify).install()
 
-    reducer = GRAD_REDUCERS[cfg.grad.method](cfg.grad, layout=layout)
+    reducer, reducer_hooks = GRAD_REDUCERS[cfg.grad.method](cfg, layout=layout)
+    optimizer_hooks = list(reducer_hooks) + list(optimizer_hooks)
     rank = torch.distributed.get_rank()
     state = ExtState(
-        settings={k: v for k, v in cfg.summary().items() if not k.startswith("comm")},
+        settings=cfg.state_settings(),
         layout={
             "tp": layout.tensor_model_parallel_size,
             "pp": layout.pipeline_model_parallel_size,

@@ -50,6 +50,15 @@ class ParamOptimState:
     group: Dict[str, Any] = field(default_factory=dict)
     """The optimizer param group (lr, weight_decay, betas, eps, ...)."""
 
+    decoupled_weight_decay: bool = True
+    """AdamW-style (decoupled) weight decay, as opposed to L2 added to the gradient."""
+
+    @property
+    def adam_step(self) -> Optional[int]:
+        """Number of Adam steps taken (torch keeps it per parameter, TE/Apex per group)."""
+        step = self.state.get("step", self.group.get("step"))
+        return None if step is None else int(step)
+
 
 class OptimizerView(abc.ABC):
     """Access to per-parameter optimizer state, independent of megatron's optimizer type."""

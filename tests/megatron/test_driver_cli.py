@@ -98,7 +98,7 @@ def test_command_line_resume_is_exact(tmp_path):
 @pytest.mark.parametrize(
     "args, flag",
     [
-        (["--grad-compression", "separate"], "--grad-compression"),
+        (["--grad-compression", "topk"], "--grad-compression"),
         (["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size"),
         (["--num-layers", "3", "--pipeline-model-parallel-size", "2"], "--num-layers"),
     ],

@@ -1,0 +1,117 @@
+"""SEPARATE's math: block-wise common Gaussian projection, reconstruction, error feedback.
+
+What it does:
+    A gradient vector ``h`` of ``R * c`` entries is viewed as ``R`` rows of length ``c``
+    (the block size). One Gaussian matrix ``Omega`` of shape ``(c, k)`` with ``k = c /
+    ratio``, the same for every row and every rank, projects the rows:
+    ``P = H @ Omega`` (``R x k`` numbers travel instead of ``R x c``), and
+    ``H_hat = P @ Omega^T / k`` reconstructs them. Since ``E[Omega Omega^T] = k I`` the
+    estimate is unbiased; its variance, ``E|H_hat - H|^2 = (c + 1) / k |H|^2 ~= ratio
+    |H|^2``, depends on the ratio, not on the block size, while the cost is ``c / ratio``
+    multiply-adds per entry and per matmul (methods.md, "shape of Omega").
+
+    ``Omega`` is a pure function of ``(seed, step, key, c, k)`` (:func:`projection_block`),
+    generated on CPU with a seeded ``torch.Generator`` and then moved, so every rank and
+    every restart builds it bit-identically without communicating.
+
+    The error feedback of the paper (``e <- (1 - beta) e + beta (h - Omega Omega^T h / k)``,
+    reset to zero every ``T`` steps) is :func:`update_error`.
+
+Constraints:
+    Pure torch; no torch.distributed, no Megatron.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "stable_seed",
+    "projection_block",
+    "project",
+    "reconstruct",
+    "update_error",
+    "random_projection_cosine",
+]
+
+
+def stable_seed(*parts: object) -> int:
+    """A 63-bit seed from any printable parts (independent of PYTHONHASHSEED)."""
+    blob = "\x1f".join(str(p) for p in parts).encode()
+    return int.from_bytes(hashlib.sha256(blob).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def projection_block(
+    seed: int,
+    step: int,
+    key: str,
+    block_size: int,
+    num_projections: int,
+    *,
+    device: Optional[torch.device] = None,
+    dtype: torch.dtype = torch.float32,
+    orthonormal: bool = True,
+) -> torch.Tensor:
+    """The common random block ``Omega`` of shape ``(block_size, num_projections)``.
+
+    Args:
+        seed: user seed (``--separate-seed``).
+        step: training step (a fresh matrix every step).
+        key: stable name of what is projected (bucket and segment).
+        block_size: ``c``.
+        num_projections: ``k = c / ratio``.
+        device: where the result goes (generated on CPU for cross-device determinism).
+        dtype: result dtype.
+        orthonormal: orthonormalize the Gaussian columns (QR) and scale them by
+            ``sqrt(k)``; otherwise plain i.i.d. N(0, 1) entries.
+
+    Returns:
+        ``Omega`` with ``E[Omega Omega^T] = k I``.
+    """
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(stable_seed("separate", seed, step, key, block_size, num_projections))
+    omega = torch.randn(block_size, num_projections, generator=gen, dtype=torch.float64)
+    if orthonormal:
+        # Orthonormal columns scaled by sqrt(c): Omega Omega^T / k = (c/k) Q Q^T. Still
+        # unbiased (E[Q Q^T] = k/c I), exact at ratio 1, and its variance is (ratio - 1)
+        # |h|^2 instead of the Gaussian's (c + 1) / k |h|^2. QR in float64 (a c x k matrix).
+        omega = torch.linalg.qr(omega, mode="reduced")[0] * math.sqrt(block_size)
+    return omega.to(device=device or "cpu", dtype=dtype)
+
+
+def project(h: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
+    """``P = H @ Omega``: ``(R, c) x (c, k) -> (R, k)``."""
+    return h @ omega
+
+
+def reconstruct(p: torch.Tensor, omega: torch.Tensor, out: Optional[torch.Tensor] = None):
+    """``H_hat = P @ Omega^T / k``: ``(R, k) x (k, c) -> (R, c)``, written to ``out`` if given."""
+    k = omega.shape[1]
+    if out is None:
+        return (p @ omega.t()).div_(k)
+    torch.matmul(p, omega.t(), out=out)
+    return out.div_(k)
+
+
+def update_error(
+    error: torch.Tensor, h: torch.Tensor, local_estimate: torch.Tensor, beta: float, reset: bool
+) -> None:
+    """In place: ``e <- (1 - beta) e + beta (h - local_estimate)``, or ``e <- 0`` on reset."""
+    if reset:
+        error.zero_()
+        return
+    error.mul_(1.0 - beta).add_(h - local_estimate, alpha=beta)
+
+
+def random_projection_cosine(ratio: float) -> float:
+    """Expected cosine between ``h`` and its unbiased projection estimate, ``1/sqrt(1+ratio)``.
+
+    ``|H_hat|^2 ~= (1 + ratio) |h|^2`` while ``<H_hat, h> ~= |h|^2``; G-SEPARATE compares
+    measured cosines against this reference (what a projection achieves with no error
+    feedback at all).
+    """
+    return 1.0 / math.sqrt(1.0 + ratio)

@@ -63,7 +63,8 @@ OVERLAP_DISTOPT = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000",
 
 CASES = {
     "separate-dp2": SEPARATE,
-    "separate-dp2-overlap-distopt": SEPARATE + OVERLAP_DISTOPT,
+    # Two microbatches: gradients accumulate before the overlapped, compressed reduction.
+    "separate-dp2-overlap-distopt": SEPARATE + OVERLAP_DISTOPT + ["--global-batch-size", "8"],
     "separate-dp2-bf16": SEPARATE + ["--bf16"],
     "radius-dp2": RADIUS,
     "radius-dp2-overlap-distopt": RADIUS + OVERLAP_DISTOPT,

@@ -167,7 +167,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> argparse.Argu
             continue
         kwargs: Dict[str, Any] = {"dest": dest, "default": default}
         if typing.get_origin(tp) in (list, tuple, List, Tuple):
-            (inner, *_) = typing.get_args(tp) or (str,)
+            inner, *_ = typing.get_args(tp) or (str,)
             kwargs["type"] = inner
             kwargs["nargs"] = meta.get("nargs") or "+"
             if isinstance(default, tuple):
@@ -310,9 +310,7 @@ class SeparateConfig:
             )
         if self.ef_beta is not None:
             if not 0.0 <= self.ef_beta <= 1.0:
-                raise ConfigError(
-                    flag_of(cls, "ef_beta"), f"must be in [0, 1], got {self.ef_beta}"
-                )
+                raise ConfigError(flag_of(cls, "ef_beta"), f"must be in [0, 1], got {self.ef_beta}")
             if self.ef_beta >= 2.0 / self.ratio:
                 raise ConfigError(
                     [flag_of(cls, "ef_beta"), flag_of(cls, "ratio")],
@@ -433,7 +431,9 @@ class GrassConfig:
     """Row-selection rule of the row-sparse linear backward; 'none' keeps megatron-core's
     dense backward."""
 
-    layers: str = r"decoder\.layers\.\d+\.(self_attention\.(linear_qkv|linear_proj)|mlp\.(linear_fc1|linear_fc2))$"
+    layers: str = (
+        r"decoder\.layers\.\d+\.(self_attention\.(linear_qkv|linear_proj)|mlp\.(linear_fc1|linear_fc2))$"
+    )
     """Regular expression matched (re.search) against the module names of the linear layers
     that get the megatron_ext forward/backward."""
 

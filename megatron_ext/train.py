@@ -41,6 +41,7 @@ from megatron_ext.config import (
     ConfigError,
     ExtConfig,
     add_args,
+    add_config_args,
     config_from_args,
     ext_config_from_args,
 )
@@ -54,7 +55,6 @@ from megatron_ext.train_config import (
     find_config_file,
     load_yaml_defaults,
 )
-from megatron_ext.config import add_config_args
 
 __all__ = ["build_parser", "parse_args", "main", "Trainer"]
 
@@ -377,9 +377,7 @@ class Trainer:
         )
         model = DDP(config, ddp_config, model)
         model.broadcast_params()
-        self._param_hooks_enabled = bool(
-            par.use_distributed_optimizer and par.overlap_param_gather
-        )
+        self._param_hooks_enabled = bool(par.use_distributed_optimizer and par.overlap_param_gather)
         self.config = config
         self.model = [model]
         self.padded_vocab = padded_vocab
@@ -777,9 +775,7 @@ class Trainer:
 
         lr = self.optimizer.param_groups[0]["lr"]
         loss = sum(losses) / len(losses) if losses else None
-        per_step = {
-            c: {k: v / iters for k, v in tr.as_dict().items()} for c, tr in traffic.items()
-        }
+        per_step = {c: {k: v / iters for k, v in tr.as_dict().items()} for c, tr in traffic.items()}
         record = {
             "iteration": iteration,
             "consumed_samples": consumed,
@@ -846,8 +842,10 @@ class Trainer:
                 break
         # The loss lives on the last rank; share it so rank 0 can write the report.
         shared = torch.tensor(
-            [final_loss if final_loss is not None else float("nan"),
-             final_eval if final_eval is not None else float("nan")],
+            [
+                final_loss if final_loss is not None else float("nan"),
+                final_eval if final_eval is not None else float("nan"),
+            ],
             dtype=torch.float64,
         )
         torch.distributed.broadcast(shared, src=self.world - 1)
@@ -886,8 +884,10 @@ class Trainer:
             with open(report_path, "w") as f:
                 json.dump(summary, f, indent=2)
             self._print(f"> communication report: {report_path}")
+        valid = summary["final_valid_loss"]
         self._print(
             f"> done: {iteration} iterations, mean step {summary['mean_step_time_s'] * 1000:.1f} ms"
+            + ("" if valid is None else f", validation loss {valid:.4f}")
         )
         return summary
 

@@ -114,9 +114,7 @@ class ModelArgs:
             )
         if self.group_query_attention:
             if not self.num_query_groups:
-                raise ConfigError(
-                    "--num-query-groups", "required with --group-query-attention"
-                )
+                raise ConfigError("--num-query-groups", "required with --group-query-attention")
             if self.num_attention_heads % self.num_query_groups:
                 raise ConfigError(
                     ["--num-query-groups", "--num-attention-heads"],
@@ -197,7 +195,8 @@ class TrainingArgs:
     """Minimum learning rate of the decay."""
 
     lr_decay_style: str = field(
-        default="cosine", metadata=arg(choices=("constant", "linear", "cosine", "inverse-square-root"))
+        default="cosine",
+        metadata=arg(choices=("constant", "linear", "cosine", "inverse-square-root")),
     )
     """Learning-rate decay."""
 
@@ -258,7 +257,10 @@ class TrainingArgs:
         decay = self.lr_decay_iters or self.train_iters
         if self.lr_warmup_iters >= decay:
             raise ConfigError(
-                ["--lr-warmup-iters", "--lr-decay-iters" if self.lr_decay_iters else "--train-iters"],
+                [
+                    "--lr-warmup-iters",
+                    "--lr-decay-iters" if self.lr_decay_iters else "--train-iters",
+                ],
                 f"warm-up ({self.lr_warmup_iters} iterations) must be shorter than the decay "
                 f"({decay} iterations)",
             )
@@ -351,9 +353,7 @@ def find_config_file(name: str, subdir: str, flag: str) -> str:
     )
 
 
-def load_yaml_defaults(
-    path: str, parser: argparse.ArgumentParser, flag: str
-) -> Dict[str, Any]:
+def load_yaml_defaults(path: str, parser: argparse.ArgumentParser, flag: str) -> Dict[str, Any]:
     """Read a YAML mapping of argument names (``num_layers`` or ``num-layers``) to values.
 
     Raises:

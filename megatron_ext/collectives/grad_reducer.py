@@ -44,6 +44,7 @@ __all__ = [
     "BucketView",
     "BucketGroupView",
     "GradSyncContext",
+    "DeferredHandle",
     "GradReducer",
     "DenseGradReducer",
 ]
@@ -119,10 +120,25 @@ class GradSyncContext:
     meter: Optional[CommMeter] = None
     """Byte accounting; None disables recording."""
 
-    reduce_scatter_fn: Callable[..., Any] = field(
-        default=torch.distributed.reduce_scatter_tensor
-    )
+    reduce_scatter_fn: Callable[..., Any] = field(default=torch.distributed.reduce_scatter_tensor)
     """The reduce-scatter function megatron would call (it may use fp32 accumulation)."""
+
+
+class DeferredHandle:
+    """A handle whose ``wait()`` runs ``finish`` once (waiting on collectives, decompressing).
+
+    Compressed reducers return it with ``async_op``: megatron's ``finish_grad_sync`` calls
+    ``wait()`` when it needs the bucket, so decompression happens after communication.
+    """
+
+    def __init__(self, finish: Callable[[], None]):
+        self._finish: Optional[Callable[[], None]] = finish
+
+    def wait(self) -> None:
+        """Finish the reduction (idempotent)."""
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
 
 
 class GradReducer(abc.ABC):

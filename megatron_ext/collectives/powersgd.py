@@ -33,6 +33,7 @@ from megatron_ext.accounting import ProcessGroupTrafficMeter, collective_wire_by
 from megatron_ext.collectives.grad_reducer import (
     BucketGroupView,
     BucketView,
+    DeferredHandle,
     DenseGradReducer,
     GradReducer,
     GradSyncContext,
@@ -64,16 +65,6 @@ class _Plan:
     view: BucketView
     matrices: List[_Matrix] = field(default_factory=list)
     dense: List[ParamSlice] = field(default_factory=list)
-
-
-class _Handle:
-    def __init__(self, finish):
-        self._finish = finish
-
-    def wait(self):
-        if self._finish is not None:
-            self._finish()
-            self._finish = None
 
 
 class PowerSGDReducer(GradReducer):
@@ -166,7 +157,7 @@ class PowerSGDReducer(GradReducer):
                 self._second_round(plan, ms, payload, ctx, group_size)
 
         if ctx.async_op:
-            return _Handle(finish)
+            return DeferredHandle(finish)
         finish()
         return None
 

@@ -39,12 +39,13 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from torch.distributed.distributed_c10d import _coalescing_manager
 
 from megatron_ext.accounting import ProcessGroupTrafficMeter, collective_wire_bytes
 from megatron_ext.collectives.grad_reducer import (
     BucketGroupView,
     BucketView,
+    DeferredHandle,
+    DenseGradReducer,
     GradReducer,
     GradSyncContext,
     ParamSlice,
@@ -73,16 +74,6 @@ class _Plan:
     shard_count: int = 0
 
 
-class _Handle:
-    def __init__(self, finish):
-        self._finish = finish
-
-    def wait(self):
-        if self._finish is not None:
-            self._finish()
-            self._finish = None
-
-
 class RadiusReducer(GradReducer):
     """Radius gradient reduction (see module docstring).
 
@@ -101,6 +92,7 @@ class RadiusReducer(GradReducer):
         self._mask_version = 0
         self._reduce_scatter = False
         self._meter = None
+        self._dense = DenseGradReducer()
 
     # -- phases ----------------------------------------------------------------------------
 
@@ -182,32 +174,7 @@ class RadiusReducer(GradReducer):
                 plan = self._plans[id(view)]
                 view.grad.add_(plan.residual.to(view.grad.dtype))
                 plan.residual.zero_()
-        return self._launch_dense(ctx)
-
-    def _launch_dense(self, ctx: GradSyncContext) -> Optional[Any]:
-        group_size = torch.distributed.get_world_size(ctx.group)
-        rank = torch.distributed.get_rank(ctx.group)
-        with ProcessGroupTrafficMeter.tagged("dp-grad"):
-            with _coalescing_manager(ctx.group, async_ops=ctx.async_op) as cm:
-                for view in ctx.buckets:
-                    if ctx.reduce_scatter:
-                        shard = view.grad.numel() // group_size
-                        local = view.grad[rank * shard : (rank + 1) * shard]
-                        ctx.reduce_scatter_fn(
-                            local, view.grad, op=ctx.op, group=ctx.group, async_op=ctx.async_op
-                        )
-                    else:
-                        torch.distributed.all_reduce(
-                            view.grad, op=ctx.op, group=ctx.group, async_op=ctx.async_op
-                        )
-        if ctx.meter is not None:
-            kind = "reduce_scatter" if ctx.reduce_scatter else "all_reduce"
-            for view in ctx.buckets:
-                wire = collective_wire_bytes(
-                    kind, view.grad.numel() * view.grad.element_size(), group_size
-                )
-                ctx.meter.record("dp-grad", sent=wire, recv=wire)
-        return cm if ctx.async_op else None
+        return self._dense.launch(ctx)
 
     def _launch_sparse(self, ctx: GradSyncContext) -> Optional[Any]:
         group_size = torch.distributed.get_world_size(ctx.group)
@@ -258,7 +225,7 @@ class RadiusReducer(GradReducer):
                     grad.index_copy_(0, plan.index, out.to(grad.dtype))
 
         if ctx.async_op:
-            return _Handle(finish)
+            return DeferredHandle(finish)
         finish()
         return None
 
@@ -344,9 +311,7 @@ class RadiusReducer(GradReducer):
         return out
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        residual_keys = {
-            f"residual/{s.fqn}" for plan in self._plans.values() for s in plan.sparse
-        }
+        residual_keys = {f"residual/{s.fqn}" for plan in self._plans.values() for s in plan.sparse}
         mask_keys = {k for k in state if k.startswith("mask/")}
         expected_masks = {"mask/" + k[len("residual/") :] for k in residual_keys}
         if set(state) - mask_keys != residual_keys | {"selections"} or (

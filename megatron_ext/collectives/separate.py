@@ -53,6 +53,7 @@ from megatron_ext.accounting import ProcessGroupTrafficMeter, collective_wire_by
 from megatron_ext.collectives.grad_reducer import (
     BucketGroupView,
     BucketView,
+    DeferredHandle,
     GradReducer,
     GradSyncContext,
     ParamSlice,
@@ -91,18 +92,6 @@ class _BucketPlan:
     dense_numel: int = 0
 
 
-class _Handle:
-    """``wait()`` finishes the bucket's collectives, then decompresses (once)."""
-
-    def __init__(self, finish):
-        self._finish = finish
-
-    def wait(self):
-        if self._finish is not None:
-            self._finish()
-            self._finish = None
-
-
 class SeparateReducer(GradReducer):
     """SEPARATE gradient reduction (see module docstring).
 
@@ -138,7 +127,9 @@ class SeparateReducer(GradReducer):
                 self._plans[id(view)] = plan
         self._check_projections_agree(groups)
 
-    def _build_segments(self, plan: _BucketPlan, residuals: Optional[Dict[str, torch.Tensor]] = None):
+    def _build_segments(
+        self, plan: _BucketPlan, residuals: Optional[Dict[str, torch.Tensor]] = None
+    ):
         device = plan.view.grad.device
         by_setting: Dict[Tuple[int, float], List[ParamSlice]] = {}
         for s in plan.view.params:
@@ -236,9 +227,7 @@ class SeparateReducer(GradReducer):
                 payloads.append(p.reshape(-1))
                 omegas.append(omega)
             if plan.dense:
-                payloads.append(
-                    torch.cat([grad[s.start : s.end].float() for s in plan.dense])
-                )
+                payloads.append(torch.cat([grad[s.start : s.end].float() for s in plan.dense]))
             flat_payload = torch.cat(payloads) if payloads else None
             work = None
             if flat_payload is not None:
@@ -253,7 +242,9 @@ class SeparateReducer(GradReducer):
                 dense = collective_wire_bytes(
                     dense_kind, grad.numel() * grad.element_size(), group_size
                 )
-                ctx.meter.record("dp-grad", sent=wire, recv=wire, dense_sent=dense, dense_recv=dense)
+                ctx.meter.record(
+                    "dp-grad", sent=wire, recv=wire, dense_sent=dense, dense_recv=dense
+                )
             pending.append((plan, view, flat_payload, omegas, dense_h, work))
 
         def finish():
@@ -265,7 +256,7 @@ class SeparateReducer(GradReducer):
                     self._adapt(plan, ctx, flat_payload, omegas, dense_h, group_size)
 
         if ctx.async_op:
-            return _Handle(finish)
+            return DeferredHandle(finish)
         finish()
         return None
 
@@ -369,7 +360,9 @@ class SeparateReducer(GradReducer):
             raise ValueError(
                 f"SEPARATE state keys differ: missing {missing}, unexpected {unexpected}"
             )
-        residuals = {k[len("residual/") :]: v for k, v in state.items() if k.startswith("residual/")}
+        residuals = {
+            k[len("residual/") :]: v for k, v in state.items() if k.startswith("residual/")
+        }
         for key, value in state.items():
             if key.startswith("ratio/"):
                 self._ratio[key[len("ratio/") :]] = int(value)

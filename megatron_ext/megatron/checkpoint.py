@@ -93,7 +93,11 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
 def _ext_meta(runtime: Any) -> Dict[str, Any]:
     state = runtime.state
     layout = {k: v for k, v in state.layout.items() if k != "rank"}
-    return {"layout": layout, "fingerprint": fingerprint(state.settings), "settings": state.settings}
+    return {
+        "layout": layout,
+        "fingerprint": fingerprint(state.settings),
+        "settings": state.settings,
+    }
 
 
 def _sharded_state_dict(
@@ -271,9 +275,10 @@ def load_checkpoint(
     saved_meta = common.get("megatron_ext_meta", {})
     meta = _ext_meta(runtime)
     include_ext = True
-    if saved_meta.get("layout") != meta["layout"] or saved_meta.get("fingerprint") != meta[
-        "fingerprint"
-    ]:
+    if (
+        saved_meta.get("layout") != meta["layout"]
+        or saved_meta.get("fingerprint") != meta["fingerprint"]
+    ):
         message = (
             f"megatron_ext state in {directory} was saved with layout {saved_meta.get('layout')} "
             f"and settings {saved_meta.get('settings')}; this run has {meta['layout']} and "

@@ -38,6 +38,7 @@ from megatron_ext.accounting import CommMeter
 from megatron_ext.collectives.grad_reducer import (
     BucketGroupView,
     BucketView,
+    DeferredHandle,
     GradReducer,
     GradSyncContext,
     ParamSlice,
@@ -71,18 +72,6 @@ class _GroupExt:
     reduce_scatter_fn: Callable[..., Any]
 
 
-class _Handle:
-    """Waits on the reducer's handle once; ``finish_grad_sync`` calls ``wait()``."""
-
-    def __init__(self, inner: Any):
-        self._inner = inner
-
-    def wait(self):
-        if self._inner is not None:
-            self._inner.wait()
-            self._inner = None
-
-
 def _bucket_views(bucket_group: Any, names: Dict[Any, str]) -> List[BucketView]:
     views = []
     for bucket in bucket_group.buckets:
@@ -106,6 +95,10 @@ def _bucket_views(bucket_group: Any, names: Dict[Any, str]) -> List[BucketView]:
         key = f"{slices[0].fqn}..{slices[-1].fqn}" if slices else f"bucket{bucket.bucket_id}"
         views.append(BucketView(grad=grad, params=slices, key=key))
     return views
+
+
+def _noop() -> None:
+    return None
 
 
 def _ext_start_grad_sync(self, force_all_reduce: Optional[bool] = False):
@@ -160,7 +153,8 @@ def _ext_start_grad_sync(self, force_all_reduce: Optional[bool] = False):
     )
     handle = ext.reducer.launch(ctx)
     if async_op:
-        self.grad_reduce_handle = _Handle(handle)
+        # finish_grad_sync waits on it; a reducer may also have finished synchronously.
+        self.grad_reduce_handle = DeferredHandle(handle.wait if handle is not None else _noop)
     else:
         if handle is not None:
             handle.wait()

@@ -79,13 +79,21 @@ class MegatronOptimizerView(OptimizerView):
                 for gi, group in enumerate(leaf.fp32_from_fp32_groups):
                     for model_param in group:
                         self._by_fqn[names[model_param]] = (
-                            "main", leaf, model_param, model_param, gi,
+                            "main",
+                            leaf,
+                            model_param,
+                            model_param,
+                            gi,
                         )
             else:
                 for gi, group in enumerate(leaf.optimizer.param_groups):
                     for model_param in group["params"]:
                         self._by_fqn[names[model_param]] = (
-                            "main", leaf, model_param, model_param, gi,
+                            "main",
+                            leaf,
+                            model_param,
+                            model_param,
+                            gi,
                         )
 
     def fqns(self) -> List[str]:

@@ -209,16 +209,12 @@ class ExtP2PCommunicator(P2PCommunicator):
         recv_prev_payload = recv_next_payload = None
         recv_prev_ctx = recv_next_ctx = None
         if recv_prev:
-            recv_prev_ctx = self._context("forward", "fwd_recv")
-            pshape, pdtype = codec.payload_spec(tuple(recv_prev_shape), dtype, "forward")
-            recv_prev_payload = torch.empty(
-                pshape, requires_grad=identity, device=torch.cuda.current_device(), dtype=pdtype
+            recv_prev_ctx, recv_prev_payload = self._recv_buffer(
+                recv_prev_shape, dtype, "forward", "fwd_recv"
             )
         if recv_next:
-            recv_next_ctx = self._context("backward", "bwd_recv")
-            pshape, pdtype = codec.payload_spec(tuple(recv_next_shape), dtype, "backward")
-            recv_next_payload = torch.empty(
-                pshape, requires_grad=identity, device=torch.cuda.current_device(), dtype=pdtype
+            recv_next_ctx, recv_next_payload = self._recv_buffer(
+                recv_next_shape, dtype, "backward", "bwd_recv"
             )
 
         if config.use_ring_exchange_p2p:
@@ -253,35 +249,25 @@ class ExtP2PCommunicator(P2PCommunicator):
         tensor_recv_prev = tensor_recv_next = None
         finishers: Dict[str, Callable[[], None]] = {}
         if recv_prev:
-            self._record(
-                "pp-act", payload=recv_prev_payload, dense_shape=recv_prev_shape,
-                dense_dtype=dtype, send=False,
+            tensor_recv_prev = self._recv_output(
+                "recv_prev",
+                "pp-act",
+                recv_prev_payload,
+                recv_prev_ctx,
+                recv_prev_shape,
+                dtype,
+                finishers,
             )
-            if identity:
-                tensor_recv_prev = recv_prev_payload
-            else:
-                tensor_recv_prev = torch.empty(
-                    recv_prev_shape, requires_grad=True, device=recv_prev_payload.device,
-                    dtype=dtype,
-                )
-                finishers["recv_prev"] = self._decoder(
-                    recv_prev_payload, recv_prev_ctx, tensor_recv_prev
-                )
         if recv_next:
-            self._record(
-                "pp-grad", payload=recv_next_payload, dense_shape=recv_next_shape,
-                dense_dtype=dtype, send=False,
+            tensor_recv_next = self._recv_output(
+                "recv_next",
+                "pp-grad",
+                recv_next_payload,
+                recv_next_ctx,
+                recv_next_shape,
+                dtype,
+                finishers,
             )
-            if identity:
-                tensor_recv_next = recv_next_payload
-            else:
-                tensor_recv_next = torch.empty(
-                    recv_next_shape, requires_grad=True, device=recv_next_payload.device,
-                    dtype=dtype,
-                )
-                finishers["recv_next"] = self._decoder(
-                    recv_next_payload, recv_next_ctx, tensor_recv_next
-                )
 
         if wait_on_reqs and len(reqs) > 0:
             for req in reqs if isinstance(reqs, list) else reqs.values():
@@ -296,6 +282,28 @@ class ExtP2PCommunicator(P2PCommunicator):
         if config.batch_p2p_comm and config.batch_p2p_sync:
             torch.cuda.synchronize()
         return tensor_recv_prev, tensor_recv_next, reqs
+
+    def _recv_buffer(self, shape, dtype, direction: str, counter: str):
+        """Context and payload buffer for one receive (megatron's exact buffer for identity)."""
+        ctx = self._context(direction, counter)
+        pshape, pdtype = self.codec.payload_spec(tuple(shape), dtype, direction)
+        payload = torch.empty(
+            pshape,
+            requires_grad=isinstance(self.codec, IdentityCodec),
+            device=torch.cuda.current_device(),
+            dtype=pdtype,
+        )
+        return ctx, payload
+
+    def _recv_output(self, key, category, payload, ctx, shape, dtype, finishers):
+        """The tensor handed to the schedule for a receive; decoding is deferred to
+        ``finishers[key]`` for compressed payloads."""
+        self._record(category, payload=payload, dense_shape=shape, dense_dtype=dtype, send=False)
+        if isinstance(self.codec, IdentityCodec):
+            return payload
+        out = torch.empty(shape, requires_grad=True, device=payload.device, dtype=dtype)
+        finishers[key] = self._decoder(payload, ctx, out)
+        return out
 
     def _decoder(self, payload: torch.Tensor, ctx: P2PContext, out: torch.Tensor):
         codec = self.codec

@@ -39,7 +39,10 @@ def _meter_counts(rank, world):
             dist.all_reduce(torch.ones(50), async_op=True)
         cm.wait()
         peer = 1 - rank
-        ops = [dist.P2POp(dist.isend, torch.ones(10), peer), dist.P2POp(dist.irecv, torch.empty(10), peer)]
+        ops = [
+            dist.P2POp(dist.isend, torch.ones(10), peer),
+            dist.P2POp(dist.irecv, torch.empty(10), peer),
+        ]
         for req in dist.batch_isend_irecv(ops):
             req.wait()
         with ProcessGroupTrafficMeter.tagged("dp-grad"):

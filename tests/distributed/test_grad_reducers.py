@@ -41,8 +41,11 @@ def _grads(rank, step, world):
 def _cfg(method, **kw):
     from megatron_ext import config
 
-    cls = {"separate": config.SeparateConfig, "radius": config.RadiusConfig,
-           "powersgd": config.PowerSGDConfig}[method]
+    cls = {
+        "separate": config.SeparateConfig,
+        "radius": config.RadiusConfig,
+        "powersgd": config.PowerSGDConfig,
+    }[method]
     return cls(**kw)
 
 
@@ -75,8 +78,13 @@ def _run(rank, world, method, kw, reduce_scatter, async_op, steps, optimizer_sta
         view.grad.copy_(_grads(rank, step, world))
         view.shard = (rank * n // world, (rank + 1) * n // world) if reduce_scatter else None
         ctx = GradSyncContext(
-            buckets=[view], group=dist.group.WORLD, reduce_scatter=reduce_scatter,
-            op=dist.ReduceOp.SUM, async_op=async_op, step=step, meter=meter,
+            buckets=[view],
+            group=dist.group.WORLD,
+            reduce_scatter=reduce_scatter,
+            op=dist.ReduceOp.SUM,
+            async_op=async_op,
+            step=step,
+            meter=meter,
         )
         handle = reducer.launch(ctx)
         if handle is not None:
@@ -86,8 +94,12 @@ def _run(rank, world, method, kw, reduce_scatter, async_op, steps, optimizer_sta
         if optimizer_states is not None:
             optimizer_states(reducer, step, view)
     totals = meter.totals()["dp-grad"]
-    return {"outs": outs, "sent": totals.sent, "dense": totals.dense_sent,
-            "state": reducer.state_dict()}
+    return {
+        "outs": outs,
+        "sent": totals.sent,
+        "dense": totals.dense_sent,
+        "state": reducer.state_dict(),
+    }
 
 
 def _dense_mean(step, world):
@@ -209,7 +221,9 @@ def _fake_optimizer_view(step_of_selection):
             gen = torch.Generator().manual_seed(stable_seed(fqn) % 1000)
             m = torch.randn(n, generator=gen)
             return ParamOptimState(
-                fqn=fqn, model_param=torch.zeros(n), main_param=torch.zeros(n),
+                fqn=fqn,
+                model_param=torch.zeros(n),
+                main_param=torch.zeros(n),
                 state={"exp_avg": m, "exp_avg_sq": torch.ones(n), "step": torch.tensor(1.0)},
                 group={"lr": 0.0, "betas": (0.9, 0.95), "eps": 0.0, "weight_decay": 0.0},
             )
@@ -299,8 +313,12 @@ def _powersgd_low_rank(rank, world):
             lowrank[s.fqn] = torch.randn(r, 2, generator=gen) @ torch.randn(2, c, generator=gen)
             view.grad[s.start : s.end] = lowrank[s.fqn].reshape(-1) / world
     red.launch(GradSyncContext([view], dist.group.WORLD, False, dist.ReduceOp.SUM, False, 0))
-    return {f: (view.grad[s.start : s.end].view(s.shape) - lowrank[f]).abs().max().item()
-            for s in slices for f in [s.fqn] if f in lowrank}
+    return {
+        f: (view.grad[s.start : s.end].view(s.shape) - lowrank[f]).abs().max().item()
+        for s in slices
+        for f in [s.fqn]
+        if f in lowrank
+    }
 
 
 def test_powersgd_is_exact_on_rank_r_gradients():
@@ -325,15 +343,23 @@ def test_powersgd_agrees_across_ranks_and_counts_two_rounds():
 def test_g_separate_adapts_per_parameter_and_ranks_agree():
     import torch
 
-    kw = {"ratio": 8, "block_size": 64, "adaptive": True, "adapt_interval": 2,
-          "min_ratio": 2, "max_ratio": 32}
+    kw = {
+        "ratio": 8,
+        "block_size": 64,
+        "adaptive": True,
+        "adapt_interval": 2,
+        "min_ratio": 2,
+        "max_ratio": 32,
+    }
     a, b = run_ranks(_run, 2, "separate", kw, False, False, 5)
     for step in range(5):
         assert torch.equal(a["outs"][step], b["outs"][step])
     ratios = {k: v for k, v in a["state"].items() if k.startswith("ratio/")}
     scales = {k: v for k, v in a["state"].items() if k.startswith("beta_scale/")}
     assert set(ratios) == {"ratio/w1", "ratio/w2"} and set(scales) == {
-        "beta_scale/w1", "beta_scale/w2"}
+        "beta_scale/w1",
+        "beta_scale/w2",
+    }
     # Two adaptations (steps 2 and 4) moved every weight off the initial ratio 8 (random
     # gradients: the estimate is never much better than a plain projection, so ratios fall).
     assert all(v != 8 for v in ratios.values()), ratios

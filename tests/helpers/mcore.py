@@ -12,21 +12,35 @@ from typing import Any, Dict, List, Optional, Sequence
 
 TINY = [
     "--cpu",
-    "--num-layers", "2",
-    "--hidden-size", "64",
-    "--num-attention-heads", "4",
-    "--seq-length", "32",
-    "--max-position-embeddings", "32",
-    "--micro-batch-size", "2",
-    "--vocab-size", "512",
-    "--hidden-dropout", "0",
-    "--attention-dropout", "0",
-    "--lr-warmup-iters", "2",
-    "--train-iters", "10",
-    "--eval-iters", "0",
-    "--log-interval", "1000",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--vocab-size",
+    "512",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--lr-warmup-iters",
+    "2",
+    "--train-iters",
+    "10",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "1000",
     "--no-progress",
-    "--split", "98,2,0",
+    "--split",
+    "98,2,0",
 ]
 
 
@@ -75,8 +89,8 @@ def params(trainer) -> Dict[str, Any]:
 
 def optimizer_state(trainer) -> Dict[str, Any]:
     """Optimizer state tensors of this rank keyed by FQN and state name."""
-    from megatron_ext.megatron.optimizer import MegatronOptimizerView
     from megatron_ext.megatron.ddp import StepClock
+    from megatron_ext.megatron.optimizer import MegatronOptimizerView
 
     view = MegatronOptimizerView(trainer.optimizer, trainer.model, StepClock())
     out = {}

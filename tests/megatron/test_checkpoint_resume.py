@@ -121,7 +121,8 @@ CASES = {
         "--use-distributed-optimizer",
         "--overlap-grad-reduce",
         "--overlap-param-gather",
-        "--ddp-bucket-size", "20000",
+        "--ddp-bucket-size",
+        "20000",
     ],
 }
 

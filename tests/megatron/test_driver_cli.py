@@ -18,19 +18,34 @@ REPO = Path(__file__).resolve().parents[2]
 
 BASE = [
     "--cpu",
-    "--model", "gpt-tiny",
-    "--lr-warmup-iters", "2",
-    "--log-interval", "4",
-    "--eval-iters", "1",
+    "--model",
+    "gpt-tiny",
+    "--lr-warmup-iters",
+    "2",
+    "--log-interval",
+    "4",
+    "--eval-iters",
+    "1",
     "--no-progress",
 ]
 
 
 def _torchrun(args, cwd, nproc=2, timeout=420, env=None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "-m", "megatron_ext.train"] + list(args)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "megatron_ext.train",
+    ] + list(args)
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
         env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
     )
     return proc
@@ -47,8 +62,11 @@ def _losses(path):
 @pytest.mark.slow
 def test_readme_job_dp2_trains_and_reports_bytes(tmp_path):
     save = tmp_path / "run"
-    proc = _torchrun(BASE + ["--train-iters", "12", "--save", str(save),
-                             "--tensorboard-dir", str(tmp_path / "tb")], tmp_path)
+    proc = _torchrun(
+        BASE
+        + ["--train-iters", "12", "--save", str(save), "--tensorboard-dir", str(tmp_path / "tb")],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = _log_lines(proc.stdout)
     assert len(lines) == 3, proc.stdout
@@ -68,9 +86,20 @@ def test_readme_job_dp2_trains_and_reports_bytes(tmp_path):
 
 @pytest.mark.slow
 def test_pp2_variant(tmp_path):
-    proc = _torchrun(BASE + ["--train-iters", "8", "--pipeline-model-parallel-size", "2",
-                             "--global-batch-size", "8", "--log-json", str(tmp_path / "l.jsonl")],
-                    tmp_path)
+    proc = _torchrun(
+        BASE
+        + [
+            "--train-iters",
+            "8",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--global-batch-size",
+            "8",
+            "--log-json",
+            str(tmp_path / "l.jsonl"),
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = _log_lines(proc.stdout)
     assert lines and all("pp-act" in l and "pp-grad" in l for l in lines), proc.stdout
@@ -80,12 +109,24 @@ def test_pp2_variant(tmp_path):
 
 @pytest.mark.slow
 def test_command_line_resume_is_exact(tmp_path):
-    args = BASE + ["--train-iters", "8", "--log-interval", "1", "--hidden-dropout", "0",
-                   "--attention-dropout", "0", "--eval-iters", "0"]
+    args = BASE + [
+        "--train-iters",
+        "8",
+        "--log-interval",
+        "1",
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--eval-iters",
+        "0",
+    ]
     full = _torchrun(args + ["--save", str(tmp_path / "a")], tmp_path)
     assert full.returncode == 0, full.stderr[-4000:]
-    first = _torchrun(args + ["--save", str(tmp_path / "b"), "--save-interval", "4",
-                              "--exit-interval", "4"], tmp_path)
+    first = _torchrun(
+        args + ["--save", str(tmp_path / "b"), "--save-interval", "4", "--exit-interval", "4"],
+        tmp_path,
+    )
     assert first.returncode == 0, first.stderr[-4000:]
     second = _torchrun(
         args + ["--save", str(tmp_path / "b"), "--load", str(tmp_path / "b")], tmp_path
@@ -107,7 +148,10 @@ def test_bad_flags_stop_before_training(args, flag, tmp_path):
     env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_ext", "train", "--cpu", "--model", "gpt-tiny"] + args,
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
         env={**env, "PYTHONPATH": str(REPO)},
     )
     assert proc.returncode == 2, proc.stderr[-3000:]

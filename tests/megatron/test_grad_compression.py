@@ -53,13 +53,39 @@ def _train_compressed(rank, world, flags):
     return out
 
 
-SEPARATE = ["--grad-compression", "separate", "--separate-ratio", "16", "--separate-block-size", "256"]
-RADIUS = ["--grad-compression", "radius", "--radius-density", "0.4", "--radius-interval", "3",
-          "--radius-dense-steps", "2"]
-POWERSGD = ["--grad-compression", "powersgd", "--powersgd-approx-rank", "2",
-            "--powersgd-start-step", "2"]
-OVERLAP_DISTOPT = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000",
-                   "--use-distributed-optimizer", "--overlap-param-gather"]
+SEPARATE = [
+    "--grad-compression",
+    "separate",
+    "--separate-ratio",
+    "16",
+    "--separate-block-size",
+    "256",
+]
+RADIUS = [
+    "--grad-compression",
+    "radius",
+    "--radius-density",
+    "0.4",
+    "--radius-interval",
+    "3",
+    "--radius-dense-steps",
+    "2",
+]
+POWERSGD = [
+    "--grad-compression",
+    "powersgd",
+    "--powersgd-approx-rank",
+    "2",
+    "--powersgd-start-step",
+    "2",
+]
+OVERLAP_DISTOPT = [
+    "--overlap-grad-reduce",
+    "--ddp-bucket-size",
+    "20000",
+    "--use-distributed-optimizer",
+    "--overlap-param-gather",
+]
 
 CASES = {
     "separate-dp2": SEPARATE,
@@ -70,11 +96,16 @@ CASES = {
     "radius-dp2-overlap-distopt": RADIUS + OVERLAP_DISTOPT,
     "powersgd-dp2": POWERSGD,
     "powersgd-dp2-overlap-distopt": POWERSGD + OVERLAP_DISTOPT,
-    "separate-pp2-dp2": SEPARATE + ["--pipeline-model-parallel-size", "2",
-                                    "--global-batch-size", "8"],
-    "radius-pp2-dp2-distopt": RADIUS + ["--pipeline-model-parallel-size", "2",
-                                        "--global-batch-size", "8",
-                                        "--use-distributed-optimizer"],
+    "separate-pp2-dp2": SEPARATE
+    + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"],
+    "radius-pp2-dp2-distopt": RADIUS
+    + [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--use-distributed-optimizer",
+    ],
 }
 WORLD = {"separate-pp2-dp2": 4, "radius-pp2-dp2-distopt": 4}
 
@@ -126,23 +157,30 @@ def _parity_with_stock(rank, world, flags, exact):
         return {"ok": sl == el and first_difference(sp, ep) is None, "detail": (sl, el)}
     import torch
 
-    close = all(
-        torch.allclose(sp[k], ep[k], atol=2e-5, rtol=1e-4) for k in sp
-    ) and all(abs(a - b) < 1e-4 for a, b in zip(sl, el) if a is not None)
+    close = all(torch.allclose(sp[k], ep[k], atol=2e-5, rtol=1e-4) for k in sp) and all(
+        abs(a - b) < 1e-4 for a, b in zip(sl, el) if a is not None
+    )
     return {"ok": close, "detail": (sl, el)}
 
 
 def test_radius_density_1_is_bit_identical_to_stock():
-    flags = ["--grad-compression", "radius", "--radius-density", "1.0", "--radius-interval",
-             "2", "--radius-dense-steps", "1"]
+    flags = [
+        "--grad-compression",
+        "radius",
+        "--radius-density",
+        "1.0",
+        "--radius-interval",
+        "2",
+        "--radius-dense-steps",
+        "1",
+    ]
     for out in run_ranks(_parity_with_stock, 2, flags, True):
         assert out["ok"], out["detail"]
 
 
 def test_separate_ratio_1_matches_stock():
     """An orthonormal 256x256 projection round-trips gradients up to float32 rounding."""
-    flags = ["--grad-compression", "separate", "--separate-ratio", "1",
-             "--separate-ef-beta", "0"]
+    flags = ["--grad-compression", "separate", "--separate-ratio", "1", "--separate-ef-beta", "0"]
     for out in run_ranks(_parity_with_stock, 2, flags, False):
         assert out["ok"], out["detail"]
 

@@ -56,7 +56,9 @@ def _parity(rank, world, flags):
         traffic = runtime.end_step()
         ext_losses.append(loss)
         seam_dp += traffic.get("dp-grad").sent if "dp-grad" in traffic else 0
-        seam_pp += sum(traffic[c].sent + traffic[c].recv for c in ("pp-act", "pp-grad") if c in traffic)
+        seam_pp += sum(
+            traffic[c].sent + traffic[c].recv for c in ("pp-act", "pp-grad") if c in traffic
+        )
         tagged = runtime.last_pg_tagged
         pg_dp += tagged["dp-grad"].sent if "dp-grad" in tagged else 0
         pg_pp += (tagged["pp"].sent + tagged["pp"].recv) if "pp" in tagged else 0
@@ -118,34 +120,47 @@ CASES = {
         "--use-distributed-optimizer",
         "--overlap-grad-reduce",
         "--overlap-param-gather",
-        "--ddp-bucket-size", "20000",
+        "--ddp-bucket-size",
+        "20000",
     ],
     "dp2-bf16": ["--bf16"],
     "pp2": ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"],
     "tp2": ["--tensor-model-parallel-size", "2"],
     "llama-dp2": [
-        "--normalization", "RMSNorm",
+        "--normalization",
+        "RMSNorm",
         "--swiglu",
-        "--position-embedding-type", "rope",
-        "--group-query-attention", "--num-query-groups", "2",
+        "--position-embedding-type",
+        "rope",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
         "--untie-embeddings-and-output-weights",
         "--disable-bias-linear",
     ],
     "llama-pp2": [
-        "--normalization", "RMSNorm",
+        "--normalization",
+        "RMSNorm",
         "--swiglu",
-        "--position-embedding-type", "rope",
-        "--group-query-attention", "--num-query-groups", "2",
+        "--position-embedding-type",
+        "rope",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
         "--untie-embeddings-and-output-weights",
         "--disable-bias-linear",
-        "--pipeline-model-parallel-size", "2",
-        "--global-batch-size", "8",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--global-batch-size",
+        "8",
     ],
 }
 WORLD = {"pp2-dp2-distopt": 4}
 CASES["pp2-dp2-distopt"] = [
-    "--pipeline-model-parallel-size", "2",
-    "--global-batch-size", "8",
+    "--pipeline-model-parallel-size",
+    "2",
+    "--global-batch-size",
+    "8",
     "--use-distributed-optimizer",
     "--overlap-grad-reduce",
 ]

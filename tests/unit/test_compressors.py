@@ -105,8 +105,14 @@ def test_adamw_corrected_gradient_matches_torch_adamw():
         opt.step()
     st = opt.state[p]
     g = adamw_corrected_gradient(
-        st["exp_avg"], st["exp_avg_sq"], p.detach(), step=int(st["step"]), lr=0.01,
-        betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+        st["exp_avg"],
+        st["exp_avg_sq"],
+        p.detach(),
+        step=int(st["step"]),
+        lr=0.01,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.1,
     )
     bc1, bc2 = 1 - 0.9**3, 1 - 0.95**3
     direction = (st["exp_avg"] / bc1) / ((st["exp_avg_sq"] / bc2).sqrt() + 1e-8)

@@ -17,8 +17,7 @@ def _run(code):
 
 
 def test_redirections_and_removal():
-    out = _run(
-        """
+    out = _run("""
         import torch
         from megatron_ext.megatron.cpu import (
             disable_cpu_execution, enable_cpu_execution, is_cpu_execution_enabled)
@@ -57,14 +56,12 @@ def test_redirections_and_removal():
             torch.zeros(1, device="cuda")
         except (RuntimeError, AssertionError):
             print("restored")
-        """
-    )
+        """)
     assert "restored" in out
 
 
 def test_noop_when_cuda_is_available():
-    out = _run(
-        """
+    out = _run("""
         import torch
         torch.cuda.is_available = lambda: True
         from megatron_ext.megatron.cpu import enable_cpu_execution, is_cpu_execution_enabled
@@ -72,6 +69,5 @@ def test_noop_when_cuda_is_available():
         assert not is_cpu_execution_enabled()
         assert torch.cuda.device_count() == 0  # nothing was replaced
         print("noop")
-        """
-    )
+        """)
     assert "noop" in out

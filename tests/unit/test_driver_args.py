@@ -81,8 +81,18 @@ def test_invalid_values_name_the_flag(argv, flag):
         (["--tensor-model-parallel-size", "3"], 2, "--tensor-model-parallel-size"),
         (["--global-batch-size", "6", "--micro-batch-size", "4"], 2, "--global-batch-size"),
         (["--pipeline-model-parallel-size", "2", "--num-layers", "3"], 2, "--num-layers"),
-        (["--tensor-model-parallel-size", "2", "--num-attention-heads", "3",
-          "--hidden-size", "96"], 2, "--num-attention-heads"),
+        (
+            [
+                "--tensor-model-parallel-size",
+                "2",
+                "--num-attention-heads",
+                "3",
+                "--hidden-size",
+                "96",
+            ],
+            2,
+            "--num-attention-heads",
+        ),
     ],
 )
 def test_layout_errors_name_the_flags(argv, world, flag):
@@ -93,8 +103,17 @@ def test_layout_errors_name_the_flags(argv, world, flag):
 
 
 def test_layout_sizes():
-    cfg = parse_args(["--cpu", "--micro-batch-size", "2", "--global-batch-size", "16",
-                      "--pipeline-model-parallel-size", "2"])
+    cfg = parse_args(
+        [
+            "--cpu",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "16",
+            "--pipeline-model-parallel-size",
+            "2",
+        ]
+    )
     sizes = _layout_sizes(cfg, 4)
     assert sizes == {"tp": 1, "pp": 2, "dp": 2, "gbs": 16, "num_microbatches": 4}
 

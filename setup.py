@@ -1,6 +1,21 @@
 """megatron-ext: communication-efficient training for Megatron-LM and megatron-core."""
 
+import glob
+import os
+
 from setuptools import find_packages, setup
+
+
+def _data_files(top):
+    """Install a repository folder (configs/, patches/) under share/megatron-ext/."""
+    out = {}
+    for path in glob.glob(os.path.join(top, "**", "*"), recursive=True):
+        if os.path.isfile(path):
+            out.setdefault(os.path.join("share", "megatron-ext", os.path.dirname(path)), []).append(
+                path
+            )
+    return sorted(out.items())
+
 
 setup(
     name="megatron-ext",
@@ -28,5 +43,7 @@ setup(
         "test": ["pytest", "tensorboard"],
         "report": ["matplotlib", "tensorboard"],
     },
+    # Model presets, run files and Megatron-LM patches, found there by a non-editable install.
+    data_files=_data_files("configs") + _data_files("patches"),
     entry_points={"console_scripts": ["megatron-ext=megatron_ext.cli:main"]},
 )

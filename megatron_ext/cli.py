@@ -23,6 +23,14 @@ SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
         "megatron_ext.netbench.cli",
         "run a training command with every rank in a traffic-shaped network namespace",
     ),
+    "pretrain": (
+        "megatron_ext.megatron.lm.launcher",
+        "run Megatron-LM's unmodified pretrain_gpt.py with megatron-ext (torchrun)",
+    ),
+    "patch": (
+        "megatron_ext.megatron.lm.patch",
+        "patch (or --revert) a Megatron-LM checkout's pretrain_gpt.py to load megatron-ext",
+    ),
 }
 
 

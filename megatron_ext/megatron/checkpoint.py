@@ -41,7 +41,13 @@ from megatron_ext.logging import get_logger, warn_once
 from megatron_ext.megatron.naming import unwrap
 from megatron_ext.state import StateMismatch, fingerprint
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_iteration", "checkpoint_dir"]
+__all__ = [
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_iteration",
+    "checkpoint_dir",
+    "ext_meta",
+]
 
 logger = get_logger(__name__)
 
@@ -90,7 +96,9 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _ext_meta(runtime: Any) -> Dict[str, Any]:
+def ext_meta(runtime: Any) -> Dict[str, Any]:
+    """Layout (without the rank) and settings fingerprint of megatron_ext's state: stored in
+    a checkpoint's common part so a mismatch is seen before loading."""
     state = runtime.state
     layout = {k: v for k, v in state.layout.items() if k != "rank"}
     return {
@@ -173,7 +181,7 @@ def save_checkpoint(
             "checkpoint_version": _FORMAT,
             "iteration": iteration,
             "consumed_samples": consumed_samples,
-            "megatron_ext_meta": _ext_meta(runtime),
+            "megatron_ext_meta": ext_meta(runtime),
             "torch_adam_steps": _torch_adam_steps(optimizer),
         }
     )
@@ -273,7 +281,7 @@ def load_checkpoint(
             f"(version {common.get('checkpoint_version')!r})"
         )
     saved_meta = common.get("megatron_ext_meta", {})
-    meta = _ext_meta(runtime)
+    meta = ext_meta(runtime)
     include_ext = True
     if (
         saved_meta.get("layout") != meta["layout"]

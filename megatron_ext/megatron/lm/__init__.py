@@ -1,0 +1,136 @@
+"""megatron-ext inside Megatron-LM's ``pretrain_gpt.py`` (``megatron.training``).
+
+What it does:
+    Wires megatron-ext into an unmodified Megatron-LM training loop, in one of two ways:
+
+    * **patched**: ``megatron-ext patch /path/to/Megatron-LM`` adds two hunks to
+      ``pretrain_gpt.py`` (``patches/<tag>/``): a call to :func:`install_megatron_lm_hooks`
+      before Megatron-LM is imported, and :func:`megatron_lm_extra_args` around the
+      ``extra_args_provider`` it passes. Then ``torchrun pretrain_gpt.py ... --grad-compression
+      separate`` works as usual.
+    * **zero-touch**: ``megatron-ext pretrain /path/to/pretrain_gpt.py ...``
+      (:mod:`megatron_ext.megatron.lm.launcher`) installs the same hooks and runs the
+      unmodified script as ``__main__``.
+
+    :func:`install_megatron_lm_hooks` finds the release of the imported megatron-core in
+    :data:`~megatron_ext.megatron.lm.releases.RELEASES`, refuses an unknown one, switches on
+    CPU execution when asked (``cpu=True`` or ``MEGATRON_EXT_CPU=1``) and installs that
+    release's hooks (for core_v0.16.x: :mod:`megatron_ext.megatron.lm.core_v0_16`).
+
+Why:
+    Megatron-LM users keep their launch scripts and flags; megatron-ext's flags join
+    Megatron's parser, its bytes join Megatron's log line and its state joins Megatron's
+    checkpoints.
+
+Constraints:
+    Importing this package does not import Megatron (the launcher sets ``sys.path`` first).
+    One installation per process; :func:`install_megatron_lm_hooks` is idempotent.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from typing import Any, Callable, Optional
+
+__all__ = ["install_megatron_lm_hooks", "megatron_lm_extra_args", "installed_hooks"]
+
+_HOOKS: Any = None
+
+# A flag megatron-ext always adds: its presence means the parser already has our flags.
+_MARKER_FLAG = "--grad-compression"
+
+
+def megatron_lm_extra_args(provider: Optional[Callable] = None) -> Callable:
+    """An ``extra_args_provider`` that adds megatron-ext's flags after ``provider``'s.
+
+    Idempotent: a parser that already has megatron-ext's flags is returned as is, so the
+    patched ``pretrain_gpt.py`` and the hooked ``parse_args`` can both chain it.
+
+    Args:
+        provider: the provider pretrain_gpt passes (``add_modelopt_args`` or None).
+
+    Returns:
+        A provider that returns the parser, as Megatron-LM requires.
+    """
+    if getattr(provider, "__megatron_ext_args__", False):
+        return provider
+
+    def extra_args_provider(parser):
+        if provider is not None:
+            parser = provider(parser)
+        if _MARKER_FLAG not in parser._option_string_actions:
+            from megatron_ext.config import add_args
+
+            parser = add_args(parser)
+        return parser
+
+    extra_args_provider.__megatron_ext_args__ = True
+    return extra_args_provider
+
+
+def installed_hooks() -> Any:
+    """The installed :class:`~megatron_ext.megatron.lm.core_v0_16.MegatronLMHooks`, or None."""
+    return _HOOKS
+
+
+def _checkout_version_next_to_training() -> Optional[str]:
+    """Release of the checkout ``megatron.training`` comes from (None: no package_info.py)."""
+    from megatron_ext.megatron.lm.releases import read_checkout_version
+
+    spec = importlib.util.find_spec("megatron.training")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    checkout = os.path.dirname(os.path.dirname(list(spec.submodule_search_locations)[0]))
+    return read_checkout_version(checkout)
+
+
+def install_megatron_lm_hooks(cpu: Optional[bool] = None) -> Any:
+    """Install megatron-ext's Megatron-LM hooks for the imported release (idempotent).
+
+    Args:
+        cpu: run on CPU with gloo (:mod:`megatron_ext.megatron.lm.cpu`); None reads
+            ``MEGATRON_EXT_CPU``.
+
+    Returns:
+        The hooks handle (``remove()`` restores Megatron-LM's functions).
+
+    Raises:
+        UnsupportedReleaseError: the imported megatron-core (or the checkout holding
+            ``megatron.training``) is not a supported release.
+    """
+    global _HOOKS
+    if _HOOKS is not None:
+        return _HOOKS
+    from megatron_ext.megatron.lm.cpu import cpu_requested_by_env, enable_megatron_lm_cpu
+    from megatron_ext.megatron.lm.releases import UnsupportedReleaseError, release_for_version
+    from megatron_ext.megatron.lm.session import MegatronLMSession
+
+    if cpu is None:
+        cpu = cpu_requested_by_env()
+    # Triton may be missing on CPU machines: the stand-in must precede megatron.training.
+    cpu_on = cpu and enable_megatron_lm_cpu() is not None
+    from megatron.core import package_info
+
+    release = release_for_version(package_info.__version__, "the imported megatron-core")
+    training_version = _checkout_version_next_to_training()
+    if training_version is not None and training_version != release.version:
+        raise UnsupportedReleaseError(
+            f"megatron.training comes from a Megatron-LM {training_version} checkout but "
+            f"megatron.core is {release.version}; use one release for both"
+        )
+    module_name, function_name = release.hooks.split(":")
+    install = getattr(importlib.import_module(module_name), function_name)
+    _HOOKS = install(MegatronLMSession(release, cpu=bool(cpu_on)))
+    if cpu_on:
+        from megatron_ext.megatron.lm.cpu import disable_megatron_lm_cpu
+
+        _HOOKS.on_remove.append(disable_megatron_lm_cpu)
+    _HOOKS.on_remove.append(_forget_hooks)
+    return _HOOKS
+
+
+def _forget_hooks() -> None:
+    global _HOOKS
+    _HOOKS = None

@@ -1,0 +1,168 @@
+"""megatron-ext's per-rank state inside Megatron-LM checkpoints (``torch_dist`` and ``torch``).
+
+What it does:
+    megatron-ext state (:class:`~megatron_ext.state.ExtState`: error-feedback residuals,
+    warm starts, selected indices) differs across ranks, so it is stored once per global
+    rank next to Megatron-LM's own state:
+
+    * ``--ckpt-format torch_dist``: one ``ShardedObject`` ``megatron_ext/rank_state`` per
+      rank (global shape ``(world,)``, offset ``(rank,)``), added to the dict that
+      ``checkpointing.generate_state_dict`` builds. That function also builds the load
+      template, so the same object is read back on ``--load``.
+    * ``--ckpt-format torch``: only data-parallel rank 0 writes Megatron-LM's legacy file,
+      so every rank writes ``<iter dir>/megatron_ext/rank_XXXXX.pt`` itself, before
+      Megatron-LM moves the ``latest_checkpointed_iteration.txt`` tracker.
+
+    Both formats also carry a copy of the state's layout and settings fingerprint
+    (``megatron_ext_meta``) in the common state, checked before anything is loaded: a
+    mismatch (other TP/PP/DP, other compression settings, a checkpoint without megatron-ext
+    state) stops the run (``--ext-state-on-mismatch error``) or starts megatron-ext's state
+    fresh with a warning (``reset``).
+
+Why not through the optimizer:
+    Megatron-LM's checkpoint keys are fixed and its optimizer wrappers are built inside
+    ``get_megatron_optimizer``; a plugin key in the state dict keeps Megatron's own state
+    untouched and loads the same way in every optimizer configuration.
+
+Constraints:
+    The layout/fingerprint check mirrors ``megatron_ext.megatron.checkpoint`` (our own
+    driver's checkpoints) and uses its ``ext_meta``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional
+
+import torch
+
+from megatron_ext.logging import print_rank_0
+from megatron_ext.megatron.checkpoint import ext_meta
+from megatron_ext.state import StateMismatch
+
+__all__ = [
+    "META_KEY",
+    "STATE_KEY",
+    "SHARDED_OBJECT_KEY",
+    "RANK_FILE_DIR",
+    "ext_meta",
+    "sharded_state_object",
+    "rank_file",
+    "iteration_dir_of",
+    "save_rank_file",
+    "load_rank_file",
+    "decide_load",
+]
+
+META_KEY = "megatron_ext_meta"
+"""Common-state key: layout, settings and their fingerprint of the saved megatron-ext state."""
+
+STATE_KEY = "megatron_ext_state"
+"""State-dict key of the per-rank ShardedObject (torch_dist)."""
+
+SHARDED_OBJECT_KEY = "megatron_ext/rank_state"
+"""dist_checkpointing key of the ShardedObject (same as ``megatron-ext train``'s)."""
+
+RANK_FILE_DIR = "megatron_ext"
+"""Folder inside an iteration directory holding the per-rank files (torch format)."""
+
+
+def _clone_tensors(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_clone_tensors(v) for v in obj)
+    return obj
+
+
+def sharded_state_object(runtime: Any, *, snapshot: bool = False) -> Any:
+    """This rank's state as a dist_checkpointing ``ShardedObject``.
+
+    Args:
+        runtime: the installed :class:`~megatron_ext.megatron.runtime.ExtRuntime`.
+        snapshot: copy the tensors (asynchronous saves write after training continues).
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state = runtime.state.state_dict()
+    if snapshot:
+        state = _clone_tensors(state)
+    rank = torch.distributed.get_rank()
+    world = torch.distributed.get_world_size()
+    return ShardedObject(SHARDED_OBJECT_KEY, state, (world,), (rank,), replica_id=0)
+
+
+def rank_file(iteration_dir: str, rank: int) -> str:
+    """``<iteration_dir>/megatron_ext/rank_XXXXX.pt``."""
+    return os.path.join(iteration_dir, RANK_FILE_DIR, f"rank_{rank:05d}.pt")
+
+
+def iteration_dir_of(checkpoint_name: str) -> str:
+    """The ``iter_XXXXXXX`` directory of a Megatron-LM checkpoint name.
+
+    ``torch_dist`` names the directory itself; ``torch`` names
+    ``<iter dir>/mp_rank_XX[_YYY]/model_optim_rng.pt``.
+    """
+    if os.path.isdir(checkpoint_name):
+        return checkpoint_name
+    return os.path.dirname(os.path.dirname(checkpoint_name))
+
+
+def save_rank_file(iteration_dir: str, runtime: Any) -> str:
+    """Write this rank's state file (atomically); returns its path."""
+    path = rank_file(iteration_dir, torch.distributed.get_rank())
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    torch.save({META_KEY: ext_meta(runtime), "state": runtime.state.state_dict()}, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def load_rank_file(path: str) -> Dict[str, Any]:
+    """The state stored by :func:`save_rank_file`."""
+    # Written by save_rank_file: tensors, primitives and dicts only.
+    return torch.load(path, map_location="cpu", weights_only=False)["state"]
+
+
+def decide_load(
+    saved_meta: Optional[Dict[str, Any]], runtime: Any, on_mismatch: str, where: str
+) -> bool:
+    """Whether megatron-ext state saved with ``saved_meta`` can be loaded into ``runtime``.
+
+    Args:
+        saved_meta: the checkpoint's ``megatron_ext_meta`` (None: saved without megatron-ext).
+        runtime: this run's runtime.
+        on_mismatch: ``--ext-state-on-mismatch`` (``error`` or ``reset``).
+        where: checkpoint path for messages.
+
+    Returns:
+        True to load, False to start megatron-ext's state fresh (after a warning).
+
+    Raises:
+        StateMismatch: mismatch and ``on_mismatch == 'error'``.
+    """
+    meta = ext_meta(runtime)
+    if saved_meta is None:
+        problem = f"{where} holds no megatron-ext state (saved by Megatron-LM without megatron-ext)"
+    elif (
+        saved_meta.get("layout") != meta["layout"]
+        or saved_meta.get("fingerprint") != meta["fingerprint"]
+    ):
+        problem = (
+            f"megatron-ext state in {where} was saved with layout {saved_meta.get('layout')} "
+            f"and settings {saved_meta.get('settings')}; this run has {meta['layout']} and "
+            f"{meta['settings']}"
+        )
+    else:
+        return True
+    if on_mismatch == "error":
+        raise StateMismatch(
+            problem + ". Pass --ext-state-on-mismatch reset to start the megatron-ext state "
+            "from scratch (model and optimizer load as usual)."
+        )
+    print_rank_0(
+        f"megatron-ext: WARNING: {problem}; starting megatron-ext state from scratch (reset)."
+    )
+    return False

@@ -1,0 +1,212 @@
+"""Run Megatron-LM's ``megatron.training`` (``pretrain_gpt.py``) on CPU with gloo.
+
+What it does:
+    On top of :func:`megatron_ext.megatron.cpu.enable_cpu_execution` (megatron-core's CUDA
+    calls redirected to CPU), :func:`enable_megatron_lm_cpu` takes care of what
+    Megatron-LM's training package adds:
+
+    * ``megatron/training/initialize.py`` imports
+      ``megatron.core.transformer.custom_layers.batch_invariant_kernels``, which imports
+      triton at module level; without triton a stand-in module with the same public names
+      is registered (batch-invariant mode itself stays unavailable and says so if asked);
+    * ``initialize_megatron`` (as ``pretrain()`` calls it through
+      ``megatron.training.training``) gets ``allow_no_cuda=True``;
+    * ``megatron.legacy.fused_kernels.load`` (needs ``CUDA_HOME``/nvcc) becomes a no-op;
+    * ``megatron.core.datasets.utils.compile_helpers`` skips the build when
+      ``helpers_cpp`` already imports (the megatron-core wheel ships it prebuilt but no
+      Makefile), and otherwise builds it with *this* interpreter's pybind11 include path
+      and extension suffix (the Makefile's ``python3`` can resolve to another Python, e.g.
+      through a checkout's ``.python-version``).
+
+    The environment gets ``TORCHDYNAMO_DISABLE=1`` and ``CUDA_DEVICE_MAX_CONNECTIONS=1``
+    (Megatron's fused elementwise ops are torch.compile'd; ``validate_args`` asserts the
+    connections setting for TP > 1).
+
+Why:
+    To debug a Megatron-LM launch line (parallel layout, megatron-ext flags, checkpoints)
+    on a laptop, and to test megatron-ext's Megatron-LM integration on CPU-only CI.
+
+Constraints:
+    * Off unless asked: ``megatron-ext pretrain --cpu`` or ``MEGATRON_EXT_CPU=1`` (read by
+      :func:`megatron_ext.megatron.lm.install_megatron_lm_hooks`). With CUDA present it
+      does nothing and says so.
+    * Must run before ``megatron.training`` is first imported where triton is missing
+      (``initialize.py`` fails to import otherwise).
+    * The Megatron-LM flags CPU execution needs are checked after argument parsing
+      (:data:`CPU_REQUIRED_FLAGS`); the limits of :mod:`megatron_ext.megatron.cpu` apply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import logging
+import os
+import subprocess
+import sys
+import sysconfig
+import types
+from typing import Any, List, Optional, Tuple
+
+from megatron_ext.config import ConfigError
+
+__all__ = [
+    "CPU_ENV_VAR",
+    "CPU_REQUIRED_FLAGS",
+    "MegatronLMCpuHandle",
+    "cpu_requested_by_env",
+    "enable_megatron_lm_cpu",
+    "disable_megatron_lm_cpu",
+    "check_cpu_args",
+]
+
+logger = logging.getLogger(__name__)
+
+CPU_ENV_VAR = "MEGATRON_EXT_CPU"
+"""Environment variable that switches CPU execution on for a patched pretrain_gpt.py."""
+
+_BATCH_INVARIANT = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
+
+# (flag, args attribute, value CPU execution needs)
+CPU_REQUIRED_FLAGS: Tuple[Tuple[str, str, Any], ...] = (
+    ("--distributed-backend gloo", "distributed_backend", "gloo"),
+    ("--transformer-impl local", "transformer_impl", "local"),
+    ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion", False),
+    ("--no-persist-layer-norm", "no_persist_layer_norm", True),
+)
+
+
+def cpu_requested_by_env() -> bool:
+    """Whether ``MEGATRON_EXT_CPU`` asks for CPU execution (1/true/yes/on)."""
+    return os.environ.get(CPU_ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _batch_invariant_stand_in() -> types.ModuleType:
+    """Module with the public names of batch_invariant_kernels, for machines without triton."""
+    module = types.ModuleType(_BATCH_INVARIANT)
+    module.__doc__ = "megatron-ext CPU stand-in: triton is not installed."
+
+    def unavailable(*args, **kwargs):
+        raise RuntimeError(
+            "--batch-invariant-mode needs triton (a GPU build); megatron-ext's CPU execution "
+            "replaced megatron.core.transformer.custom_layers.batch_invariant_kernels"
+        )
+
+    @contextlib.contextmanager
+    def set_batch_invariant_mode(enabled: bool = True):
+        if enabled:
+            unavailable()
+        yield
+
+    module.is_batch_invariant_mode_enabled = lambda: False
+    module.enable_batch_invariant_mode = unavailable
+    module.disable_batch_invariant_mode = lambda: None
+    module.set_batch_invariant_mode = set_batch_invariant_mode
+    return module
+
+
+def _compile_helpers() -> None:
+    """megatron.core.datasets.utils.compile_helpers for CPU runs (see module docstring)."""
+    try:
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
+        return
+    except ImportError:
+        pass
+    import megatron.core.datasets as datasets
+
+    folder = os.path.dirname(os.path.abspath(datasets.__file__))
+    try:
+        import pybind11
+    except ImportError:
+        raise RuntimeError(
+            f"megatron.core.datasets.helpers_cpp is not built in {folder} and pybind11 is not "
+            "installed to build it: pip install pybind11 (or use a megatron-core wheel, which "
+            "ships it prebuilt)"
+        ) from None
+    includes = f"-I{pybind11.get_include()} -I{sysconfig.get_paths()['include']}"
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    command = ["make", "-C", folder, f"CPPFLAGS={includes}", f"LIBEXT={suffix}"]
+    result = subprocess.run(command)
+    if result.returncode != 0:
+        raise RuntimeError(f"building helpers_cpp failed: {' '.join(command)}")
+
+
+class MegatronLMCpuHandle:
+    """The installed Megatron-LM CPU redirections; ``remove()`` restores them."""
+
+    def __init__(self):
+        self._saved: List[Tuple[Any, str, Any]] = []
+        self._stubbed_module = False
+
+    def replace(self, owner: Any, name: str, value: Any) -> None:
+        """Set ``owner.name = value``, remembering the old value."""
+        self._saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    def remove(self) -> None:
+        """Undo the Megatron-LM part (megatron-core's CPU execution stays on)."""
+        for owner, name, value in reversed(self._saved):
+            setattr(owner, name, value)
+        self._saved.clear()
+        if self._stubbed_module:
+            sys.modules.pop(_BATCH_INVARIANT, None)
+            self._stubbed_module = False
+
+
+_ACTIVE: Optional[MegatronLMCpuHandle] = None
+
+
+def enable_megatron_lm_cpu() -> Optional[MegatronLMCpuHandle]:
+    """Switch on CPU execution of megatron-core and Megatron-LM's training package.
+
+    Idempotent. Call before ``megatron.training`` is imported.
+
+    Returns:
+        The handle, or None when CUDA is available (nothing changed).
+    """
+    global _ACTIVE
+    if _ACTIVE is not None:
+        return _ACTIVE
+    from megatron_ext.megatron.cpu import enable_cpu_execution
+
+    if not enable_cpu_execution():
+        return None
+    handle = MegatronLMCpuHandle()
+    try:
+        importlib.import_module(_BATCH_INVARIANT)
+    except ImportError:
+        sys.modules[_BATCH_INVARIANT] = _batch_invariant_stand_in()
+        handle._stubbed_module = True
+    training = importlib.import_module("megatron.training.training")
+    handle.replace(
+        training,
+        "initialize_megatron",
+        functools.partial(training.initialize_megatron, allow_no_cuda=True),
+    )
+    fused_kernels = importlib.import_module("megatron.legacy.fused_kernels")
+    handle.replace(fused_kernels, "load", lambda args: None)
+    dataset_utils = importlib.import_module("megatron.core.datasets.utils")
+    handle.replace(dataset_utils, "compile_helpers", _compile_helpers)
+    _ACTIVE = handle
+    return handle
+
+
+def disable_megatron_lm_cpu() -> None:
+    """Undo :func:`enable_megatron_lm_cpu` (megatron-core's CPU execution stays on)."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        _ACTIVE.remove()
+        _ACTIVE = None
+
+
+def check_cpu_args(args: Any) -> None:
+    """Raise :class:`ConfigError` naming every Megatron-LM flag CPU execution still needs."""
+    missing = [flag for flag, attr, value in CPU_REQUIRED_FLAGS if getattr(args, attr) != value]
+    if missing:
+        raise ConfigError(
+            [m.split()[0] for m in missing],
+            "CPU execution (megatron-ext --cpu / MEGATRON_EXT_CPU=1) needs "
+            + " ".join(missing)
+            + " (no NCCL, Transformer Engine or Apex on CPU)",
+        )

@@ -1,0 +1,175 @@
+"""Which Megatron-LM releases megatron-ext can hook, and how a checkout's release is found.
+
+What it does:
+    :data:`RELEASES` maps a megatron-core version string (``megatron/core/package_info.py``)
+    to a :class:`MegatronLMRelease`: its git tag, the module that installs the runtime hooks
+    for it, the fingerprint (SHA-256) of its pristine ``pretrain_gpt.py`` and the folder of
+    its source patch under ``patches/``. :func:`detect_checkout_release` reads a checkout on
+    disk (without importing it) and :func:`release_for_version` resolves the release of the
+    megatron-core that is imported at run time. Anything not in the table is refused with
+    :class:`UnsupportedReleaseError`, whose message names the supported releases.
+
+Why a table:
+    Megatron-LM moves its seams between releases: 0.16 parses arguments inside
+    ``pretrain()`` (``initialize.py`` imports ``parse_args``/``validate_args`` by name),
+    0.18 parses them in ``pretrain_gpt.py``'s ``__main__`` through
+    ``arguments.parse_and_validate_args``, 0.19 passes a ``p2p_communicator`` to
+    ``train_step`` itself. Each verified release gets its own hook module; an unverified
+    release is refused rather than half-hooked (a silently missing hook would train without
+    compression, or lose megatron-ext state in checkpoints).
+
+Constraints:
+    Pure Python; never imports Megatron (the launcher and ``megatron-ext patch`` use it
+    before ``sys.path`` holds a checkout).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+__all__ = [
+    "MegatronLMRelease",
+    "RELEASES",
+    "UnsupportedReleaseError",
+    "supported_releases_text",
+    "read_checkout_version",
+    "file_sha256",
+    "detect_checkout_release",
+    "release_for_version",
+]
+
+
+@dataclass(frozen=True)
+class MegatronLMRelease:
+    """One Megatron-LM release that megatron-ext was verified against."""
+
+    version: str
+    """megatron-core version string as ``megatron/core/package_info.py`` builds it."""
+
+    tag: str
+    """Git tag of the release in NVIDIA/Megatron-LM."""
+
+    hooks: str
+    """``module:function`` that installs the runtime hooks for this release."""
+
+    pretrain_gpt_sha256: str
+    """SHA-256 of the release's unmodified ``pretrain_gpt.py``."""
+
+    patch_dir: str
+    """Folder under ``patches/`` holding the release's source patch."""
+
+
+RELEASES: Dict[str, MegatronLMRelease] = {
+    "0.16.1": MegatronLMRelease(
+        version="0.16.1",
+        tag="core_v0.16.1",
+        hooks="megatron_ext.megatron.lm.core_v0_16:install_hooks",
+        pretrain_gpt_sha256="5a5b8fe909610892146e4d2ef5b303bd9b73bb31dfc96d73f2d0afb8937d4b22",
+        patch_dir="core_v0.16.1",
+    ),
+}
+
+
+class UnsupportedReleaseError(RuntimeError):
+    """A Megatron-LM checkout or megatron-core whose release megatron-ext does not support."""
+
+
+def supported_releases_text() -> str:
+    """``core_v0.16.1 (megatron-core 0.16.1), ...`` for error messages."""
+    return ", ".join(f"{r.tag} (megatron-core {r.version})" for r in RELEASES.values())
+
+
+def read_checkout_version(checkout: str) -> Optional[str]:
+    """The version in ``<checkout>/megatron/core/package_info.py``, or None if absent.
+
+    The file is parsed, not imported: it assigns ``MAJOR``, ``MINOR``, ``PATCH`` and
+    ``PRE_RELEASE`` literals and builds ``__version__`` from them.
+
+    Raises:
+        UnsupportedReleaseError: the file exists but does not have that shape.
+    """
+    path = os.path.join(checkout, "megatron", "core", "package_info.py")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    values: Dict[str, object] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+            if isinstance(target, ast.Name) and isinstance(node.value, ast.Constant):
+                values[target.id] = node.value.value
+    try:
+        major, minor, patch = values["MAJOR"], values["MINOR"], values["PATCH"]
+    except KeyError as exc:
+        raise UnsupportedReleaseError(
+            f"{path} does not define MAJOR/MINOR/PATCH (missing {exc}); cannot tell which "
+            f"Megatron-LM release this is. Supported: {supported_releases_text()}."
+        ) from None
+    return f"{major}.{minor}.{patch}{values.get('PRE_RELEASE', '') or ''}"
+
+
+def file_sha256(path: str) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 16), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _unsupported(where: str, version: str) -> UnsupportedReleaseError:
+    return UnsupportedReleaseError(
+        f"{where} is Megatron-LM release {version}; megatron-ext supports "
+        f"{supported_releases_text()}. Check out a supported tag (git checkout "
+        f"{next(iter(RELEASES.values())).tag}) or see patches/README.md for the plan for "
+        "newer releases."
+    )
+
+
+def detect_checkout_release(checkout: str) -> MegatronLMRelease:
+    """The release of a Megatron-LM checkout on disk.
+
+    Read from ``megatron/core/package_info.py``; a tree without that file (for example a
+    checkout whose ``megatron/core`` was removed to use an installed megatron-core) is
+    recognised by the fingerprint of its ``pretrain_gpt.py``.
+
+    Args:
+        checkout: the checkout's root directory (the one holding ``pretrain_gpt.py``).
+
+    Raises:
+        UnsupportedReleaseError: unknown release, or nothing to tell it by.
+    """
+    version = read_checkout_version(checkout)
+    if version is not None:
+        if version not in RELEASES:
+            raise _unsupported(f"{checkout} (megatron/core/package_info.py)", version)
+        return RELEASES[version]
+    script = os.path.join(checkout, "pretrain_gpt.py")
+    if os.path.isfile(script):
+        digest = file_sha256(script)
+        for release in RELEASES.values():
+            if digest == release.pretrain_gpt_sha256:
+                return release
+    raise UnsupportedReleaseError(
+        f"cannot tell the Megatron-LM release of {checkout}: it has no "
+        "megatron/core/package_info.py and its pretrain_gpt.py matches no supported "
+        f"release's. Supported: {supported_releases_text()}."
+    )
+
+
+def release_for_version(
+    version: str, where: str = "the imported megatron-core"
+) -> MegatronLMRelease:
+    """The release entry of a megatron-core version string.
+
+    Raises:
+        UnsupportedReleaseError: the version is not in :data:`RELEASES`.
+    """
+    if version not in RELEASES:
+        raise _unsupported(where, version)
+    return RELEASES[version]

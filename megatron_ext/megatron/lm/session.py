@@ -1,0 +1,529 @@
+"""What megatron-ext does inside one Megatron-LM training process, independent of the release.
+
+What it does:
+    :class:`MegatronLMSession` holds the per-process state of the integration and does the
+    work the release-specific hook modules (``core_v0_16``) call into:
+
+    * :meth:`~MegatronLMSession.configure`: after Megatron-LM's ``validate_args``, build
+      :class:`~megatron_ext.config.ExtConfig` from the parsed args and check it against the
+      parallel layout and the Megatron-LM options the hooks rely on (checkpoint format,
+      CUDA graphs, FSDP, CPU execution needs);
+    * :meth:`~MegatronLMSession.install_runtime`: once the DDP model chunks and the
+      optimizer exist (before Megatron-LM loads a checkpoint), install every seam
+      (:func:`megatron_ext.megatron.runtime.install`) and log once on rank 0 what was
+      installed;
+    * per iteration: :meth:`~MegatronLMSession.begin_train_step` /
+      :meth:`~MegatronLMSession.end_train_step` around ``train_step`` (Megatron-LM's
+      iteration and the ``MegatronPretrainingSampler`` sample ids),
+      :meth:`~MegatronLMSession.before_forward_backward` for every schedule call (evaluation
+      included) and the schedule kwargs (``p2p_communicator=``, ``pg_collection=``);
+    * logging: the interval's bytes per category, summed over ranks, as a field of
+      Megatron-LM's iteration line and as TensorBoard / W&B scalars;
+    * checkpoints: megatron-ext's per-rank state in ``torch_dist`` and ``torch``
+      checkpoints (:mod:`megatron_ext.megatron.lm.checkpoint`);
+    * the JSON communication report at the end of training.
+
+Why a session object:
+    Megatron-LM's seams move between releases but what has to happen at them does not. A
+    hook module for a new release only maps that release's functions onto these methods.
+
+Constraints:
+    One model/optimizer per process (what ``pretrain()`` builds). Errors a user can fix
+    (a bad flag, an unsupported combination, a checkpoint whose megatron-ext state does
+    not fit) end the process with exit code 2 and a message naming the flag, on every rank
+    alike, through :meth:`~MegatronLMSession.clean_errors`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import torch
+
+from megatron_ext.accounting import (
+    ProcessGroupTrafficMeter,
+    Traffic,
+    all_ranks_totals,
+    format_traffic,
+    gather_rank_totals,
+)
+from megatron_ext.config import (
+    ConfigError,
+    ExtConfig,
+    ParallelLayout,
+    ext_config_from_args,
+    validate_ext_config,
+)
+from megatron_ext.megatron.lm import checkpoint as lm_ckpt
+from megatron_ext.megatron.lm.releases import MegatronLMRelease, UnsupportedReleaseError
+from megatron_ext.state import StateMismatch
+
+__all__ = ["MegatronLMSession", "layout_from_args", "check_megatron_lm_args"]
+
+
+def _first_rank() -> bool:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _print_rank_0(message: str) -> None:
+    if _first_rank():
+        print(message, flush=True)
+
+
+def layout_from_args(args: Any) -> ParallelLayout:
+    """The parallel layout from Megatron-LM's validated args (``data_parallel_size`` set)."""
+    return ParallelLayout(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        use_distributed_optimizer=bool(args.use_distributed_optimizer),
+        overlap_grad_reduce=bool(args.overlap_grad_reduce),
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        transformer_impl=args.transformer_impl,
+    )
+
+
+def check_megatron_lm_args(args: Any, cfg: ExtConfig) -> None:
+    """Refuse Megatron-LM options under which a megatron-ext hook could not do its job.
+
+    Raises:
+        ConfigError: naming the Megatron-LM flag (and ours where both matter).
+    """
+    if (args.save or args.load) and args.ckpt_format not in ("torch_dist", "torch"):
+        raise ConfigError(
+            "--ckpt-format",
+            f"megatron-ext keeps its per-rank state in 'torch_dist' and 'torch' checkpoints; "
+            f"got {args.ckpt_format!r}",
+        )
+    if args.non_persistent_save_interval:
+        raise ConfigError(
+            "--non-persistent-save-interval",
+            "megatron-ext state is saved in persistent checkpoints only (--save-interval)",
+        )
+    scope = [str(s) for s in (getattr(args, "cuda_graph_scope", None) or [])]
+    if args.cuda_graph_impl == "local" and any("full_iteration" in s for s in scope):
+        raise ConfigError(
+            ["--cuda-graph-impl", "--cuda-graph-scope"],
+            "a full-iteration CUDA graph replays the step without megatron-ext's per-step hooks",
+        )
+    if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
+        flag = (
+            "--use-torch-fsdp2"
+            if getattr(args, "use_torch_fsdp2", False)
+            else "--use-megatron-fsdp"
+        )
+        raise ConfigError(
+            flag, "megatron-ext hooks megatron-core's DistributedDataParallel, not FSDP"
+        )
+    if cfg.p2p.enabled and args.dataloader_type not in (None, "single"):
+        raise ConfigError(
+            ["--p2p-compression", "--dataloader-type"],
+            "pipeline codecs key state by dataset sample; only --dataloader-type single gives "
+            "sample ids",
+        )
+
+
+@dataclass
+class _LoadContext:
+    """What the hooks learn while Megatron-LM's ``load_checkpoint`` runs."""
+
+    include: Optional[bool] = None
+    """Load megatron-ext state (None: no checkpoint was found)."""
+
+    where: str = ""
+    """The checkpoint being loaded."""
+
+    loaded: Optional[Dict[str, Any]] = None
+    """This rank's state read from a torch_dist checkpoint."""
+
+    checkpoint_name: Optional[str] = None
+    """Megatron-LM's checkpoint name of the load (torch format: the per-(TP,PP) file)."""
+
+    reason: str = ""
+    """Why state was not loaded, for the log."""
+
+
+class MegatronLMSession:
+    """megatron-ext inside one Megatron-LM training process (see module docstring).
+
+    Args:
+        release: the Megatron-LM release being hooked.
+        cpu: whether CPU execution is on.
+    """
+
+    def __init__(self, release: MegatronLMRelease, cpu: bool):
+        self.release = release
+        self.cpu = cpu
+        self.cfg: Optional[ExtConfig] = None
+        self.runtime: Any = None
+        self.hook_names: List[str] = []
+        self.start_iteration: Optional[int] = None
+        self.last_iteration: Optional[int] = None
+        self.interval: Dict[str, Traffic] = {}
+        self.interval_steps = 0
+        self.pending_log_field = ""
+        self._step: Optional[int] = None
+        self._sample_ids_fn: Optional[Callable[[int], torch.Tensor]] = None
+        self._load: Optional[_LoadContext] = None
+        self._report_written = False
+
+    # -- errors ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def clean_errors(self) -> Iterator[None]:
+        """Turn user-fixable errors into ``megatron-ext: error: ...`` and exit code 2."""
+        try:
+            yield
+        except (ConfigError, StateMismatch, UnsupportedReleaseError) as exc:
+            if _first_rank():
+                print(f"megatron-ext: error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+
+    # -- arguments ---------------------------------------------------------------------------
+
+    def configure(self, args: Any) -> ExtConfig:
+        """Build and check megatron-ext's config from Megatron-LM's validated args.
+
+        Raises:
+            ConfigError: naming the flag(s).
+        """
+        cfg = ext_config_from_args(args)
+        validate_ext_config(cfg, layout_from_args(args))
+        check_megatron_lm_args(args, cfg)
+        if self.cpu:
+            from megatron_ext.megatron.lm.cpu import check_cpu_args
+
+            check_cpu_args(args)
+        self.cfg = cfg
+        return cfg
+
+    # -- installation ------------------------------------------------------------------------
+
+    def install_runtime(self, model_chunks: List[Any], optimizer: Any, args: Any) -> None:
+        """Install every seam on the model chunks and the optimizer (once per process)."""
+        from megatron.core.utils import get_model_config
+
+        from megatron_ext.megatron.runtime import install
+
+        if self.runtime is not None:
+            raise ConfigError(
+                "--optimizer",
+                "megatron-ext hooks one model and optimizer per process; Megatron-LM built a "
+                "second optimizer",
+            )
+        if self.cfg is None:
+            # validate_args was bypassed (e.g. --yaml-cfg goes through validate_yaml).
+            self.configure(args)
+        self.runtime = install(
+            self.cfg,
+            model_chunks=list(model_chunks),
+            optimizer=optimizer,
+            model_config=get_model_config(model_chunks[0]),
+            transformer_impl=args.transformer_impl,
+        )
+        self._log_installed(args)
+
+    def _log_installed(self, args: Any) -> None:
+        rt = self.runtime
+        cfg = self.cfg
+        seams = [f"grad reducer {type(rt.reducer).__name__} (--grad-compression {cfg.grad.method})"]
+        if rt.communicator is not None:
+            seams.append(
+                f"P2P {type(rt.communicator).__name__} (--p2p-compression {cfg.p2p.method})"
+            )
+        if rt.linear_handle is not None:
+            seams.append(f"linear hooks (--grass-method {cfg.grass.method})")
+        seams.append("optimizer-step hooks")
+        seams.append("byte accounting " + ("on" if cfg.comm.accounting else "off"))
+        ckpt = {
+            "torch_dist": f"ShardedObject '{lm_ckpt.SHARDED_OBJECT_KEY}' per rank",
+            "torch": f"<iter dir>/{lm_ckpt.RANK_FILE_DIR}/rank_XXXXX.pt per rank",
+        }.get(args.ckpt_format, "none")
+        _print_rank_0(
+            f"> megatron-ext: hooked Megatron-LM {self.release.tag}: "
+            f"{', '.join(self.hook_names)}\n"
+            f"> megatron-ext: seams: {'; '.join(seams)}\n"
+            f"> megatron-ext: checkpointed state ({args.ckpt_format}): {ckpt}; state objects: "
+            f"{', '.join(rt.state.names) or 'none'}\n"
+            f"> megatron-ext: CPU execution {'on' if self.cpu else 'off'}; communication "
+            f"report: {self.report_path(args) if cfg.comm.accounting else 'off'}"
+        )
+
+    def check_installed(self) -> None:
+        """Raise unless :meth:`install_runtime` ran (called when training starts)."""
+        if self.runtime is None:
+            raise ConfigError(
+                "--optimizer",
+                "megatron-ext's hooks never saw the optimizer being built (only "
+                "get_megatron_optimizer / get_megatron_muon_optimizer are hooked); "
+                "training would run without megatron-ext",
+            )
+
+    # -- iterations ----------------------------------------------------------------------------
+
+    def begin_train_step(self, iteration: Optional[int], args: Any) -> None:
+        """Before Megatron-LM's ``train_step`` (``iteration``: 0-based, steps done so far)."""
+        step = getattr(args, "curr_iteration", 0) if iteration is None else iteration
+        if self.start_iteration is None:
+            self.start_iteration = step
+        self._step = step
+        self._sample_ids_fn = self._sample_ids(args)
+
+    def end_train_step(self) -> None:
+        """After ``train_step``: close the step's byte accounting."""
+        for category, traffic in self.runtime.end_step().items():
+            self.interval.setdefault(category, Traffic()).add(traffic)
+        self.interval_steps += 1
+        self.last_iteration = (self._step or 0) + 1
+        self._step = None
+        self._sample_ids_fn = None
+
+    @staticmethod
+    def _sample_ids(args: Any) -> Optional[Callable[[int], torch.Tensor]]:
+        """Microbatch -> dataset sample ids of this DP rank (MegatronPretrainingSampler)."""
+        if args.dataloader_type not in (None, "single"):
+            return None
+        from megatron.core import parallel_state as ps
+
+        from megatron_ext.megatron.data import sample_indices
+
+        consumed = args.consumed_train_samples
+        mbs = args.micro_batch_size
+        dp_rank = ps.get_data_parallel_rank()
+        dp_size = ps.get_data_parallel_world_size()
+        return lambda microbatch: sample_indices(consumed, microbatch, mbs, dp_rank, dp_size)
+
+    def before_forward_backward(self, forward_only: bool, args: Any) -> Dict[str, Any]:
+        """Before each schedule call; returns the extra schedule kwargs."""
+        if self.runtime is None:
+            return {}
+        if forward_only or self._step is None:
+            # Evaluation (also before training starts, e.g. --skip-train).
+            self.runtime.begin_step(getattr(args, "curr_iteration", 0), forward_only=forward_only)
+        else:
+            # Also on a rerun of the same iteration (rerun state machine): counters restart.
+            self.runtime.begin_step(self._step, sample_ids_fn=self._sample_ids_fn)
+        return self.runtime.forward_backward_kwargs()
+
+    # -- logging -------------------------------------------------------------------------------
+
+    def interval_log_field(self, iteration: int, is_first_iteration: bool, args: Any) -> str:
+        """The log-line field of the interval ending at ``iteration`` ('' if none is due).
+
+        Collective (all ranks): Megatron-LM prints on the same iterations everywhere.
+        """
+        if self.runtime is None or not self.cfg.comm.accounting:
+            return ""
+        if not (iteration % args.log_interval == 0 or is_first_iteration):
+            return ""
+        sums, _ = all_ranks_totals(self.interval)
+        steps = max(1, self.interval_steps)
+        self.interval, self.interval_steps = {}, 0
+        self._write_scalars(sums, steps, iteration)
+        return format_traffic(sums, steps)
+
+    @staticmethod
+    def _write_scalars(sums: Dict[str, Traffic], steps: int, iteration: int) -> None:
+        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+        writer = get_tensorboard_writer()
+        wandb_writer = get_wandb_writer()
+        if writer is None and wandb_writer is None:
+            return
+        scalars = {}
+        for category, traffic in sums.items():
+            scalars[f"comm/{category} bytes sent per step"] = traffic.sent / steps
+            scalars[f"comm/{category} dense bytes per step"] = traffic.dense_sent / steps
+        if writer is not None:
+            for name, value in scalars.items():
+                writer.add_scalar(name, value, iteration)
+        if wandb_writer is not None:
+            wandb_writer.log(scalars, iteration)
+
+    def decorate_log_line(self, message: Any) -> Any:
+        """Append the pending bytes field to Megatron-LM's iteration line."""
+        field = self.pending_log_field
+        if (
+            field
+            and isinstance(message, str)
+            and " iteration " in message
+            and "consumed samples" in message
+        ):
+            self.pending_log_field = ""
+            return message + field
+        return message
+
+    # -- report --------------------------------------------------------------------------------
+
+    def report_path(self, args: Any) -> str:
+        """``--comm-report``, else ``<save>/comm_report.json``, else ``./comm_report.json``."""
+        if self.cfg.comm.report:
+            return self.cfg.comm.report
+        if args.save:
+            return os.path.join(args.save, "comm_report.json")
+        return "comm_report.json"
+
+    def write_report(self, args: Any) -> None:
+        """Write the JSON communication report (collective; rank 0 writes). Once per run."""
+        if self.runtime is None or not self.cfg.comm.accounting or self._report_written:
+            return
+        self._report_written = True
+        meter = self.runtime.meter
+        totals = meter.totals()
+        per_rank = gather_rank_totals(totals)
+        total_sum, _ = all_ranks_totals(totals)
+        steps = max(1, meter.num_steps)
+        layout = self.runtime.layout
+        report = {
+            "source": "Megatron-LM pretrain (megatron-ext hooks)",
+            "megatron_lm_release": self.release.tag,
+            "start_iteration": self.start_iteration,
+            "final_iteration": self.last_iteration,
+            "steps_this_run": meter.num_steps,
+            "layout": {
+                "tp": layout.tensor_model_parallel_size,
+                "pp": layout.pipeline_model_parallel_size,
+                "dp": layout.data_parallel_size,
+                "world": torch.distributed.get_world_size(),
+            },
+            "global_batch_size": args.global_batch_size,
+            "micro_batch_size": args.micro_batch_size,
+            "ext": self.cfg.summary(),
+            "comm": {
+                "convention": "bytes per rank; collectives counted with the ring convention "
+                "(megatron_ext.accounting)",
+                "steps": steps,
+                "all_ranks_total": {c: t.as_dict() for c, t in total_sum.items()},
+                "all_ranks_per_step": {
+                    c: {k: v / steps for k, v in t.as_dict().items()} for c, t in total_sum.items()
+                },
+                "per_rank_total": per_rank,
+            },
+        }
+        if _first_rank():
+            path = self.report_path(args)
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "w") as f:
+                json.dump(report, f, indent=2)
+            print(f"> megatron-ext: communication report: {path}", flush=True)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def extend_state_dict(self, state_dict: Dict[str, Any], args: Any) -> None:
+        """Add megatron-ext entries to a dict built by ``generate_state_dict``."""
+        if self.runtime is None:
+            return
+        if self._load is not None:
+            # A load template (Megatron-LM builds one for torch_dist checkpoints only, also
+            # when --auto-detect-ckpt-format finds one): ask for this rank's object.
+            if self._load.include:
+                state_dict[lm_ckpt.STATE_KEY] = lm_ckpt.sharded_state_object(self.runtime)
+            return
+        state_dict[lm_ckpt.META_KEY] = lm_ckpt.ext_meta(self.runtime)
+        if args.ckpt_format == "torch_dist":
+            state_dict[lm_ckpt.STATE_KEY] = lm_ckpt.sharded_state_object(
+                self.runtime, snapshot=bool(args.async_save)
+            )
+
+    def before_save(self, iteration: int, release: bool, args: Any) -> None:
+        """Before Megatron-LM's ``save_checkpoint``: the torch format's per-rank files."""
+        if self.runtime is None or args.save is None:
+            return
+        from megatron.training.checkpointing import get_checkpoint_name
+
+        directory = get_checkpoint_name(args.save, iteration, release=release, return_base_dir=True)
+        if args.ckpt_format == "torch":
+            lm_ckpt.save_rank_file(directory, self.runtime)
+            where = f"{os.path.join(directory, lm_ckpt.RANK_FILE_DIR)}/rank_XXXXX.pt"
+        else:
+            where = f"{directory} (ShardedObject '{lm_ckpt.SHARDED_OBJECT_KEY}')"
+        _print_rank_0(
+            f"> megatron-ext: saving the state of {torch.distributed.get_world_size()} ranks "
+            f"at iteration {iteration} to {where}"
+        )
+
+    def begin_load(self) -> None:
+        """Megatron-LM's ``load_checkpoint`` starts."""
+        self._load = _LoadContext() if self.runtime is not None else None
+
+    def on_base_checkpoint(self, result: Any, rank0: bool, args: Any) -> None:
+        """Seen the return value of ``checkpointing._load_base_checkpoint`` during a load.
+
+        ``rank0=True`` returns the common state (torch_dist) or the first legacy file: the
+        megatron-ext metadata there decides whether the load template asks for our object.
+        ``rank0=False`` returns the loaded state of this rank.
+        """
+        ctx = self._load
+        if ctx is None:
+            return
+        state_dict, checkpoint_name, release = result[0], result[1], result[2]
+        if state_dict is None:
+            return
+        if ctx.include is None:
+            ctx.where = lm_ckpt.iteration_dir_of(str(checkpoint_name))
+            if args.finetune or release:
+                ctx.include = False
+                ctx.reason = "--finetune" if args.finetune else "release checkpoint"
+            else:
+                ctx.include = lm_ckpt.decide_load(
+                    state_dict.get(lm_ckpt.META_KEY),
+                    self.runtime,
+                    self.cfg.checkpoint.on_mismatch,
+                    ctx.where,
+                )
+                ctx.reason = "" if ctx.include else "--ext-state-on-mismatch reset"
+        if not rank0:
+            ctx.checkpoint_name = str(checkpoint_name)
+            if ctx.include and lm_ckpt.STATE_KEY in state_dict:
+                ctx.loaded = state_dict[lm_ckpt.STATE_KEY]
+
+    def end_load(self) -> Optional[_LoadContext]:
+        """Megatron-LM's ``load_checkpoint`` returned (or raised)."""
+        ctx, self._load = self._load, None
+        return ctx
+
+    def finish_load(self, ctx: Optional[_LoadContext], args: Any) -> None:
+        """Load megatron-ext's state after Megatron-LM loaded its own (collective)."""
+        if ctx is None or ctx.include is None:
+            return
+        if not ctx.include:
+            _print_rank_0(f"> megatron-ext: state not loaded from {ctx.where} ({ctx.reason})")
+            return
+        state = ctx.loaded
+        source = f"ShardedObject '{lm_ckpt.SHARDED_OBJECT_KEY}'"
+        if state is None and os.path.isdir(ctx.checkpoint_name):
+            raise StateMismatch(
+                f"{ctx.where} has megatron-ext metadata but no '{lm_ckpt.SHARDED_OBJECT_KEY}' "
+                "objects"
+            )
+        if state is None:
+            directory = lm_ckpt.iteration_dir_of(ctx.checkpoint_name)
+            path = lm_ckpt.rank_file(directory, torch.distributed.get_rank())
+            missing = torch.tensor([0 if os.path.isfile(path) else 1], dtype=torch.int64)
+            with ProcessGroupTrafficMeter.untracked():
+                torch.distributed.all_reduce(missing)
+            if missing.item():
+                # Raises with --ext-state-on-mismatch error, else warns: start fresh.
+                lm_ckpt.decide_load(
+                    None,
+                    self.runtime,
+                    self.cfg.checkpoint.on_mismatch,
+                    f"{directory} ({missing.item()} ranks lack "
+                    f"{lm_ckpt.RANK_FILE_DIR}/rank_XXXXX.pt)",
+                )
+                return
+            state = lm_ckpt.load_rank_file(path)
+            source = f"{lm_ckpt.RANK_FILE_DIR}/rank_XXXXX.pt"
+        self.runtime.state.load_state_dict(state)
+        _print_rank_0(
+            f"> megatron-ext: loaded the state of {torch.distributed.get_world_size()} ranks "
+            f"from {ctx.where} ({source}; objects: {', '.join(self.runtime.state.names)})"
+        )

@@ -1,0 +1,306 @@
+"""Megatron-LM's own pretrain_gpt.py trained on CPU (gloo) with megatron-ext, end to end.
+
+Needs a Megatron-LM checkout at core_v0.16.1 in ``MEGATRON_LM_DIR`` (skipped otherwise; the
+checkout is never modified: the patched runs use a copy). A tiny GPT on ``--mock-data``
+(``configs/megatron_lm/gpt_tiny_separate_cpu.yaml``: 2 layers, hidden 64, seq 64, dropout
+off), 2 processes:
+
+* zero-touch (``megatron-ext pretrain --cpu``), DP=2 with ``--grad-compression separate``:
+  bytes per category in Megatron-LM's iteration line (compressed dp-grad vs dense), the JSON
+  report; a ``torch_dist`` checkpoint holding one megatron-ext ShardedObject per rank, and a
+  resumed run that loads it and continues exactly as the uninterrupted run (SEPARATE's
+  error feedback is in that state: without it iteration 3's grad norm differs, 3.228 vs
+  3.304 when measured); the same in the ``torch`` format (per-rank files), compared
+  bit for bit; a resume with other settings stops, naming ``--ext-state-on-mismatch``;
+* zero-touch PP=2 through ``scripts/pretrain_gpt_ext.sh`` and the run file: pipeline bytes;
+* patched (``megatron-ext patch`` on a copy, then ``torchrun pretrain_gpt.py``): DP=2 and
+  PP=2;
+* a bad megatron-ext flag stops before training, naming the flag.
+
+Megatron-LM does not reset its loss accumulator on the first logged iteration, so with
+``--log-interval 1`` the second iteration after a (re)start prints the mean of the first
+two; the comparisons below account for that.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.megatron_lm.lm_runs import REPO, TINY_RUN_FILE, iterations, pretrain, tiny_args
+
+pytestmark = [pytest.mark.megatron_lm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def lm_dir() -> Path:
+    return Path(os.environ["MEGATRON_LM_DIR"])
+
+
+def _assert_dp_grad_bytes(iters, expected):
+    assert sorted(iters) == expected, iters
+    for it in expected:
+        field = iters[it].get("bytes", "")
+        # SEPARATE ratio 16 on DP=2: the compressed reduction vs what dense would send.
+        assert field.startswith("dp-grad ") and "(dense " in field and ", x" in field, field
+
+
+# -- DP=2, SEPARATE, torch_dist checkpoint and resume ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dp2_torch_dist(lm_dir, tmp_path_factory):
+    """Uninterrupted 4 iterations, checkpoints (torch_dist) at 2 and 4."""
+    root = tmp_path_factory.mktemp("dp2_torch_dist")
+    run = pretrain(
+        lm_dir / "pretrain_gpt.py",
+        tiny_args(save=str(root / "ckpt"), save_interval="2", tensorboard_dir=str(root / "tb")),
+        cwd=root,
+    ).check()
+    return root, run
+
+
+def test_zero_touch_dp2_logs_bytes_and_writes_report(dp2_torch_dist):
+    root, run = dp2_torch_dist
+    assert "> megatron-ext: hooked Megatron-LM core_v0.16.1:" in run.stdout
+    assert "grad reducer SeparateReducer (--grad-compression separate)" in run.stdout
+    _assert_dp_grad_bytes(iterations(run.stdout), [1, 2, 3, 4])
+    report = json.loads((root / "ckpt" / "comm_report.json").read_text())
+    assert report["megatron_lm_release"] == "core_v0.16.1"
+    assert report["steps_this_run"] == 4 and report["layout"]["dp"] == 2
+    dp_grad = report["comm"]["all_ranks_total"]["dp-grad"]
+    assert 0 < dp_grad["sent"] < dp_grad["dense_sent"] / 8
+    assert len(report["comm"]["per_rank_total"]) == 2
+    # The same numbers through Megatron-LM's TensorBoard writer (last rank).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(root / "tb"))
+    events.Reload()
+    sent = events.Scalars("comm/dp-grad bytes sent per step")
+    dense = events.Scalars("comm/dp-grad dense bytes per step")
+    assert [e.step for e in sent] == [1, 2, 3, 4]
+    assert sent[-1].value * 4 == pytest.approx(dp_grad["sent"])
+    assert dense[-1].value * 4 == pytest.approx(dp_grad["dense_sent"])
+
+
+def test_torch_dist_checkpoint_holds_one_object_per_rank(dp2_torch_dist):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    root, run = dp2_torch_dist
+    directory = root / "ckpt" / "iter_0000002"
+    keys = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    assert {k for k in keys if k.startswith("megatron_ext/")} == {
+        "megatron_ext/rank_state/shard_0_2",
+        "megatron_ext/rank_state/shard_1_2",
+    }
+    common = torch.load(directory / "common.pt", weights_only=False)
+    meta = common["megatron_ext_meta"]
+    assert meta["layout"] == {"tp": 1, "pp": 1, "dp": 2, "world": 2}
+    assert meta["settings"]["grad_compression"] == "separate"
+    assert "saving the state of 2 ranks at iteration 2" in run.stdout
+
+
+def test_torch_dist_resume_continues_exactly(dp2_torch_dist, lm_dir, tmp_path):
+    root, full = dp2_torch_dist
+    resumed = pretrain(
+        lm_dir / "pretrain_gpt.py",
+        tiny_args(
+            load=str(root / "ckpt"), ckpt_step="2", save=str(tmp_path / "ckpt"), save_interval="2"
+        ),
+        cwd=tmp_path,
+    ).check()
+    assert (
+        f"> megatron-ext: loaded the state of 2 ranks from {root / 'ckpt' / 'iter_0000002'} "
+        "(ShardedObject 'megatron_ext/rank_state'; objects: grad_reducer)" in resumed.stdout
+    )
+    a, b = iterations(full.stdout), iterations(resumed.stdout)
+    _assert_dp_grad_bytes(b, [3, 4])
+    # Iteration 3: loss and grad norm exactly as printed by the uninterrupted run.
+    assert (b[3]["loss"], b[3]["grad_norm"]) == (a[3]["loss"], a[3]["grad_norm"])
+    # Iteration 4: Megatron prints the mean of iterations 3 and 4 here (see module docstring).
+    assert b[4]["grad_norm"] == a[4]["grad_norm"]
+    mean = (float(a[3]["loss"]) + float(a[4]["loss"])) / 2
+    assert abs(float(b[4]["loss"]) - mean) <= 1e-6 * mean
+
+
+def test_resume_with_other_settings_stops_naming_the_flag(dp2_torch_dist, lm_dir, tmp_path):
+    root, _ = dp2_torch_dist
+    run = pretrain(
+        lm_dir / "pretrain_gpt.py",
+        tiny_args(load=str(root / "ckpt"), ckpt_step="2", separate_ratio="8"),
+        cwd=tmp_path,
+    )
+    assert run.returncode != 0
+    assert "megatron-ext: error: megatron-ext state in" in run.stderr
+    assert "--ext-state-on-mismatch reset" in run.stderr
+    assert not iterations(run.stdout)
+
+
+# -- DP=2, SEPARATE, torch format ----------------------------------------------------------------
+
+
+def _model_and_ext_state(directory: Path):
+    model = torch.load(directory / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    ext = [
+        torch.load(directory / "megatron_ext" / f"rank_{r:05d}.pt", weights_only=False)
+        for r in range(2)
+    ]
+    return model, ext
+
+
+def _assert_equal(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_equal(x, y, f"{where}[{i}]")
+
+
+def test_torch_format_checkpoint_and_resume(lm_dir, tmp_path):
+    script = lm_dir / "pretrain_gpt.py"
+    fmt = ["--ckpt-format", "torch"]
+    full = pretrain(
+        script, tiny_args(save=str(tmp_path / "a"), save_interval="2") + fmt, cwd=tmp_path
+    ).check()
+    for it in (2, 4):
+        files = sorted(p.name for p in (tmp_path / f"a/iter_000000{it}/megatron_ext").iterdir())
+        assert files == ["rank_00000.pt", "rank_00001.pt"]
+    resumed = pretrain(
+        script,
+        tiny_args(
+            load=str(tmp_path / "a"), ckpt_step="2", save=str(tmp_path / "b"), save_interval="2"
+        )
+        + fmt,
+        cwd=tmp_path,
+    ).check()
+    assert "(megatron_ext/rank_XXXXX.pt; objects: grad_reducer)" in resumed.stdout
+    a, b = iterations(full.stdout), iterations(resumed.stdout)
+    assert (b[3]["loss"], b[3]["grad_norm"]) == (a[3]["loss"], a[3]["grad_norm"])
+    # Bit for bit at iteration 4: model, Megatron's optimizer state, megatron-ext's state.
+    model_a, ext_a = _model_and_ext_state(tmp_path / "a/iter_0000004")
+    model_b, ext_b = _model_and_ext_state(tmp_path / "b/iter_0000004")
+    _assert_equal(model_a["model"], model_b["model"], "model")
+    _assert_equal(model_a["optimizer"]["state"], model_b["optimizer"]["state"], "optimizer")
+    for rank in range(2):
+        assert ext_a[rank]["state"]["layout"]["rank"] == rank
+        _assert_equal(ext_a[rank]["state"]["objects"], ext_b[rank]["state"]["objects"], "ext")
+
+
+# -- PP=2 through the launcher script -------------------------------------------------------------
+
+
+def test_zero_touch_pp2_through_launcher_script(lm_dir, tmp_path):
+    from tests.helpers.dist import free_port
+
+    env = {
+        **os.environ,
+        "MEGATRON_LM_DIR": str(lm_dir),
+        "CONFIG": str(TINY_RUN_FILE),
+        "CPU": "1",
+        "GPUS_PER_NODE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "PYTHON": sys.executable,
+        "OMP_NUM_THREADS": "1",
+    }
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts/pretrain_gpt_ext.sh"), "--pipeline-model-parallel-size", "2",
+         "--train-iters", "3"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "P2P ExtP2PCommunicator (--p2p-compression none)" in proc.stdout
+    iters = iterations(proc.stdout)
+    assert sorted(iters) == [1, 2, 3]
+    for record in iters.values():
+        # Activations forward and gradients backward, the same size (fp32, [s, b, h]).
+        assert record["bytes"].startswith("pp-act 131.07 KB, pp-grad 131.07 KB"), record
+    assert json.loads((tmp_path / "comm_report.json").read_text())["layout"]["pp"] == 2
+    # Megatron-LM's final evaluation runs forward-only through megatron-ext's communicator.
+    assert "validation loss at iteration 3 on validation set" in proc.stdout
+
+
+# -- patched checkout ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def patched_copy(lm_dir, tmp_path_factory):
+    """A copy of the checkout (no tests/docs/examples), patched by ``megatron-ext patch``.
+
+    Its megatron.core is the checkout's. Its dataset helpers (C++) are copied from the
+    installed megatron-core wheel when that is the same release (same helpers.cpp); else
+    megatron-ext's CPU shim builds them at start-up, which needs pybind11.
+    """
+    import importlib.util
+
+    copy = tmp_path_factory.mktemp("patched") / "Megatron-LM"
+    shutil.copytree(
+        lm_dir, copy, ignore=shutil.ignore_patterns("tests", "docs", "examples", "__pycache__")
+    )
+    datasets = copy / "megatron" / "core" / "datasets"
+    if not list(datasets.glob("helpers_cpp*")):
+        import megatron.core.datasets as installed
+
+        wheel = Path(installed.__file__).parent
+        built = list(wheel.glob("helpers_cpp*"))
+        source = (datasets / "helpers.cpp").read_bytes()
+        if built and (wheel / "helpers.cpp").read_bytes() == source:
+            shutil.copy2(built[0], datasets / built[0].name)
+        elif importlib.util.find_spec("pybind11") is None:
+            pytest.skip("the copy's dataset helpers are not built: no prebuilt helpers_cpp of "
+                        "this release to copy and no pybind11 to build them")  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_ext", "patch", str(copy)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert "patched pretrain_gpt.py" in proc.stdout
+    return copy
+
+
+@pytest.mark.parametrize(
+    "layout, expected",
+    [
+        ([], "dp-grad "),
+        (["--pipeline-model-parallel-size", "2", "--grad-compression", "none"], "pp-act "),
+    ],
+    ids=["dp2-separate", "pp2"],
+)
+def test_patched_pretrain_gpt_trains(patched_copy, tmp_path, layout, expected):
+    run = pretrain(
+        patched_copy / "pretrain_gpt.py",
+        tiny_args(train_iters="3") + layout,
+        cwd=tmp_path,
+        zero_touch=False,
+    ).check()
+    assert "> megatron-ext: hooked Megatron-LM core_v0.16.1:" in run.stdout
+    iters = iterations(run.stdout)
+    assert sorted(iters) == [1, 2, 3]
+    assert all(r["bytes"].startswith(expected) for r in iters.values()), iters
+
+
+# -- bad flags ----------------------------------------------------------------------------------
+
+
+def test_bad_flag_stops_before_training(lm_dir, tmp_path):
+    run = pretrain(
+        lm_dir / "pretrain_gpt.py",
+        tiny_args(separate_ratio="7"),
+        cwd=tmp_path,
+        nproc=1,
+    )
+    assert run.returncode != 0
+    assert (
+        "megatron-ext: error: --separate-ratio, --separate-block-size: ratio 7 must divide the "
+        "block size 256" in run.stderr
+    )
+    assert not iterations(run.stdout)

@@ -1,0 +1,220 @@
+"""Pieces of the Megatron-LM session and hooks, checked without training.
+
+Without a checkout: the log-line decoration, the checkpoint-metadata decision, the
+Megatron-LM options megatron-ext refuses. With ``MEGATRON_LM_DIR`` (in a subprocess, so
+this test process keeps its own imports): the sample ids megatron-ext computes equal what
+Megatron-LM's ``MegatronPretrainingSampler`` yields, and every hook target exists in the
+checkout with the parameters the hooks read (and a changed signature is refused).
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_ext.config import ConfigError, ExtConfig
+from megatron_ext.megatron.lm import checkpoint as lm_ckpt
+from megatron_ext.megatron.lm.core_v0_16 import HOOK_TARGETS
+from megatron_ext.megatron.lm.releases import RELEASES
+from megatron_ext.megatron.lm.session import MegatronLMSession, check_megatron_lm_args
+from megatron_ext.state import ExtState, StateMismatch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _session() -> MegatronLMSession:
+    return MegatronLMSession(RELEASES["0.16.1"], cpu=True)
+
+
+def test_bytes_field_is_appended_to_the_iteration_line_only_once():
+    session = _session()
+    field = " bytes sent/step (all ranks): dp-grad 1.00 KB |"
+    session.pending_log_field = field
+    # Other prints on the last rank during training_log pass through unchanged.
+    assert session.decorate_log_line("Number of parameters: 0.00") == "Number of parameters: 0.00"
+    line = " [2026-01-01 00:00:00.0] iteration        2/       4 | consumed samples:   16 |"
+    assert session.decorate_log_line(line) == line + field
+    assert session.decorate_log_line(line) == line
+
+
+def _runtime(settings, layout):
+    return SimpleNamespace(state=ExtState(settings=settings, layout={**layout, "rank": 0}))
+
+
+def test_checkpoint_metadata_decides_whether_state_loads(capsys):
+    layout = {"tp": 1, "pp": 1, "dp": 2, "world": 2}
+    runtime = _runtime({"grad_compression": "separate", "separate_ratio": 16}, layout)
+    meta = lm_ckpt.ext_meta(runtime)
+    assert meta["layout"] == layout  # the rank is not part of the shared metadata
+    assert lm_ckpt.decide_load(meta, runtime, "error", "ckpt/iter_0000002") is True
+
+    other = lm_ckpt.ext_meta(
+        _runtime({"grad_compression": "separate", "separate_ratio": 8}, layout)
+    )
+    with pytest.raises(StateMismatch, match="--ext-state-on-mismatch reset"):
+        lm_ckpt.decide_load(other, runtime, "error", "ckpt/iter_0000002")
+    with pytest.raises(StateMismatch, match="holds no megatron-ext state"):
+        lm_ckpt.decide_load(None, runtime, "error", "ckpt/iter_0000002")
+    assert lm_ckpt.decide_load(other, runtime, "reset", "ckpt/iter_0000002") is False
+    assert "megatron-ext: WARNING:" in capsys.readouterr().out
+
+
+def test_rank_files_and_iteration_dirs(tmp_path):
+    assert lm_ckpt.rank_file("ck/iter_0000004", 3) == "ck/iter_0000004/megatron_ext/rank_00003.pt"
+    (tmp_path / "iter_0000004").mkdir()
+    assert lm_ckpt.iteration_dir_of(str(tmp_path / "iter_0000004")) == str(
+        tmp_path / "iter_0000004"
+    )
+    legacy = tmp_path / "iter_0000004" / "mp_rank_00" / "model_optim_rng.pt"
+    assert lm_ckpt.iteration_dir_of(str(legacy)) == str(tmp_path / "iter_0000004")
+
+
+def _megatron_args(**overrides):
+    base = dict(
+        save="ckpt",
+        load=None,
+        ckpt_format="torch_dist",
+        non_persistent_save_interval=None,
+        cuda_graph_impl="none",
+        cuda_graph_scope=[],
+        use_torch_fsdp2=False,
+        use_megatron_fsdp=False,
+        dataloader_type="single",
+    )
+    return argparse.Namespace(**{**base, **overrides})
+
+
+@pytest.mark.parametrize(
+    "overrides, flag",
+    [
+        ({"ckpt_format": "torch_dcp"}, "--ckpt-format"),
+        ({"non_persistent_save_interval": 100}, "--non-persistent-save-interval"),
+        (
+            {"cuda_graph_impl": "local", "cuda_graph_scope": ["CudaGraphScope.full_iteration"]},
+            "--cuda-graph-impl",
+        ),
+        ({"use_megatron_fsdp": True}, "--use-megatron-fsdp"),
+    ],
+)
+def test_megatron_lm_options_the_hooks_cannot_serve_are_refused(overrides, flag):
+    check_megatron_lm_args(_megatron_args(), ExtConfig())
+    with pytest.raises(ConfigError) as info:
+        check_megatron_lm_args(_megatron_args(**overrides), ExtConfig())
+    assert info.value.flags[0] == flag
+
+
+def test_pipeline_codecs_need_the_single_sampler():
+    # No pipeline codec has landed yet ('none' only): a stand-in config with one enabled.
+    cfg = SimpleNamespace(p2p=SimpleNamespace(enabled=True))
+    with pytest.raises(ConfigError) as info:
+        check_megatron_lm_args(_megatron_args(dataloader_type="cyclic"), cfg)
+    assert info.value.flags == ("--p2p-compression", "--dataloader-type")
+    assert MegatronLMSession._sample_ids(SimpleNamespace(dataloader_type="cyclic")) is None
+
+
+def _run_with_checkout(code: str) -> str:
+    """Run ``code`` with the checkout's megatron.training importable (triton stand-in)."""
+    prelude = textwrap.dedent(f"""
+        import sys
+        sys.path.append({os.environ["MEGATRON_LM_DIR"]!r})
+        sys.path.insert(0, {REPO!r})
+        import importlib
+        from megatron_ext.megatron.lm.cpu import _BATCH_INVARIANT, _batch_invariant_stand_in
+        try:
+            importlib.import_module(_BATCH_INVARIANT)
+        except ImportError:
+            sys.modules[_BATCH_INVARIANT] = _batch_invariant_stand_in()
+        """)
+    proc = subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.megatron_lm
+def test_sample_ids_equal_megatron_pretraining_sampler():
+    out = _run_with_checkout("""
+        from megatron.training.datasets.data_samplers import MegatronPretrainingSampler
+        from megatron_ext.megatron.data import sample_indices
+
+        checked = 0
+        for mbs, dp, consumed in [(2, 2, 0), (2, 2, 8), (3, 4, 24), (1, 8, 40), (4, 1, 12)]:
+            for dp_rank in range(dp):
+                sampler = MegatronPretrainingSampler(1000, consumed, mbs, dp_rank, dp)
+                for microbatch, batch in zip(range(6), iter(sampler)):
+                    ours = sample_indices(consumed, microbatch, mbs, dp_rank, dp).tolist()
+                    assert ours == list(batch), (mbs, dp, consumed, dp_rank, microbatch)
+                    checked += 1
+        print("checked", checked)
+        """)
+    assert "checked 102" in out  # 6 microbatches x 17 (layout, DP rank) pairs
+
+
+@pytest.mark.megatron_lm
+def test_hook_targets_exist_and_a_changed_signature_is_refused():
+    out = _run_with_checkout("""
+        from megatron_ext.megatron.lm import core_v0_16
+        from megatron_ext.megatron.lm.releases import UnsupportedReleaseError
+
+        checked = core_v0_16._check_targets()
+        print("targets", len(checked))
+        import megatron.training.training as training
+
+        training.train_step = lambda forward_step_func, data_iterator: None
+        try:
+            core_v0_16._check_targets()
+        except UnsupportedReleaseError as exc:
+            print("refused:", exc)
+        """)
+    assert f"targets {len(HOOK_TARGETS)}" in out
+    assert "refused: megatron.training.training.train_step" in out and "lacks ['iteration']" in out
+
+
+def test_dataset_helpers_build_is_skipped_when_built_and_explained_when_impossible(monkeypatch):
+    import importlib
+
+    from megatron_ext.megatron.lm import cpu as lm_cpu
+
+    # The installed megatron-core wheel ships helpers_cpp: nothing to build, no make run.
+    monkeypatch.setattr(lm_cpu.subprocess, "run", lambda *a, **k: pytest.fail("ran make"))
+    lm_cpu._compile_helpers()
+
+    real_import = importlib.import_module
+
+    def no_helpers(name, *args, **kwargs):
+        if name.endswith("helpers_cpp"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(lm_cpu.importlib, "import_module", no_helpers)
+    monkeypatch.setitem(sys.modules, "pybind11", None)  # "not installed"
+    with pytest.raises(RuntimeError, match="pip install pybind11"):
+        lm_cpu._compile_helpers()
+
+
+@pytest.mark.megatron_lm
+def test_install_then_remove_restores_megatron_lm():
+    out = _run_with_checkout("""
+        import megatron.training.training as training
+        import megatron.training.checkpointing as checkpointing
+        from megatron_ext.megatron.lm import install_megatron_lm_hooks, installed_hooks
+
+        before = (training.train_step, training.initialize_megatron, checkpointing.generate_state_dict)
+        hooks = install_megatron_lm_hooks(cpu=True)
+        assert install_megatron_lm_hooks(cpu=True) is hooks  # idempotent
+        assert training.train_step.__megatron_ext_hook__
+        assert training.initialize_megatron.keywords == {"allow_no_cuda": True}
+        hooks.remove()
+        after = (training.train_step, training.initialize_megatron, checkpointing.generate_state_dict)
+        assert after == before and installed_hooks() is None
+        print("restored", len(hooks.session.hook_names))
+        """)
+    assert f"restored {len(HOOK_TARGETS)}" in out

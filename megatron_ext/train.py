@@ -630,14 +630,17 @@ class Trainer:
         consumed = 0
         self._eval_consumed = 0
         if cfg.checkpoint.load:
-            loaded = ckpt.load_checkpoint(
-                cfg.checkpoint.load,
-                model_chunks=self.model,
-                optimizer=self.optimizer,
-                scheduler=self.scheduler,
-                runtime=self.runtime,
-                on_mismatch=cfg.ext.checkpoint.on_mismatch,
-            )
+            from megatron_ext.accounting import ProcessGroupTrafficMeter
+
+            with ProcessGroupTrafficMeter.untracked():
+                loaded = ckpt.load_checkpoint(
+                    cfg.checkpoint.load,
+                    model_chunks=self.model,
+                    optimizer=self.optimizer,
+                    scheduler=self.scheduler,
+                    runtime=self.runtime,
+                    on_mismatch=cfg.ext.checkpoint.on_mismatch,
+                )
             if loaded is not None:
                 iteration, consumed = loaded["iteration"], loaded["consumed_samples"]
                 self._eval_consumed = loaded.get("eval_consumed_samples", 0)
@@ -723,8 +726,20 @@ class Trainer:
     def _save(self, iteration: int, consumed: int) -> None:
         from megatron_ext.megatron import checkpoint as ckpt
 
+        from megatron_ext.accounting import ProcessGroupTrafficMeter
+
         t0 = time.time()
         self.sync_params()
+        # Checkpoint coordination is not training traffic (the Megatron-LM adapter excludes it
+        # the same way).
+        with ProcessGroupTrafficMeter.untracked():
+            self._save_checkpoint(ckpt, iteration, consumed)
+        self._print(
+            f"  saved checkpoint at iteration {iteration:8d} to {self.cfg.checkpoint.save} "
+            f"({time.time() - t0:.1f} s)"
+        )
+
+    def _save_checkpoint(self, ckpt, iteration: int, consumed: int) -> None:
         ckpt.save_checkpoint(
             self.cfg.checkpoint.save,
             iteration,
@@ -734,10 +749,6 @@ class Trainer:
             runtime=self.runtime,
             consumed_samples=consumed,
             extra_common={"eval_consumed_samples": self._eval_consumed},
-        )
-        self._print(
-            f"  saved checkpoint at iteration {iteration:8d} to {self.cfg.checkpoint.save} "
-            f"({time.time() - t0:.1f} s)"
         )
 
     def _is_last(self) -> bool:

@@ -40,7 +40,7 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]"],
-        "test": ["pytest", "tensorboard"],
+        "test": ["pytest", "tensorboard", "matplotlib"],
         "report": ["matplotlib", "tensorboard"],
     },
     # Model presets, run files and Megatron-LM patches, found there by a non-editable install.

@@ -1,0 +1,447 @@
+"""Loss curves of each gradient-compression method against dense training, same seed and data.
+
+What it does:
+    Trains gpt-tiny with 2 data-parallel ranks (``torchrun``, CPU/gloo, one thread per rank,
+    global batch 8) for ``--iters`` steps (default 300) on the driver's default data (the
+    embedded corpus), once per method, sequentially, with the same seed, hence the same
+    initialisation, data order and dropout masks; only the gradient reduction differs.
+    Learning rate: 1e-3, cosine decay to 1e-4, 30 warm-up steps (``--lr*`` flags). Each
+    iteration is logged (``--log-interval 1``), so the curves hold every step's loss, step
+    time and bytes.
+
+    Per run it reports the final loss, defined as the mean of the logged training losses
+    of the last 10% of the iterations (``--final-fraction``; iterations 271-300 of 300),
+    the gap to ``none`` in percent, the validation loss at the end (2 batches), the mean
+    step time (unshaped loopback, not the bandwidth benchmark) and the bytes per step.
+
+    Default methods: ``none``; ``separate`` (ratio 16, block 256); ``radius`` (density
+    0.4, dense for the first 20% of the steps, reselection every 50); ``powersgd`` (the
+    rank that sends about the bytes of SEPARATE-16 on gpt-tiny, 14, from step 30).
+
+Usage:
+    python benchmarks/convergence.py                       # 4 methods x 300 steps (~12 min)
+    python benchmarks/convergence.py --quick               # smoke run: 20 steps, 2 methods
+    python benchmarks/convergence.py --methods none,separate --iters 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (  # noqa: E402
+    CpuMonitor,
+    default_out_dir,
+    environment,
+    equal_bytes_rank_for_shapes,
+    format_table,
+    gpt_matrix_shapes,
+    load_model_preset,
+    make_report,
+    parse_list,
+    read_jsonl,
+    run_logged,
+    shell_join,
+    wait_for_quiet,
+    write_report,
+)
+
+__all__ = ["build_parser", "main", "final_loss", "summarize_curve", "METHODS"]
+
+METHODS = ("none", "separate", "radius", "powersgd")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Options of ``benchmarks/convergence.py``."""
+    p = argparse.ArgumentParser(
+        prog="benchmarks/convergence.py",
+        description="Loss curves per gradient-compression method vs dense, DP=2 gpt-tiny.",
+    )
+    p.add_argument("--methods", default=",".join(METHODS), help=f"Subset of {METHODS}.")
+    p.add_argument("--iters", type=int, default=300, help="Training iterations (300).")
+    p.add_argument("--model", default="gpt-tiny")
+    p.add_argument("--nproc", type=int, default=2, help="Data-parallel ranks (2).")
+    p.add_argument("--num-threads", type=int, default=1, help="torch threads per rank (1).")
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--global-batch-size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--min-lr", type=float, default=1e-4)
+    p.add_argument("--lr-decay-style", default="cosine")
+    p.add_argument("--lr-warmup-iters", type=int, default=30)
+    p.add_argument("--separate-ratio", type=int, default=16)
+    p.add_argument("--separate-block-size", type=int, default=256)
+    p.add_argument("--radius-density", type=float, default=0.4)
+    p.add_argument(
+        "--radius-dense-steps",
+        type=int,
+        default=None,
+        help="Dense warm-up steps of Radius (default 20%% of --iters: 60 of 300).",
+    )
+    p.add_argument("--radius-interval", type=int, default=50)
+    p.add_argument(
+        "--powersgd-approx-rank",
+        type=int,
+        default=None,
+        help="Default: about the bytes of SEPARATE at --separate-ratio (14 for gpt-tiny).",
+    )
+    p.add_argument("--powersgd-start-step", type=int, default=30)
+    p.add_argument(
+        "--final-fraction",
+        type=float,
+        default=0.1,
+        help="Final loss = mean logged loss of the last this fraction of iterations (0.1).",
+    )
+    p.add_argument("--extra-train-args", default="", help="Extra driver flags (one string).")
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=120.0,
+        help="Before each run wait up to this many seconds for an idle machine (0: no wait).",
+    )
+    p.add_argument("--run-timeout", type=float, default=3600.0, help="Seconds per run.")
+    p.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="Nice value for the benchmark's processes, applied to their autogroups too "
+        "(e.g. -10 on a machine shared with other work; needs root). Default: unchanged.",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="Smoke run: 20 iterations, none and separate."
+    )
+    p.add_argument(
+        "--out", default=None, help="Run directory (default runs/bench-convergence-<time>)."
+    )
+    return p
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _radius_dense_steps(args: argparse.Namespace) -> int:
+    if args.radius_dense_steps is not None:
+        return args.radius_dense_steps
+    return max(1, int(round(0.2 * args.iters)))
+
+
+def _powersgd_rank(args: argparse.Namespace) -> int:
+    if args.powersgd_approx_rank:
+        return args.powersgd_approx_rank
+    shapes = gpt_matrix_shapes(load_model_preset(args.model))
+    return equal_bytes_rank_for_shapes(shapes, args.separate_ratio)
+
+
+def method_flags(method: str, args: argparse.Namespace) -> List[str]:
+    """Driver flags of ``method``."""
+    if method == "none":
+        return ["--grad-compression", "none"]
+    if method == "separate":
+        return [
+            "--grad-compression",
+            "separate",
+            "--separate-ratio",
+            str(args.separate_ratio),
+            "--separate-block-size",
+            str(args.separate_block_size),
+        ]
+    if method == "radius":
+        return [
+            "--grad-compression",
+            "radius",
+            "--radius-density",
+            str(args.radius_density),
+            "--radius-dense-steps",
+            str(_radius_dense_steps(args)),
+            "--radius-interval",
+            str(args.radius_interval),
+        ]
+    if method == "powersgd":
+        return [
+            "--grad-compression",
+            "powersgd",
+            "--powersgd-approx-rank",
+            str(_powersgd_rank(args)),
+            "--powersgd-start-step",
+            str(args.powersgd_start_step),
+        ]
+    raise ValueError(f"unknown method {method!r}")
+
+
+def label(method: str, args: argparse.Namespace) -> str:
+    """Short name of a configured method, e.g. ``separate-16``, ``powersgd-r14``."""
+    if method == "separate":
+        return f"separate-{args.separate_ratio}"
+    if method == "radius":
+        return f"radius-{args.radius_density:g}"
+    if method == "powersgd":
+        return f"powersgd-r{_powersgd_rank(args)}"
+    return method
+
+
+def train_command(args: argparse.Namespace, method: str, run_dir: str) -> List[str]:
+    """``torchrun ... -m megatron_ext.train ...`` of one run."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(args.nproc),
+        "--master-port",
+        str(_free_port()),
+        "-m",
+        "megatron_ext.train",
+        "--cpu",
+        "--model",
+        args.model,
+        "--num-threads",
+        str(args.num_threads),
+        "--micro-batch-size",
+        str(args.micro_batch_size),
+        "--global-batch-size",
+        str(args.global_batch_size),
+        "--train-iters",
+        str(args.iters),
+        "--seed",
+        str(args.seed),
+        "--lr",
+        str(args.lr),
+        "--min-lr",
+        str(args.min_lr),
+        "--lr-decay-style",
+        args.lr_decay_style,
+        "--lr-warmup-iters",
+        str(args.lr_warmup_iters),
+        "--log-interval",
+        "1",
+        "--no-progress",
+        "--log-json",
+        os.path.join(run_dir, "log.jsonl"),
+        "--comm-report",
+        os.path.join(run_dir, "comm_report.json"),
+    ]
+    cmd += method_flags(method, args)
+    if args.extra_train_args:
+        cmd += args.extra_train_args.split()
+    return cmd
+
+
+def final_loss(losses: List[float], fraction: float = 0.1) -> Optional[float]:
+    """Mean of the last ``fraction`` of ``losses`` (at least one value)."""
+    values = [v for v in losses if v is not None]
+    if not values:
+        return None
+    n = max(1, int(round(fraction * len(values))))
+    tail = values[-n:]
+    return sum(tail) / len(tail)
+
+
+def summarize_curve(records: List[Dict[str, Any]], fraction: float) -> Dict[str, Any]:
+    """Curve and summary numbers of one run's ``log.jsonl`` records."""
+    records = sorted(records, key=lambda r: r["iteration"])
+    losses = [r.get("lm_loss") for r in records]
+    times = [r.get("step_time_s") for r in records]
+    grad = [((r.get("bytes_per_step_all_ranks") or {}).get("dp-grad") or {}) for r in records]
+    sent = [g.get("sent", 0.0) for g in grad]
+    dense = [g.get("dense_sent", 0.0) for g in grad]
+    n_final = max(1, int(round(fraction * len(records)))) if records else 0
+    warm = times[1:] if len(times) > 1 else times
+    total_bytes = {}
+    for r in records:
+        for cat, tr in (r.get("bytes_per_step_all_ranks") or {}).items():
+            acc = total_bytes.setdefault(cat, {"sent": 0.0, "dense_sent": 0.0})
+            acc["sent"] += tr.get("sent", 0.0) / len(records)
+            acc["dense_sent"] += tr.get("dense_sent", 0.0) / len(records)
+    return {
+        "curve": {
+            "iteration": [r["iteration"] for r in records],
+            "lm_loss": losses,
+            "step_time_s": times,
+            "dp_grad_sent": sent,
+            "dp_grad_dense_sent": dense,
+        },
+        "final_loss": final_loss(losses, fraction),
+        "final_loss_iterations": (
+            [records[-n_final]["iteration"], records[-1]["iteration"]] if records else None
+        ),
+        "last_loss": losses[-1] if losses else None,
+        "mean_step_s": sum(warm) / len(warm) if warm else None,
+        "bytes_per_step_all_ranks": {
+            c: v for c, v in total_bytes.items() if v["sent"] or v["dense_sent"]
+        },
+        "num_dense_steps": sum(1 for s, d in zip(sent, dense) if d and s >= 0.999 * d),
+        "num_compressed_steps": sum(1 for s, d in zip(sent, dense) if d and s < 0.999 * d),
+    }
+
+
+def run_one(args: argparse.Namespace, method: str, out_dir: str) -> Dict[str, Any]:
+    """Train one method; returns its result record."""
+    name = label(method, args)
+    run_dir = os.path.join(out_dir, "runs", name)
+    os.makedirs(run_dir, exist_ok=True)
+    for stale in ("log.jsonl", "comm_report.json"):
+        if os.path.exists(os.path.join(run_dir, stale)):
+            os.remove(os.path.join(run_dir, stale))
+    cmd = train_command(args, method, run_dir)
+    quiet = wait_for_quiet(args.quiet_wait) if args.quiet_wait > 0 else None
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.num_threads))
+    with CpuMonitor() as mon:
+        code, wall = run_logged(
+            cmd,
+            os.path.join(run_dir, "stdout.txt"),
+            timeout=args.run_timeout,
+            env=env,
+            priority=args.priority,
+        )
+    shown = ["torchrun"] + [
+        "python" if c == sys.executable else c for c in cmd[3:] if c != "torch.distributed.run"
+    ]
+    result: Dict[str, Any] = {
+        "method": method,
+        "label": name,
+        "flags": method_flags(method, args),
+        "exit_code": code,
+        "ok": code == 0,
+        "wall_s": wall,
+        "command": shell_join(shown),
+        "run_dir": os.path.relpath(run_dir, out_dir),
+        "contention": dict(mon.result(), quiet_wait=quiet),
+    }
+    log_path = os.path.join(run_dir, "log.jsonl")
+    if os.path.exists(log_path):
+        result.update(summarize_curve(read_jsonl(log_path), args.final_fraction))
+    rep_path = os.path.join(run_dir, "comm_report.json")
+    if os.path.exists(rep_path):
+        with open(rep_path) as f:
+            rep = json.load(f)
+        result["final_valid_loss"] = rep.get("final_valid_loss")
+        result["driver_mean_step_time_s"] = rep.get("mean_step_time_s")
+        result["comm_all_ranks_per_step"] = (rep.get("comm") or {}).get("all_ranks_per_step")
+    if code != 0:
+        with open(os.path.join(run_dir, "stdout.txt")) as f:
+            result["error_tail"] = f.read()[-2000:]
+    return result
+
+
+def add_gaps(results: List[Dict[str, Any]]) -> None:
+    """``gap_pct``: (final loss - final loss of none) / final loss of none, in percent."""
+    base = next((r.get("final_loss") for r in results if r["method"] == "none"), None)
+    for r in results:
+        f = r.get("final_loss")
+        r["gap_pct"] = 100.0 * (f - base) / base if base and f is not None else None
+        bv = next((x.get("final_valid_loss") for x in results if x["method"] == "none"), None)
+        v = r.get("final_valid_loss")
+        r["valid_gap_pct"] = 100.0 * (v - bv) / bv if bv and v is not None else None
+
+
+def print_table(results: List[Dict[str, Any]], iters: int, fraction: float) -> None:
+    """Final loss, gap to ``none``, step time and bytes per method."""
+    rows = []
+    for r in results:
+        grad = (r.get("bytes_per_step_all_ranks") or {}).get("dp-grad") or {}
+        rows.append(
+            [
+                r["label"],
+                "ok" if r["ok"] else f"FAILED ({r['exit_code']})",
+                r.get("final_loss"),
+                r.get("gap_pct"),
+                r.get("final_valid_loss"),
+                r.get("mean_step_s"),
+                grad.get("sent", 0.0) / 1e6 if grad else None,
+                grad["dense_sent"] / grad["sent"] if grad.get("sent") else None,
+                r.get("wall_s"),
+            ]
+        )
+    n = max(1, int(round(fraction * iters)))
+    print(f"final loss = mean training loss of iterations {iters - n + 1}-{iters}; gap vs none")
+    print(
+        format_table(
+            [
+                "method",
+                "status",
+                "final loss",
+                "gap %",
+                "valid loss",
+                "step s (unshaped)",
+                "dp-grad MB/step (mean)",
+                "ratio",
+                "wall s",
+            ],
+            rows,
+        )
+    )
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        defaults = build_parser().parse_args([])
+        if args.methods == defaults.methods:
+            args.methods = "none,separate"
+        if args.iters == defaults.iters:
+            args.iters = 20
+        if args.lr_warmup_iters == defaults.lr_warmup_iters:
+            args.lr_warmup_iters = 2
+        if args.powersgd_start_step == defaults.powersgd_start_step:
+            args.powersgd_start_step = 2
+        if args.quiet_wait == defaults.quiet_wait:
+            args.quiet_wait = 0.0
+    methods = parse_list(args.methods)
+    for m in methods:
+        if m not in METHODS:
+            print(f"convergence.py: error: unknown method {m!r} (choose from {METHODS})")
+            return 2
+    if "none" not in methods:
+        print("convergence.py: note: without 'none' there is no baseline for the gap")
+    out = args.out or default_out_dir("convergence")
+    os.makedirs(out, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    settings["radius_dense_steps"] = _radius_dense_steps(args)
+    settings["powersgd_approx_rank"] = _powersgd_rank(args)
+    settings["final_loss_definition"] = (
+        f"mean of the logged training losses (one per iteration) of the last "
+        f"{args.final_fraction:.0%} of the iterations"
+    )
+    results: List[Dict[str, Any]] = []
+    t0 = time.time()
+    for i, m in enumerate(methods):
+        print(f"[{i + 1}/{len(methods)}] {label(m, args)}: {args.iters} iterations ...", flush=True)
+        res = run_one(args, m, out)
+        results.append(res)
+        add_gaps(results)
+        print(
+            f"    -> {'ok' if res['ok'] else 'FAILED'}: final loss "
+            f"{res.get('final_loss') or float('nan'):.4f}, wall {res['wall_s']:.0f} s, other "
+            f"processes {100 * ((res.get('contention') or {}).get('foreign_cpu_share') or 0):.0f}%"
+            " CPU",
+            flush=True,
+        )
+        report = make_report(
+            "convergence",
+            settings,
+            results,
+            environment(num_threads=args.num_threads),
+            wall_s=time.time() - t0,
+        )
+        write_report(report, out)
+    print()
+    print_table(results, args.iters, args.final_fraction)
+    print(f"\nreport: {os.path.join(out, 'convergence.json')}")
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,678 @@
+"""Training step time against link bandwidth, per gradient-compression method and layout.
+
+What it does:
+    For every layout (``dp2``: 2 data-parallel ranks; ``pp2``: 2 pipeline stages;
+    ``pp2dp2``: both, 4 processes, only when asked), every bandwidth (``unshaped``, and tc
+    rates such as ``1gbit``, ``100mbit``, ``10mbit``) and every method (``none``,
+    ``separate``, ``radius``, ``powersgd``) it runs the training driver
+    (``python -m megatron_ext.train --cpu --model gpt-tiny ...``, one thread per rank)
+    under ``megatron-ext netbench``, so every rank sits in its own network namespace and
+    the unshaped baseline uses the same networking as the shaped runs. From the driver's
+    per-iteration ``log.jsonl`` it takes the median step time over the steady-state
+    iterations (the first ``--skip`` excluded) of ``--rounds`` runs per cell (default 3,
+    1 at 10mbit; run round-major so that a slow period of the shared machine does not
+    hit every round of one cell; the steady steps of the rounds are pooled and each
+    round's own median is kept), separately for compressed steps and for
+    the dense steps some methods still take (Radius's dense warm-up and reselection steps,
+    PowerSGD before its start step); the bytes per step by category (as sent and as they
+    would be uncompressed); netbench's link measurement; wall time; and how much CPU other
+    processes used meanwhile (the machine is small and shared).
+
+    Method settings (defaults): SEPARATE ratio 16, block 256; Radius density 0.4 with 2
+    dense steps and reselection every 50 steps, so iteration 3 is a (dense) reselection
+    step and the rest are sparse; PowerSGD at the rank that sends about the bytes of
+    SEPARATE-16 on gpt-tiny (14), starting at step 2. Pipeline layouts have no compression
+    method yet (only ``none``): ``pp2`` shows what the pipeline traffic costs; ``pp2dp2``
+    accepts the gradient methods (they compress its data-parallel gradients).
+
+Usage:
+    python benchmarks/step_time.py                                  # dp2 + pp2, all methods
+    python benchmarks/step_time.py --quick                          # smoke run (~2 min)
+    python benchmarks/step_time.py --methods none,separate --bandwidths unshaped,100mbit \\
+        --layouts dp2 --iters 12 --iters-per-bandwidth 10mbit=8
+
+Constraints:
+    Needs what netbench needs (Linux, root, iproute2, network namespaces); refuses with
+    the reason otherwise. At 10 Mbit/s a dense DP=2 step takes about 25 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (  # noqa: E402
+    CpuMonitor,
+    default_out_dir,
+    environment,
+    equal_bytes_rank_for_shapes,
+    format_table,
+    gpt_matrix_shapes,
+    load_model_preset,
+    make_report,
+    median,
+    parse_list,
+    read_jsonl,
+    run_logged,
+    shell_join,
+    wait_for_quiet,
+    write_report,
+)
+
+__all__ = [
+    "LAYOUTS",
+    "METHODS",
+    "build_parser",
+    "main",
+    "method_flags",
+    "train_command",
+    "summarize_run",
+    "aggregate_runs",
+    "step_kind",
+]
+
+METHODS = ("none", "separate", "radius", "powersgd")
+LAYOUTS = {
+    # name: (nproc, pipeline-parallel size, methods allowed)
+    "dp2": (2, 1, METHODS),
+    "pp2": (2, 2, ("none",)),
+    "pp2dp2": (4, 2, METHODS),
+}
+DEFAULT_BANDWIDTHS = "unshaped,1gbit,100mbit,10mbit"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Options of ``benchmarks/step_time.py``."""
+    p = argparse.ArgumentParser(
+        prog="benchmarks/step_time.py",
+        description="Step time of the tiny GPT against bandwidth, per compression method, "
+        "through megatron-ext netbench (needs root).",
+    )
+    p.add_argument("--methods", default=",".join(METHODS), help=f"Subset of {METHODS}.")
+    p.add_argument(
+        "--bandwidths",
+        default=DEFAULT_BANDWIDTHS,
+        help=f"'unshaped' and/or tc rates (default {DEFAULT_BANDWIDTHS}).",
+    )
+    p.add_argument(
+        "--layouts",
+        default="dp2,pp2",
+        help="dp2 (DP=2), pp2 (PP=2, only 'none'), pp2dp2 (4 processes; slow on 2 cores). "
+        "Default dp2,pp2.",
+    )
+    p.add_argument("--iters", type=int, default=12, help="Training iterations per run (12).")
+    p.add_argument(
+        "--iters-per-bandwidth",
+        default="10mbit=8",
+        help="Overrides of --iters per bandwidth, e.g. '10mbit=8,100mbit=10' (default "
+        "10mbit=8: a dense DP=2 step takes ~25 s there).",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="Runs per cell, spread over time (round-major order); their steady steps are "
+        "pooled (default 3).",
+    )
+    p.add_argument(
+        "--rounds-per-bandwidth",
+        default="10mbit=1",
+        help="Overrides of --rounds per bandwidth (default 10mbit=1).",
+    )
+    p.add_argument(
+        "--skip", type=int, default=2, help="Warm-up iterations excluded from the statistics (2)."
+    )
+    p.add_argument("--model", default="gpt-tiny", help="Model preset (default gpt-tiny).")
+    p.add_argument("--num-threads", type=int, default=1, help="torch threads per rank (1).")
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--global-batch-size", type=int, default=8)
+    p.add_argument("--separate-ratio", type=int, default=16)
+    p.add_argument("--separate-block-size", type=int, default=256)
+    p.add_argument("--radius-density", type=float, default=0.4)
+    p.add_argument("--radius-dense-steps", type=int, default=2)
+    p.add_argument("--radius-interval", type=int, default=50)
+    p.add_argument(
+        "--powersgd-approx-rank",
+        type=int,
+        default=None,
+        help="Default: the rank sending about the bytes of SEPARATE at --separate-ratio on "
+        "the model's weight matrices (14 for gpt-tiny at ratio 16).",
+    )
+    p.add_argument("--powersgd-start-step", type=int, default=2)
+    p.add_argument(
+        "--extra-train-args", default="", help="Extra flags for the driver (one string)."
+    )
+    p.add_argument(
+        "--run-timeout", type=float, default=1800.0, help="Seconds per run before it is stopped."
+    )
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=120.0,
+        help="Before each run wait up to this many seconds for other processes to leave the "
+        "CPUs idle (0: do not wait; default 120).",
+    )
+    p.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="Nice value for the benchmark's processes, applied to their autogroups too "
+        "(e.g. -10 on a machine shared with other work; needs root). Default: unchanged.",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="Smoke run: dp2, none and separate, unshaped and 100mbit, 5 iterations, 1 round.",
+    )
+    p.add_argument(
+        "--out", default=None, help="Run directory (default runs/bench-step_time-<time>)."
+    )
+    return p
+
+
+def _per_bandwidth(spec: str, bandwidth: str, default: int) -> int:
+    overrides = {}
+    for item in parse_list(spec):
+        key, _, value = item.partition("=")
+        overrides[key.strip()] = int(value)
+    return overrides.get(bandwidth, default)
+
+
+def _iters_for(args: argparse.Namespace, bandwidth: str) -> int:
+    return _per_bandwidth(args.iters_per_bandwidth, bandwidth, args.iters)
+
+
+def _rounds_for(args: argparse.Namespace, bandwidth: str) -> int:
+    return max(1, _per_bandwidth(args.rounds_per_bandwidth, bandwidth, args.rounds))
+
+
+def powersgd_rank(args: argparse.Namespace) -> int:
+    """``--powersgd-approx-rank`` or the equal-bytes rank of the model's weight matrices."""
+    if args.powersgd_approx_rank:
+        return args.powersgd_approx_rank
+    shapes = gpt_matrix_shapes(load_model_preset(args.model))
+    return equal_bytes_rank_for_shapes(shapes, args.separate_ratio)
+
+
+def method_flags(method: str, args: argparse.Namespace) -> List[str]:
+    """Driver flags selecting ``method`` with the benchmark's settings."""
+    if method == "none":
+        return ["--grad-compression", "none"]
+    if method == "separate":
+        return [
+            "--grad-compression",
+            "separate",
+            "--separate-ratio",
+            str(args.separate_ratio),
+            "--separate-block-size",
+            str(args.separate_block_size),
+        ]
+    if method == "radius":
+        return [
+            "--grad-compression",
+            "radius",
+            "--radius-density",
+            str(args.radius_density),
+            "--radius-dense-steps",
+            str(args.radius_dense_steps),
+            "--radius-interval",
+            str(args.radius_interval),
+        ]
+    if method == "powersgd":
+        return [
+            "--grad-compression",
+            "powersgd",
+            "--powersgd-approx-rank",
+            str(powersgd_rank(args)),
+            "--powersgd-start-step",
+            str(args.powersgd_start_step),
+        ]
+    raise ValueError(f"unknown method {method!r}")
+
+
+def train_command(
+    args: argparse.Namespace, method: str, pp: int, iters: int, run_dir: str
+) -> List[str]:
+    """The per-rank driver command of one run."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_ext.train",
+        "--cpu",
+        "--model",
+        args.model,
+        "--num-threads",
+        str(args.num_threads),
+        "--micro-batch-size",
+        str(args.micro_batch_size),
+        "--global-batch-size",
+        str(args.global_batch_size),
+        "--train-iters",
+        str(iters),
+        # Step time does not depend on the learning rate; a short warm-up keeps the
+        # schedule valid for a handful of iterations.
+        "--lr-warmup-iters",
+        "1",
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "0",
+        "--no-progress",
+        "--log-json",
+        os.path.join(run_dir, "log.jsonl"),
+        "--comm-report",
+        os.path.join(run_dir, "comm_report.json"),
+    ]
+    if pp > 1:
+        cmd += ["--pipeline-model-parallel-size", str(pp)]
+    cmd += method_flags(method, args)
+    if args.extra_train_args:
+        cmd += args.extra_train_args.split()
+    return cmd
+
+
+def netbench_command(
+    nproc: int, pp: int, bandwidth: str, report: str, timeout: float, train: Sequence[str]
+) -> List[str]:
+    """``python -m megatron_ext netbench ... -- <train>`` for one run."""
+    cmd = [sys.executable, "-m", "megatron_ext", "netbench", "--nproc", str(nproc)]
+    cmd += ["--pp", str(pp)]
+    cmd += ["--unshaped"] if bandwidth == "unshaped" else ["--bandwidth", bandwidth]
+    cmd += ["--report", report, "--timeout", str(int(timeout)), "--"]
+    return cmd + list(train)
+
+
+# -- analysis ------------------------------------------------------------------------------
+
+
+def step_kind(record: Dict[str, Any]) -> str:
+    """``"compressed"`` when the step's DP gradients travelled compressed, else ``"dense"``."""
+    grad = (record.get("bytes_per_step_all_ranks") or {}).get("dp-grad")
+    if not grad or not grad.get("dense_sent"):
+        return "dense"
+    return "compressed" if grad["sent"] < 0.999 * grad["dense_sent"] else "dense"
+
+
+def _bytes(records: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
+    """Mean bytes per step (all ranks) by category over ``records``."""
+    out: Dict[str, Dict[str, float]] = {}
+    for rec in records:
+        for cat, tr in (rec.get("bytes_per_step_all_ranks") or {}).items():
+            acc = out.setdefault(cat, {"sent": 0.0, "dense_sent": 0.0})
+            acc["sent"] += tr.get("sent", 0.0) / len(records)
+            acc["dense_sent"] += tr.get("dense_sent", 0.0) / len(records)
+    return {c: v for c, v in out.items() if v["sent"] or v["dense_sent"]}
+
+
+def summarize_run(records: List[Dict[str, Any]], skip: int) -> Dict[str, Any]:
+    """Statistics of one run's ``log.jsonl`` records (one per iteration).
+
+    Returns:
+        ``step_s`` (the headline: median over the steady compressed steps, or over all
+        steady steps for a method that has none), ``median_all_s``/``mean_all_s`` (all
+        steady steps, dense ones included), per kind medians and counts, the per-step
+        times, and bytes per step (mean over the steady steps of the headline kind, and
+        over all steady steps).
+    """
+    records = sorted(records, key=lambda r: r["iteration"])
+    times = [r["step_time_s"] for r in records]
+    steady_recs = [r for r in records if r["iteration"] > skip]
+    kinds = [step_kind(r) for r in steady_recs]
+    comp = [r for r, k in zip(steady_recs, kinds) if k == "compressed"]
+    dense = [r for r, k in zip(steady_recs, kinds) if k == "dense"]
+    headline = comp or steady_recs
+    st = [r["step_time_s"] for r in steady_recs]
+    return {
+        "num_iterations": len(records),
+        "iterations": [r["iteration"] for r in records],
+        "step_times_s": times,
+        "step_kinds": [step_kind(r) for r in records],
+        "num_steady": len(steady_recs),
+        "step_s": median([r["step_time_s"] for r in headline]),
+        "step_kind": "compressed" if comp else "dense",
+        "median_all_s": median(st),
+        "mean_all_s": sum(st) / len(st) if st else None,
+        "median_compressed_s": median([r["step_time_s"] for r in comp]),
+        "median_dense_s": median([r["step_time_s"] for r in dense]),
+        "num_compressed": len(comp),
+        "num_dense": len(dense),
+        "min_s": min(st) if st else None,
+        "max_s": max(st) if st else None,
+        "bytes_per_step_all_ranks": _bytes(headline) if headline else {},
+        "bytes_per_step_all_ranks_mean_all": _bytes(steady_recs) if steady_recs else {},
+        "final_lm_loss": records[-1].get("lm_loss") if records else None,
+    }
+
+
+def aggregate_runs(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One result from the rounds of a (layout, method, bandwidth) cell.
+
+    The steady steps of all successful rounds are pooled: ``step_s`` is the median of the
+    pooled compressed steps (all steady steps for a method without compressed ones),
+    ``median_dense_s`` of the pooled dense steps; ``round_step_s`` lists each round's own
+    median, so the spread between rounds (machine noise over time) stays visible.
+    """
+    first = runs[0]
+    ok_runs = [r for r in runs if r.get("ok") and r.get("step_times_s")]
+    out: Dict[str, Any] = {
+        k: first[k]
+        for k in ("layout", "nproc", "pp", "dp", "method", "bandwidth", "iters", "skip", "command")
+        if k in first
+    }
+    if "powersgd_approx_rank" in first:
+        out["powersgd_approx_rank"] = first["powersgd_approx_rank"]
+    out["num_rounds"] = len(runs)
+    out["ok"] = bool(runs) and all(r.get("ok") for r in runs)
+    out["exit_code"] = next((r["exit_code"] for r in runs if r["exit_code"] != 0), 0)
+    out["wall_s"] = sum(r.get("wall_s", 0.0) for r in runs)
+    out["run_dirs"] = [r.get("run_dir") for r in runs]
+    out["round_step_s"] = [r.get("step_s") for r in runs]
+    shares = [(r.get("contention") or {}).get("foreign_cpu_share") for r in runs]
+    out["contention"] = {
+        "foreign_cpu_share": max((x for x in shares if x is not None), default=None),
+        "per_round_foreign_cpu_share": shares,
+    }
+    comp, dense, steady = [], [], []
+    for r in ok_runs:
+        for it, t, kind in zip(r["iterations"], r["step_times_s"], r["step_kinds"]):
+            if it <= r["skip"]:
+                continue
+            steady.append(t)
+            (comp if kind == "compressed" else dense).append(t)
+    out.update(
+        {
+            "num_steady": len(steady),
+            "step_s": median(comp or steady),
+            "step_kind": "compressed" if comp else "dense",
+            "median_all_s": median(steady),
+            "mean_all_s": sum(steady) / len(steady) if steady else None,
+            "median_compressed_s": median(comp),
+            "median_dense_s": median(dense),
+            "num_compressed": len(comp),
+            "num_dense": len(dense),
+            "min_s": min(steady) if steady else None,
+            "max_s": max(steady) if steady else None,
+        }
+    )
+    if ok_runs:
+        last = ok_runs[-1]
+        for k in ("bytes_per_step_all_ranks", "bytes_per_step_all_ranks_mean_all"):
+            out[k] = last.get(k)
+        out["link_check"] = last.get("link_check")
+        out["link_checks_mb_per_s"] = [
+            (r.get("link_check") or {}).get("shaped_mb_per_s")
+            or (r.get("link_check") or {}).get("unshaped_mb_per_s")
+            for r in ok_runs
+        ]
+    if not out["ok"]:
+        out["error_tail"] = next((r.get("error_tail") for r in runs if not r.get("ok")), None)
+    return out
+
+
+def _link_summary(netbench: Dict[str, Any], bandwidth: str) -> Dict[str, Any]:
+    links = netbench.get("link_check") or []
+    shaped = [m["mb_per_s"] for m in links if m.get("shaped")]
+    unshaped = [m["mb_per_s"] for m in links if not m.get("shaped")]
+    out: Dict[str, Any] = {
+        "links": links,
+        "shaped_mb_per_s": median(shaped),
+        "unshaped_mb_per_s": median(unshaped),
+    }
+    if bandwidth != "unshaped":
+        from megatron_ext.netbench.shaping import parse_rate
+
+        expected = parse_rate(bandwidth) / 8e6
+        out["expected_mb_per_s"] = expected
+        if shaped:
+            out["shaped_over_expected"] = median(shaped) / expected
+            # TCP payload over a tc-shaped link reaches ~96% of the rate (headers).
+            out["ok"] = 0.85 <= median(shaped) / expected <= 1.05
+    return out
+
+
+def run_one(
+    args: argparse.Namespace,
+    layout: str,
+    method: str,
+    bandwidth: str,
+    out_dir: str,
+    round_index: int = 0,
+) -> Dict[str, Any]:
+    """One netbench run; returns its record (see :func:`summarize_run`)."""
+    import json
+
+    nproc, pp, _ = LAYOUTS[layout]
+    iters = _iters_for(args, bandwidth)
+    name = f"{layout}-{method}-{bandwidth}-r{round_index + 1}"
+    run_dir = os.path.join(out_dir, "runs", name)
+    os.makedirs(run_dir, exist_ok=True)
+    for stale in ("log.jsonl", "comm_report.json", "netbench.json"):
+        if os.path.exists(os.path.join(run_dir, stale)):
+            os.remove(os.path.join(run_dir, stale))
+    train = train_command(args, method, pp, iters, run_dir)
+    cmd = netbench_command(
+        nproc, pp, bandwidth, os.path.join(run_dir, "netbench.json"), args.run_timeout, train
+    )
+    quiet = wait_for_quiet(args.quiet_wait) if args.quiet_wait > 0 else None
+    with CpuMonitor() as mon:
+        code, wall = run_logged(
+            cmd,
+            os.path.join(run_dir, "stdout.txt"),
+            timeout=args.run_timeout + 120,
+            priority=args.priority,
+        )
+    result: Dict[str, Any] = {
+        "layout": layout,
+        "nproc": nproc,
+        "pp": pp,
+        "dp": nproc // pp,
+        "method": method,
+        "bandwidth": bandwidth,
+        "round": round_index + 1,
+        "iters": iters,
+        "skip": args.skip,
+        "exit_code": code,
+        "ok": code == 0,
+        "wall_s": wall,
+        "command": shell_join(
+            ["megatron-ext"] + ["python" if c == sys.executable else c for c in cmd[3:]]
+        ),
+        "run_dir": os.path.relpath(run_dir, out_dir),
+        "contention": dict(mon.result(), quiet_wait=quiet),
+    }
+    if method == "powersgd":
+        result["powersgd_approx_rank"] = powersgd_rank(args)
+    log_path = os.path.join(run_dir, "log.jsonl")
+    if os.path.exists(log_path):
+        result.update(summarize_run(read_jsonl(log_path), args.skip))
+    nb_path = os.path.join(run_dir, "netbench.json")
+    if os.path.exists(nb_path):
+        with open(nb_path) as f:
+            nb = json.load(f)
+        result["link_check"] = _link_summary(nb, bandwidth)
+        result["netbench_wall_s"] = nb.get("wall_time_s")
+    if code != 0:
+        with open(os.path.join(run_dir, "stdout.txt")) as f:
+            result["error_tail"] = f.read()[-2000:]
+    return result
+
+
+def print_table(results: List[Dict[str, Any]]) -> None:
+    """Step time per (layout, method) and bandwidth, with the speed-up over ``none``."""
+    base = {
+        (r["layout"], r["bandwidth"]): r.get("step_s")
+        for r in results
+        if r["method"] == "none" and r.get("ok")
+    }
+    rows = []
+    for r in results:
+        b = base.get((r["layout"], r["bandwidth"]))
+        s = r.get("step_s")
+        dp = (r.get("bytes_per_step_all_ranks") or {}).get("dp-grad", {})
+        pp_bytes = sum(
+            (r.get("bytes_per_step_all_ranks") or {}).get(c, {}).get("sent", 0.0)
+            for c in ("pp-act", "pp-grad")
+        )
+        link = r.get("link_check") or {}
+        rows.append(
+            [
+                r["layout"],
+                r["method"],
+                r["bandwidth"],
+                "ok" if r.get("ok") else f"FAILED ({r['exit_code']})",
+                s,
+                r.get("median_dense_s") if r.get("num_compressed") else None,
+                r.get("mean_all_s"),
+                b / s if b and s else None,
+                dp.get("sent", 0.0) / 1e6 if dp else None,
+                pp_bytes / 1e6 if pp_bytes else None,
+                " / ".join(f"{x:.2f}" for x in r.get("round_step_s") or [] if x is not None),
+                link.get("shaped_mb_per_s") or link.get("unshaped_mb_per_s"),
+                (r.get("contention") or {}).get("foreign_cpu_share"),
+            ]
+        )
+    headers = [
+        "layout",
+        "method",
+        "bandwidth",
+        "status",
+        "step s (median)",
+        "dense-step s",
+        "mean s (all)",
+        "speed-up vs none",
+        "dp-grad MB/step",
+        "pp MB/step",
+        "per round s",
+        "link MB/s",
+        "other CPU",
+    ]
+    print(format_table(headers, rows))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        defaults = build_parser().parse_args([])
+        for name, value in (
+            ("methods", "none,separate"),
+            ("bandwidths", "unshaped,100mbit"),
+            ("layouts", "dp2"),
+            ("iters", 5),
+            ("rounds", 1),
+        ):
+            if getattr(args, name) == getattr(defaults, name):
+                setattr(args, name, value)
+        if args.quiet_wait == defaults.quiet_wait:
+            args.quiet_wait = 0.0
+    methods = parse_list(args.methods)
+    layouts = parse_list(args.layouts)
+    bandwidths = parse_list(args.bandwidths)
+    for m in methods:
+        if m not in METHODS:
+            print(f"step_time.py: error: unknown method {m!r} (choose from {METHODS})")
+            return 2
+    for lay in layouts:
+        if lay not in LAYOUTS:
+            print(f"step_time.py: error: unknown layout {lay!r} (choose from {list(LAYOUTS)})")
+            return 2
+    from megatron_ext.netbench.shaping import parse_rate
+
+    for bw in bandwidths:
+        if bw != "unshaped":
+            try:
+                parse_rate(bw)
+            except ValueError as exc:
+                print(f"step_time.py: error: --bandwidths: {exc}")
+                return 2
+    if args.iters <= args.skip:
+        print(f"step_time.py: error: --iters {args.iters} must exceed --skip {args.skip}")
+        return 2
+    from megatron_ext.netbench.netns import netns_unavailable_reason
+
+    reason = netns_unavailable_reason()
+    if reason:
+        print(
+            "step_time.py: error: megatron-ext netbench cannot run here, so step time against "
+            f"bandwidth cannot be measured: {reason}",
+            file=sys.stderr,
+        )
+        return 2
+    out = args.out or default_out_dir("step_time")
+    os.makedirs(out, exist_ok=True)
+    cells = [
+        (lay, m, bw)
+        for lay in layouts
+        for bw in bandwidths
+        for m in methods
+        if m in LAYOUTS[lay][2]
+    ]
+    # Round-major: the rounds of a cell are spread over the whole benchmark, so slow
+    # periods of a shared machine do not hit one cell's every round.
+    num_rounds = max(_rounds_for(args, bw) for bw in bandwidths)
+    plan = [
+        (k, lay, m, bw)
+        for k in range(num_rounds)
+        for (lay, m, bw) in cells
+        if k < _rounds_for(args, bw)
+    ]
+    skipped = [
+        {"layout": lay, "method": m, "reason": "no pipeline compression method yet"}
+        for lay in layouts
+        for m in methods
+        if m not in LAYOUTS[lay][2]
+    ]
+    settings = {k: v for k, v in vars(args).items() if k not in ("out",)}
+    settings["powersgd_approx_rank"] = powersgd_rank(args)
+    settings["plan"] = [[k + 1, lay, m, bw] for k, lay, m, bw in plan]
+    settings["statistic"] = (
+        f"median step time over the pooled iterations > {args.skip} of every round; for "
+        "methods with dense steps (radius reselection, powersgd before its start) the "
+        "headline is the median of the compressed steps, the dense steps are reported "
+        "separately"
+    )
+    runs: List[Dict[str, Any]] = []
+    results: List[Dict[str, Any]] = []
+    t_start = time.time()
+    for i, (k, lay, m, bw) in enumerate(plan):
+        print(f"[{i + 1}/{len(plan)}] round {k + 1}: {lay} {m} {bw} ...", flush=True)
+        res = run_one(args, lay, m, bw, out, round_index=k)
+        runs.append(res)
+        print(
+            f"    -> {'ok' if res['ok'] else 'FAILED'}: step "
+            f"{res.get('step_s') or float('nan'):.3f} s (dense steps "
+            f"{res.get('median_dense_s') or float('nan'):.3f} s), wall {res['wall_s']:.0f} s, "
+            "other processes "
+            f"{100 * ((res.get('contention') or {}).get('foreign_cpu_share') or 0):.0f}% CPU",
+            flush=True,
+        )
+        results = [
+            aggregate_runs([r for r in runs if (r["layout"], r["method"], r["bandwidth"]) == c])
+            for c in cells
+            if any((r["layout"], r["method"], r["bandwidth"]) == c for r in runs)
+        ]
+        report = make_report(
+            "step_time",
+            settings,
+            results,
+            environment(num_threads=args.num_threads),
+            skipped=skipped,
+            runs=runs,
+            wall_s=time.time() - t_start,
+        )
+        write_report(report, out)
+    print()
+    print_table(results)
+    print(f"\nreport: {os.path.join(out, 'step_time.json')}")
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

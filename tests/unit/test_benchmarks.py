@@ -1,0 +1,242 @@
+"""The benchmarks' pure helpers, their JSON layout, and a smoke run of the kernel benchmark.
+
+The step-time and convergence benchmarks train for minutes and step time needs root
+(netbench); here only their pure parts run: statistics of a run's log records, the final
+loss, the equal-bytes PowerSGD rank, the flags they pass to the driver, and the refusal
+when netbench cannot run.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import common, convergence, kernels, step_time
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# -- equal-bytes PowerSGD rank -------------------------------------------------------------
+
+
+def test_equal_bytes_rank_matches_the_formula():
+    # r = n m / (ratio (n + m)), rounded: 1000 x 1000 at ratio 16 -> 31.25 -> 31.
+    assert common.equal_bytes_rank(1000, 1000, 16) == 31
+    # 8192 x 256: 2097152 / (16 * 8448) = 15.5 -> 16 (round half to even gives 16 too).
+    assert common.equal_bytes_rank(8192, 256, 16) == 16
+    assert common.equal_bytes_rank(4, 4, 16) == 1  # at least 1
+    with pytest.raises(ValueError):
+        common.equal_bytes_rank(0, 4, 16)
+
+
+def test_gpt_tiny_shapes_and_equal_bytes_rank():
+    preset = common.load_model_preset("gpt-tiny")
+    shapes = common.gpt_matrix_shapes(preset)
+    matrices = sum(n * m for n, m in shapes)
+    # The driver logs 7.39M parameters; 1-D parameters (biases, norms) are the rest.
+    assert matrices + common.gpt_vector_numel(preset) == 7_386_624
+    # sum(nm) / (16 sum(n + m)) = 7372800 / (16 * 33664) = 13.7 -> 14.
+    assert common.equal_bytes_rank_for_shapes(shapes, 16) == 14
+
+
+def test_squareish_shape():
+    assert common.squareish_shape(100_000) == (250, 400)
+    assert common.squareish_shape(10**8) == (10_000, 10_000)
+    assert common.squareish_shape(13) == (1, 13)
+
+
+# -- tables and JSON -----------------------------------------------------------------------
+
+
+def test_format_table_aligns_and_marks_missing_values():
+    text = common.format_table(["name", "value"], [["a", 1.23456], ["bb", None]], digits=2)
+    lines = text.splitlines()
+    assert lines[0] == "| name | value |"
+    assert lines[1] == "|------|------:|"
+    assert lines[2] == "| a    |  1.23 |"
+    assert lines[3] == "| bb   |     - |"
+    with pytest.raises(ValueError):
+        common.format_table(["a", "b"], [[1]])
+
+
+def _env():
+    return {"device": "cpu (no GPU lent)"}
+
+
+def test_report_schema_round_trip(tmp_path):
+    report = common.make_report("kernels", {"ratio": 16}, [{"method": "copy"}], _env(), extra=1)
+    path = common.write_report(report, str(tmp_path))
+    assert os.path.basename(path) == "kernels.json"
+    loaded = json.loads(Path(path).read_text())
+    assert common.validate_report(loaded)["extra"] == 1
+    assert loaded["schema_version"] == common.SCHEMA_VERSION
+
+
+@pytest.mark.parametrize(
+    "broken, message",
+    [
+        ({"schema_version": 1, "environment": {}, "settings": {}, "results": []}, "benchmark"),
+        (
+            {
+                "benchmark": "nope",
+                "schema_version": 1,
+                "environment": {},
+                "settings": {},
+                "results": [],
+            },
+            "unknown benchmark",
+        ),
+        (
+            {
+                "benchmark": "kernels",
+                "schema_version": 1,
+                "environment": {},
+                "settings": {},
+                "results": {},
+            },
+            "results",
+        ),
+        (
+            {
+                "benchmark": "kernels",
+                "schema_version": 99,
+                "environment": {},
+                "settings": {},
+                "results": [],
+            },
+            "newer",
+        ),
+    ],
+)
+def test_validate_report_rejects_bad_layouts(broken, message):
+    with pytest.raises(ValueError, match=message):
+        common.validate_report(broken)
+
+
+# -- step time and convergence statistics --------------------------------------------------
+
+
+def _record(iteration, seconds, sent, dense, loss=5.0):
+    return {
+        "iteration": iteration,
+        "step_time_s": seconds,
+        "lm_loss": loss,
+        "bytes_per_step_all_ranks": {
+            "dp-grad": {"sent": sent, "dense_sent": dense},
+            "other": {"sent": 32.0, "dense_sent": 32.0},
+        },
+    }
+
+
+def test_summarize_run_separates_dense_and_compressed_steps():
+    # Radius-like: 2 dense warm-up steps, a dense reselection step, then sparse steps.
+    records = [_record(1, 9.0, 100, 100), _record(2, 3.0, 100, 100), _record(3, 3.2, 100, 100)]
+    records += [_record(i, t, 40, 100) for i, t in zip(range(4, 9), (1.0, 1.2, 1.1, 0.9, 1.3))]
+    s = step_time.summarize_run(records, skip=2)
+    assert s["num_steady"] == 6
+    assert (s["num_compressed"], s["num_dense"]) == (5, 1)
+    assert s["step_s"] == pytest.approx(1.1)  # median of the compressed steps only
+    assert s["median_dense_s"] == pytest.approx(3.2)
+    assert s["mean_all_s"] == pytest.approx((3.2 + 1.0 + 1.2 + 1.1 + 0.9 + 1.3) / 6)
+    assert s["bytes_per_step_all_ranks"]["dp-grad"] == {"sent": 40.0, "dense_sent": 100.0}
+
+
+def test_summarize_run_dense_method_uses_all_steady_steps():
+    records = [_record(i, t, 100, 100) for i, t in zip(range(1, 6), (5.0, 2.0, 3.0, 1.0, 2.0))]
+    s = step_time.summarize_run(records, skip=2)
+    assert s["step_kind"] == "dense"
+    assert s["step_s"] == pytest.approx(2.0)  # median of 3.0, 1.0, 2.0
+
+
+def test_aggregate_runs_pools_the_rounds():
+    rounds = []
+    for k, times in enumerate(((9.0, 9.0, 1.0, 1.2, 1.4), (9.0, 9.0, 2.0, 2.2, 2.4))):
+        recs = [_record(i + 1, t, 40, 100) for i, t in enumerate(times)]
+        run = {"layout": "dp2", "method": "separate", "bandwidth": "100mbit", "skip": 2}
+        run.update(ok=True, exit_code=0, wall_s=10.0, run_dir=f"r{k + 1}")
+        run["contention"] = {"foreign_cpu_share": 0.05 * (k + 1)}
+        run.update(step_time.summarize_run(recs, skip=2))
+        rounds.append(run)
+    agg = step_time.aggregate_runs(rounds)
+    assert agg["num_rounds"] == 2 and agg["ok"] and agg["num_steady"] == 6
+    assert agg["round_step_s"] == pytest.approx([1.2, 2.2])
+    assert agg["step_s"] == pytest.approx((1.4 + 2.0) / 2)  # median of the pooled 6 steps
+    assert agg["contention"]["foreign_cpu_share"] == pytest.approx(0.1)
+    assert agg["wall_s"] == 20.0
+    rounds[1]["ok"], rounds[1]["exit_code"], rounds[1]["error_tail"] = False, 1, "boom"
+    failed = step_time.aggregate_runs(rounds)
+    assert not failed["ok"] and failed["exit_code"] == 1 and failed["error_tail"] == "boom"
+    assert failed["step_s"] == pytest.approx(1.2)  # only the successful round is pooled
+
+
+def test_final_loss_is_the_mean_of_the_last_fraction():
+    assert convergence.final_loss([float(i) for i in range(1, 11)], 0.2) == pytest.approx(9.5)
+    assert convergence.final_loss([4.0], 0.1) == 4.0
+    assert convergence.final_loss([], 0.1) is None
+
+
+def test_driver_flags_of_the_methods():
+    args = step_time.build_parser().parse_args([])
+    cmd = step_time.train_command(args, "powersgd", pp=1, iters=12, run_dir="/tmp/x")
+    joined = " ".join(cmd)
+    assert "--powersgd-approx-rank 14 --powersgd-start-step 2" in joined
+    assert "--global-batch-size 8" in joined and "--num-threads 1" in joined
+    assert "--pipeline-model-parallel-size" not in joined
+    cmd = step_time.train_command(args, "none", pp=2, iters=12, run_dir="/tmp/x")
+    assert "--pipeline-model-parallel-size 2" in " ".join(cmd)
+    cargs = convergence.build_parser().parse_args([])
+    flags = " ".join(convergence.method_flags("radius", cargs))
+    assert "--radius-dense-steps 60 --radius-interval 50" in flags  # 20% of 300 steps
+
+
+def test_step_time_refuses_without_netbench(monkeypatch, capsys, tmp_path):
+    from megatron_ext.netbench import netns
+
+    monkeypatch.setattr(netns, "netns_unavailable_reason", lambda: "netbench must run as root")
+    code = step_time.main(["--quick", "--out", str(tmp_path / "out")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "netbench cannot run here" in err and "must run as root" in err
+
+
+# -- kernel benchmark smoke run ------------------------------------------------------------
+
+
+def test_kernel_helpers_time_our_functions():
+    import torch
+
+    res = kernels.time_separate(4096, 64, 16, torch.device("cpu"), warmup=1, repeats=2)
+    assert res["payload_elements"] == 4096 // 16 and res["total_s"] > 0
+    res = kernels.time_powersgd(4096, 16, torch.device("cpu"), warmup=1, repeats=2)
+    assert res["shape"] == [64, 64] and res["approx_rank"] == 2
+
+
+def test_kernels_quick_writes_its_json(tmp_path):
+    out = tmp_path / "k"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "kernels.py"),
+            "--quick",
+            "--sizes",
+            "1000,4096",
+            "--block-sizes",
+            "64",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ns per element" in proc.stdout and "no GPU lent" in proc.stdout
+    report = common.validate_report(json.loads((out / "kernels.json").read_text()))
+    methods = {(r["method"], r["numel"]) for r in report["results"]}
+    assert methods == {(m, n) for m in ("copy", "separate", "powersgd") for n in (1000, 4096)}
+    assert all(r["total_ns_per_element"] > 0 for r in report["results"])
+    assert report["environment"]["device"].startswith("cpu")

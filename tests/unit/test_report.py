@@ -1,0 +1,221 @@
+"""``megatron-ext report`` on synthetic run directories: plots, report.md rows, errors."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import common
+from megatron_ext import report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+ENV = {"device": "cpu (no GPU lent)", "cpu_model": "test", "torch": "x", "git_commit": "abc"}
+
+
+def _curve(n, loss0, sent, dense, dense_steps=0):
+    return {
+        "iteration": list(range(1, n + 1)),
+        "lm_loss": [loss0 - 0.01 * i for i in range(n)],
+        "step_time_s": [0.5] * n,
+        "dp_grad_sent": [dense if i < dense_steps else sent for i in range(n)],
+        "dp_grad_dense_sent": [dense] * n,
+    }
+
+
+def _write(directory: Path, rep: dict) -> None:
+    common.write_report(rep, str(directory))
+
+
+@pytest.fixture
+def bench_dir(tmp_path):
+    d = tmp_path / "bench"
+    dense = 59_092_992.0
+    conv = [
+        {
+            "method": "none",
+            "label": "none",
+            "ok": True,
+            "final_loss": 6.0,
+            "gap_pct": 0.0,
+            "curve": _curve(40, 8.0, dense, dense),
+            "mean_step_s": 0.4,
+            "num_dense_steps": 40,
+            "num_compressed_steps": 0,
+            "bytes_per_step_all_ranks": {"dp-grad": {"sent": dense, "dense_sent": dense}},
+        },
+        {
+            "method": "separate",
+            "label": "separate-16",
+            "ok": True,
+            "final_loss": 6.3,
+            "gap_pct": 5.0,
+            "curve": _curve(40, 8.2, 3_796_992.0, dense),
+            "mean_step_s": 0.45,
+            "num_dense_steps": 0,
+            "num_compressed_steps": 40,
+            "bytes_per_step_all_ranks": {"dp-grad": {"sent": 3_796_992.0, "dense_sent": dense}},
+        },
+        {
+            "method": "radius",
+            "label": "radius-0.4",
+            "ok": True,
+            "final_loss": 6.1,
+            "gap_pct": 1.7,
+            "curve": _curve(40, 8.1, 23_700_000.0, dense, dense_steps=8),
+            "mean_step_s": 0.5,
+            "num_dense_steps": 8,
+            "num_compressed_steps": 32,
+        },
+    ]
+    _write(d, common.make_report("convergence", {"iters": 40, "nproc": 2}, conv, ENV))
+    st = []
+    for bw, none_s, sep_s, rad_s in (("unshaped", 0.4, 0.45, 0.5), ("100mbit", 3.2, 0.8, 1.5)):
+        st.append(_step("none", bw, none_s, dense, dense))
+        st.append(_step("separate", bw, sep_s, 3_796_992.0, dense))
+        st.append(_step("radius", bw, rad_s, 23_700_000.0, dense, dense_s=none_s * 1.05))
+    pp = _step("none", "100mbit", 1.0, 0, 0)
+    pp.update(layout="pp2", bytes_per_step_all_ranks={"pp-act": {"sent": 2e6, "dense_sent": 2e6}})
+    st.append(pp)
+    _write(d, common.make_report("step_time", {"skip": 2, "model": "gpt-tiny"}, st, ENV))
+    kern = []
+    for numel in (10**5, 10**6):
+        kern.append(
+            {
+                "device": "cpu",
+                "threads": 1,
+                "numel": numel,
+                "method": "copy",
+                "total_ns_per_element": 0.3,
+                "gb_per_s": 13.0,
+            }
+        )
+        for b, ns in ((64, 3.0), (256, 4.0)):
+            kern.append(
+                {
+                    "device": "cpu",
+                    "threads": 1,
+                    "numel": numel,
+                    "method": "separate",
+                    "block_size": b,
+                    "total_ns_per_element": ns,
+                }
+            )
+        kern.append(
+            {
+                "device": "cpu",
+                "threads": 1,
+                "numel": numel,
+                "method": "powersgd",
+                "approx_rank": 31,
+                "total_ns_per_element": 3.5,
+            }
+        )
+    _write(d, common.make_report("kernels", {"ratio": 16, "repeats": 7}, kern, ENV))
+    return d
+
+
+def _step(method, bw, step_s, sent, dense, dense_s=None):
+    rec = {
+        "layout": "dp2",
+        "method": method,
+        "bandwidth": bw,
+        "ok": True,
+        "exit_code": 0,
+        "step_s": step_s,
+        "median_compressed_s": step_s if sent < dense else None,
+        "median_dense_s": dense_s if dense_s else (step_s if sent >= dense else None),
+        "num_compressed": 5 if sent < dense else 0,
+        "num_dense": 1 if dense_s else (0 if sent < dense else 5),
+        "mean_all_s": step_s,
+        "bytes_per_step_all_ranks": {"dp-grad": {"sent": sent, "dense_sent": dense}},
+        "link_check": (
+            {"expected_mb_per_s": 12.5, "shaped_mb_per_s": 11.98, "ok": True}
+            if bw != "unshaped"
+            else {"unshaped_mb_per_s": 2000.0}
+        ),
+        "contention": {"foreign_cpu_share": 0.0},
+    }
+    return rec
+
+
+def test_report_writes_plots_and_tables(bench_dir, tmp_path):
+    out = tmp_path / "out"
+    assert report.main([str(bench_dir), "--out", str(out)]) == 0
+    for name in ("loss_vs_step", "loss_vs_time", "bytes_per_step", "kernels"):
+        png = out / f"{name}.png"
+        assert png.read_bytes()[:8] == PNG_MAGIC, name
+        assert png.stat().st_size > 5000
+    md = (out / "report.md").read_text()
+    for name in ("loss_vs_step", "loss_vs_time", "bytes_per_step", "kernels"):
+        assert f"({name}.png)" in md
+    # Convergence rows with the gap to none.
+    assert "| separate-16 | 6.3000 | +5.00 % |" in md
+    assert "| none | 6.0000 | +0.00 % |" in md
+    # Step time per bandwidth and speed-up vs none (3.2 / 0.8 = 4).
+    assert "| method | unshaped | 100mbit |" in md
+    assert "| separate | 0.450 s (x0.89) | 0.800 s (x4.00) |" in md
+    assert "**pp2**" in md
+    # Radius: the dense steps listed separately.
+    assert "| dp2 | radius | 100mbit | 1.500 s (5) | 3.360 s (1) |" in md
+    # Bytes per step and compression ratio.
+    assert "| dp2 separate | 3.80 | 59.09 | x15.6 |" in md
+    assert "| pp2 none | - | - | - | 2.00 |" in md
+    # Kernels: PowerSGD vs the best SEPARATE block, and where SEPARATE is cheaper.
+    assert "| 1e+05 | 0.300 | 13.0 | 3.00 | 4.00 | 3.50 (r=31) | b64: x1.17 | b64 |" in md
+    assert "GPU: not measured" in md
+
+
+def test_wall_clock_axis_uses_dense_and_compressed_step_times():
+    curve = _curve(6, 8.0, 40.0, 100.0, dense_steps=2)
+    times = report.wall_clock_axis(curve, t_compressed=1.0, t_dense=3.0)
+    assert times == pytest.approx([3.0, 6.0, 7.0, 8.0, 9.0, 10.0])
+    # Warm-up dense steps cost none's time, later dense steps (reselection) the method's.
+    curve = _curve(6, 8.0, 40.0, 100.0, dense_steps=2)
+    curve["dp_grad_sent"][4] = 100.0
+    times = report.wall_clock_axis(curve, t_compressed=1.0, t_dense=4.0, t_warmup=3.0)
+    assert times == pytest.approx([3.0, 6.0, 7.0, 8.0, 12.0, 13.0])
+    # Log records every 2 iterations, one dense and one compressed step in the first one.
+    curve = {"iteration": [2, 4], "dp_grad_sent": [70.0, 40.0], "dp_grad_dense_sent": [100.0] * 2}
+    assert report.wall_clock_axis(curve, 1.0, 3.0) == pytest.approx([4.0, 6.0])
+
+
+def test_report_reads_a_plain_train_run(tmp_path):
+    run = tmp_path / "gpt-tiny-dp2"
+    run.mkdir()
+    with open(run / "log.jsonl", "w") as f:
+        for i in range(1, 21):
+            rec = {
+                "iteration": i,
+                "step_time_s": 0.3,
+                "lm_loss": 9.0 - 0.1 * i,
+                "bytes_per_step_all_ranks": {"dp-grad": {"sent": 1e6, "dense_sent": 1e6}},
+            }
+            f.write(json.dumps(rec) + "\n")
+    (run / "comm_report.json").write_text(
+        json.dumps({"ext": {"grad_compression": "none"}, "final_valid_loss": 7.5})
+    )
+    out = tmp_path / "out"
+    assert report.main([str(run), "--out", str(out)]) == 0
+    assert (out / "loss_vs_step.png").read_bytes()[:8] == PNG_MAGIC
+    md = (out / "report.md").read_text()
+    # Final loss = mean of the last 10% (2 of 20 records): (7.1 + 7.0) / 2.
+    assert "| gpt-tiny-dp2 (none) | 7.0500 |" in md
+
+
+def test_report_refuses_an_empty_directory(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert report.main([str(empty), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "nothing to read" in err and str(empty) in err
+    assert report.main([str(tmp_path / "missing")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+
+
+def test_later_inputs_win(bench_dir, tmp_path):
+    again = tmp_path / "again"
+    st = [_step("separate", "100mbit", 0.7, 3_796_992.0, 59_092_992.0)]
+    _write(again, common.make_report("step_time", {"skip": 2}, st, ENV))
+    data = report.load_runs([str(bench_dir), str(again)])
+    assert data.step_time[("dp2", "separate", "100mbit")]["step_s"] == 0.7
+    assert data.bandwidth_order == ["unshaped", "100mbit"]

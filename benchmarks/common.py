@@ -40,6 +40,9 @@ __all__ = [
     "environment",
     "default_out_dir",
     "make_report",
+    "method_flags",
+    "powersgd_rank",
+    "add_machine_args",
     "write_report",
     "validate_report",
     "format_table",
@@ -545,6 +548,74 @@ def gpt_vector_numel(preset: Dict[str, Any]) -> int:
     f = int(preset.get("ffn_hidden_size") or 4 * h)
     # Per layer: 2 LayerNorms (2h each), QKV bias 3h, proj bias h, fc1 bias f, fc2 bias h.
     return int(preset["num_layers"]) * (2 * 2 * h + 3 * h + h + f + h) + 2 * h
+
+
+# -- methods -------------------------------------------------------------------------------
+
+
+def powersgd_rank(args: Any) -> int:
+    """``args.powersgd_approx_rank``, or the rank of ``args.model``'s weight matrices that
+    sends about as many bytes as SEPARATE at ``args.separate_ratio``."""
+    if args.powersgd_approx_rank:
+        return args.powersgd_approx_rank
+    shapes = gpt_matrix_shapes(load_model_preset(args.model))
+    return equal_bytes_rank_for_shapes(shapes, args.separate_ratio)
+
+
+def method_flags(method: str, args: Any, *, radius_dense_steps: int) -> List[str]:
+    """Driver flags selecting ``method`` with a benchmark's settings (``args`` carries
+    ``separate_ratio``, ``separate_block_size``, ``radius_density``, ``radius_interval``,
+    ``powersgd_approx_rank``, ``powersgd_start_step`` and ``model``)."""
+    if method == "none":
+        return ["--grad-compression", "none"]
+    if method == "separate":
+        return [
+            "--grad-compression",
+            "separate",
+            "--separate-ratio",
+            str(args.separate_ratio),
+            "--separate-block-size",
+            str(args.separate_block_size),
+        ]
+    if method == "radius":
+        return [
+            "--grad-compression",
+            "radius",
+            "--radius-density",
+            str(args.radius_density),
+            "--radius-dense-steps",
+            str(radius_dense_steps),
+            "--radius-interval",
+            str(args.radius_interval),
+        ]
+    if method == "powersgd":
+        return [
+            "--grad-compression",
+            "powersgd",
+            "--powersgd-approx-rank",
+            str(powersgd_rank(args)),
+            "--powersgd-start-step",
+            str(args.powersgd_start_step),
+        ]
+    raise ValueError(f"unknown method {method!r}")
+
+
+def add_machine_args(p: Any, *, quiet_wait: float, what: str) -> None:
+    """``--quiet-wait`` and ``--priority``, shared by the benchmarks."""
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=quiet_wait,
+        help=f"Before each {what} wait up to this many seconds for other processes to leave "
+        f"the CPUs idle (0: do not wait; default {quiet_wait:g}).",
+    )
+    p.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="Nice value for the benchmark's processes, applied to their autogroups too "
+        "(e.g. -10 on a machine shared with other work; needs root). Default: unchanged.",
+    )
 
 
 # -- statistics and runs -------------------------------------------------------------------

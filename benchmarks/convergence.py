@@ -38,16 +38,18 @@ from typing import Any, Dict, List, Optional
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (  # noqa: E402
+from benchmarks.common import (
     CpuMonitor,
+    add_machine_args,
     default_out_dir,
     environment,
-    equal_bytes_rank_for_shapes,
     format_table,
-    gpt_matrix_shapes,
-    load_model_preset,
     make_report,
+)
+from benchmarks.common import method_flags as common_method_flags  # noqa: E402
+from benchmarks.common import (
     parse_list,
+    powersgd_rank,
     read_jsonl,
     run_logged,
     shell_join,
@@ -102,20 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="Final loss = mean logged loss of the last this fraction of iterations (0.1).",
     )
     p.add_argument("--extra-train-args", default="", help="Extra driver flags (one string).")
-    p.add_argument(
-        "--quiet-wait",
-        type=float,
-        default=120.0,
-        help="Before each run wait up to this many seconds for an idle machine (0: no wait).",
-    )
     p.add_argument("--run-timeout", type=float, default=3600.0, help="Seconds per run.")
-    p.add_argument(
-        "--priority",
-        type=int,
-        default=None,
-        help="Nice value for the benchmark's processes, applied to their autogroups too "
-        "(e.g. -10 on a machine shared with other work; needs root). Default: unchanged.",
-    )
+    add_machine_args(p, quiet_wait=120.0, what="run")
     p.add_argument(
         "--quick", action="store_true", help="Smoke run: 20 iterations, none and separate."
     )
@@ -137,47 +127,9 @@ def _radius_dense_steps(args: argparse.Namespace) -> int:
     return max(1, int(round(0.2 * args.iters)))
 
 
-def _powersgd_rank(args: argparse.Namespace) -> int:
-    if args.powersgd_approx_rank:
-        return args.powersgd_approx_rank
-    shapes = gpt_matrix_shapes(load_model_preset(args.model))
-    return equal_bytes_rank_for_shapes(shapes, args.separate_ratio)
-
-
 def method_flags(method: str, args: argparse.Namespace) -> List[str]:
     """Driver flags of ``method``."""
-    if method == "none":
-        return ["--grad-compression", "none"]
-    if method == "separate":
-        return [
-            "--grad-compression",
-            "separate",
-            "--separate-ratio",
-            str(args.separate_ratio),
-            "--separate-block-size",
-            str(args.separate_block_size),
-        ]
-    if method == "radius":
-        return [
-            "--grad-compression",
-            "radius",
-            "--radius-density",
-            str(args.radius_density),
-            "--radius-dense-steps",
-            str(_radius_dense_steps(args)),
-            "--radius-interval",
-            str(args.radius_interval),
-        ]
-    if method == "powersgd":
-        return [
-            "--grad-compression",
-            "powersgd",
-            "--powersgd-approx-rank",
-            str(_powersgd_rank(args)),
-            "--powersgd-start-step",
-            str(args.powersgd_start_step),
-        ]
-    raise ValueError(f"unknown method {method!r}")
+    return common_method_flags(method, args, radius_dense_steps=_radius_dense_steps(args))
 
 
 def label(method: str, args: argparse.Namespace) -> str:
@@ -187,7 +139,7 @@ def label(method: str, args: argparse.Namespace) -> str:
     if method == "radius":
         return f"radius-{args.radius_density:g}"
     if method == "powersgd":
-        return f"powersgd-r{_powersgd_rank(args)}"
+        return f"powersgd-r{powersgd_rank(args)}"
     return method
 
 
@@ -410,7 +362,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     os.makedirs(out, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     settings["radius_dense_steps"] = _radius_dense_steps(args)
-    settings["powersgd_approx_rank"] = _powersgd_rank(args)
+    settings["powersgd_approx_rank"] = powersgd_rank(args)
     settings["final_loss_definition"] = (
         f"mean of the logged training losses (one per iteration) of the last "
         f"{args.final_fraction:.0%} of the iterations"

@@ -53,6 +53,7 @@ if __package__ in (None, ""):
 
 from benchmarks.common import (  # noqa: E402
     CpuMonitor,
+    add_machine_args,
     default_out_dir,
     environment,
     equal_bytes_rank,
@@ -112,21 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="cpu, cuda or auto (cpu, plus cuda when torch.cuda.is_available()).",
     )
     p.add_argument("--no-powersgd", action="store_true", help="Skip PowerSGD.")
-    p.add_argument(
-        "--quiet-wait",
-        type=float,
-        default=60.0,
-        help="Before each size, wait up to this many seconds for other processes to leave "
-        "the CPUs idle (0: do not wait; default 60). Each result records the CPU share "
-        "other processes used while it was measured.",
-    )
-    p.add_argument(
-        "--priority",
-        type=int,
-        default=None,
-        help="Nice value for the benchmark's processes, applied to their autogroups too "
-        "(e.g. -10 on a machine shared with other work; needs root). Default: unchanged.",
-    )
+    # Each result records the CPU share other processes used while it was measured.
+    add_machine_args(p, quiet_wait=60.0, what="size")
     p.add_argument(
         "--quick",
         action="store_true",

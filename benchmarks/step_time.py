@@ -48,17 +48,19 @@ from typing import Any, Dict, List, Optional, Sequence
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (  # noqa: E402
+from benchmarks.common import (
     CpuMonitor,
+    add_machine_args,
     default_out_dir,
     environment,
-    equal_bytes_rank_for_shapes,
     format_table,
-    gpt_matrix_shapes,
-    load_model_preset,
     make_report,
     median,
+)
+from benchmarks.common import method_flags as common_method_flags  # noqa: E402
+from benchmarks.common import (
     parse_list,
+    powersgd_rank,
     read_jsonl,
     run_logged,
     shell_join,
@@ -152,20 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--run-timeout", type=float, default=1800.0, help="Seconds per run before it is stopped."
     )
-    p.add_argument(
-        "--quiet-wait",
-        type=float,
-        default=120.0,
-        help="Before each run wait up to this many seconds for other processes to leave the "
-        "CPUs idle (0: do not wait; default 120).",
-    )
-    p.add_argument(
-        "--priority",
-        type=int,
-        default=None,
-        help="Nice value for the benchmark's processes, applied to their autogroups too "
-        "(e.g. -10 on a machine shared with other work; needs root). Default: unchanged.",
-    )
+    add_machine_args(p, quiet_wait=120.0, what="run")
     p.add_argument(
         "--quick",
         action="store_true",
@@ -193,48 +182,9 @@ def _rounds_for(args: argparse.Namespace, bandwidth: str) -> int:
     return max(1, _per_bandwidth(args.rounds_per_bandwidth, bandwidth, args.rounds))
 
 
-def powersgd_rank(args: argparse.Namespace) -> int:
-    """``--powersgd-approx-rank`` or the equal-bytes rank of the model's weight matrices."""
-    if args.powersgd_approx_rank:
-        return args.powersgd_approx_rank
-    shapes = gpt_matrix_shapes(load_model_preset(args.model))
-    return equal_bytes_rank_for_shapes(shapes, args.separate_ratio)
-
-
 def method_flags(method: str, args: argparse.Namespace) -> List[str]:
     """Driver flags selecting ``method`` with the benchmark's settings."""
-    if method == "none":
-        return ["--grad-compression", "none"]
-    if method == "separate":
-        return [
-            "--grad-compression",
-            "separate",
-            "--separate-ratio",
-            str(args.separate_ratio),
-            "--separate-block-size",
-            str(args.separate_block_size),
-        ]
-    if method == "radius":
-        return [
-            "--grad-compression",
-            "radius",
-            "--radius-density",
-            str(args.radius_density),
-            "--radius-dense-steps",
-            str(args.radius_dense_steps),
-            "--radius-interval",
-            str(args.radius_interval),
-        ]
-    if method == "powersgd":
-        return [
-            "--grad-compression",
-            "powersgd",
-            "--powersgd-approx-rank",
-            str(powersgd_rank(args)),
-            "--powersgd-start-step",
-            str(args.powersgd_start_step),
-        ]
-    raise ValueError(f"unknown method {method!r}")
+    return common_method_flags(method, args, radius_dense_steps=args.radius_dense_steps)
 
 
 def train_command(

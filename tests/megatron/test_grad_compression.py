@@ -106,8 +106,18 @@ CASES = {
         "8",
         "--use-distributed-optimizer",
     ],
+    # TP=2 x DP=2: each tensor-parallel rank compresses its own shards in its own DP group.
+    "separate-tp2-dp2-overlap": SEPARATE
+    + ["--tensor-model-parallel-size", "2", "--overlap-grad-reduce", "--ddp-bucket-size", "20000"],
+    "radius-tp2-dp2-distopt": RADIUS
+    + ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"],
 }
-WORLD = {"separate-pp2-dp2": 4, "radius-pp2-dp2-distopt": 4}
+WORLD = {
+    "separate-pp2-dp2": 4,
+    "radius-pp2-dp2-distopt": 4,
+    "separate-tp2-dp2-overlap": 4,
+    "radius-tp2-dp2-distopt": 4,
+}
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -773,9 +773,16 @@ def _bytes_md(data: RunData) -> List[str]:
     if not rows_in:
         return []
     out = ["## Bytes per step", ""]
+    from_step_time = any(r.get("bytes_per_step_all_ranks") for r in data.step_time.values())
+    which = (
+        "steps with dense reductions excluded for the methods that have them"
+        if from_step_time
+        else "mean over all steps of the convergence runs, dense ones (warm-up, reselections) "
+        "included"
+    )
     out.append(
         "All ranks, per step, as counted by megatron_ext's meters (ring convention for "
-        "collectives); steps with dense reductions excluded for the methods that have them."
+        f"collectives); {which}."
     )
     out.append("")
     rows = []

@@ -160,6 +160,7 @@ def test_report_writes_plots_and_tables(bench_dir, tmp_path):
     # Bytes per step and compression ratio.
     assert "| dp2 separate | 3.80 | 59.09 | x15.6 |" in md
     assert "| pp2 none | - | - | - | 2.00 |" in md
+    assert "steps with dense reductions excluded" in md
     # Kernels: PowerSGD vs the best SEPARATE block, and where SEPARATE is cheaper.
     assert "| 1e+05 | 0.300 | 13.0 | 3.00 | 4.00 | 3.50 (r=31) | b64: x1.17 | b64 |" in md
     assert "GPU: not measured" in md
@@ -219,3 +220,25 @@ def test_later_inputs_win(bench_dir, tmp_path):
     data = report.load_runs([str(bench_dir), str(again)])
     assert data.step_time[("dp2", "separate", "100mbit")]["step_s"] == 0.7
     assert data.bandwidth_order == ["unshaped", "100mbit"]
+
+
+def test_bytes_of_convergence_runs_are_means_with_dense_steps(tmp_path):
+    dense = 59_092_992.0
+    conv = [
+        {
+            "method": m,
+            "label": m,
+            "ok": True,
+            "final_loss": 6.0,
+            "gap_pct": 0.0,
+            "curve": _curve(10, 8.0, sent, dense),
+            "bytes_per_step_all_ranks": {"dp-grad": {"sent": sent, "dense_sent": dense}},
+        }
+        for m, sent in (("none", dense), ("radius-0.4", 27_560_000.0))
+    ]
+    _write(tmp_path / "c", common.make_report("convergence", {"iters": 10}, conv, ENV))
+    assert report.main([str(tmp_path / "c"), "--out", str(tmp_path / "out")]) == 0
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| radius-0.4 | 27.56 | 59.09 | x2.1 |" in md
+    assert "dense ones (warm-up, reselections) included" in md
+    assert "dense reductions excluded" not in md

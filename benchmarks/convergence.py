@@ -103,7 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.1,
         help="Final loss = mean logged loss of the last this fraction of iterations (0.1).",
     )
-    p.add_argument("--extra-train-args", default="", help="Extra driver flags (one string).")
+    p.add_argument(
+        "--extra-train-args",
+        default="",
+        help="Extra driver flags (one string; write --extra-train-args='--flag ...' with '=').",
+    )
     p.add_argument("--run-timeout", type=float, default=3600.0, help="Seconds per run.")
     add_machine_args(p, quiet_wait=120.0, what="run")
     p.add_argument(
@@ -133,9 +137,11 @@ def method_flags(method: str, args: argparse.Namespace) -> List[str]:
 
 
 def label(method: str, args: argparse.Namespace) -> str:
-    """Short name of a configured method, e.g. ``separate-16``, ``powersgd-r14``."""
+    """Short name of a configured method, e.g. ``separate-16``, ``g-separate-16`` (with
+    ``--separate-adaptive`` among the extra driver flags), ``powersgd-r14``."""
     if method == "separate":
-        return f"separate-{args.separate_ratio}"
+        adaptive = "--separate-adaptive" in args.extra_train_args.split()
+        return f"{'g-' if adaptive else ''}separate-{args.separate_ratio}"
     if method == "radius":
         return f"radius-{args.radius_density:g}"
     if method == "powersgd":

@@ -190,6 +190,10 @@ def test_driver_flags_of_the_methods():
     cargs = convergence.build_parser().parse_args([])
     flags = " ".join(convergence.method_flags("radius", cargs))
     assert "--radius-dense-steps 60 --radius-interval 50" in flags  # 20% of 300 steps
+    assert convergence.label("separate", cargs) == "separate-16"
+    gargs = convergence.build_parser().parse_args(["--extra-train-args=--separate-adaptive"])
+    assert convergence.label("separate", gargs) == "g-separate-16"
+    assert "--separate-adaptive" in convergence.train_command(gargs, "separate", "/tmp/x")
 
 
 def test_step_time_refuses_without_netbench(monkeypatch, capsys, tmp_path):

@@ -32,7 +32,7 @@ import textwrap
 import typing
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, ClassVar, Dict, Iterable, List, Optional, Tuple, Type
+from typing import Any, ClassVar, Dict, Iterable, List, Optional, Tuple
 
 __all__ = [
     "ConfigError",

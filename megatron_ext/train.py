@@ -514,8 +514,6 @@ class Trainer:
 
     def forward_step(self, data_iterator, model):
         """megatron's forward_step_func: one microbatch through this stage."""
-        import torch
-
         batch = next(data_iterator) if data_iterator is not None else None
         if self.on_step_batch is not None and batch is not None:
             self.on_step_batch(batch)
@@ -538,7 +536,6 @@ class Trainer:
 
     def train_step(self, iteration: int, consumed: int, data_iterator):
         """One iteration: forward/backward over all microbatches, optimizer step."""
-        import torch
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         for chunk in self.model:
@@ -618,9 +615,7 @@ class Trainer:
 
     def run(self) -> Dict[str, Any]:
         """Train; returns a summary dict (also written to the JSON reports)."""
-        import torch
-
-        from megatron_ext.accounting import CATEGORIES, Traffic, all_ranks_totals
+        from megatron_ext.accounting import Traffic, all_ranks_totals
         from megatron_ext.megatron import checkpoint as ckpt
 
         cfg = self.cfg
@@ -724,9 +719,8 @@ class Trainer:
     # -- checkpoints, logs, reports ----------------------------------------------------------
 
     def _save(self, iteration: int, consumed: int) -> None:
-        from megatron_ext.megatron import checkpoint as ckpt
-
         from megatron_ext.accounting import ProcessGroupTrafficMeter
+        from megatron_ext.megatron import checkpoint as ckpt
 
         t0 = time.time()
         self.sync_params()

@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Optional
 
-from megatron_ext.config import ConfigError, _check_choice, _check_positive, arg, flag_of
+from megatron_ext.config import ConfigError, _check_positive, arg, flag_of
 
 __all__ = [
     "ModelArgs",

@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from megatron_ext.logging import get_logger, warn_once
+from megatron_ext.logging import print_rank_0
 from megatron_ext.megatron.naming import unwrap
 from megatron_ext.state import StateMismatch, fingerprint
 
@@ -49,7 +49,6 @@ __all__ = [
     "ext_meta",
 ]
 
-logger = get_logger(__name__)
 
 _TRACKER = "latest_checkpointed_iteration.txt"
 _FORMAT = "megatron_ext-driver-1"
@@ -106,6 +105,50 @@ def ext_meta(runtime: Any) -> Dict[str, Any]:
         "fingerprint": fingerprint(state.settings),
         "settings": state.settings,
     }
+
+
+def decide_load(
+    saved_meta: Optional[Dict[str, Any]], runtime: Any, on_mismatch: str, where: str
+) -> bool:
+    """Whether megatron-ext state saved with ``saved_meta`` can be loaded into ``runtime``.
+
+    Shared by the driver's checkpoints and Megatron-LM's (``megatron_ext.megatron.lm``).
+
+    Args:
+        saved_meta: the checkpoint's ``megatron_ext_meta`` (None: saved without megatron-ext).
+        runtime: this run's runtime.
+        on_mismatch: ``--ext-state-on-mismatch`` (``error`` or ``reset``).
+        where: checkpoint path for messages.
+
+    Returns:
+        True to load, False to start megatron-ext's state fresh (after a warning).
+
+    Raises:
+        StateMismatch: mismatch and ``on_mismatch == 'error'``.
+    """
+    meta = ext_meta(runtime)
+    if saved_meta is None:
+        problem = f"{where} holds no megatron-ext state (saved without megatron-ext)"
+    elif (
+        saved_meta.get("layout") != meta["layout"]
+        or saved_meta.get("fingerprint") != meta["fingerprint"]
+    ):
+        problem = (
+            f"megatron-ext state in {where} was saved with layout {saved_meta.get('layout')} "
+            f"and settings {saved_meta.get('settings')}; this run has {meta['layout']} and "
+            f"{meta['settings']}"
+        )
+    else:
+        return True
+    if on_mismatch == "error":
+        raise StateMismatch(
+            problem + ". Pass --ext-state-on-mismatch reset to start the megatron-ext state "
+            "from scratch (model and optimizer load as usual)."
+        )
+    print_rank_0(
+        f"megatron-ext: WARNING: {problem}; starting megatron-ext state from scratch (reset)."
+    )
+    return False
 
 
 def _sharded_state_dict(
@@ -280,25 +323,7 @@ def load_checkpoint(
             f"{directory} is not a megatron-ext train checkpoint "
             f"(version {common.get('checkpoint_version')!r})"
         )
-    saved_meta = common.get("megatron_ext_meta", {})
-    meta = ext_meta(runtime)
-    include_ext = True
-    if (
-        saved_meta.get("layout") != meta["layout"]
-        or saved_meta.get("fingerprint") != meta["fingerprint"]
-    ):
-        message = (
-            f"megatron_ext state in {directory} was saved with layout {saved_meta.get('layout')} "
-            f"and settings {saved_meta.get('settings')}; this run has {meta['layout']} and "
-            f"{meta['settings']}"
-        )
-        if on_mismatch == "error":
-            raise StateMismatch(
-                message + ". Pass --ext-state-on-mismatch reset to start the megatron_ext state "
-                "from scratch."
-            )
-        warn_once(logger, message + "; starting megatron_ext state from scratch (reset).")
-        include_ext = False
+    include_ext = decide_load(common.get("megatron_ext_meta"), runtime, on_mismatch, directory)
     _init_dist_opt_state(optimizer)
     template = _sharded_state_dict(
         model_chunks, optimizer, scheduler, runtime, is_loading=True, include_ext=include_ext

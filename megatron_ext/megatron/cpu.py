@@ -43,8 +43,6 @@ import contextlib
 import importlib
 import logging
 import os
-import sys
-import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 

@@ -179,8 +179,6 @@ class ExtP2PCommunicator(P2PCommunicator):
                 "tensor_shape must be specified to receive tensors. "
                 "Common tensor_shape is (seq_length, micro_batch_size, hidden_size)"
             )
-        identity = isinstance(codec, IdentityCodec)
-
         # Sends: forward activations to the next stage, gradients to the previous one.
         send_next_payload = send_prev_payload = None
         if tensor_send_next is not None:

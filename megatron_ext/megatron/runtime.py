@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_ext.accounting import CATEGORIES, CommMeter, ProcessGroupTrafficMeter, Traffic
+from megatron_ext.accounting import CommMeter, ProcessGroupTrafficMeter, Traffic
 from megatron_ext.autograd.linear import LinearHook, PassThroughLinearHook
 from megatron_ext.collectives.grad_reducer import DenseGradReducer, GradReducer
 from megatron_ext.collectives.p2p import IdentityCodec, P2PCodec

@@ -113,6 +113,20 @@ def _parity(rank, world, flags):
     return out
 
 
+# LLaMA style: RMSNorm, SwiGLU, RoPE, GQA, untied embeddings, no linear biases.
+LLAMA = [
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--position-embedding-type",
+    "rope",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear",
+]
+PP2 = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
 CASES = {
     "dp2": [],
     "dp2-overlap-small-buckets": ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"],
@@ -124,36 +138,10 @@ CASES = {
         "20000",
     ],
     "dp2-bf16": ["--bf16"],
-    "pp2": ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"],
+    "pp2": PP2,
     "tp2": ["--tensor-model-parallel-size", "2"],
-    "llama-dp2": [
-        "--normalization",
-        "RMSNorm",
-        "--swiglu",
-        "--position-embedding-type",
-        "rope",
-        "--group-query-attention",
-        "--num-query-groups",
-        "2",
-        "--untie-embeddings-and-output-weights",
-        "--disable-bias-linear",
-    ],
-    "llama-pp2": [
-        "--normalization",
-        "RMSNorm",
-        "--swiglu",
-        "--position-embedding-type",
-        "rope",
-        "--group-query-attention",
-        "--num-query-groups",
-        "2",
-        "--untie-embeddings-and-output-weights",
-        "--disable-bias-linear",
-        "--pipeline-model-parallel-size",
-        "2",
-        "--global-batch-size",
-        "8",
-    ],
+    "llama-dp2": LLAMA,
+    "llama-pp2": LLAMA + PP2,
 }
 WORLD = {"pp2-dp2-distopt": 4}
 CASES["pp2-dp2-distopt"] = [

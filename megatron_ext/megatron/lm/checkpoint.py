@@ -25,20 +25,18 @@ Why not through the optimizer:
     untouched and loads the same way in every optimizer configuration.
 
 Constraints:
-    The layout/fingerprint check mirrors ``megatron_ext.megatron.checkpoint`` (our own
-    driver's checkpoints) and uses its ``ext_meta``.
+    The layout/fingerprint check is ``megatron_ext.megatron.checkpoint.decide_load``, the
+    one our own driver's checkpoints use (re-exported here).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch
 
-from megatron_ext.logging import print_rank_0
-from megatron_ext.megatron.checkpoint import ext_meta
-from megatron_ext.state import StateMismatch
+from megatron_ext.megatron.checkpoint import decide_load, ext_meta  # noqa: F401 (re-export)
 
 __all__ = [
     "META_KEY",
@@ -124,45 +122,3 @@ def load_rank_file(path: str) -> Dict[str, Any]:
     """The state stored by :func:`save_rank_file`."""
     # Written by save_rank_file: tensors, primitives and dicts only.
     return torch.load(path, map_location="cpu", weights_only=False)["state"]
-
-
-def decide_load(
-    saved_meta: Optional[Dict[str, Any]], runtime: Any, on_mismatch: str, where: str
-) -> bool:
-    """Whether megatron-ext state saved with ``saved_meta`` can be loaded into ``runtime``.
-
-    Args:
-        saved_meta: the checkpoint's ``megatron_ext_meta`` (None: saved without megatron-ext).
-        runtime: this run's runtime.
-        on_mismatch: ``--ext-state-on-mismatch`` (``error`` or ``reset``).
-        where: checkpoint path for messages.
-
-    Returns:
-        True to load, False to start megatron-ext's state fresh (after a warning).
-
-    Raises:
-        StateMismatch: mismatch and ``on_mismatch == 'error'``.
-    """
-    meta = ext_meta(runtime)
-    if saved_meta is None:
-        problem = f"{where} holds no megatron-ext state (saved by Megatron-LM without megatron-ext)"
-    elif (
-        saved_meta.get("layout") != meta["layout"]
-        or saved_meta.get("fingerprint") != meta["fingerprint"]
-    ):
-        problem = (
-            f"megatron-ext state in {where} was saved with layout {saved_meta.get('layout')} "
-            f"and settings {saved_meta.get('settings')}; this run has {meta['layout']} and "
-            f"{meta['settings']}"
-        )
-    else:
-        return True
-    if on_mismatch == "error":
-        raise StateMismatch(
-            problem + ". Pass --ext-state-on-mismatch reset to start the megatron-ext state "
-            "from scratch (model and optimizer load as usual)."
-        )
-    print_rank_0(
-        f"megatron-ext: WARNING: {problem}; starting megatron-ext state from scratch (reset)."
-    )
-    return False

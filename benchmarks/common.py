@@ -14,7 +14,7 @@ What it does:
       a projection at a given ratio; :func:`gpt_matrix_shapes` lists the weight matrices of
       a GPT preset for the model-wide version.
     * :func:`run_logged` runs a command with its output in a log file, :func:`read_jsonl`
-      reads the driver's ``log.jsonl``, :func:`median` and :func:`steady` are the statistics.
+      reads the driver's ``log.jsonl``, :func:`median` is the statistic.
 
 Constraints:
     Imports torch lazily (only :func:`environment` needs it), so the step-time and
@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from megatron_ext.report import read_jsonl  # noqa: F401 (re-exported for the benchmarks)
 
 __all__ = [
     "REPO_ROOT",
@@ -53,7 +55,6 @@ __all__ = [
     "gpt_vector_numel",
     "load_model_preset",
     "median",
-    "steady",
     "read_jsonl",
     "run_logged",
     "parse_list",
@@ -628,26 +629,6 @@ def median(values: Sequence[float]) -> Optional[float]:
         return None
     mid = len(v) // 2
     return v[mid] if len(v) % 2 else 0.5 * (v[mid - 1] + v[mid])
-
-
-def steady(values: Sequence[Any], skip: int) -> List[Any]:
-    """``values`` without the first ``skip`` (warm-up) entries."""
-    return list(values[skip:])
-
-
-def read_jsonl(path: str) -> List[Dict[str, Any]]:
-    """Records of a JSON-lines file (blank and truncated last lines are skipped)."""
-    out = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
 
 
 def shell_join(argv: Sequence[str]) -> str:

@@ -55,6 +55,8 @@ __all__ = [
     "collective_wire_bytes",
     "all_ranks_totals",
     "gather_rank_totals",
+    "sum_rank_totals",
+    "collective_device",
     "format_traffic",
     "format_bytes",
 ]
@@ -203,67 +205,80 @@ class CommMeter:
             self.num_steps = 0
 
 
+def collective_device(group: Optional[Any] = None) -> torch.device:
+    """Where a small tensor must live to be reduced over ``group``: the current CUDA device
+    when the group's backend is NCCL (an NCCL-only group cannot reduce CPU tensors, which
+    is how Megatron-LM initializes torch.distributed), otherwise the CPU."""
+    if "nccl" in str(torch.distributed.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Traffic))
+
+
+def _flatten(counts: Dict[str, Traffic], device: Any = "cpu") -> torch.Tensor:
+    return torch.tensor(
+        [getattr(counts.get(c, Traffic()), f) for c in CATEGORIES for f in _FIELDS],
+        dtype=torch.int64,
+        device=device,
+    )
+
+
+def _unflatten(t: torch.Tensor) -> Dict[str, Traffic]:
+    values, n, out = t.tolist(), len(_FIELDS), {}
+    for i, c in enumerate(CATEGORIES):
+        rec = Traffic(*values[i * n : (i + 1) * n])
+        if rec.num_ops or rec.sent or rec.recv:
+            out[c] = rec
+    return out
+
+
 def all_ranks_totals(
-    counts: Dict[str, Traffic], group: Optional[Any] = None
-) -> Tuple[Dict[str, Traffic], Dict[str, Traffic]]:
-    """Sum and max over ranks of per-category counters (one all-reduce of int64s each).
+    counts: Dict[str, Traffic], group: Optional[Any] = None, *, with_max: bool = False
+) -> Tuple[Dict[str, Traffic], Optional[Dict[str, Traffic]]]:
+    """Sum (and, with ``with_max``, max) over ranks of per-category counters: one all-reduce
+    of int64s each, not counted as training traffic.
 
     Args:
         counts: this rank's counters.
         group: process group (default: world).
+        with_max: also reduce the per-rank maximum (a second all-reduce).
 
     Returns:
-        ``(sum_over_ranks, max_over_ranks)``.
+        ``(sum_over_ranks, max_over_ranks or None)``.
     """
-    fields = ("sent", "recv", "dense_sent", "dense_recv", "num_ops")
-    flat = torch.tensor(
-        [getattr(counts.get(c, Traffic()), f) for c in CATEGORIES for f in fields],
-        dtype=torch.int64,
-    )
-    if torch.distributed.is_initialized():
-        total = flat.clone()
-        peak = flat.clone()
-        with ProcessGroupTrafficMeter.untracked():
-            torch.distributed.all_reduce(total, group=group)
+    if not torch.distributed.is_initialized():
+        flat = _flatten(counts)
+        return _unflatten(flat), (_unflatten(flat) if with_max else None)
+    flat = _flatten(counts, collective_device(group))
+    total = flat.clone()
+    peak = flat.clone() if with_max else None
+    with ProcessGroupTrafficMeter.untracked():
+        torch.distributed.all_reduce(total, group=group)
+        if peak is not None:
             torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX, group=group)
-    else:
-        total, peak = flat, flat
-
-    def unflatten(t: torch.Tensor) -> Dict[str, Traffic]:
-        values = t.tolist()
-        out = {}
-        for i, c in enumerate(CATEGORIES):
-            chunk = values[i * len(fields) : (i + 1) * len(fields)]
-            rec = Traffic(*chunk)
-            if rec.num_ops or rec.sent or rec.recv:
-                out[c] = rec
-        return out
-
-    return unflatten(total), unflatten(peak)
+    return _unflatten(total), (_unflatten(peak) if peak is not None else None)
 
 
 def gather_rank_totals(counts: Dict[str, Traffic], group: Optional[Any] = None) -> List[Dict]:
-    """Every rank's per-category counters (all-gather), as a list indexed by rank."""
-    fields = ("sent", "recv", "dense_sent", "dense_recv", "num_ops")
-    flat = torch.tensor(
-        [getattr(counts.get(c, Traffic()), f) for c in CATEGORIES for f in fields],
-        dtype=torch.int64,
-    )
+    """Every rank's per-category counters (all-gather), as a list of plain dicts by rank."""
     if not torch.distributed.is_initialized():
-        rows = [flat]
+        rows = [_flatten(counts)]
     else:
+        flat = _flatten(counts, collective_device(group))
         rows = [torch.empty_like(flat) for _ in range(torch.distributed.get_world_size(group))]
         with ProcessGroupTrafficMeter.untracked():
             torch.distributed.all_gather(rows, flat, group=group)
-    out = []
-    for row in rows:
-        values = row.tolist()
-        per_cat = {}
-        for i, c in enumerate(CATEGORIES):
-            rec = dict(zip(fields, values[i * len(fields) : (i + 1) * len(fields)]))
-            if rec["num_ops"] or rec["sent"] or rec["recv"]:
-                per_cat[c] = rec
-        out.append(per_cat)
+    return [{c: rec.as_dict() for c, rec in _unflatten(row).items()} for row in rows]
+
+
+def sum_rank_totals(per_rank: List[Dict]) -> Dict[str, Traffic]:
+    """The sum over ranks of :func:`gather_rank_totals`' rows (no further communication)."""
+    out: Dict[str, Traffic] = {}
+    for row in per_rank:
+        for c, rec in row.items():
+            out.setdefault(c, Traffic()).add(Traffic(**rec))
     return out
 
 
@@ -312,10 +327,6 @@ def _nbytes(t: Any) -> int:
     if isinstance(t, (list, tuple)):
         return sum(_nbytes(x) for x in t)
     return 0
-
-
-def _first_tensor_list(args: Sequence[Any]) -> Any:
-    return args[0] if args else None
 
 
 # ProcessGroup method -> (collective kind, function giving the payload size N from args).

@@ -10,8 +10,8 @@ group.
 from __future__ import annotations
 
 import logging
+import os
 import sys
-from typing import Optional, Set
 
 import torch
 
@@ -22,10 +22,7 @@ __all__ = [
     "print_rank_0",
     "print_rank_last",
     "log_rank_0",
-    "warn_once",
 ]
-
-_WARNED: Set[str] = set()
 
 
 def get_logger(name: str) -> logging.Logger:
@@ -36,11 +33,12 @@ def get_logger(name: str) -> logging.Logger:
 def _rank() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank()
-    return 0
+    # Before init_process_group: the launcher's RANK (torchrun sets it), else 0.
+    return int(os.environ.get("RANK", "0"))
 
 
 def is_rank_0() -> bool:
-    """True on global rank 0, or when no process group is initialized."""
+    """True on global rank 0 (before the process group exists: ``RANK`` 0 or unset)."""
     return _rank() == 0
 
 
@@ -67,11 +65,3 @@ def log_rank_0(logger: logging.Logger, level: int, message: str) -> None:
     """``logger.log`` on global rank 0 only (megatron-core's ``log_single_rank``)."""
     if is_rank_0():
         logger.log(level, message)
-
-
-def warn_once(logger: logging.Logger, message: str, key: Optional[str] = None) -> None:
-    """Log a warning the first time ``key`` (default: the message) is seen in this process."""
-    key = key or message
-    if key not in _WARNED:
-        _WARNED.add(key)
-        logger.warning(message)

@@ -40,7 +40,15 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["build_parser", "main", "load_runs", "write_report", "ReportError", "RunData"]
+__all__ = [
+    "build_parser",
+    "main",
+    "load_runs",
+    "write_report",
+    "read_jsonl",
+    "ReportError",
+    "RunData",
+]
 
 _PROG = "megatron-ext report"
 _BENCH_FILES = ("kernels.json", "step_time.json", "convergence.json")
@@ -80,7 +88,9 @@ def _read_json(path: str) -> Any:
         raise ReportError(f"{path}: cannot read JSON ({exc})") from exc
 
 
-def _read_jsonl(path: str) -> List[Dict[str, Any]]:
+def read_jsonl(path: str) -> List[Dict[str, Any]]:
+    """Records of a JSON-lines file (the driver's ``log.jsonl``); blank lines and a truncated
+    last line are skipped."""
     out = []
     with open(path) as f:
         for line in f:
@@ -103,17 +113,14 @@ def _check_bench(report: Any, path: str) -> Dict[str, Any]:
 
 def _bandwidth_key(bw: str) -> float:
     """Sort key: unshaped first, then fastest to slowest."""
+    from megatron_ext.netbench.shaping import parse_rate  # torch-free, like this module
+
     if bw == "unshaped":
         return -math.inf
-    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
-    text = bw.lower()
-    for unit, scale in units.items():
-        if text.endswith(unit):
-            try:
-                return -float(text[: -len(unit)]) * scale
-            except ValueError:
-                break
-    return 0.0
+    try:
+        return -float(parse_rate(bw))
+    except ValueError:
+        return 0.0
 
 
 def _add_bench(data: RunData, report: Dict[str, Any], source: str) -> None:
@@ -137,7 +144,7 @@ def _train_run(path: str) -> Optional[Dict[str, Any]]:
     """A plain ``megatron-ext train`` run as a convergence-like record, or ``None``."""
     log = os.path.join(path, "log.jsonl")
     rep_path = os.path.join(path, "comm_report.json")
-    records = _read_jsonl(log) if os.path.isfile(log) else []
+    records = read_jsonl(log) if os.path.isfile(log) else []
     rep = _read_json(rep_path) if os.path.isfile(rep_path) else None
     if not records and rep is None:
         return None

@@ -45,6 +45,7 @@ from megatron_ext.config import (
     config_from_args,
     ext_config_from_args,
 )
+from megatron_ext.logging import is_last_rank, print_rank_0
 from megatron_ext.train_config import (
     DRIVER_CONFIG_CLASSES,
     CheckpointArgs,
@@ -282,7 +283,7 @@ class Trainer:
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
         self.needs_data = ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()
-        self._print(
+        print_rank_0(
             f"> data: {len(self.train_ds)} train / "
             f"{0 if self.valid_ds is None else len(self.valid_ds)} valid samples of "
             f"{cfg.model.seq_length} tokens, vocab {self.tokenizer.vocab_size} "
@@ -382,12 +383,13 @@ class Trainer:
         self.model = [model]
         self.padded_vocab = padded_vocab
         num_params = sum(p.numel() for p in model.parameters())
-        totals = torch.tensor([num_params], dtype=torch.int64)
-        from megatron_ext.accounting import ProcessGroupTrafficMeter
+        from megatron_ext.accounting import ProcessGroupTrafficMeter, collective_device
 
+        group = ps.get_pipeline_model_parallel_group()
+        totals = torch.tensor([num_params], dtype=torch.int64, device=collective_device(group))
         with ProcessGroupTrafficMeter.untracked():
-            torch.distributed.all_reduce(totals, group=ps.get_pipeline_model_parallel_group())
-        self._print(
+            torch.distributed.all_reduce(totals, group=group)
+        print_rank_0(
             f"> model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} "
             f"heads, vocab {padded_vocab} (padded): {totals.item() / 1e6:.2f}M parameters per "
             f"tensor-parallel rank"
@@ -564,10 +566,13 @@ class Trainer:
 
         if not self.ps.is_pipeline_last_stage():
             return None
-        total = torch.zeros(2, dtype=torch.float64)
+        from megatron_ext.accounting import collective_device
+
+        group = self.ps.get_data_parallel_group()
+        total = torch.zeros(2, dtype=torch.float64, device=collective_device(group))
         for item in losses:
-            total += item["lm loss"].double().cpu()
-        torch.distributed.all_reduce(total, group=self.ps.get_data_parallel_group())
+            total += item["lm loss"].double().to(total.device)
+        torch.distributed.all_reduce(total, group=group)
         return (total[0] / total[1].clamp(min=1)).item()
 
     def evaluate(self, step: int) -> Optional[float]:
@@ -639,9 +644,9 @@ class Trainer:
             if loaded is not None:
                 iteration, consumed = loaded["iteration"], loaded["consumed_samples"]
                 self._eval_consumed = loaded.get("eval_consumed_samples", 0)
-                self._print(f"> resumed from {cfg.checkpoint.load} at iteration {iteration}")
+                print_rank_0(f"> resumed from {cfg.checkpoint.load} at iteration {iteration}")
             else:
-                self._print(f"> no checkpoint in {cfg.checkpoint.load}; starting from scratch")
+                print_rank_0(f"> no checkpoint in {cfg.checkpoint.load}; starting from scratch")
         self._open_writers()
         data_iterator = self._iterator(self.train_ds, consumed)
         interval_losses: List[float] = []
@@ -652,7 +657,7 @@ class Trainer:
         last_loss = None
         last_eval = None
         start_iteration = iteration
-        progress = _Progress(t.train_iters, enabled=cfg.logging.progress and self._is_last())
+        progress = _Progress(t.train_iters, enabled=cfg.logging.progress and is_last_rank())
         stop_at = min(t.train_iters, t.exit_interval or t.train_iters)
         # As Megatron-LM: the first iteration runs without the overlapped parameter gather,
         # which resumes once a step has succeeded.
@@ -682,7 +687,9 @@ class Trainer:
             if iteration % cfg.logging.log_interval == 0 or iteration == stop_at:
                 # Like Megatron-LM's interval timer: checkpointing and evaluation excluded.
                 elapsed = sum(step_times[-interval_iters:])
-                traffic_sum, traffic_max = all_ranks_totals(interval_traffic)
+                traffic_sum = (
+                    all_ranks_totals(interval_traffic)[0] if cfg.ext.comm.accounting else {}
+                )
                 record = self._log(
                     iteration,
                     consumed,
@@ -705,7 +712,6 @@ class Trainer:
                 self._save(iteration, consumed)
         progress.close()
         self._disable_param_gather_hooks()
-        final_eval = None
         if not t.eval_interval or iteration % t.eval_interval:
             final_eval = self.evaluate(iteration) if iteration > start_iteration else None
         else:
@@ -728,7 +734,7 @@ class Trainer:
         # the same way).
         with ProcessGroupTrafficMeter.untracked():
             self._save_checkpoint(ckpt, iteration, consumed)
-        self._print(
+        print_rank_0(
             f"  saved checkpoint at iteration {iteration:8d} to {self.cfg.checkpoint.save} "
             f"({time.time() - t0:.1f} s)"
         )
@@ -745,16 +751,9 @@ class Trainer:
             extra_common={"eval_consumed_samples": self._eval_consumed},
         )
 
-    def _is_last(self) -> bool:
-        return self.rank == self.world - 1
-
-    def _print(self, msg: str) -> None:
-        if self.rank == 0:
-            print(msg, flush=True)
-
     def _open_writers(self) -> None:
         cfg = self.cfg
-        if not self._is_last():
+        if not is_last_rank():
             return
         if cfg.logging.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
@@ -791,7 +790,7 @@ class Trainer:
             "valid_loss": eval_loss,
             "bytes_per_step_all_ranks": per_step,
         }
-        if not self._is_last():
+        if not is_last_rank():
             return record
         ts = datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")
         line = (
@@ -832,12 +831,12 @@ class Trainer:
     def _summary(self, iteration, consumed, step_times, history, final_eval) -> Dict[str, Any]:
         import torch
 
-        from megatron_ext.accounting import all_ranks_totals, gather_rank_totals
+        from megatron_ext.accounting import collective_device, gather_rank_totals, sum_rank_totals
 
         cfg = self.cfg
         totals = self.runtime.meter.totals()
         per_rank = gather_rank_totals(totals)
-        total_sum, _ = all_ranks_totals(totals)
+        total_sum = sum_rank_totals(per_rank)
         steps = max(1, self.runtime.meter.num_steps)
         warm = step_times[1:] if len(step_times) > 1 else step_times
         final_loss = None
@@ -852,6 +851,7 @@ class Trainer:
                 final_eval if final_eval is not None else float("nan"),
             ],
             dtype=torch.float64,
+            device=collective_device(),
         )
         torch.distributed.broadcast(shared, src=self.world - 1)
         summary = {
@@ -877,7 +877,7 @@ class Trainer:
                 },
                 "per_rank_total": per_rank,
             },
-            "history": history if self._is_last() else [],
+            "history": history if is_last_rank() else [],
         }
         report_path = cfg.ext.comm.report or (
             os.path.join(cfg.checkpoint.save, "comm_report.json")
@@ -888,9 +888,9 @@ class Trainer:
             os.makedirs(os.path.dirname(os.path.abspath(report_path)), exist_ok=True)
             with open(report_path, "w") as f:
                 json.dump(summary, f, indent=2)
-            self._print(f"> communication report: {report_path}")
+            print_rank_0(f"> communication report: {report_path}")
         valid = summary["final_valid_loss"]
-        self._print(
+        print_rank_0(
             f"> done: {iteration} iterations, mean step {summary['mean_step_time_s'] * 1000:.1f} ms"
             + ("" if valid is None else f", validation loss {valid:.4f}")
         )

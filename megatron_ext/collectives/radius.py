@@ -105,10 +105,6 @@ class RadiusReducer(GradReducer):
             return "select"
         return "sparse"
 
-    def plans(self) -> List[_Plan]:
-        """Bucket plans (used by the optimizer hook)."""
-        return list(self._plans.values())
-
     # -- setup -------------------------------------------------------------------------------
 
     def bind(self, groups: List[BucketGroupView]) -> None:

@@ -86,10 +86,8 @@ class _Segment:
 @dataclass
 class _BucketPlan:
     view: BucketView
-    group: Any
     segments: List[_Segment] = field(default_factory=list)
     dense: List[ParamSlice] = field(default_factory=list)
-    dense_numel: int = 0
 
 
 class SeparateReducer(GradReducer):
@@ -108,21 +106,19 @@ class SeparateReducer(GradReducer):
         self._plans: Dict[int, _BucketPlan] = {}
         self._ratio: Dict[str, int] = {}
         self._beta_scale: Dict[str, float] = {}
-        self.last_cosines: Dict[str, float] = {}
 
     # -- setup -------------------------------------------------------------------------------
 
     def bind(self, groups: List[BucketGroupView]) -> None:
         for group_view in groups:
             for view in group_view.buckets:
-                plan = _BucketPlan(view=view, group=group_view.group)
+                plan = _BucketPlan(view=view)
                 for s in view.params:
                     if len(s.shape) >= 2:
                         self._ratio.setdefault(s.fqn, self.cfg.ratio)
                         self._beta_scale.setdefault(s.fqn, self.cfg.beta_scale)
                     else:
                         plan.dense.append(s)
-                plan.dense_numel = sum(s.end - s.start for s in plan.dense)
                 self._build_segments(plan)
                 self._plans[id(view)] = plan
         self._check_projections_agree(groups)
@@ -315,12 +311,18 @@ class SeparateReducer(GradReducer):
             offset += seg.rows * k
             estimate = reconstruct(p, omega).view(-1)
             flat_err = seg.error.view(-1)
-            for s, off in zip(seg.slices, seg.pack_offsets):
+            cosines = [
+                torch.nn.functional.cosine_similarity(
+                    estimate[off : off + s.end - s.start],
+                    reference[ref_offset + off : ref_offset + off + s.end - s.start],
+                    dim=0,
+                    eps=1e-30,
+                )
+                for s, off in zip(seg.slices, seg.pack_offsets)
+            ]
+            # One host sync per segment, not per parameter.
+            for s, off, cos in zip(seg.slices, seg.pack_offsets, torch.stack(cosines).tolist()):
                 n = s.end - s.start
-                est = estimate[off : off + n]
-                ref = reference[ref_offset + off : ref_offset + off + n]
-                cos = torch.nn.functional.cosine_similarity(est, ref, dim=0, eps=1e-30).item()
-                self.last_cosines[s.fqn] = cos
                 ratio, scale = self._ratio[s.fqn], self._beta_scale[s.fqn]
                 if cos >= 2.0 * random_projection_cosine(ratio):
                     new_ratio, new_scale = ratio * 2, min(scale * 1.02, 1.5)

@@ -47,12 +47,54 @@ __all__ = [
     "latest_iteration",
     "checkpoint_dir",
     "ext_meta",
+    "decide_load",
+    "sharded_state_object",
+    "META_KEY",
+    "STATE_KEY",
+    "SHARDED_OBJECT_KEY",
 ]
 
 
 _TRACKER = "latest_checkpointed_iteration.txt"
 _FORMAT = "megatron_ext-driver-1"
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+META_KEY = "megatron_ext_meta"
+"""Common-state key: layout, settings and their fingerprint of the saved megatron-ext state."""
+
+STATE_KEY = "megatron_ext_state"
+"""State-dict key of the per-rank ShardedObject (torch_dist)."""
+
+SHARDED_OBJECT_KEY = "megatron_ext/rank_state"
+"""dist_checkpointing key of the ShardedObject (also Megatron-LM checkpoints')."""
+
+
+def _clone_tensors(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_clone_tensors(v) for v in obj)
+    return obj
+
+
+def sharded_state_object(runtime: Any, *, snapshot: bool = False) -> Any:
+    """This rank's state as a dist_checkpointing ``ShardedObject``.
+
+    Args:
+        runtime: the installed :class:`~megatron_ext.megatron.runtime.ExtRuntime`.
+        snapshot: copy the tensors (asynchronous saves write after training continues).
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state = runtime.state.state_dict()
+    if snapshot:
+        state = _clone_tensors(state)
+    rank = torch.distributed.get_rank()
+    world = torch.distributed.get_world_size()
+    return ShardedObject(SHARDED_OBJECT_KEY, state, (world,), (rank,), replica_id=0)
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -184,9 +226,7 @@ def _sharded_state_dict(
         "rng_state_per_rank", _rng_state(), (world,), (rank,), replica_id=0
     )
     if include_ext:
-        sd["megatron_ext_state"] = ShardedObject(
-            "megatron_ext/rank_state", runtime.state.state_dict(), (world,), (rank,), replica_id=0
-        )
+        sd[STATE_KEY] = sharded_state_object(runtime)
     return sd
 
 
@@ -224,7 +264,7 @@ def save_checkpoint(
             "checkpoint_version": _FORMAT,
             "iteration": iteration,
             "consumed_samples": consumed_samples,
-            "megatron_ext_meta": ext_meta(runtime),
+            META_KEY: ext_meta(runtime),
             "torch_adam_steps": _torch_adam_steps(optimizer),
         }
     )
@@ -323,7 +363,7 @@ def load_checkpoint(
             f"{directory} is not a megatron-ext train checkpoint "
             f"(version {common.get('checkpoint_version')!r})"
         )
-    include_ext = decide_load(common.get("megatron_ext_meta"), runtime, on_mismatch, directory)
+    include_ext = decide_load(common.get(META_KEY), runtime, on_mismatch, directory)
     _init_dist_opt_state(optimizer)
     template = _sharded_state_dict(
         model_chunks, optimizer, scheduler, runtime, is_loading=True, include_ext=include_ext
@@ -342,6 +382,6 @@ def load_checkpoint(
     scheduler.load_state_dict(state["opt_param_scheduler"])
     _set_rng_state(state["rng_state"])
     if include_ext:
-        runtime.state.load_state_dict(state["megatron_ext_state"])
+        runtime.state.load_state_dict(state[STATE_KEY])
     torch.distributed.barrier()
-    return {k: v for k, v in common.items() if not isinstance(v, dict) or k == "megatron_ext_meta"}
+    return {k: v for k, v in common.items() if not isinstance(v, dict) or k == META_KEY}

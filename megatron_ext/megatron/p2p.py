@@ -40,6 +40,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron_ext.accounting import CommMeter, ProcessGroupTrafficMeter
 from megatron_ext.collectives.p2p import IdentityCodec, P2PCodec, P2PContext
 from megatron_ext.config import ConfigError
+from megatron_ext.megatron.version import require_mcore
 
 __all__ = ["ExtP2PCommunicator"]
 
@@ -78,6 +79,8 @@ class ExtP2PCommunicator(P2PCommunicator):
         codec: Optional[P2PCodec] = None,
         meter: Optional[CommMeter] = None,
     ):
+        # _communicate below re-implements megatron-core 0.16's body around the codec.
+        require_mcore("pipeline send/receive seam (P2P communicator)", "0.16", "0.17")
         super().__init__(pp_group=pp_group, config=config)
         self.codec = codec or IdentityCodec()
         self.meter = meter
@@ -127,7 +130,9 @@ class ExtP2PCommunicator(P2PCommunicator):
         if not self.interleaved:
             microbatch = self._counters[counter]
             self._counters[counter] += 1
-            if self._sample_ids_fn is not None:
+            # Only codecs that key state by sample (and the test trace) need the ids.
+            wanted = self.codec.needs_sample_ids or self.trace is not None
+            if wanted and self._sample_ids_fn is not None:
                 sample_ids = self._sample_ids_fn(microbatch)
         ctx = P2PContext(
             direction=direction,
@@ -145,7 +150,7 @@ class ExtP2PCommunicator(P2PCommunicator):
         if self.meter is None:
             return
         nbytes = payload.numel() * payload.element_size()
-        dense = torch.Size(dense_shape).numel() * torch.empty((), dtype=dense_dtype).element_size()
+        dense = torch.Size(dense_shape).numel() * dense_dtype.itemsize
         if send:
             self.meter.record(category, sent=nbytes, dense_sent=dense)
         else:

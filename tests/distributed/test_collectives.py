@@ -137,12 +137,19 @@ def test_dense_reducer_equals_the_stock_collective(reduce_scatter, async_op):
 def _rank_totals(rank, world):
     import torch.distributed as dist
 
-    from megatron_ext.accounting import Traffic, all_ranks_totals, gather_rank_totals
+    from megatron_ext.accounting import (
+        Traffic,
+        all_ranks_totals,
+        gather_rank_totals,
+        sum_rank_totals,
+    )
 
     dist.init_process_group("gloo")
     counts = {"dp-grad": Traffic(sent=10 * (rank + 1), recv=1, dense_sent=100, num_ops=1)}
-    total, peak = all_ranks_totals(counts)
+    total, peak = all_ranks_totals(counts, with_max=True)
+    assert all_ranks_totals(counts)[1] is None  # the max only when asked (a second all-reduce)
     per_rank = gather_rank_totals(counts)
+    assert sum_rank_totals(per_rank) == total  # the same sums without another collective
     return total["dp-grad"].sent, peak["dp-grad"].sent, [r["dp-grad"]["sent"] for r in per_rank]
 
 

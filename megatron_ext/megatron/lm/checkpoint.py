@@ -36,7 +36,14 @@ from typing import Any, Dict
 
 import torch
 
-from megatron_ext.megatron.checkpoint import decide_load, ext_meta  # noqa: F401 (re-export)
+from megatron_ext.megatron.checkpoint import (  # noqa: F401 (re-exported: shared keys)
+    META_KEY,
+    SHARDED_OBJECT_KEY,
+    STATE_KEY,
+    decide_load,
+    ext_meta,
+    sharded_state_object,
+)
 
 __all__ = [
     "META_KEY",
@@ -52,44 +59,8 @@ __all__ = [
     "decide_load",
 ]
 
-META_KEY = "megatron_ext_meta"
-"""Common-state key: layout, settings and their fingerprint of the saved megatron-ext state."""
-
-STATE_KEY = "megatron_ext_state"
-"""State-dict key of the per-rank ShardedObject (torch_dist)."""
-
-SHARDED_OBJECT_KEY = "megatron_ext/rank_state"
-"""dist_checkpointing key of the ShardedObject (same as ``megatron-ext train``'s)."""
-
 RANK_FILE_DIR = "megatron_ext"
 """Folder inside an iteration directory holding the per-rank files (torch format)."""
-
-
-def _clone_tensors(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _clone_tensors(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_clone_tensors(v) for v in obj)
-    return obj
-
-
-def sharded_state_object(runtime: Any, *, snapshot: bool = False) -> Any:
-    """This rank's state as a dist_checkpointing ``ShardedObject``.
-
-    Args:
-        runtime: the installed :class:`~megatron_ext.megatron.runtime.ExtRuntime`.
-        snapshot: copy the tensors (asynchronous saves write after training continues).
-    """
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    state = runtime.state.state_dict()
-    if snapshot:
-        state = _clone_tensors(state)
-    rank = torch.distributed.get_rank()
-    world = torch.distributed.get_world_size()
-    return ShardedObject(SHARDED_OBJECT_KEY, state, (world,), (rank,), replica_id=0)
 
 
 def rank_file(iteration_dir: str, rank: int) -> str:

@@ -49,8 +49,10 @@ from megatron_ext.accounting import (
     ProcessGroupTrafficMeter,
     Traffic,
     all_ranks_totals,
+    collective_device,
     format_traffic,
     gather_rank_totals,
+    sum_rank_totals,
 )
 from megatron_ext.config import (
     ConfigError,
@@ -59,22 +61,12 @@ from megatron_ext.config import (
     ext_config_from_args,
     validate_ext_config,
 )
+from megatron_ext.logging import is_rank_0, print_rank_0
 from megatron_ext.megatron.lm import checkpoint as lm_ckpt
 from megatron_ext.megatron.lm.releases import MegatronLMRelease, UnsupportedReleaseError
 from megatron_ext.state import StateMismatch
 
 __all__ = ["MegatronLMSession", "layout_from_args", "check_megatron_lm_args"]
-
-
-def _first_rank() -> bool:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank() == 0
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-def _print_rank_0(message: str) -> None:
-    if _first_rank():
-        print(message, flush=True)
 
 
 def layout_from_args(args: Any) -> ParallelLayout:
@@ -183,7 +175,7 @@ class MegatronLMSession:
         try:
             yield
         except (ConfigError, StateMismatch, UnsupportedReleaseError) as exc:
-            if _first_rank():
+            if is_rank_0():
                 print(f"megatron-ext: error: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
 
@@ -247,7 +239,7 @@ class MegatronLMSession:
             "torch_dist": f"ShardedObject '{lm_ckpt.SHARDED_OBJECT_KEY}' per rank",
             "torch": f"<iter dir>/{lm_ckpt.RANK_FILE_DIR}/rank_XXXXX.pt per rank",
         }.get(args.ckpt_format, "none")
-        _print_rank_0(
+        print_rank_0(
             f"> megatron-ext: hooked Megatron-LM {self.release.tag}: "
             f"{', '.join(self.hook_names)}\n"
             f"> megatron-ext: seams: {'; '.join(seams)}\n"
@@ -379,7 +371,7 @@ class MegatronLMSession:
         meter = self.runtime.meter
         totals = meter.totals()
         per_rank = gather_rank_totals(totals)
-        total_sum, _ = all_ranks_totals(totals)
+        total_sum = sum_rank_totals(per_rank)
         steps = max(1, meter.num_steps)
         layout = self.runtime.layout
         report = {
@@ -408,7 +400,7 @@ class MegatronLMSession:
                 "per_rank_total": per_rank,
             },
         }
-        if _first_rank():
+        if is_rank_0():
             path = self.report_path(args)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             with open(path, "w") as f:
@@ -445,7 +437,7 @@ class MegatronLMSession:
             where = f"{os.path.join(directory, lm_ckpt.RANK_FILE_DIR)}/rank_XXXXX.pt"
         else:
             where = f"{directory} (ShardedObject '{lm_ckpt.SHARDED_OBJECT_KEY}')"
-        _print_rank_0(
+        print_rank_0(
             f"> megatron-ext: saving the state of {torch.distributed.get_world_size()} ranks "
             f"at iteration {iteration} to {where}"
         )
@@ -495,7 +487,7 @@ class MegatronLMSession:
         if ctx is None or ctx.include is None:
             return
         if not ctx.include:
-            _print_rank_0(f"> megatron-ext: state not loaded from {ctx.where} ({ctx.reason})")
+            print_rank_0(f"> megatron-ext: state not loaded from {ctx.where} ({ctx.reason})")
             return
         state = ctx.loaded
         source = f"ShardedObject '{lm_ckpt.SHARDED_OBJECT_KEY}'"
@@ -507,7 +499,9 @@ class MegatronLMSession:
         if state is None:
             directory = lm_ckpt.iteration_dir_of(ctx.checkpoint_name)
             path = lm_ckpt.rank_file(directory, torch.distributed.get_rank())
-            missing = torch.tensor([0 if os.path.isfile(path) else 1], dtype=torch.int64)
+            missing = torch.tensor(
+                [0 if os.path.isfile(path) else 1], dtype=torch.int64, device=collective_device()
+            )
             with ProcessGroupTrafficMeter.untracked():
                 torch.distributed.all_reduce(missing)
             if missing.item():
@@ -523,7 +517,7 @@ class MegatronLMSession:
             state = lm_ckpt.load_rank_file(path)
             source = f"{lm_ckpt.RANK_FILE_DIR}/rank_XXXXX.pt"
         self.runtime.state.load_state_dict(state)
-        _print_rank_0(
+        print_rank_0(
             f"> megatron-ext: loaded the state of {torch.distributed.get_world_size()} ranks "
             f"from {ctx.where} ({source}; objects: {', '.join(self.runtime.state.names)})"
         )

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
@@ -56,6 +57,9 @@ __all__ = [
     "all_ranks_totals",
     "gather_rank_totals",
     "sum_rank_totals",
+    "comm_report",
+    "comm_scalars",
+    "report_path",
     "collective_device",
     "format_traffic",
     "format_bytes",
@@ -280,6 +284,42 @@ def sum_rank_totals(per_rank: List[Dict]) -> Dict[str, Traffic]:
         for c, rec in row.items():
             out.setdefault(c, Traffic()).add(Traffic(**rec))
     return out
+
+
+def comm_scalars(sums: Dict[str, Traffic], num_steps: int = 1) -> Dict[str, float]:
+    """TensorBoard / W&B scalars of per-category bytes per step (summed over ranks)."""
+    n = max(1, num_steps)
+    out: Dict[str, float] = {}
+    for c, t in sums.items():
+        out[f"comm/{c} bytes sent per step"] = t.sent / n
+        out[f"comm/{c} dense bytes per step"] = t.dense_sent / n
+    return out
+
+
+def comm_report(meter: "CommMeter", group: Optional[Any] = None) -> Dict[str, Any]:
+    """The ``comm`` block of a run's JSON report: totals over ranks and per step, and every
+    rank's totals (collective: one all-gather over ``group``)."""
+    per_rank = gather_rank_totals(meter.totals(), group)
+    total = sum_rank_totals(per_rank)
+    steps = max(1, meter.num_steps)
+    return {
+        "convention": "bytes per rank; collectives counted with the ring convention "
+        "(megatron_ext.accounting)",
+        "steps": steps,
+        "all_ranks_total": {c: t.as_dict() for c, t in total.items()},
+        "all_ranks_per_step": {
+            c: {k: v / steps for k, v in t.as_dict().items()} for c, t in total.items()
+        },
+        "per_rank_total": per_rank,
+    }
+
+
+def report_path(explicit: Optional[str], save_dir: Optional[str]) -> str:
+    """Where the JSON report goes: ``--comm-report``, else ``<save>/comm_report.json``, else
+    ``./comm_report.json``."""
+    if explicit:
+        return explicit
+    return os.path.join(save_dir, "comm_report.json") if save_dir else "comm_report.json"
 
 
 def format_bytes(nbytes: float) -> str:

@@ -775,7 +775,7 @@ class Trainer:
 
     def _log(self, iteration, consumed, step_time, losses, grad_norm, traffic, iters, eval_loss):
         """Megatron-style log line (last rank) + TensorBoard + JSON record."""
-        from megatron_ext.accounting import format_traffic
+        from megatron_ext.accounting import comm_scalars, format_traffic
 
         lr = self.optimizer.param_groups[0]["lr"]
         loss = sum(losses) / len(losses) if losses else None
@@ -820,9 +820,8 @@ class Trainer:
             if eval_loss is not None:
                 w.add_scalar("lm loss validation", eval_loss, iteration)
             w.add_scalar("iteration-time", step_time, iteration)
-            for c, tr in per_step.items():
-                w.add_scalar(f"comm/{c} bytes sent per step", tr["sent"], iteration)
-                w.add_scalar(f"comm/{c} dense bytes per step", tr["dense_sent"], iteration)
+            for name, value in comm_scalars(traffic, iters).items():
+                w.add_scalar(name, value, iteration)
         if self.log_file is not None:
             self.log_file.write(json.dumps(record) + "\n")
             self.log_file.flush()
@@ -831,13 +830,10 @@ class Trainer:
     def _summary(self, iteration, consumed, step_times, history, final_eval) -> Dict[str, Any]:
         import torch
 
-        from megatron_ext.accounting import collective_device, gather_rank_totals, sum_rank_totals
+        from megatron_ext.accounting import collective_device, comm_report, report_path
 
         cfg = self.cfg
-        totals = self.runtime.meter.totals()
-        per_rank = gather_rank_totals(totals)
-        total_sum = sum_rank_totals(per_rank)
-        steps = max(1, self.runtime.meter.num_steps)
+        comm = comm_report(self.runtime.meter)
         warm = step_times[1:] if len(step_times) > 1 else step_times
         final_loss = None
         for rec in reversed(history):
@@ -866,29 +862,15 @@ class Trainer:
             "model_preset": cfg.model_preset,
             "config_file": cfg.config_file,
             "ext": cfg.ext.summary(),
-            "comm": {
-                "convention": "bytes per rank; collectives counted with the ring convention "
-                "(megatron_ext.accounting)",
-                "steps": steps,
-                "all_ranks_total": {c: tr.as_dict() for c, tr in total_sum.items()},
-                "all_ranks_per_step": {
-                    c: {k: v / steps for k, v in tr.as_dict().items()}
-                    for c, tr in total_sum.items()
-                },
-                "per_rank_total": per_rank,
-            },
+            "comm": comm,
             "history": history if is_last_rank() else [],
         }
-        report_path = cfg.ext.comm.report or (
-            os.path.join(cfg.checkpoint.save, "comm_report.json")
-            if cfg.checkpoint.save
-            else "comm_report.json"
-        )
+        path = report_path(cfg.ext.comm.report, cfg.checkpoint.save)
         if self.rank == 0 and cfg.ext.comm.accounting:
-            os.makedirs(os.path.dirname(os.path.abspath(report_path)), exist_ok=True)
-            with open(report_path, "w") as f:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "w") as f:
                 json.dump(summary, f, indent=2)
-            print_rank_0(f"> communication report: {report_path}")
+            print_rank_0(f"> communication report: {path}")
         valid = summary["final_valid_loss"]
         print_rank_0(
             f"> done: {iteration} iterations, mean step {summary['mean_step_time_s'] * 1000:.1f} ms"

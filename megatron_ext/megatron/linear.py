@@ -53,11 +53,12 @@ class LinearHooksHandle:
         self.modules.clear()
 
 
-def _make_forward_impl(hook: LinearHook, ctx_fields: dict):
+def _make_forward_impl(hook: LinearHook, ctx: LinearContext):
+    # The context is immutable: built once per layer, not per call.
     def _forward_impl(input, weight, *args, **kwargs):
         if args:
             raise TypeError("megatron_ext linear hook expects keyword arguments after weight")
-        return hook.forward(LinearContext(**ctx_fields), input, weight, **kwargs)
+        return hook.forward(ctx, input, weight, **kwargs)
 
     return _forward_impl
 
@@ -104,7 +105,8 @@ def install_linear_hooks(
                 )
             original = module._forward_impl
             module._forward_impl = _make_forward_impl(
-                hook, {"fqn": name, "parallel_mode": mode, "module": module, "original": original}
+                hook,
+                LinearContext(fqn=name, parallel_mode=mode, module=module, original=original),
             )
             handle.modules.append((name, module))
     log_rank_0(

@@ -136,6 +136,7 @@ class ExtRuntime:
     linear_handle: Optional[LinearHooksHandle] = None
     optimizer_handle: Optional[OptimizerHooksHandle] = None
     last_pg_tagged: Dict[str, Traffic] = field(default_factory=dict)
+    pg_collection: Optional[Any] = None
 
     def begin_step(
         self,
@@ -174,10 +175,9 @@ class ExtRuntime:
         """Extra arguments for megatron's ``forward_backward_func``."""
         if self.communicator is None:
             return {}
-        return {
-            "p2p_communicator": self.communicator,
-            "pg_collection": _schedule_pg_collection(),
-        }
+        if self.pg_collection is None:  # built once: the groups live as long as the runtime
+            self.pg_collection = _schedule_pg_collection()
+        return {"p2p_communicator": self.communicator, "pg_collection": self.pg_collection}
 
     def remove(self) -> None:
         """Undo every installation (for tests and in-process reuse)."""

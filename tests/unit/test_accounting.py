@@ -6,9 +6,13 @@ from megatron_ext.accounting import (
     CATEGORIES,
     CommMeter,
     Traffic,
+    collective_device,
     collective_wire_bytes,
+    comm_report,
+    comm_scalars,
     format_bytes,
     format_traffic,
+    report_path,
 )
 
 
@@ -73,3 +77,32 @@ def test_log_field():
 
 def test_categories_are_the_documented_ones():
     assert CATEGORIES == ("dp-grad", "dp-param", "pp-act", "pp-grad", "tp", "other")
+
+
+def test_comm_report_scalars_and_path_without_a_process_group():
+    meter = CommMeter()
+    for _ in range(2):
+        meter.record("dp-grad", sent=100, recv=100, dense_sent=1600, dense_recv=1600)
+        meter.end_step()
+    comm = comm_report(meter)
+    assert comm["steps"] == 2
+    assert comm["all_ranks_total"]["dp-grad"]["sent"] == 200
+    assert comm["all_ranks_per_step"]["dp-grad"]["dense_sent"] == 1600
+    assert comm["per_rank_total"] == [{"dp-grad": Traffic(200, 200, 3200, 3200, 2).as_dict()}]
+    assert comm_scalars(meter.totals(), 2) == {
+        "comm/dp-grad bytes sent per step": 100.0,
+        "comm/dp-grad dense bytes per step": 1600.0,
+    }
+    assert report_path("r.json", "ckpt") == "r.json"
+    assert report_path(None, "ckpt") == "ckpt/comm_report.json"
+    assert report_path(None, None) == "comm_report.json"
+
+
+def test_collective_device_follows_the_backend(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
+    assert collective_device().type == "cpu"
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert collective_device() == torch.device("cuda", 0)

@@ -50,9 +50,10 @@ from megatron_ext.accounting import (
     Traffic,
     all_ranks_totals,
     collective_device,
+    comm_report,
+    comm_scalars,
     format_traffic,
-    gather_rank_totals,
-    sum_rank_totals,
+    report_path,
 )
 from megatron_ext.config import (
     ConfigError,
@@ -330,10 +331,7 @@ class MegatronLMSession:
         wandb_writer = get_wandb_writer()
         if writer is None and wandb_writer is None:
             return
-        scalars = {}
-        for category, traffic in sums.items():
-            scalars[f"comm/{category} bytes sent per step"] = traffic.sent / steps
-            scalars[f"comm/{category} dense bytes per step"] = traffic.dense_sent / steps
+        scalars = comm_scalars(sums, steps)
         if writer is not None:
             for name, value in scalars.items():
                 writer.add_scalar(name, value, iteration)
@@ -357,11 +355,7 @@ class MegatronLMSession:
 
     def report_path(self, args: Any) -> str:
         """``--comm-report``, else ``<save>/comm_report.json``, else ``./comm_report.json``."""
-        if self.cfg.comm.report:
-            return self.cfg.comm.report
-        if args.save:
-            return os.path.join(args.save, "comm_report.json")
-        return "comm_report.json"
+        return report_path(self.cfg.comm.report, args.save)
 
     def write_report(self, args: Any) -> None:
         """Write the JSON communication report (collective; rank 0 writes). Once per run."""
@@ -369,10 +363,6 @@ class MegatronLMSession:
             return
         self._report_written = True
         meter = self.runtime.meter
-        totals = meter.totals()
-        per_rank = gather_rank_totals(totals)
-        total_sum = sum_rank_totals(per_rank)
-        steps = max(1, meter.num_steps)
         layout = self.runtime.layout
         report = {
             "source": "Megatron-LM pretrain (megatron-ext hooks)",
@@ -389,16 +379,7 @@ class MegatronLMSession:
             "global_batch_size": args.global_batch_size,
             "micro_batch_size": args.micro_batch_size,
             "ext": self.cfg.summary(),
-            "comm": {
-                "convention": "bytes per rank; collectives counted with the ring convention "
-                "(megatron_ext.accounting)",
-                "steps": steps,
-                "all_ranks_total": {c: t.as_dict() for c, t in total_sum.items()},
-                "all_ranks_per_step": {
-                    c: {k: v / steps for k, v in t.as_dict().items()} for c, t in total_sum.items()
-                },
-                "per_rank_total": per_rank,
-            },
+            "comm": comm_report(meter),
         }
         if is_rank_0():
             path = self.report_path(args)

@@ -56,6 +56,7 @@ from benchmarks.common import (
     wait_for_quiet,
     write_report,
 )
+from megatron_ext.report import final_loss, summarize_curve  # noqa: E402,F401
 
 __all__ = ["build_parser", "main", "final_loss", "summarize_curve", "METHODS"]
 
@@ -194,54 +195,6 @@ def train_command(args: argparse.Namespace, method: str, run_dir: str) -> List[s
     if args.extra_train_args:
         cmd += args.extra_train_args.split()
     return cmd
-
-
-def final_loss(losses: List[float], fraction: float = 0.1) -> Optional[float]:
-    """Mean of the last ``fraction`` of ``losses`` (at least one value)."""
-    values = [v for v in losses if v is not None]
-    if not values:
-        return None
-    n = max(1, int(round(fraction * len(values))))
-    tail = values[-n:]
-    return sum(tail) / len(tail)
-
-
-def summarize_curve(records: List[Dict[str, Any]], fraction: float) -> Dict[str, Any]:
-    """Curve and summary numbers of one run's ``log.jsonl`` records."""
-    records = sorted(records, key=lambda r: r["iteration"])
-    losses = [r.get("lm_loss") for r in records]
-    times = [r.get("step_time_s") for r in records]
-    grad = [((r.get("bytes_per_step_all_ranks") or {}).get("dp-grad") or {}) for r in records]
-    sent = [g.get("sent", 0.0) for g in grad]
-    dense = [g.get("dense_sent", 0.0) for g in grad]
-    n_final = max(1, int(round(fraction * len(records)))) if records else 0
-    warm = times[1:] if len(times) > 1 else times
-    total_bytes = {}
-    for r in records:
-        for cat, tr in (r.get("bytes_per_step_all_ranks") or {}).items():
-            acc = total_bytes.setdefault(cat, {"sent": 0.0, "dense_sent": 0.0})
-            acc["sent"] += tr.get("sent", 0.0) / len(records)
-            acc["dense_sent"] += tr.get("dense_sent", 0.0) / len(records)
-    return {
-        "curve": {
-            "iteration": [r["iteration"] for r in records],
-            "lm_loss": losses,
-            "step_time_s": times,
-            "dp_grad_sent": sent,
-            "dp_grad_dense_sent": dense,
-        },
-        "final_loss": final_loss(losses, fraction),
-        "final_loss_iterations": (
-            [records[-n_final]["iteration"], records[-1]["iteration"]] if records else None
-        ),
-        "last_loss": losses[-1] if losses else None,
-        "mean_step_s": sum(warm) / len(warm) if warm else None,
-        "bytes_per_step_all_ranks": {
-            c: v for c, v in total_bytes.items() if v["sent"] or v["dense_sent"]
-        },
-        "num_dense_steps": sum(1 for s, d in zip(sent, dense) if d and s >= 0.999 * d),
-        "num_compressed_steps": sum(1 for s, d in zip(sent, dense) if d and s < 0.999 * d),
-    }
 
 
 def run_one(args: argparse.Namespace, method: str, out_dir: str) -> Dict[str, Any]:

@@ -67,6 +67,7 @@ from benchmarks.common import (
     wait_for_quiet,
     write_report,
 )
+from megatron_ext.report import is_compressed, mean_bytes  # noqa: E402
 
 __all__ = [
     "LAYOUTS",
@@ -247,18 +248,7 @@ def step_kind(record: Dict[str, Any]) -> str:
     grad = (record.get("bytes_per_step_all_ranks") or {}).get("dp-grad")
     if not grad or not grad.get("dense_sent"):
         return "dense"
-    return "compressed" if grad["sent"] < 0.999 * grad["dense_sent"] else "dense"
-
-
-def _bytes(records: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
-    """Mean bytes per step (all ranks) by category over ``records``."""
-    out: Dict[str, Dict[str, float]] = {}
-    for rec in records:
-        for cat, tr in (rec.get("bytes_per_step_all_ranks") or {}).items():
-            acc = out.setdefault(cat, {"sent": 0.0, "dense_sent": 0.0})
-            acc["sent"] += tr.get("sent", 0.0) / len(records)
-            acc["dense_sent"] += tr.get("dense_sent", 0.0) / len(records)
-    return {c: v for c, v in out.items() if v["sent"] or v["dense_sent"]}
+    return "compressed" if is_compressed(grad["sent"], grad["dense_sent"]) else "dense"
 
 
 def summarize_run(records: List[Dict[str, Any]], skip: int) -> Dict[str, Any]:
@@ -295,8 +285,8 @@ def summarize_run(records: List[Dict[str, Any]], skip: int) -> Dict[str, Any]:
         "num_dense": len(dense),
         "min_s": min(st) if st else None,
         "max_s": max(st) if st else None,
-        "bytes_per_step_all_ranks": _bytes(headline) if headline else {},
-        "bytes_per_step_all_ranks_mean_all": _bytes(steady_recs) if steady_recs else {},
+        "bytes_per_step_all_ranks": mean_bytes(headline) if headline else {},
+        "bytes_per_step_all_ranks_mean_all": mean_bytes(steady_recs) if steady_recs else {},
         "final_lm_loss": records[-1].get("lm_loss") if records else None,
     }
 

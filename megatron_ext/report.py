@@ -46,6 +46,10 @@ __all__ = [
     "load_runs",
     "write_report",
     "read_jsonl",
+    "summarize_curve",
+    "final_loss",
+    "mean_bytes",
+    "is_compressed",
     "ReportError",
     "RunData",
 ]
@@ -140,6 +144,63 @@ def _add_bench(data: RunData, report: Dict[str, Any], source: str) -> None:
             data.convergence[r.get("label") or r["method"]] = r
 
 
+def is_compressed(sent: float, dense: float) -> bool:
+    """Whether a step's DP gradients travelled compressed (from its bytes sent and dense)."""
+    return bool(dense) and sent < 0.999 * dense
+
+
+def mean_bytes(records: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
+    """Mean bytes per step (all ranks) by category over log records; empty ones dropped."""
+    out: Dict[str, Dict[str, float]] = {}
+    for rec in records:
+        for cat, tr in (rec.get("bytes_per_step_all_ranks") or {}).items():
+            acc = out.setdefault(cat, {"sent": 0.0, "dense_sent": 0.0})
+            acc["sent"] += tr.get("sent", 0.0) / len(records)
+            acc["dense_sent"] += tr.get("dense_sent", 0.0) / len(records)
+    return {c: v for c, v in out.items() if v["sent"] or v["dense_sent"]}
+
+
+def final_loss(losses: List[Optional[float]], fraction: float = 0.1) -> Optional[float]:
+    """Mean of the last ``fraction`` of the logged losses (at least one value)."""
+    values = [v for v in losses if v is not None]
+    if not values:
+        return None
+    n = max(1, int(round(fraction * len(values))))
+    tail = values[-n:]
+    return sum(tail) / len(tail)
+
+
+def summarize_curve(records: List[Dict[str, Any]], fraction: float = 0.1) -> Dict[str, Any]:
+    """Curve and summary numbers of one run's ``log.jsonl`` records (the convergence
+    benchmark's result fields; also how a plain ``megatron-ext train`` run is read)."""
+    records = sorted(records, key=lambda r: r.get("iteration", 0))
+    losses = [r.get("lm_loss") for r in records]
+    times = [r.get("step_time_s") for r in records]
+    grad = [((r.get("bytes_per_step_all_ranks") or {}).get("dp-grad") or {}) for r in records]
+    sent = [g.get("sent", 0.0) for g in grad]
+    dense = [g.get("dense_sent", 0.0) for g in grad]
+    n_final = max(1, int(round(fraction * len(records)))) if records else 0
+    warm = [t for t in (times[1:] if len(times) > 1 else times) if t is not None]
+    return {
+        "curve": {
+            "iteration": [r.get("iteration") for r in records],
+            "lm_loss": losses,
+            "step_time_s": times,
+            "dp_grad_sent": sent,
+            "dp_grad_dense_sent": dense,
+        },
+        "final_loss": final_loss(losses, fraction),
+        "final_loss_iterations": (
+            [records[-n_final].get("iteration"), records[-1].get("iteration")] if records else None
+        ),
+        "last_loss": losses[-1] if losses else None,
+        "mean_step_s": sum(warm) / len(warm) if warm else None,
+        "bytes_per_step_all_ranks": mean_bytes(records) if records else {},
+        "num_dense_steps": sum(1 for s, d in zip(sent, dense) if d and not is_compressed(s, d)),
+        "num_compressed_steps": sum(1 for s, d in zip(sent, dense) if is_compressed(s, d)),
+    }
+
+
 def _train_run(path: str) -> Optional[Dict[str, Any]]:
     """A plain ``megatron-ext train`` run as a convergence-like record, or ``None``."""
     log = os.path.join(path, "log.jsonl")
@@ -152,37 +213,22 @@ def _train_run(path: str) -> Optional[Dict[str, Any]]:
         records = [h for h in rep.get("history") or [] if isinstance(h, dict)]
     method = ((rep or {}).get("ext") or {}).get("grad_compression", "none")
     name = os.path.basename(os.path.normpath(path)) or path
-    records = sorted(records, key=lambda r: r.get("iteration", 0))
-    losses = [r.get("lm_loss") for r in records]
-    grad = [((r.get("bytes_per_step_all_ranks") or {}).get("dp-grad") or {}) for r in records]
-    n_final = max(1, int(round(0.1 * len(losses)))) if losses else 0
-    tail = [v for v in losses[-n_final:] if v is not None] if losses else []
-    per_step = ((rep or {}).get("comm") or {}).get("all_ranks_per_step") or {}
-    if not per_step and records:
-        per_step = records[-1].get("bytes_per_step_all_ranks") or {}
-    times = [r.get("step_time_s") for r in records if r.get("step_time_s") is not None]
-    return {
-        "method": method,
-        "label": f"{name} ({method})",
-        "ok": True,
-        "source": "train",
-        "curve": {
-            "iteration": [r.get("iteration") for r in records],
-            "lm_loss": losses,
-            "step_time_s": [r.get("step_time_s") for r in records],
-            "dp_grad_sent": [g.get("sent", 0.0) for g in grad],
-            "dp_grad_dense_sent": [g.get("dense_sent", 0.0) for g in grad],
-        },
-        "final_loss": sum(tail) / len(tail) if tail else (rep or {}).get("final_lm_loss"),
-        "final_valid_loss": (rep or {}).get("final_valid_loss"),
-        "mean_step_s": (rep or {}).get("mean_step_time_s")
-        or (sum(times[1:]) / len(times[1:]) if len(times) > 1 else None),
-        "bytes_per_step_all_ranks": {
+    run = {"method": method, "label": f"{name} ({method})", "ok": True, "source": "train"}
+    run.update(summarize_curve(records))
+    rep = rep or {}
+    if run["final_loss"] is None:
+        run["final_loss"] = rep.get("final_lm_loss")
+    run["final_valid_loss"] = rep.get("final_valid_loss")
+    run["mean_step_s"] = rep.get("mean_step_time_s") or run["mean_step_s"]
+    # The report's per-step means cover every step, the log only the logged ones.
+    per_step = (rep.get("comm") or {}).get("all_ranks_per_step") or {}
+    if per_step:
+        run["bytes_per_step_all_ranks"] = {
             c: {"sent": v.get("sent", 0.0), "dense_sent": v.get("dense_sent", 0.0)}
             for c, v in per_step.items()
             if v.get("sent") or v.get("dense_sent")
-        },
-    }
+        }
+    return run
 
 
 def load_runs(paths: Sequence[str]) -> RunData:
@@ -254,11 +300,11 @@ def _dense_fractions(curve: Dict[str, Any]) -> List[float]:
     """Per record, the fraction of its steps that reduced gradients densely (from bytes)."""
     sent = curve.get("dp_grad_sent") or []
     dense = curve.get("dp_grad_dense_sent") or []
-    compressed = [s for s, d in zip(sent, dense) if d and s < 0.999 * d]
+    compressed = [s for s, d in zip(sent, dense) if is_compressed(s, d)]
     low = min(compressed) if compressed else None
     out = []
     for s, d in zip(sent, dense):
-        if not d or s >= 0.999 * d or low is None:
+        if not is_compressed(s, d) or low is None:
             out.append(1.0)
         elif d - low <= 0:
             out.append(0.0)

@@ -251,6 +251,28 @@ def step_kind(record: Dict[str, Any]) -> str:
     return "compressed" if is_compressed(grad["sent"], grad["dense_sent"]) else "dense"
 
 
+def _step_stats(times: Sequence[float], kinds: Sequence[str]) -> Dict[str, Any]:
+    """Statistics of steady step times and their kinds (``compressed`` / ``dense``): the
+    headline ``step_s`` is the median of the compressed steps, or of all steps for a
+    method without any."""
+    comp = [t for t, k in zip(times, kinds) if k == "compressed"]
+    dense = [t for t, k in zip(times, kinds) if k == "dense"]
+    times = list(times)
+    return {
+        "num_steady": len(times),
+        "step_s": median(comp or times),
+        "step_kind": "compressed" if comp else "dense",
+        "median_all_s": median(times),
+        "mean_all_s": sum(times) / len(times) if times else None,
+        "median_compressed_s": median(comp),
+        "median_dense_s": median(dense),
+        "num_compressed": len(comp),
+        "num_dense": len(dense),
+        "min_s": min(times) if times else None,
+        "max_s": max(times) if times else None,
+    }
+
+
 def summarize_run(records: List[Dict[str, Any]], skip: int) -> Dict[str, Any]:
     """Statistics of one run's ``log.jsonl`` records (one per iteration).
 
@@ -266,25 +288,13 @@ def summarize_run(records: List[Dict[str, Any]], skip: int) -> Dict[str, Any]:
     steady_recs = [r for r in records if r["iteration"] > skip]
     kinds = [step_kind(r) for r in steady_recs]
     comp = [r for r, k in zip(steady_recs, kinds) if k == "compressed"]
-    dense = [r for r, k in zip(steady_recs, kinds) if k == "dense"]
     headline = comp or steady_recs
-    st = [r["step_time_s"] for r in steady_recs]
     return {
         "num_iterations": len(records),
         "iterations": [r["iteration"] for r in records],
         "step_times_s": times,
         "step_kinds": [step_kind(r) for r in records],
-        "num_steady": len(steady_recs),
-        "step_s": median([r["step_time_s"] for r in headline]),
-        "step_kind": "compressed" if comp else "dense",
-        "median_all_s": median(st),
-        "mean_all_s": sum(st) / len(st) if st else None,
-        "median_compressed_s": median([r["step_time_s"] for r in comp]),
-        "median_dense_s": median([r["step_time_s"] for r in dense]),
-        "num_compressed": len(comp),
-        "num_dense": len(dense),
-        "min_s": min(st) if st else None,
-        "max_s": max(st) if st else None,
+        **_step_stats([r["step_time_s"] for r in steady_recs], kinds),
         "bytes_per_step_all_ranks": mean_bytes(headline) if headline else {},
         "bytes_per_step_all_ranks_mean_all": mean_bytes(steady_recs) if steady_recs else {},
         "final_lm_loss": records[-1].get("lm_loss") if records else None,
@@ -319,28 +329,13 @@ def aggregate_runs(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
         "foreign_cpu_share": max((x for x in shares if x is not None), default=None),
         "per_round_foreign_cpu_share": shares,
     }
-    comp, dense, steady = [], [], []
+    times, kinds = [], []
     for r in ok_runs:
         for it, t, kind in zip(r["iterations"], r["step_times_s"], r["step_kinds"]):
-            if it <= r["skip"]:
-                continue
-            steady.append(t)
-            (comp if kind == "compressed" else dense).append(t)
-    out.update(
-        {
-            "num_steady": len(steady),
-            "step_s": median(comp or steady),
-            "step_kind": "compressed" if comp else "dense",
-            "median_all_s": median(steady),
-            "mean_all_s": sum(steady) / len(steady) if steady else None,
-            "median_compressed_s": median(comp),
-            "median_dense_s": median(dense),
-            "num_compressed": len(comp),
-            "num_dense": len(dense),
-            "min_s": min(steady) if steady else None,
-            "max_s": max(steady) if steady else None,
-        }
-    )
+            if it > r["skip"]:
+                times.append(t)
+                kinds.append(kind)
+    out.update(_step_stats(times, kinds))
     if ok_runs:
         last = ok_runs[-1]
         for k in ("bytes_per_step_all_ranks", "bytes_per_step_all_ranks_mean_all"):

@@ -48,6 +48,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_ext.megatron.patching import AttributePatches
+
 __all__ = ["enable_cpu_execution", "disable_cpu_execution", "is_cpu_execution_enabled"]
 
 logger = logging.getLogger(__name__)
@@ -247,27 +249,22 @@ class _CpuExecution:
     """The installed redirections; ``remove()`` restores every replaced attribute."""
 
     def __init__(self):
-        self._saved: List[Tuple[Any, str, Any, bool]] = []
+        self._patches = AttributePatches()
         self._mode: Optional[_CudaToCpuMode] = None
         self._filter = _ExpectedRngWarningFilter()
-
-    def _replace(self, owner: Any, name: str, value: Any) -> None:
-        had = hasattr(owner, name)
-        self._saved.append((owner, name, getattr(owner, name, None), had))
-        setattr(owner, name, value)
 
     def install(self) -> None:
         # Build dynamo's identity-keyed rule map while torch.cuda still holds the originals.
         importlib.import_module("torch._dynamo.trace_rules").get_torch_obj_rule_map()
         for name, value in _cuda_stand_ins().items():
-            self._replace(torch.cuda, name, value)
+            self._patches.set(torch.cuda, name, value)
         if hasattr(torch.cuda, "random"):
-            self._replace(torch.cuda.random, "get_rng_state", torch.cuda.get_rng_state)
-            self._replace(torch.cuda.random, "set_rng_state", torch.cuda.set_rng_state)
+            self._patches.set(torch.cuda.random, "get_rng_state", torch.cuda.get_rng_state)
+            self._patches.set(torch.cuda.random, "set_rng_state", torch.cuda.set_rng_state)
         for module_name, attr, value in _megatron_stand_ins():
             module = importlib.import_module(module_name)
-            self._replace(module, attr, value)
-        self._replace(importlib.import_module("torch._dynamo.config"), "disable", True)
+            self._patches.set(module, attr, value)
+        self._patches.set(importlib.import_module("torch._dynamo.config"), "disable", True)
         logging.getLogger("megatron.core.tensor_parallel.random").addFilter(self._filter)
         self._mode = _CudaToCpuMode()
         self._mode.__enter__()
@@ -277,12 +274,7 @@ class _CpuExecution:
             self._mode.__exit__(None, None, None)
             self._mode = None
         logging.getLogger("megatron.core.tensor_parallel.random").removeFilter(self._filter)
-        for owner, name, value, had in reversed(self._saved):
-            if had:
-                setattr(owner, name, value)
-            else:
-                delattr(owner, name)
-        self._saved.clear()
+        self._patches.restore()
 
 
 _ACTIVE: Optional[_CpuExecution] = None

@@ -50,6 +50,7 @@ from typing import Any, Callable, List, Tuple
 from megatron_ext.accounting import ProcessGroupTrafficMeter
 from megatron_ext.megatron.lm.releases import UnsupportedReleaseError
 from megatron_ext.megatron.lm.session import MegatronLMSession
+from megatron_ext.megatron.patching import AttributePatches
 
 __all__ = ["install_hooks", "MegatronLMHooks", "HOOK_TARGETS"]
 
@@ -95,22 +96,19 @@ class MegatronLMHooks:
     def __init__(self, session: MegatronLMSession):
         self.session = session
         self.on_remove: List[Callable[[], None]] = []
-        self._saved: List[Tuple[Any, str, Any]] = []
+        self._patches = AttributePatches()
 
     @property
     def names(self) -> List[str]:
         """``module.name`` of every hooked function."""
-        return [f"{m.__name__.rsplit('.', 1)[-1]}.{n}" for m, n, _ in self._saved]
+        return [f"{m.__name__.rsplit('.', 1)[-1]}.{n}" for m, n in self._patches.targets]
 
     def _set(self, module: Any, name: str, value: Any) -> None:
-        self._saved.append((module, name, getattr(module, name)))
-        setattr(module, name, value)
+        self._patches.set(module, name, value)
 
     def remove(self) -> None:
         """Restore the original functions."""
-        for module, name, original in reversed(self._saved):
-            setattr(module, name, original)
-        self._saved.clear()
+        self._patches.restore()
         for callback in self.on_remove:
             callback()
         self.on_remove.clear()

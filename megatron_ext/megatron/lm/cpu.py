@@ -47,9 +47,10 @@ import subprocess
 import sys
 import sysconfig
 import types
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from megatron_ext.config import ConfigError
+from megatron_ext.megatron.patching import AttributePatches
 
 __all__ = [
     "CPU_ENV_VAR",
@@ -136,19 +137,16 @@ class MegatronLMCpuHandle:
     """The installed Megatron-LM CPU redirections; ``remove()`` restores them."""
 
     def __init__(self):
-        self._saved: List[Tuple[Any, str, Any]] = []
+        self._patches = AttributePatches()
         self._stubbed_module = False
 
     def replace(self, owner: Any, name: str, value: Any) -> None:
         """Set ``owner.name = value``, remembering the old value."""
-        self._saved.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, value)
+        self._patches.set(owner, name, value)
 
     def remove(self) -> None:
         """Undo the Megatron-LM part (megatron-core's CPU execution stays on)."""
-        for owner, name, value in reversed(self._saved):
-            setattr(owner, name, value)
-        self._saved.clear()
+        self._patches.restore()
         if self._stubbed_module:
             sys.modules.pop(_BATCH_INVARIANT, None)
             self._stubbed_module = False

@@ -6,10 +6,15 @@ What it does:
     ``M`` (``n x m``) whose rank-``r`` form is at least ``min_compression_rate`` times
     smaller, with ``M`` including the previous error when error feedback is on:
 
-    1. ``P = M Q`` (``Q`` from the previous step with warm start); all-reduce all ``P``
-       together with the bucket's uncompressed tensors (1-D parameters, small matrices);
+    1. ``P = M Q`` (with warm start ``Q`` is the previous step's, re-orthogonalized as
+       PyTorch does); all-reduce all ``P`` together with the bucket's uncompressed tensors
+       (1-D parameters, small matrices);
     2. orthogonalize each ``P`` (QR); ``Q = M^T P``; all-reduce all ``Q``;
-    3. ``M_hat = P Q^T`` becomes the gradient; error ``e = M - M_hat``.
+    3. ``M_hat = P Q^T`` becomes the gradient; error ``e = M - M_hat / W`` under SUM
+       (megatron pre-scales each rank's gradient by ``1/W``, so ``M_hat`` estimates the sum
+       of the ranks' ``M``) and ``e = M - M_hat`` under AVG: either way the ranks' errors
+       add up to the global residual, as in PyTorch's hook (which reduces unscaled
+       gradients and averages).
 
     Before ``--powersgd-start-step`` the reduction is dense, as in PyTorch. Two collectives
     per bucket (a "multi-round" compressor): with ``overlap_grad_reduce`` the first one
@@ -130,7 +135,10 @@ class PowerSGDReducer(GradReducer):
                 m = grad[mat.slice.start : mat.slice.end].view(mat.rows, mat.cols).float()
                 if mat.error is not None:
                     m = m + mat.error
-                if not self.cfg.warm_start:
+                if self.cfg.warm_start:
+                    # PyTorch re-orthogonalizes the previous step's (all-reduced) Q.
+                    mat.q = orthogonalize(mat.q)
+                else:
                     mat.q = self._initial_q(mat.fqn, mat.cols, ctx.step, grad.device)
                 ms.append(m)
                 ps.append(m @ mat.q)
@@ -185,13 +193,18 @@ class PowerSGDReducer(GradReducer):
             wire = collective_wire_bytes("all_reduce", q_payload.numel() * 4, group_size)
             # The dense equivalent was recorded with the first round.
             ctx.meter.record("dp-grad", sent=wire, recv=wire, dense_sent=0, dense_recv=0)
+        # ``approx`` is in the units of the reduction's result: the sum of the ranks' shares
+        # with SUM (megatron pre-scales each share by 1/W), their mean with AVG. A rank's
+        # error must stay in the units of its own input, so that the ranks' errors add up
+        # (SUM) or average (AVG) to the global residual ``reduce(m) - approx``.
+        share = 1.0 / group_size if ctx.op == torch.distributed.ReduceOp.SUM else 1.0
         offset = 0
         for mat, m, p in zip(plan.matrices, ms, ps):
             q = q_payload[offset : offset + mat.cols * r].view(mat.cols, r)
             offset += mat.cols * r
             approx = p @ q.t()
             if mat.error is not None:
-                mat.error.copy_(m - approx)
+                mat.error.copy_(m - share * approx)
             grad[mat.slice.start : mat.slice.end].view(mat.rows, mat.cols).copy_(approx)
             mat.q = q.clone()
 

@@ -40,16 +40,15 @@ if __package__ in (None, ""):
 
 from benchmarks.common import (
     CpuMonitor,
+    MethodSettings,
     add_machine_args,
+    add_method_args,
     default_out_dir,
     environment,
     format_table,
     make_report,
-)
-from benchmarks.common import method_flags as common_method_flags  # noqa: E402
-from benchmarks.common import (
+    method_choices,
     parse_list,
-    powersgd_rank,
     read_jsonl,
     run_logged,
     shell_join,
@@ -58,9 +57,7 @@ from benchmarks.common import (
 )
 from megatron_ext.report import final_loss, summarize_curve  # noqa: E402,F401
 
-__all__ = ["build_parser", "main", "final_loss", "summarize_curve", "METHODS"]
-
-METHODS = ("none", "separate", "radius", "powersgd")
+__all__ = ["build_parser", "main", "final_loss", "summarize_curve", "method_flags", "label"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,7 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="benchmarks/convergence.py",
         description="Loss curves per gradient-compression method vs dense, DP=2 gpt-tiny.",
     )
-    p.add_argument("--methods", default=",".join(METHODS), help=f"Subset of {METHODS}.")
+    methods = method_choices()
+    p.add_argument(
+        "--methods",
+        default=",".join(methods),
+        help=f"Comma-separated subset of the registered methods {methods} (default: all).",
+    )
     p.add_argument("--iters", type=int, default=300, help="Training iterations (300).")
     p.add_argument("--model", default="gpt-tiny")
     p.add_argument("--nproc", type=int, default=2, help="Data-parallel ranks (2).")
@@ -81,23 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-lr", type=float, default=1e-4)
     p.add_argument("--lr-decay-style", default="cosine")
     p.add_argument("--lr-warmup-iters", type=int, default=30)
-    p.add_argument("--separate-ratio", type=int, default=16)
-    p.add_argument("--separate-block-size", type=int, default=256)
-    p.add_argument("--radius-density", type=float, default=0.4)
-    p.add_argument(
-        "--radius-dense-steps",
-        type=int,
-        default=None,
-        help="Dense warm-up steps of Radius (default 20%% of --iters: 60 of 300).",
-    )
-    p.add_argument("--radius-interval", type=int, default=50)
-    p.add_argument(
-        "--powersgd-approx-rank",
-        type=int,
-        default=None,
-        help="Default: about the bytes of SEPARATE at --separate-ratio (14 for gpt-tiny).",
-    )
-    p.add_argument("--powersgd-start-step", type=int, default=30)
     p.add_argument(
         "--final-fraction",
         type=float,
@@ -114,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quick", action="store_true", help="Smoke run: 20 iterations, none and separate."
     )
+    # Every method's options under the driver's names (--separate-ratio, --radius-density,
+    # ...); unset ones take the method's benchmark defaults (Radius: dense for 20%% of the
+    # iterations, reselection every 50; PowerSGD: the rank sending SEPARATE's bytes, start
+    # step 30), then its own defaults.
+    add_method_args(p)
     p.add_argument(
         "--out", default=None, help="Run directory (default runs/bench-convergence-<time>)."
     )
@@ -126,28 +116,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _radius_dense_steps(args: argparse.Namespace) -> int:
-    if args.radius_dense_steps is not None:
-        return args.radius_dense_steps
-    return max(1, int(round(0.2 * args.iters)))
-
-
 def method_flags(method: str, args: argparse.Namespace) -> List[str]:
-    """Driver flags of ``method``."""
-    return common_method_flags(method, args, radius_dense_steps=_radius_dense_steps(args))
+    """Driver flags of ``method`` with this benchmark's options."""
+    return MethodSettings(args).flags(method)
 
 
 def label(method: str, args: argparse.Namespace) -> str:
     """Short name of a configured method, e.g. ``separate-16``, ``g-separate-16`` (with
     ``--separate-adaptive`` among the extra driver flags), ``powersgd-r14``."""
-    if method == "separate":
-        adaptive = "--separate-adaptive" in args.extra_train_args.split()
-        return f"{'g-' if adaptive else ''}separate-{args.separate_ratio}"
-    if method == "radius":
-        return f"radius-{args.radius_density:g}"
-    if method == "powersgd":
-        return f"powersgd-r{powersgd_rank(args)}"
-    return method
+    return MethodSettings(args).label(method, args.extra_train_args.split())
 
 
 def train_command(args: argparse.Namespace, method: str, run_dir: str) -> List[str]:
@@ -306,22 +283,22 @@ def main(argv: Optional[List[str]] = None) -> int:
             args.iters = 20
         if args.lr_warmup_iters == defaults.lr_warmup_iters:
             args.lr_warmup_iters = 2
-        if args.powersgd_start_step == defaults.powersgd_start_step:
+        if not hasattr(args, "powersgd_start_step"):
             args.powersgd_start_step = 2
         if args.quiet_wait == defaults.quiet_wait:
             args.quiet_wait = 0.0
     methods = parse_list(args.methods)
     for m in methods:
-        if m not in METHODS:
-            print(f"convergence.py: error: unknown method {m!r} (choose from {METHODS})")
+        if m not in method_choices():
+            print(f"convergence.py: error: unknown method {m!r} (choose from {method_choices()})")
             return 2
     if "none" not in methods:
         print("convergence.py: note: without 'none' there is no baseline for the gap")
     out = args.out or default_out_dir("convergence")
     os.makedirs(out, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k != "out"}
-    settings["radius_dense_steps"] = _radius_dense_steps(args)
-    settings["powersgd_approx_rank"] = powersgd_rank(args)
+    chosen = MethodSettings(args)
+    settings["method_options"] = {m: chosen.options(m) for m in methods}
     settings["final_loss_definition"] = (
         f"mean of the logged training losses (one per iteration) of the last "
         f"{args.final_fraction:.0%} of the iterations"

@@ -235,7 +235,7 @@ def time_powersgd(numel: int, ratio: int, device, warmup: int, repeats: int) -> 
     """Time PowerSGD's local math on a square-ish matrix of ``numel`` elements."""
     import torch
 
-    from megatron_ext.collectives.powersgd import orthogonalize
+    from megatron_ext.compressors.lowrank import orthogonalize
 
     n, m = squareish_shape(numel)
     r = equal_bytes_rank(n, m, ratio)

@@ -43,24 +43,23 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (
     CpuMonitor,
+    MethodSettings,
     add_machine_args,
+    add_method_args,
     default_out_dir,
     environment,
     format_table,
     make_report,
     median,
-)
-from benchmarks.common import method_flags as common_method_flags  # noqa: E402
-from benchmarks.common import (
+    method_choices,
     parse_list,
-    powersgd_rank,
     read_jsonl,
     run_logged,
     shell_join,
@@ -71,7 +70,6 @@ from megatron_ext.report import is_compressed, mean_bytes  # noqa: E402
 
 __all__ = [
     "LAYOUTS",
-    "METHODS",
     "build_parser",
     "main",
     "method_flags",
@@ -81,13 +79,20 @@ __all__ = [
     "step_kind",
 ]
 
-METHODS = ("none", "separate", "radius", "powersgd")
 LAYOUTS = {
-    # name: (nproc, pipeline-parallel size, methods allowed)
-    "dp2": (2, 1, METHODS),
+    # name: (nproc, pipeline-parallel size, data-parallel gradient methods allowed; None:
+    # every registered one)
+    "dp2": (2, 1, None),
     "pp2": (2, 2, ("none",)),
-    "pp2dp2": (4, 2, METHODS),
+    "pp2dp2": (4, 2, None),
 }
+
+
+def _layout_methods(layout: str) -> Tuple[str, ...]:
+    allowed = LAYOUTS[layout][2]
+    return method_choices() if allowed is None else allowed
+
+
 DEFAULT_BANDWIDTHS = "unshaped,1gbit,100mbit,10mbit"
 
 
@@ -98,7 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Step time of the tiny GPT against bandwidth, per compression method, "
         "through megatron-ext netbench (needs root).",
     )
-    p.add_argument("--methods", default=",".join(METHODS), help=f"Subset of {METHODS}.")
+    methods = method_choices()
+    p.add_argument(
+        "--methods",
+        default=",".join(methods),
+        help=f"Comma-separated subset of the registered methods {methods} (default: all).",
+    )
     p.add_argument(
         "--bandwidths",
         default=DEFAULT_BANDWIDTHS,
@@ -136,19 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per rank (1).")
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--global-batch-size", type=int, default=8)
-    p.add_argument("--separate-ratio", type=int, default=16)
-    p.add_argument("--separate-block-size", type=int, default=256)
-    p.add_argument("--radius-density", type=float, default=0.4)
-    p.add_argument("--radius-dense-steps", type=int, default=2)
-    p.add_argument("--radius-interval", type=int, default=50)
-    p.add_argument(
-        "--powersgd-approx-rank",
-        type=int,
-        default=None,
-        help="Default: the rank sending about the bytes of SEPARATE at --separate-ratio on "
-        "the model's weight matrices (14 for gpt-tiny at ratio 16).",
-    )
-    p.add_argument("--powersgd-start-step", type=int, default=2)
     p.add_argument(
         "--extra-train-args", default="", help="Extra flags for the driver (one string)."
     )
@@ -161,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Smoke run: dp2, none and separate, unshaped and 100mbit, 5 iterations, 1 round.",
     )
+    # Every method's options under the driver's names; step time wants the compressed
+    # steps early: Radius's dense warm-up and PowerSGD's start after 2 steps.
+    add_method_args(p)
+    p.set_defaults(radius_dense_steps=2, powersgd_start_step=2)
     p.add_argument(
         "--out", default=None, help="Run directory (default runs/bench-step_time-<time>)."
     )
@@ -185,7 +186,7 @@ def _rounds_for(args: argparse.Namespace, bandwidth: str) -> int:
 
 def method_flags(method: str, args: argparse.Namespace) -> List[str]:
     """Driver flags selecting ``method`` with the benchmark's settings."""
-    return common_method_flags(method, args, radius_dense_steps=args.radius_dense_steps)
+    return MethodSettings(args).flags(method)
 
 
 def train_command(
@@ -316,8 +317,8 @@ def aggregate_runs(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
         for k in ("layout", "nproc", "pp", "dp", "method", "bandwidth", "iters", "skip", "command")
         if k in first
     }
-    if "powersgd_approx_rank" in first:
-        out["powersgd_approx_rank"] = first["powersgd_approx_rank"]
+    if "method_options" in first:
+        out["method_options"] = first["method_options"]
     out["num_rounds"] = len(runs)
     out["ok"] = bool(runs) and all(r.get("ok") for r in runs)
     out["exit_code"] = next((r["exit_code"] for r in runs if r["exit_code"] != 0), 0)
@@ -422,8 +423,7 @@ def run_one(
         "run_dir": os.path.relpath(run_dir, out_dir),
         "contention": dict(mon.result(), quiet_wait=quiet),
     }
-    if method == "powersgd":
-        result["powersgd_approx_rank"] = powersgd_rank(args)
+    result["method_options"] = MethodSettings(args).options(method)
     log_path = os.path.join(run_dir, "log.jsonl")
     if os.path.exists(log_path):
         result.update(summarize_run(read_jsonl(log_path), args.skip))
@@ -511,8 +511,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     layouts = parse_list(args.layouts)
     bandwidths = parse_list(args.bandwidths)
     for m in methods:
-        if m not in METHODS:
-            print(f"step_time.py: error: unknown method {m!r} (choose from {METHODS})")
+        if m not in method_choices():
+            print(f"step_time.py: error: unknown method {m!r} (choose from {method_choices()})")
             return 2
     for lay in layouts:
         if lay not in LAYOUTS:
@@ -547,7 +547,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for lay in layouts
         for bw in bandwidths
         for m in methods
-        if m in LAYOUTS[lay][2]
+        if m in _layout_methods(lay)
     ]
     # Round-major: the rounds of a cell are spread over the whole benchmark, so slow
     # periods of a shared machine do not hit one cell's every round.
@@ -562,10 +562,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         {"layout": lay, "method": m, "reason": "no pipeline compression method yet"}
         for lay in layouts
         for m in methods
-        if m not in LAYOUTS[lay][2]
+        if m not in _layout_methods(lay)
     ]
     settings = {k: v for k, v in vars(args).items() if k not in ("out",)}
-    settings["powersgd_approx_rank"] = powersgd_rank(args)
+    chosen = MethodSettings(args)
+    settings["method_options"] = {m: chosen.options(m) for m in methods}
     settings["plan"] = [[k + 1, lay, m, bw] for k, lay, m, bw in plan]
     settings["statistic"] = (
         f"median step time over the pooled iterations > {args.skip} of every round; for "

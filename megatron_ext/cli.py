@@ -16,7 +16,7 @@ __all__ = ["main", "SUBCOMMANDS"]
 SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
     "train": ("megatron_ext.train", "train a GPT/LLaMA model on megatron-core (torchrun)"),
     "prepare-data": (
-        "megatron_ext.data.prepare",
+        "megatron_ext.megatron.prepare_data",
         "write Megatron's indexed dataset from local text/JSON/parquet files",
     ),
     "netbench": (

@@ -8,6 +8,12 @@ What it does:
     the other way. So the dataclass is the single source of truth for names, defaults,
     types, choices and documentation.
 
+    The methods' own options dataclasses live in their modules (``megatron_ext.methods``)
+    and the family selectors (``--grad-compression`` ...) with their choices come from the
+    method registry; :func:`add_args` adds all of them, :class:`ExtConfig` holds the
+    selected method per family and every options instance, and
+    :meth:`ExtConfig.state_settings` is the fingerprint of checkpointed state.
+
 Why:
     Megatron-LM users add our flags to the command line they already have
     (``extra_args_provider``); our own driver uses the same groups. Invalid values and
@@ -32,28 +38,25 @@ import textwrap
 import typing
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, ClassVar, Dict, Iterable, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = [
     "ConfigError",
     "arg",
     "flag_of",
+    "check_positive",
     "add_config_args",
     "config_from_args",
-    "GradCompressionConfig",
-    "SeparateConfig",
-    "RadiusConfig",
-    "PowerSGDConfig",
-    "P2PCompressionConfig",
-    "GrassConfig",
-    "SubspaceConfig",
+    "DEFAULT_LINEAR_LAYERS",
+    "LinearLayersConfig",
     "CommAccountingConfig",
     "ExtCheckpointConfig",
     "ParallelLayout",
     "ExtConfig",
-    "EXT_CONFIG_CLASSES",
+    "ext_config_classes",
     "add_args",
     "ext_config_from_args",
+    "ext_config_from_flags",
     "validate_ext_config",
 ]
 
@@ -142,8 +145,20 @@ def _unwrap_optional(tp: Any) -> Tuple[Any, bool]:
     return tp, False
 
 
-def add_config_args(parser: argparse.ArgumentParser, cls: type) -> argparse.ArgumentParser:
-    """Add one argument group with a flag per field of ``cls``; returns ``parser``."""
+_FIELD_DEFAULT = object()
+
+
+def add_config_args(
+    parser: argparse.ArgumentParser, cls: type, *, flag_default: Any = _FIELD_DEFAULT
+) -> argparse.ArgumentParser:
+    """Add one argument group with a flag per field of ``cls``; returns ``parser``.
+
+    Args:
+        parser: the parser.
+        cls: a config dataclass.
+        flag_default: the argparse default of every flag instead of the field defaults
+            (e.g. ``argparse.SUPPRESS``, to tell given flags from defaults).
+    """
     group = parser.add_argument_group(title=getattr(cls, "ARG_GROUP", cls.__name__))
     docs = _field_docstrings(cls)
     for f in dataclasses.fields(cls):
@@ -156,14 +171,15 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> argparse.Argu
         # argparse %-formats help strings.
         help_text = docs.get(f.name, "").replace("%", "%%")
         tp, _ = _unwrap_optional(_resolved_type(cls, f))
+        override = {} if flag_default is _FIELD_DEFAULT else {"default": flag_default}
         if tp is bool:
             if default:
                 neg = "--no-" + flag[2:]
                 group.add_argument(
-                    neg, dest=dest, action="store_false", help=f"Disable: {help_text}"
+                    neg, dest=dest, action="store_false", help=f"Disable: {help_text}", **override
                 )
             else:
-                group.add_argument(flag, dest=dest, action="store_true", help=help_text)
+                group.add_argument(flag, dest=dest, action="store_true", help=help_text, **override)
             continue
         kwargs: Dict[str, Any] = {"dest": dest, "default": default}
         if typing.get_origin(tp) in (list, tuple, List, Tuple):
@@ -181,6 +197,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> argparse.Argu
             kwargs["metavar"] = meta["metavar"]
         if default is not None and tp is not bool:
             help_text = f"{help_text} Default: {default}."
+        kwargs.update(override)
         group.add_argument(flag, help=help_text, **kwargs)
     return parser
 
@@ -210,7 +227,8 @@ def _check_choice(cls: type, name: str, value: Any) -> None:
         )
 
 
-def _check_positive(cls: type, name: str, value: Any, *, allow_zero: bool = False) -> None:
+def check_positive(cls: type, name: str, value: Any, *, allow_zero: bool = False) -> None:
+    """Raise :class:`ConfigError` naming the flag unless ``value`` is > 0 (or >= 0)."""
     if value is None:
         return
     if value < 0 or (value == 0 and not allow_zero):
@@ -219,251 +237,23 @@ def _check_positive(cls: type, name: str, value: Any, *, allow_zero: bool = Fals
 
 
 # --------------------------------------------------------------------------------------------
-# Feature configs. Methods are added to the *_METHODS tuples as they land; until then only
-# "none" is accepted, and anything else is refused naming the flag.
+# Options shared by a family and the run-wide configs. The methods' own options live in their
+# modules (megatron_ext.methods.*) and the selectors come from the registry.
 # --------------------------------------------------------------------------------------------
 
-GRAD_COMPRESSION_METHODS: Tuple[str, ...] = ("none", "separate", "radius", "powersgd")
-P2P_COMPRESSION_METHODS: Tuple[str, ...] = ("none",)
-GRASS_METHODS: Tuple[str, ...] = ("none",)
-SUBSPACE_METHODS: Tuple[str, ...] = ("none",)
+DEFAULT_LINEAR_LAYERS = r"decoder\.layers\.\d+\.(self_attention\.(linear_qkv|linear_proj)|mlp\.(linear_fc1|linear_fc2))$"
 
 
 @dataclass(frozen=True, kw_only=True)
-class GradCompressionConfig:
-    """Compression of the data-parallel gradient reduction (DDP bucket groups)."""
-
-    ARG_GROUP: ClassVar[str] = "megatron-ext: data-parallel gradient compression"
-    ARG_PREFIX: ClassVar[str] = "grad-compression"
-
-    method: str = field(
-        default="none", metadata=arg(flag="--grad-compression", choices=GRAD_COMPRESSION_METHODS)
-    )
-    """Compressor applied to every data-parallel gradient bucket before it is reduced;
-    'none' reduces dense gradients exactly as megatron-core does."""
-
-    def __post_init__(self):
-        _check_choice(type(self), "method", self.method)
-
-    @property
-    def enabled(self) -> bool:
-        """Whether a compressor other than 'none' is selected."""
-        return self.method != "none"
-
-
-@dataclass(frozen=True, kw_only=True)
-class SeparateConfig:
-    """SEPARATE: common random projection of gradients with moving-average error feedback."""
-
-    ARG_GROUP: ClassVar[str] = "megatron-ext: SEPARATE (--grad-compression separate)"
-    ARG_PREFIX: ClassVar[str] = "separate"
-
-    ratio: int = 16
-    """Compression ratio: each block of --separate-block-size gradient entries is sent as
-    block-size / ratio random projections (paper: 16; 8-128 tested). Must divide the block
-    size."""
-
-    block_size: int = 256
-    """Entries per projection block. The flat gradient bucket is viewed as rows of this
-    length, all projected by one shared Gaussian block; the estimator's variance depends on
-    the ratio only, while the cost per entry grows with block_size / ratio (see the kernel
-    benchmark)."""
-
-    ef_beta: Optional[float] = None
-    """Moving-average factor of the error feedback, e <- (1-beta) e + beta (h - local
-    estimate of h), reset to zero every --separate-reset-interval steps; 0 disables it.
-    Default 1/ratio. The paper's 0.95 diverges with an unbiased projection: the local
-    estimate misses h by about sqrt(ratio) |h|, so the recursion grows unless beta <
-    2/ratio (measured, gpt-tiny ratio 16, 300 steps: 0.95 -> NaN at step ~40, 0.1 -> loss
-    6.19, 1/16 -> 6.06, 0 -> 6.21; dense 5.52). Values >= 2/ratio are refused."""
-
-    reset_interval: int = 128
-    """Reset the error-feedback buffer to zero every this many steps (paper: 128)."""
-
-    seed: int = 42
-    """Seed of the common random projections (derived with the step and the bucket name, so
-    every rank builds the same matrix without communicating and a restart reproduces it)."""
-
-    adaptive: bool = False
-    """G-SEPARATE: adapt the compression ratio and beta per parameter every
-    --separate-adapt-interval steps from the cosine similarity between the compressed and
-    the dense averaged gradient (measured with one dense all-reduce at those steps); beta
-    stays within [0.5, 1.5] / ratio."""
-
-    adapt_interval: int = 2000
-    """Steps between G-SEPARATE adaptations (paper: 2000)."""
-
-    min_ratio: int = 4
-    """Smallest compression ratio G-SEPARATE may choose."""
-
-    max_ratio: int = 64
-    """Largest compression ratio G-SEPARATE may choose."""
-
-    def __post_init__(self):
-        cls = type(self)
-        for name in ("ratio", "block_size", "reset_interval", "adapt_interval"):
-            _check_positive(cls, name, getattr(self, name))
-        if self.block_size % self.ratio:
-            raise ConfigError(
-                [flag_of(cls, "ratio"), flag_of(cls, "block_size")],
-                f"ratio {self.ratio} must divide the block size {self.block_size}",
-            )
-        if self.ef_beta is not None:
-            if not 0.0 <= self.ef_beta <= 1.0:
-                raise ConfigError(flag_of(cls, "ef_beta"), f"must be in [0, 1], got {self.ef_beta}")
-            if self.ef_beta >= 2.0 / self.ratio:
-                raise ConfigError(
-                    [flag_of(cls, "ef_beta"), flag_of(cls, "ratio")],
-                    f"beta {self.ef_beta} >= 2/ratio = {2.0 / self.ratio:.4g}: the error "
-                    "feedback of an unbiased projection grows without bound (it diverged "
-                    "to NaN in our runs); use a smaller beta, e.g. the default 1/ratio",
-                )
-        if self.adaptive:
-            if not (1 <= self.min_ratio <= self.ratio <= self.max_ratio):
-                raise ConfigError(
-                    [flag_of(cls, "min_ratio"), flag_of(cls, "ratio"), flag_of(cls, "max_ratio")],
-                    "need min ratio <= ratio <= max ratio",
-                )
-            if self.block_size % self.max_ratio:
-                raise ConfigError(
-                    [flag_of(cls, "max_ratio"), flag_of(cls, "block_size")],
-                    "the largest ratio must divide the block size",
-                )
-
-    @property
-    def beta_scale(self) -> float:
-        """beta * ratio: the error-feedback factor relative to its stability bound 2/ratio."""
-        return 1.0 if self.ef_beta is None else self.ef_beta * self.ratio
-
-
-@dataclass(frozen=True, kw_only=True)
-class RadiusConfig:
-    """Radius: top-k gradient sparsity with indices reused for T steps, all-reduced densely."""
-
-    ARG_GROUP: ClassVar[str] = "megatron-ext: Radius (--grad-compression radius)"
-    ARG_PREFIX: ClassVar[str] = "radius"
-
-    density: float = 0.4
-    """Fraction of each weight's entries kept (paper: 0.4-0.5); biases and other 1-D
-    parameters are always reduced densely."""
-
-    interval: int = 200
-    """Every this many steps (T) the residual is added back, the gradient is all-reduced
-    densely and the top-k indices are chosen again (paper: 200)."""
-
-    dense_steps: int = 0
-    """Dense all-reduce for the first this many steps (paper: 15-20% of training); the
-    sparse phase starts at this step with a dense reselection step."""
-
-    def __post_init__(self):
-        cls = type(self)
-        if not 0.0 < self.density <= 1.0:
-            raise ConfigError(flag_of(cls, "density"), f"must be in (0, 1], got {self.density}")
-        _check_positive(cls, "interval", self.interval)
-        _check_positive(cls, "dense_steps", self.dense_steps, allow_zero=True)
-
-
-@dataclass(frozen=True, kw_only=True)
-class PowerSGDConfig:
-    """PowerSGD (PyTorch's powerSGD_hook algorithm), the standard peer baseline."""
-
-    ARG_GROUP: ClassVar[str] = "megatron-ext: PowerSGD (--grad-compression powersgd)"
-    ARG_PREFIX: ClassVar[str] = "powersgd"
-
-    approx_rank: int = 4
-    """Rank of the low-rank approximation of each weight gradient (PyTorch's
-    matrix_approximation_rank)."""
-
-    start_step: int = 10
-    """Dense all-reduce before this step (PyTorch's start_powerSGD_iter)."""
-
-    min_compression_rate: float = 2.0
-    """Compress a matrix only if (rows + cols) * rank is at least this many times smaller
-    than rows * cols; others are reduced densely."""
-
-    warm_start: bool = True
-    """Reuse the previous step's Q as the starting point of the power iteration."""
-
-    error_feedback: bool = True
-    """Add the previous step's approximation error to the gradient before compressing."""
-
-    seed: int = 0
-    """Seed of the initial random Q (identical on every rank)."""
-
-    def __post_init__(self):
-        cls = type(self)
-        _check_positive(cls, "approx_rank", self.approx_rank)
-        _check_positive(cls, "start_step", self.start_step, allow_zero=True)
-        if self.min_compression_rate < 1.0:
-            raise ConfigError(flag_of(cls, "min_compression_rate"), "must be >= 1")
-
-
-@dataclass(frozen=True, kw_only=True)
-class P2PCompressionConfig:
-    """Compression of pipeline-parallel activations and activation gradients."""
-
-    ARG_GROUP: ClassVar[str] = "megatron-ext: pipeline-parallel activation compression"
-    ARG_PREFIX: ClassVar[str] = "p2p-compression"
-
-    method: str = field(
-        default="none", metadata=arg(flag="--p2p-compression", choices=P2P_COMPRESSION_METHODS)
-    )
-    """Codec for tensors sent between pipeline stages; 'none' sends them as megatron-core
-    does."""
-
-    def __post_init__(self):
-        _check_choice(type(self), "method", self.method)
-
-    @property
-    def enabled(self) -> bool:
-        """Whether a codec other than 'none' is selected."""
-        return self.method != "none"
-
-
-@dataclass(frozen=True, kw_only=True)
-class GrassConfig:
-    """Row-sparse weight gradients of the local-spec linear layers (Grass)."""
+class LinearLayersConfig:
+    """Which linear layers the linear seam (``--grass-method``) wraps."""
 
     ARG_GROUP: ClassVar[str] = "megatron-ext: row-sparse linear backward (Grass)"
     ARG_PREFIX: ClassVar[str] = "grass"
 
-    method: str = field(default="none", metadata=arg(choices=GRASS_METHODS))
-    """Row-selection rule of the row-sparse linear backward; 'none' keeps megatron-core's
-    dense backward."""
-
-    layers: str = (
-        r"decoder\.layers\.\d+\.(self_attention\.(linear_qkv|linear_proj)|mlp\.(linear_fc1|linear_fc2))$"
-    )
+    layers: str = DEFAULT_LINEAR_LAYERS
     """Regular expression matched (re.search) against the module names of the linear layers
     that get the megatron_ext forward/backward."""
-
-    def __post_init__(self):
-        _check_choice(type(self), "method", self.method)
-
-    @property
-    def enabled(self) -> bool:
-        """Whether a row-selection rule other than 'none' is selected."""
-        return self.method != "none"
-
-
-@dataclass(frozen=True, kw_only=True)
-class SubspaceConfig:
-    """Subspace-confined pipeline activations (Protocol Models)."""
-
-    ARG_GROUP: ClassVar[str] = "megatron-ext: subspace-confined activations (Protocol Models)"
-    ARG_PREFIX: ClassVar[str] = "subspace"
-
-    method: str = field(default="none", metadata=arg(choices=SUBSPACE_METHODS))
-    """Subspace method for pipeline activations; 'none' leaves the residual stream
-    unconstrained."""
-
-    def __post_init__(self):
-        _check_choice(type(self), "method", self.method)
-
-    @property
-    def enabled(self) -> bool:
-        """Whether a subspace method other than 'none' is selected."""
-        return self.method != "none"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -529,43 +319,30 @@ class ParallelLayout:
     """'local' or 'transformer_engine'."""
 
 
-EXT_CONFIG_CLASSES: Tuple[type, ...] = (
-    GradCompressionConfig,
-    SeparateConfig,
-    RadiusConfig,
-    PowerSGDConfig,
-    P2PCompressionConfig,
-    GrassConfig,
-    SubspaceConfig,
-    CommAccountingConfig,
-    ExtCheckpointConfig,
-)
+def _registry():
+    from megatron_ext.methods import registry
+
+    return registry
+
+
+def ext_config_classes() -> Tuple[type, ...]:
+    """Every options dataclass behind megatron_ext's flags (families', methods', run-wide)."""
+    return _registry().option_classes() + (CommAccountingConfig, ExtCheckpointConfig)
+
+
+def _default_methods() -> Dict[str, str]:
+    return {fam.name: "none" for fam in _registry().families()}
 
 
 @dataclass(frozen=True, kw_only=True)
 class ExtConfig:
-    """All megatron_ext feature configs together."""
+    """All megatron_ext settings: one method per family and every options dataclass."""
 
-    grad: GradCompressionConfig = field(default_factory=GradCompressionConfig)
-    """Data-parallel gradient compression."""
+    methods: Mapping[str, str] = field(default_factory=_default_methods)
+    """Family name -> selected method (families left out select 'none')."""
 
-    separate: SeparateConfig = field(default_factory=SeparateConfig)
-    """SEPARATE settings."""
-
-    radius: RadiusConfig = field(default_factory=RadiusConfig)
-    """Radius settings."""
-
-    powersgd: PowerSGDConfig = field(default_factory=PowerSGDConfig)
-    """PowerSGD settings."""
-
-    p2p: P2PCompressionConfig = field(default_factory=P2PCompressionConfig)
-    """Pipeline activation compression."""
-
-    grass: GrassConfig = field(default_factory=GrassConfig)
-    """Row-sparse linear backward."""
-
-    subspace: SubspaceConfig = field(default_factory=SubspaceConfig)
-    """Subspace-confined activations."""
+    options: Mapping[type, Any] = field(default_factory=dict)
+    """Options dataclass -> instance; classes left out take their defaults."""
 
     comm: CommAccountingConfig = field(default_factory=CommAccountingConfig)
     """Byte accounting."""
@@ -573,11 +350,61 @@ class ExtConfig:
     checkpoint: ExtCheckpointConfig = field(default_factory=ExtCheckpointConfig)
     """Checkpointed state."""
 
+    def __post_init__(self):
+        registry = _registry()
+        methods = _default_methods()
+        for name, value in self.methods.items():
+            try:
+                fam = registry.family(name)
+            except KeyError:
+                raise ConfigError("megatron-ext", f"unknown method family {name!r}") from None
+            allowed = registry.choices(name)
+            if value not in allowed:
+                raise ConfigError(
+                    fam.flag, f"invalid choice {value!r} (choose from {', '.join(allowed)})"
+                )
+            methods[name] = value
+        known = set(registry.option_classes())
+        for cls, value in self.options.items():
+            if cls not in known or not isinstance(value, cls):
+                raise ConfigError("megatron-ext", f"not a registered options class: {cls!r}")
+        options = {cls: self.options.get(cls) or cls() for cls in registry.option_classes()}
+        object.__setattr__(self, "methods", methods)
+        object.__setattr__(self, "options", options)
+
+    @classmethod
+    def of(cls, **kwargs: Any) -> "ExtConfig":
+        """Build from keyword arguments: family names select methods (``grad="separate"``),
+        options instances are passed positionally by class through ``options=[...]``."""
+        opts = {type(o): o for o in kwargs.pop("options", ())}
+        extra = {k: kwargs.pop(k) for k in ("comm", "checkpoint") if k in kwargs}
+        return cls(methods=kwargs, options=opts, **extra)
+
+    def method(self, family: str) -> str:
+        """The method selected in ``family``."""
+        return self.methods[family]
+
+    def enabled(self, family: str) -> bool:
+        """Whether ``family`` selects a method other than 'none'."""
+        return self.methods[family] != "none"
+
+    def options_for(self, cls: type) -> Any:
+        """The instance of options dataclass ``cls``."""
+        return self.options[cls]
+
+    def selected(self) -> List[Tuple[Any, Any]]:
+        """``(family, method)`` registry entries of the selected methods, in family order."""
+        registry = _registry()
+        return [
+            (fam, registry.get(fam.name, self.methods[fam.name])) for fam in registry.families()
+        ]
+
     def summary(self) -> Dict[str, Any]:
         """Flat ``{dest: value}`` view, e.g. for logs and reports."""
         out: Dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            sub = getattr(self, f.name)
+        for fam, method in self.selected():
+            out[fam.dest] = method.name
+        for sub in list(self.options.values()) + [self.comm, self.checkpoint]:
             for sf in dataclasses.fields(sub):
                 out[_dest_of(type(sub), sf)] = getattr(sub, sf.name)
         return out
@@ -585,45 +412,66 @@ class ExtConfig:
     def state_settings(self) -> Dict[str, Any]:
         """The settings that shape megatron_ext's checkpointed state (for its fingerprint):
         each family's method and the options of the selected methods only."""
-        out: Dict[str, Any] = {
-            "grad_compression": self.grad.method,
-            "p2p_compression": self.p2p.method,
-            "grass_method": self.grass.method,
-            "subspace_method": self.subspace.method,
-        }
-        method_cfg = {"separate": self.separate, "radius": self.radius, "powersgd": self.powersgd}
-        sub = method_cfg.get(self.grad.method)
-        if sub is not None:
-            for sf in dataclasses.fields(sub):
-                out[_dest_of(type(sub), sf)] = getattr(sub, sf.name)
+        out: Dict[str, Any] = {}
+        selected = self.selected()
+        for fam, method in selected:
+            out[fam.dest] = method.name
+        for _, method in selected:
+            if method.options is not None:
+                sub = self.options[method.options]
+                for sf in dataclasses.fields(sub):
+                    out[_dest_of(type(sub), sf)] = getattr(sub, sf.name)
         return out
 
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add every megatron_ext flag; fits Megatron-LM's ``extra_args_provider``.
 
+    The family selectors (``--grad-compression``, ...) and their choices come from the
+    method registry; each options dataclass becomes a group of ``--<prefix>-*`` flags.
+
     Returns:
         The same parser (Megatron-LM requires the provider to return it).
     """
-    for cls in EXT_CONFIG_CLASSES:
+    registry = _registry()
+    for fam in registry.families():
+        group = parser.add_argument_group(title=fam.title)
+        methods = registry.methods(fam.name)
+        listing = "; ".join(
+            f"{m.name}: {m.summary}" if m.summary else m.name for m in methods.values()
+        )
+        group.add_argument(
+            fam.flag,
+            dest=fam.dest,
+            default="none",
+            choices=list(methods),
+            help=f"{fam.help} Choices: {', '.join(methods)} ({listing}). Default: none.".replace(
+                "%", "%%"
+            ),
+        )
+    for cls in ext_config_classes():
         add_config_args(parser, cls)
     return parser
 
 
 def ext_config_from_args(args: argparse.Namespace) -> ExtConfig:
     """Build :class:`ExtConfig` from parsed arguments; raises :class:`ConfigError`."""
-    by_cls = {cls: config_from_args(cls, args) for cls in EXT_CONFIG_CLASSES}
+    registry = _registry()
+    methods = {
+        fam.name: getattr(args, fam.dest) for fam in registry.families() if hasattr(args, fam.dest)
+    }
     return ExtConfig(
-        grad=by_cls[GradCompressionConfig],
-        separate=by_cls[SeparateConfig],
-        radius=by_cls[RadiusConfig],
-        powersgd=by_cls[PowerSGDConfig],
-        p2p=by_cls[P2PCompressionConfig],
-        grass=by_cls[GrassConfig],
-        subspace=by_cls[SubspaceConfig],
-        comm=by_cls[CommAccountingConfig],
-        checkpoint=by_cls[ExtCheckpointConfig],
+        methods=methods,
+        options={cls: config_from_args(cls, args) for cls in registry.option_classes()},
+        comm=config_from_args(CommAccountingConfig, args),
+        checkpoint=config_from_args(ExtCheckpointConfig, args),
     )
+
+
+def ext_config_from_flags(flags: Sequence[str]) -> ExtConfig:
+    """:class:`ExtConfig` of a megatron_ext command line (unknown flags are an error)."""
+    parser = add_args(argparse.ArgumentParser(prog="megatron-ext", allow_abbrev=False))
+    return ext_config_from_args(parser.parse_args(list(flags)))
 
 
 def validate_ext_config(cfg: ExtConfig, layout: ParallelLayout) -> None:
@@ -633,19 +481,23 @@ def validate_ext_config(cfg: ExtConfig, layout: ParallelLayout) -> None:
         cfg: the feature configs.
         layout: the Megatron parallel setup of this run.
     """
-    if cfg.grad.enabled and layout.num_distributed_optimizer_instances != 1:
+    if cfg.enabled("grad") and layout.num_distributed_optimizer_instances != 1:
         raise ConfigError(
             ["--grad-compression", "--num-distributed-optimizer-instances"],
             "compressed gradient reduction supports one distributed-optimizer instance only",
         )
-    if cfg.p2p.enabled and layout.pipeline_model_parallel_size == 1:
+    if cfg.enabled("p2p") and layout.pipeline_model_parallel_size == 1:
         raise ConfigError(
             ["--p2p-compression", "--pipeline-model-parallel-size"],
             "pipeline compression needs --pipeline-model-parallel-size > 1",
         )
-    if (cfg.grass.enabled or cfg.subspace.enabled) and layout.transformer_impl != "local":
-        flag = "--grass-method" if cfg.grass.enabled else "--subspace-method"
-        raise ConfigError(
-            [flag, "--transformer-impl"],
-            "works on the local layer spec only; pass --transformer-impl local",
-        )
+    for fam_name in ("linear", "subspace"):
+        if cfg.enabled(fam_name) and layout.transformer_impl != "local":
+            flag = _registry().family(fam_name).flag
+            raise ConfigError(
+                [flag, "--transformer-impl"],
+                "works on the local layer spec only; pass --transformer-impl local",
+            )
+    for _, method in cfg.selected():
+        if method.validate is not None:
+            method.validate(cfg, layout)

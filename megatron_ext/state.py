@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Protocol
 
-__all__ = ["Stateful", "ExtState", "StateMismatch", "FORMAT_VERSION", "fingerprint"]
+__all__ = ["Stateful", "ExtState", "StateMismatch", "StepClock", "FORMAT_VERSION", "fingerprint"]
 
 FORMAT_VERSION = 1
 
@@ -35,6 +36,14 @@ class Stateful(Protocol):
     def state_dict(self) -> Dict[str, Any]: ...
 
     def load_state_dict(self, state: Dict[str, Any]) -> None: ...
+
+
+@dataclass
+class StepClock:
+    """The training iteration, shared by every seam (set by the training loop)."""
+
+    step: int = 0
+    """0-based iteration currently being computed."""
 
 
 class StateMismatch(ValueError):

@@ -18,6 +18,12 @@ What it does:
 Usage:
     torchrun --nproc-per-node 2 -m megatron_ext.train --cpu --model gpt-tiny --train-iters 50
 
+Structure:
+    This module is the command line and the loop's orchestration (parse, build in order,
+    train, evaluate, checkpoint, log, report). Everything that calls megatron-core lives in
+    :mod:`megatron_ext.megatron.training` (model, DDP, optimizer, schedule, loss) and the
+    other adapters under ``megatron_ext.megatron``.
+
 Constraints:
     Non-interleaved schedule only (no virtual pipeline stages); no context or expert
     parallelism. With ``--cpu`` the limits of :mod:`megatron_ext.megatron.cpu` apply.
@@ -30,11 +36,9 @@ import dataclasses
 import json
 import math
 import os
-import random
 import sys
 import time
-from datetime import datetime, timedelta
-from functools import partial
+from datetime import datetime
 from typing import Any, Dict, List, Optional, Sequence
 
 from megatron_ext.config import (
@@ -189,81 +193,59 @@ def _layout_sizes(cfg: DriverConfig, world_size: int) -> Dict[str, int]:
 
 
 class Trainer:
-    """Builds everything on each rank and runs the loop (see module docstring)."""
+    """Builds everything on each rank and runs the loop (see module docstring).
+
+    Build order (each a method, so tests can rebuild pieces): :meth:`setup_distributed`,
+    :meth:`build_data`, :meth:`build_model` (megatron_ext's model transforms run here,
+    before DDP wraps the model), :meth:`build_optimizer`, :meth:`install_ext`.
+    """
+
+    on_step_batch = None
+    """Optional callback receiving each microbatch a rank reads (tests use it)."""
 
     def __init__(self, cfg: DriverConfig):
         self.cfg = cfg
-        self.writer = None
-        self.log_file = None
+        self.runtime = None
+        self._eval_consumed = 0
 
     # -- setup ----------------------------------------------------------------------------
 
     def setup_distributed(self) -> None:
+        """Process groups (gloo on CPU) and seeds."""
         import torch
 
-        cfg = self.cfg
-        if cfg.training.cpu:
-            from megatron_ext.megatron.cpu import enable_cpu_execution
+        from megatron_ext.megatron import training
 
-            enable_cpu_execution()
-        elif not torch.cuda.is_available():
-            raise ConfigError(
-                "--cpu",
-                "no CUDA device found; pass --cpu to run megatron-core on CPU with gloo",
-            )
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.sizes = _layout_sizes(cfg, world)
+        cfg = self.cfg
+        self.sizes = _layout_sizes(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         threads = cfg.training.num_threads
         if cfg.training.cpu and threads is None:
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             threads = max(1, (os.cpu_count() or 1) // local)
         if threads:
             torch.set_num_threads(threads)
-        backend = cfg.parallel.distributed_backend
-        if backend == "auto":
-            backend = "gloo" if cfg.training.cpu else "nccl"
-        if "RANK" not in os.environ:
-            # Single process without torchrun.
-            os.environ.update(
-                {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
-            )
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        if not cfg.training.cpu:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        torch.distributed.init_process_group(
-            backend=backend,
-            timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
+        self.ps, self.rank, self.world = training.init_distributed(
+            cpu=cfg.training.cpu,
+            backend=cfg.parallel.distributed_backend,
+            tp=self.sizes["tp"],
+            pp=self.sizes["pp"],
+            timeout_minutes=cfg.parallel.distributed_timeout_minutes,
         )
-        from megatron.core import parallel_state as ps
-
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=self.sizes["tp"],
-            pipeline_model_parallel_size=self.sizes["pp"],
-        )
-        self.ps = ps
-        self.rank = torch.distributed.get_rank()
-        self.world = torch.distributed.get_world_size()
         self.seed()
 
     def seed(self) -> None:
         """Seed every generator as Megatron-LM does (seed + 100 * pipeline rank)."""
-        import numpy as np
-        import torch
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        from megatron_ext.megatron.training import seed_all
 
-        seed = self.cfg.training.seed + 100 * self.ps.get_pipeline_model_parallel_rank()
-        random.seed(seed)
-        np.random.seed(seed)
-        torch.manual_seed(seed)
-        model_parallel_cuda_manual_seed(seed)
+        seed_all(self.cfg.training.seed)
 
     def build_data(self) -> None:
+        """Tokenizer and the train / validation GPT datasets."""
         import torch
 
         from megatron_ext.megatron import data as ext_data
 
         cfg, sizes = self.cfg, self.sizes
-        ps = self.ps
         t0 = time.time()
         self.tokenizer = ext_data.build_tokenizer(cfg.data)
         iters = cfg.training.train_iters
@@ -280,9 +262,9 @@ class Trainer:
             seed=cfg.training.seed,
             num_samples=num_samples,
         )
-        self.dp_rank = ps.get_data_parallel_rank()
-        self.dp_size = ps.get_data_parallel_world_size()
-        self.needs_data = ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()
+        self.dp_rank = self.ps.get_data_parallel_rank()
+        self.dp_size = self.ps.get_data_parallel_world_size()
+        self.needs_data = self.ps.is_pipeline_first_stage() or self.ps.is_pipeline_last_stage()
         print_rank_0(
             f"> data: {len(self.train_ds)} train / "
             f"{0 if self.valid_ds is None else len(self.valid_ds)} valid samples of "
@@ -291,203 +273,70 @@ class Trainer:
         )
         torch.distributed.barrier()
 
-    def _transformer_config(self):
-        import torch
-        from megatron.core.transformer.transformer_config import TransformerConfig
-
-        m, cfg = self.cfg.model, self.cfg
-        bf16 = cfg.training.bf16
-        return TransformerConfig(
-            num_layers=m.num_layers,
-            hidden_size=m.hidden_size,
-            ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
-            num_attention_heads=m.num_attention_heads,
-            num_query_groups=m.num_query_groups if m.group_query_attention else None,
-            hidden_dropout=m.hidden_dropout,
-            attention_dropout=m.attention_dropout,
-            init_method_std=m.init_method_std,
-            normalization=m.normalization,
-            gated_linear_unit=m.swiglu,
-            activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu,
-            bias_activation_fusion=False if m.swiglu else not cfg.training.cpu,
-            add_bias_linear=not m.disable_bias_linear,
-            tensor_model_parallel_size=self.sizes["tp"],
-            pipeline_model_parallel_size=self.sizes["pp"],
-            pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
-            params_dtype=torch.bfloat16 if bf16 else torch.float32,
-            bf16=bf16,
-            # Megatron-LM forces deallocation of pipeline outputs after they are sent.
-            deallocate_pipeline_outputs=True,
-            # Fused wgrad accumulation needs Apex's CUDA extension; megatron_ext's linear
-            # seam accumulates into main_grad itself where a method needs it.
-            gradient_accumulation_fusion=False,
-            bias_dropout_fusion=not cfg.training.cpu,
-            masked_softmax_fusion=not cfg.training.cpu,
-            apply_rope_fusion=False,
-            persist_layer_norm=not cfg.training.cpu,
-            use_cpu_initialization=False,
-            # Megatron-LM's pretrain_gpt averages per token across microbatches this way.
-            calculate_per_token_loss=False,
-        )
-
-    def build_model(self) -> None:
-        import torch
-        from megatron.core.distributed import DistributedDataParallel as DDP
-        from megatron.core.distributed import DistributedDataParallelConfig
-        from megatron.core.models.gpt.gpt_layer_specs import (
-            get_gpt_layer_local_spec,
-            get_gpt_layer_with_transformer_engine_spec,
-        )
-        from megatron.core.models.gpt.gpt_model import GPTModel
-        from megatron.core.transformer.module import Float16Module
-
-        cfg, ps = self.cfg, self.ps
-        m = cfg.model
-        config = self._transformer_config()
-        if m.transformer_impl == "local":
-            spec = get_gpt_layer_local_spec(normalization=m.normalization)
-        else:
-            spec = get_gpt_layer_with_transformer_engine_spec()
-        vocab = self.tokenizer.vocab_size
-        # Megatron-LM pads the vocabulary to a multiple of 128 * TP.
-        multiple = 128 * self.sizes["tp"]
-        padded_vocab = int(math.ceil(vocab / multiple) * multiple)
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=spec,
-            vocab_size=padded_vocab,
-            max_sequence_length=m.max_position_embeddings or m.seq_length,
-            pre_process=ps.is_pipeline_first_stage(),
-            post_process=ps.is_pipeline_last_stage(),
-            share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
-            position_embedding_type=m.position_embedding_type,
-            rotary_base=m.rotary_base,
-        )
-        if not cfg.training.cpu:
-            model.cuda(torch.cuda.current_device())
-        if cfg.training.bf16:
-            model = Float16Module(config, model)
-        par = cfg.parallel
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=par.accumulate_allreduce_grads_in_fp32 or cfg.training.bf16,
-            overlap_grad_reduce=par.overlap_grad_reduce,
-            overlap_param_gather=par.overlap_param_gather,
-            use_distributed_optimizer=par.use_distributed_optimizer,
-            bucket_size=par.ddp_bucket_size,
-            check_for_nan_in_grad=True,
-        )
-        model = DDP(config, ddp_config, model)
-        model.broadcast_params()
-        self._param_hooks_enabled = bool(par.use_distributed_optimizer and par.overlap_param_gather)
-        self.config = config
-        self.model = [model]
-        self.padded_vocab = padded_vocab
-        num_params = sum(p.numel() for p in model.parameters())
-        from megatron_ext.accounting import ProcessGroupTrafficMeter, collective_device
-
-        group = ps.get_pipeline_model_parallel_group()
-        totals = torch.tensor([num_params], dtype=torch.int64, device=collective_device(group))
-        with ProcessGroupTrafficMeter.untracked():
-            torch.distributed.all_reduce(totals, group=group)
-        print_rank_0(
-            f"> model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} "
-            f"heads, vocab {padded_vocab} (padded): {totals.item() / 1e6:.2f}M parameters per "
-            f"tensor-parallel rank"
-        )
-
-    def build_optimizer(self) -> None:
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        cfg = self.cfg
-        t = cfg.training
-        opt_config = OptimizerConfig(
-            optimizer="adam",
-            lr=t.lr,
-            min_lr=t.min_lr,
-            weight_decay=t.weight_decay,
-            adam_beta1=t.adam_beta1,
-            adam_beta2=t.adam_beta2,
-            adam_eps=t.adam_eps,
-            clip_grad=t.clip_grad,
-            bf16=t.bf16,
-            params_dtype=self.config.params_dtype,
-            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-            overlap_param_gather=cfg.parallel.overlap_param_gather,
-            log_num_zeros_in_grad=False,
-        )
-        self.optimizer = get_megatron_optimizer(opt_config, self.model)
-        gbs = self.sizes["gbs"]
-        decay_iters = t.lr_decay_iters or t.train_iters
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer,
-            init_lr=0.0,
-            max_lr=t.lr,
-            min_lr=t.min_lr,
-            lr_warmup_steps=t.lr_warmup_iters * gbs,
-            lr_decay_steps=decay_iters * gbs,
-            lr_decay_style=t.lr_decay_style,
-            start_wd=t.weight_decay,
-            end_wd=t.weight_decay,
-            wd_incr_steps=decay_iters * gbs,
-            wd_incr_style="constant",
-        )
-
-    def install_ext(self, stock: bool = False) -> None:
-        """Wire megatron's grad-sync callables and install megatron_ext's seams.
+    def build_model(self, stock: bool = False) -> None:
+        """The GPT model of this stage, megatron_ext's methods and the DDP wrapper.
 
         Args:
             stock: install nothing of megatron_ext (the stock megatron-core baseline that
                 parity tests and benchmarks compare against).
         """
-        from megatron.core.distributed import finalize_model_grads
+        from megatron_ext.megatron import training
+        from megatron_ext.megatron.runtime import ExtRuntime, StockRuntime, parallel_layout
 
-        from megatron_ext.megatron.runtime import install
-
-        config = self.config
-        config.finalize_model_grads_func = finalize_model_grads
-        if self.cfg.parallel.overlap_grad_reduce:
-            config.no_sync_func = self.model[0].no_sync
-        if self.cfg.parallel.overlap_param_gather:
-            config.param_sync_func = self.model[0].start_param_sync
-        config.grad_scale_func = self.optimizer.scale_loss
+        cfg, m = self.cfg, self.cfg.model
+        self.config = training.transformer_config(
+            m, cfg.training, tp=self.sizes["tp"], pp=self.sizes["pp"]
+        )
+        ddp_cfg = training.ddp_config(cfg.parallel, cfg.training)
+        # The methods are built before the model is wrapped: a method that changes the
+        # model does so before DDP allocates gradient buffers for it.
         if stock:
-            self.runtime = _StockRuntime()
-            return
-        self.runtime = install(
-            self.cfg.ext,
-            model_chunks=self.model,
-            optimizer=self.optimizer,
-            model_config=config,
-            transformer_impl=self.cfg.model.transformer_impl,
+            self.runtime = StockRuntime()
+        else:
+            layout = parallel_layout(ddp_cfg, m.transformer_impl)
+            self.runtime = ExtRuntime.create(cfg.ext, layout)
+        model, self.padded_vocab = training.build_gpt_model(
+            m, self.config, vocab_size=self.tokenizer.vocab_size, tp=self.sizes["tp"]
+        )
+        if not stock:
+            self.runtime.transform_model([model])
+        self.model = [training.wrap_ddp(model, self.config, ddp_cfg, cpu=cfg.training.cpu)]
+        num_params = training.count_parameters(self.model)
+        print_rank_0(
+            f"> model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} "
+            f"heads, vocab {self.padded_vocab} (padded): {num_params / 1e6:.2f}M parameters per "
+            f"tensor-parallel rank"
         )
 
-    # -- distributed-optimizer parameter gather (Megatron-LM's handling) -------------------
+    def build_optimizer(self) -> None:
+        """megatron-core's optimizer and LR schedule."""
+        from megatron_ext.megatron.training import build_optimizer
 
-    @property
-    def _overlapped_param_gather(self) -> bool:
-        par = self.cfg.parallel
-        return par.use_distributed_optimizer and par.overlap_param_gather
+        cfg = self.cfg
+        self.optimizer, self.scheduler = build_optimizer(
+            cfg.training, cfg.parallel, self.config, self.model, gbs=self.sizes["gbs"]
+        )
 
-    def _disable_param_gather_hooks(self, param_sync: bool = True) -> None:
-        """Stop gathering parameters in forward pre-hooks (optionally gathering them now)."""
-        if self._overlapped_param_gather and self._param_hooks_enabled:
-            for chunk in self.model:
-                chunk.disable_forward_pre_hook(param_sync=param_sync)
-            self._param_hooks_enabled = False
+    def install_ext(self) -> None:
+        """Wire megatron's grad-sync callables and install megatron_ext's seams."""
+        from megatron_ext.megatron import training
+        from megatron_ext.megatron.runtime import ExtRuntime
 
-    def _enable_param_gather_hooks(self) -> None:
-        if self._overlapped_param_gather and not self._param_hooks_enabled:
-            for chunk in self.model:
-                chunk.enable_forward_pre_hook()
-            self._param_hooks_enabled = True
+        training.wire_grad_sync(self.config, self.model, self.optimizer, self.cfg.parallel)
+        self.param_gather = training.ParamGather(self.model, self.config, self.cfg.parallel)
+        if isinstance(self.runtime, ExtRuntime):
+            self.runtime.install(
+                self.model,
+                self.optimizer,
+                model_config=self.config,
+                scheduler=self.scheduler,
+                transformer_impl=self.cfg.model.transformer_impl,
+            )
 
     def sync_params(self) -> None:
         """Make every rank's model parameters current (the distributed optimizer with
         overlapped parameter gather leaves them one gather behind after a step)."""
-        if self._overlapped_param_gather:
-            for chunk in self.model:
-                chunk.start_param_sync(force_sync=True)
+        self.param_gather.sync()
 
     # -- steps ----------------------------------------------------------------------------
 
@@ -507,222 +356,152 @@ class Trainer:
     def _sample_ids_fn(self, consumed: int):
         from megatron_ext.megatron.data import sample_indices
 
-        return partial(
-            lambda c, m: sample_indices(
-                c, m, self.cfg.training.micro_batch_size, self.dp_rank, self.dp_size
-            ),
-            consumed,
-        )
+        mbs, dp_rank, dp_size = self.cfg.training.micro_batch_size, self.dp_rank, self.dp_size
+        return lambda microbatch: sample_indices(consumed, microbatch, mbs, dp_rank, dp_size)
 
     def forward_step(self, data_iterator, model):
         """megatron's forward_step_func: one microbatch through this stage."""
+        from megatron_ext.megatron.training import gpt_forward_step
+
         batch = next(data_iterator) if data_iterator is not None else None
         if self.on_step_batch is not None and batch is not None:
             self.on_step_batch(batch)
-        first = self.ps.is_pipeline_first_stage()
-        last = self.ps.is_pipeline_last_stage()
-        tokens = batch["tokens"] if (batch is not None and first) else None
-        position_ids = batch["position_ids"] if (batch is not None and first) else None
-        labels = batch["labels"] if (batch is not None and last) else None
-        loss_mask = batch["loss_mask"] if (batch is not None and last) else None
-        if not self.cfg.training.cpu:
-            tokens = tokens.cuda() if tokens is not None else None
-            position_ids = position_ids.cuda() if position_ids is not None else None
-            labels = labels.cuda() if labels is not None else None
-            loss_mask = loss_mask.cuda() if loss_mask is not None else None
-        output = model(tokens, position_ids, None, labels=labels)
-        return output, partial(_loss_func, loss_mask)
+        return gpt_forward_step(batch, model, cpu=self.cfg.training.cpu)
 
-    on_step_batch = None
-    """Optional callback receiving each microbatch a rank reads (tests use it)."""
+    def _forward_backward(self, data_iterator, forward_only: bool):
+        from megatron_ext.megatron.training import forward_backward
+
+        return forward_backward(
+            self.forward_step,
+            data_iterator,
+            self.model,
+            num_microbatches=self.sizes["num_microbatches"],
+            seq_length=self.cfg.model.seq_length,
+            micro_batch_size=self.cfg.training.micro_batch_size,
+            forward_only=forward_only,
+            **self.runtime.forward_backward_kwargs(),
+        )
 
     def train_step(self, iteration: int, consumed: int, data_iterator):
-        """One iteration: forward/backward over all microbatches, optimizer step."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
+        """One iteration: forward/backward over all microbatches, optimizer step.
+
+        Returns:
+            ``(loss or None off the last stage, grad norm, update_successful)``.
+        """
+        from megatron_ext.megatron.training import reduce_lm_loss
 
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.runtime.begin_step(iteration, sample_ids_fn=self._sample_ids_fn(consumed))
-        forward_backward = get_forward_backward_func()
-        losses = forward_backward(
-            forward_step_func=self.forward_step,
-            data_iterator=data_iterator,
-            model=self.model,
-            num_microbatches=self.sizes["num_microbatches"],
-            seq_length=self.cfg.model.seq_length,
-            micro_batch_size=self.cfg.training.micro_batch_size,
-            forward_only=False,
-            **self.runtime.forward_backward_kwargs(),
-        )
+        losses = self._forward_backward(data_iterator, forward_only=False)
         update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
             self.scheduler.step(increment=self.sizes["gbs"])
-        return self._reduce_losses(losses), grad_norm, update_successful
-
-    def _reduce_losses(self, losses) -> Optional[float]:
-        """Token-weighted mean 'lm loss' over microbatches and DP ranks (last stage)."""
-        import torch
-
-        if not self.ps.is_pipeline_last_stage():
-            return None
-        from megatron_ext.accounting import collective_device
-
-        group = self.ps.get_data_parallel_group()
-        total = torch.zeros(2, dtype=torch.float64, device=collective_device(group))
-        for item in losses:
-            total += item["lm loss"].double().to(total.device)
-        torch.distributed.all_reduce(total, group=group)
-        return (total[0] / total[1].clamp(min=1)).item()
+        return reduce_lm_loss(losses), grad_norm, update_successful
 
     def evaluate(self, step: int) -> Optional[float]:
         """Validation loss over --eval-iters iterations (forward only)."""
         import torch
-        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from megatron_ext.megatron.training import reduce_lm_loss
 
         t = self.cfg.training
         if self.valid_ds is None or t.eval_iters == 0:
             return None
-        hooks_were_enabled = self._overlapped_param_gather and self._param_hooks_enabled
-        self._disable_param_gather_hooks()
+        hooks_were_enabled = self.param_gather.hooks_enabled
+        self.param_gather.disable()
         for chunk in self.model:
             chunk.eval()
         total = 0.0
         count = 0
-        eval_consumed = self._eval_consumed
         with torch.no_grad():
             for _ in range(t.eval_iters):
-                iterator = self._iterator(self.valid_ds, eval_consumed)
+                iterator = self._iterator(self.valid_ds, self._eval_consumed)
                 self.runtime.begin_step(step, forward_only=True)
-                losses = get_forward_backward_func()(
-                    forward_step_func=self.forward_step,
-                    data_iterator=iterator,
-                    model=self.model,
-                    num_microbatches=self.sizes["num_microbatches"],
-                    seq_length=self.cfg.model.seq_length,
-                    micro_batch_size=t.micro_batch_size,
-                    forward_only=True,
-                    **self.runtime.forward_backward_kwargs(),
-                )
-                value = self._reduce_losses(losses)
+                value = reduce_lm_loss(self._forward_backward(iterator, forward_only=True))
                 if value is not None:
                     total += value
                     count += 1
-                eval_consumed += self.sizes["gbs"]
-        self._eval_consumed = eval_consumed
+                self._eval_consumed += self.sizes["gbs"]
         for chunk in self.model:
             chunk.train()
         if hooks_were_enabled:
-            self._enable_param_gather_hooks()
+            self.param_gather.enable()
         return total / count if count else None
 
     # -- the loop ---------------------------------------------------------------------------
 
-    def run(self) -> Dict[str, Any]:
-        """Train; returns a summary dict (also written to the JSON reports)."""
-        from megatron_ext.accounting import Traffic, all_ranks_totals
+    def _resume(self) -> tuple:
+        """``(iteration, consumed samples)`` after loading ``--load`` (zeros without one)."""
+        from megatron_ext.accounting import ProcessGroupTrafficMeter
         from megatron_ext.megatron import checkpoint as ckpt
 
         cfg = self.cfg
+        self._eval_consumed = 0
+        if not cfg.checkpoint.load:
+            return 0, 0
+        with ProcessGroupTrafficMeter.untracked():
+            loaded = ckpt.load_checkpoint(
+                cfg.checkpoint.load,
+                model_chunks=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                runtime=self.runtime,
+                on_mismatch=cfg.ext.checkpoint.on_mismatch,
+            )
+        if loaded is None:
+            print_rank_0(f"> no checkpoint in {cfg.checkpoint.load}; starting from scratch")
+            return 0, 0
+        self._eval_consumed = loaded.get("eval_consumed_samples", 0)
+        print_rank_0(f"> resumed from {cfg.checkpoint.load} at iteration {loaded['iteration']}")
+        return loaded["iteration"], loaded["consumed_samples"]
+
+    def run(self) -> Dict[str, Any]:
+        """Train; returns a summary dict (also written to the JSON reports)."""
+        cfg = self.cfg
         t = cfg.training
         gbs = self.sizes["gbs"]
-        iteration = 0
-        consumed = 0
-        self._eval_consumed = 0
-        if cfg.checkpoint.load:
-            from megatron_ext.accounting import ProcessGroupTrafficMeter
-
-            with ProcessGroupTrafficMeter.untracked():
-                loaded = ckpt.load_checkpoint(
-                    cfg.checkpoint.load,
-                    model_chunks=self.model,
-                    optimizer=self.optimizer,
-                    scheduler=self.scheduler,
-                    runtime=self.runtime,
-                    on_mismatch=cfg.ext.checkpoint.on_mismatch,
-                )
-            if loaded is not None:
-                iteration, consumed = loaded["iteration"], loaded["consumed_samples"]
-                self._eval_consumed = loaded.get("eval_consumed_samples", 0)
-                print_rank_0(f"> resumed from {cfg.checkpoint.load} at iteration {iteration}")
-            else:
-                print_rank_0(f"> no checkpoint in {cfg.checkpoint.load}; starting from scratch")
-        self._open_writers()
-        data_iterator = self._iterator(self.train_ds, consumed)
-        interval_losses: List[float] = []
-        interval_traffic: Dict[str, Traffic] = {}
-        interval_iters = 0
-        step_times: List[float] = []
-        history: List[Dict[str, Any]] = []
-        last_loss = None
-        last_eval = None
+        iteration, consumed = self._resume()
         start_iteration = iteration
+        log = _TrainLog(self, enabled_writers=is_last_rank())
+        data_iterator = self._iterator(self.train_ds, consumed)
+        last_eval = None
         progress = _Progress(t.train_iters, enabled=cfg.logging.progress and is_last_rank())
         stop_at = min(t.train_iters, t.exit_interval or t.train_iters)
-        # As Megatron-LM: the first iteration runs without the overlapped parameter gather,
-        # which resumes once a step has succeeded.
-        param_sync_func = self.config.param_sync_func
-        if self._overlapped_param_gather:
-            self._disable_param_gather_hooks(param_sync=False)
-            self.config.param_sync_func = None
+        self.param_gather.start()
         while iteration < stop_at:
             t0 = time.time()
             loss, grad_norm, ok = self.train_step(iteration, consumed, data_iterator)
-            if ok and self._overlapped_param_gather and self.config.param_sync_func is None:
-                self._enable_param_gather_hooks()
-                self.config.param_sync_func = param_sync_func
-            step_traffic = self.runtime.end_step()
-            step_times.append(time.time() - t0)
+            if ok:
+                self.param_gather.step_succeeded()
+            traffic = self.runtime.end_step()
             iteration += 1
             consumed += gbs
-            interval_iters += 1
-            if loss is not None:
-                interval_losses.append(loss)
-                last_loss = loss
-            for c, tr in step_traffic.items():
-                interval_traffic.setdefault(c, Traffic()).add(tr)
-            progress.update(iteration, last_loss)
+            log.add_step(time.time() - t0, loss, traffic)
+            progress.update(iteration, log.last_loss)
             if t.eval_interval and iteration % t.eval_interval == 0:
                 last_eval = self.evaluate(iteration)
             if iteration % cfg.logging.log_interval == 0 or iteration == stop_at:
-                # Like Megatron-LM's interval timer: checkpointing and evaluation excluded.
-                elapsed = sum(step_times[-interval_iters:])
-                traffic_sum = (
-                    all_ranks_totals(interval_traffic)[0] if cfg.ext.comm.accounting else {}
-                )
-                record = self._log(
-                    iteration,
-                    consumed,
-                    elapsed / interval_iters,
-                    interval_losses,
-                    grad_norm,
-                    traffic_sum,
-                    interval_iters,
-                    last_eval,
-                )
-                history.append(record)
-                interval_losses, interval_traffic = [], {}
-                interval_iters = 0
-            if (
-                cfg.checkpoint.save
-                and cfg.checkpoint.save_interval
-                and iteration % cfg.checkpoint.save_interval == 0
-                and iteration < stop_at
-            ):
+                log.emit(iteration, consumed, grad_norm, last_eval)
+            save_due = (
+                cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0
+            )
+            if cfg.checkpoint.save and save_due and iteration < stop_at:
                 self._save(iteration, consumed)
         progress.close()
-        self._disable_param_gather_hooks()
+        self.param_gather.disable()
         if not t.eval_interval or iteration % t.eval_interval:
             final_eval = self.evaluate(iteration) if iteration > start_iteration else None
         else:
             final_eval = last_eval
         if cfg.checkpoint.save and iteration > start_iteration:
             self._save(iteration, consumed)
-        summary = self._summary(iteration, consumed, step_times, history, final_eval)
-        self._close_writers()
+        summary = self._summary(iteration, consumed, log, final_eval)
+        log.close()
         return summary
 
-    # -- checkpoints, logs, reports ----------------------------------------------------------
+    # -- checkpoints and reports -------------------------------------------------------------
 
     def _save(self, iteration: int, consumed: int) -> None:
         from megatron_ext.accounting import ProcessGroupTrafficMeter
@@ -733,27 +512,88 @@ class Trainer:
         # Checkpoint coordination is not training traffic (the Megatron-LM adapter excludes it
         # the same way).
         with ProcessGroupTrafficMeter.untracked():
-            self._save_checkpoint(ckpt, iteration, consumed)
+            ckpt.save_checkpoint(
+                self.cfg.checkpoint.save,
+                iteration,
+                model_chunks=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                runtime=self.runtime,
+                consumed_samples=consumed,
+                extra_common={"eval_consumed_samples": self._eval_consumed},
+            )
         print_rank_0(
             f"  saved checkpoint at iteration {iteration:8d} to {self.cfg.checkpoint.save} "
             f"({time.time() - t0:.1f} s)"
         )
 
-    def _save_checkpoint(self, ckpt, iteration: int, consumed: int) -> None:
-        ckpt.save_checkpoint(
-            self.cfg.checkpoint.save,
-            iteration,
-            model_chunks=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            runtime=self.runtime,
-            consumed_samples=consumed,
-            extra_common={"eval_consumed_samples": self._eval_consumed},
-        )
+    def _summary(self, iteration, consumed, log, final_eval) -> Dict[str, Any]:
+        import torch
 
-    def _open_writers(self) -> None:
+        from megatron_ext.accounting import collective_device, comm_report, report_path
+
         cfg = self.cfg
-        if not is_last_rank():
+        step_times = log.step_times
+        warm = step_times[1:] if len(step_times) > 1 else step_times
+        final_loss = next(
+            (rec["lm_loss"] for rec in reversed(log.history) if rec.get("lm_loss") is not None),
+            None,
+        )
+        # The loss lives on the last rank; share it so rank 0 can write the report.
+        shared = torch.tensor(
+            [
+                final_loss if final_loss is not None else float("nan"),
+                final_eval if final_eval is not None else float("nan"),
+            ],
+            dtype=torch.float64,
+            device=collective_device(),
+        )
+        torch.distributed.broadcast(shared, src=self.world - 1)
+        summary = {
+            "iterations": iteration,
+            "consumed_samples": consumed,
+            "steps_this_run": len(step_times),
+            "mean_step_time_s": sum(warm) / max(1, len(warm)),
+            "final_lm_loss": None if math.isnan(shared[0].item()) else shared[0].item(),
+            "final_valid_loss": None if math.isnan(shared[1].item()) else shared[1].item(),
+            "layout": dict(self.sizes),
+            "world_size": self.world,
+            "model_preset": cfg.model_preset,
+            "config_file": cfg.config_file,
+            "ext": cfg.ext.summary(),
+            "comm": comm_report(self.runtime.meter),
+            "history": log.history if is_last_rank() else [],
+        }
+        path = report_path(cfg.ext.comm.report, cfg.checkpoint.save)
+        if self.rank == 0 and cfg.ext.comm.accounting:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "w") as f:
+                json.dump(summary, f, indent=2)
+            print_rank_0(f"> communication report: {path}")
+        valid = summary["final_valid_loss"]
+        print_rank_0(
+            f"> done: {iteration} iterations, mean step {summary['mean_step_time_s'] * 1000:.1f} ms"
+            + ("" if valid is None else f", validation loss {valid:.4f}")
+        )
+        return summary
+
+
+class _TrainLog:
+    """Per-interval accumulation and output: Megatron's iteration line (last rank),
+    TensorBoard scalars and one JSON record per logged iteration."""
+
+    def __init__(self, trainer: Trainer, *, enabled_writers: bool):
+        self.trainer = trainer
+        cfg = trainer.cfg
+        self.step_times: List[float] = []
+        self.history: List[Dict[str, Any]] = []
+        self.last_loss: Optional[float] = None
+        self._losses: List[float] = []
+        self._traffic: Dict[str, Any] = {}
+        self._iters = 0
+        self.writer = None
+        self.log_file = None
+        if not enabled_writers:
             return
         if cfg.logging.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
@@ -766,19 +606,30 @@ class Trainer:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self.log_file = open(path, "a")
 
-    def _close_writers(self) -> None:
-        if self.writer is not None:
-            self.writer.flush()
-            self.writer.close()
-        if self.log_file is not None:
-            self.log_file.close()
+    def add_step(self, seconds: float, loss: Optional[float], traffic: Dict[str, Any]) -> None:
+        """One finished iteration."""
+        from megatron_ext.accounting import Traffic
 
-    def _log(self, iteration, consumed, step_time, losses, grad_norm, traffic, iters, eval_loss):
-        """Megatron-style log line (last rank) + TensorBoard + JSON record."""
-        from megatron_ext.accounting import comm_scalars, format_traffic
+        self.step_times.append(seconds)
+        self._iters += 1
+        if loss is not None:
+            self._losses.append(loss)
+            self.last_loss = loss
+        for c, tr in traffic.items():
+            self._traffic.setdefault(c, Traffic()).add(tr)
 
-        lr = self.optimizer.param_groups[0]["lr"]
-        loss = sum(losses) / len(losses) if losses else None
+    def emit(self, iteration, consumed, grad_norm, eval_loss) -> Dict[str, Any]:
+        """Log the interval ending at ``iteration`` and start the next one."""
+        from megatron_ext.accounting import all_ranks_totals, comm_scalars, format_traffic
+
+        trainer = self.trainer
+        cfg = trainer.cfg
+        iters = self._iters
+        # Like Megatron-LM's interval timer: checkpointing and evaluation excluded.
+        step_time = sum(self.step_times[-iters:]) / iters
+        traffic = all_ranks_totals(self._traffic)[0] if cfg.ext.comm.accounting else {}
+        lr = trainer.optimizer.param_groups[0]["lr"]
+        loss = sum(self._losses) / len(self._losses) if self._losses else None
         per_step = {c: {k: v / iters for k, v in tr.as_dict().items()} for c, tr in traffic.items()}
         record = {
             "iteration": iteration,
@@ -790,15 +641,17 @@ class Trainer:
             "valid_loss": eval_loss,
             "bytes_per_step_all_ranks": per_step,
         }
+        self.history.append(record)
+        self._losses, self._traffic, self._iters = [], {}, 0
         if not is_last_rank():
             return record
         ts = datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")
         line = (
-            f" [{ts}] iteration {iteration:8d}/{self.cfg.training.train_iters:8d} |"
+            f" [{ts}] iteration {iteration:8d}/{cfg.training.train_iters:8d} |"
             f" consumed samples: {consumed:12d} |"
             f" elapsed time per iteration (ms): {step_time * 1000:.1f} |"
             f" learning rate: {lr:.6E} |"
-            f" global batch size: {self.sizes['gbs']:5d} |"
+            f" global batch size: {trainer.sizes['gbs']:5d} |"
         )
         if loss is not None:
             line += f" lm loss: {loss:.6E} |"
@@ -827,93 +680,13 @@ class Trainer:
             self.log_file.flush()
         return record
 
-    def _summary(self, iteration, consumed, step_times, history, final_eval) -> Dict[str, Any]:
-        import torch
-
-        from megatron_ext.accounting import collective_device, comm_report, report_path
-
-        cfg = self.cfg
-        comm = comm_report(self.runtime.meter)
-        warm = step_times[1:] if len(step_times) > 1 else step_times
-        final_loss = None
-        for rec in reversed(history):
-            if rec.get("lm_loss") is not None:
-                final_loss = rec["lm_loss"]
-                break
-        # The loss lives on the last rank; share it so rank 0 can write the report.
-        shared = torch.tensor(
-            [
-                final_loss if final_loss is not None else float("nan"),
-                final_eval if final_eval is not None else float("nan"),
-            ],
-            dtype=torch.float64,
-            device=collective_device(),
-        )
-        torch.distributed.broadcast(shared, src=self.world - 1)
-        summary = {
-            "iterations": iteration,
-            "consumed_samples": consumed,
-            "steps_this_run": len(step_times),
-            "mean_step_time_s": sum(warm) / max(1, len(warm)),
-            "final_lm_loss": None if math.isnan(shared[0].item()) else shared[0].item(),
-            "final_valid_loss": None if math.isnan(shared[1].item()) else shared[1].item(),
-            "layout": dict(self.sizes),
-            "world_size": self.world,
-            "model_preset": cfg.model_preset,
-            "config_file": cfg.config_file,
-            "ext": cfg.ext.summary(),
-            "comm": comm,
-            "history": history if is_last_rank() else [],
-        }
-        path = report_path(cfg.ext.comm.report, cfg.checkpoint.save)
-        if self.rank == 0 and cfg.ext.comm.accounting:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            with open(path, "w") as f:
-                json.dump(summary, f, indent=2)
-            print_rank_0(f"> communication report: {path}")
-        valid = summary["final_valid_loss"]
-        print_rank_0(
-            f"> done: {iteration} iterations, mean step {summary['mean_step_time_s'] * 1000:.1f} ms"
-            + ("" if valid is None else f", validation loss {valid:.4f}")
-        )
-        return summary
-
-
-class _StockRuntime:
-    """Stands in for ExtRuntime when nothing of megatron_ext is installed (the baseline).
-
-    Stock megatron-core has no seams, so there is nothing to notify and no bytes counted.
-    """
-
-    def __init__(self):
-        from megatron_ext.accounting import CommMeter
-
-        self.meter = CommMeter(enabled=False)
-        self.communicator = None
-
-    def begin_step(self, step, *, sample_ids_fn=None, forward_only=False):
-        return None
-
-    def end_step(self):
-        return {}
-
-    def forward_backward_kwargs(self):
-        return {}
-
-    def remove(self):
-        return None
-
-
-def _loss_func(loss_mask, output_tensor):
-    """pretrain_gpt's loss: masked token sum, token count, and the 'lm loss' report."""
-    import torch
-
-    losses = output_tensor.view(-1).float()
-    loss_mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * loss_mask)
-    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
-    report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
-    return loss, num_tokens, report
+    def close(self) -> None:
+        """Flush and close the writers."""
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+        if self.log_file is not None:
+            self.log_file.close()
 
 
 class _Progress:
@@ -940,14 +713,6 @@ class _Progress:
         if self.enabled:
             sys.stderr.write("\n")
             sys.stderr.flush()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_training(cfg: DriverConfig) -> Dict[str, Any]:

@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Optional
 
-from megatron_ext.config import ConfigError, _check_positive, arg, flag_of
+from megatron_ext.config import ConfigError, arg, check_positive, flag_of
 
 __all__ = [
     "ModelArgs",
@@ -105,7 +105,7 @@ class ModelArgs:
     def __post_init__(self):
         cls = type(self)
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-            _check_positive(cls, name, getattr(self, name))
+            check_positive(cls, name, getattr(self, name))
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 ["--hidden-size", "--num-attention-heads"],
@@ -162,9 +162,9 @@ class ParallelArgs:
 
     def __post_init__(self):
         cls = type(self)
-        _check_positive(cls, "tensor_model_parallel_size", self.tensor_model_parallel_size)
-        _check_positive(cls, "pipeline_model_parallel_size", self.pipeline_model_parallel_size)
-        _check_positive(cls, "ddp_bucket_size", self.ddp_bucket_size)
+        check_positive(cls, "tensor_model_parallel_size", self.tensor_model_parallel_size)
+        check_positive(cls, "pipeline_model_parallel_size", self.pipeline_model_parallel_size)
+        check_positive(cls, "ddp_bucket_size", self.ddp_bucket_size)
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ConfigError(
                 ["--overlap-param-gather", "--use-distributed-optimizer"],
@@ -245,13 +245,13 @@ class TrainingArgs:
     def __post_init__(self):
         cls = type(self)
         for name in ("micro_batch_size", "train_iters", "lr"):
-            _check_positive(cls, name, getattr(self, name))
-        _check_positive(cls, "global_batch_size", self.global_batch_size)
-        _check_positive(cls, "lr_warmup_iters", self.lr_warmup_iters, allow_zero=True)
-        _check_positive(cls, "eval_interval", self.eval_interval, allow_zero=True)
-        _check_positive(cls, "eval_iters", self.eval_iters, allow_zero=True)
-        _check_positive(cls, "exit_interval", self.exit_interval)
-        _check_positive(cls, "num_threads", self.num_threads)
+            check_positive(cls, name, getattr(self, name))
+        check_positive(cls, "global_batch_size", self.global_batch_size)
+        check_positive(cls, "lr_warmup_iters", self.lr_warmup_iters, allow_zero=True)
+        check_positive(cls, "eval_interval", self.eval_interval, allow_zero=True)
+        check_positive(cls, "eval_iters", self.eval_iters, allow_zero=True)
+        check_positive(cls, "exit_interval", self.exit_interval)
+        check_positive(cls, "num_threads", self.num_threads)
         if self.min_lr > self.lr:
             raise ConfigError(["--min-lr", "--lr"], f"min lr {self.min_lr} > lr {self.lr}")
         decay = self.lr_decay_iters or self.train_iters
@@ -283,7 +283,7 @@ class CheckpointArgs:
     """Save every N iterations (and at the end)."""
 
     def __post_init__(self):
-        _check_positive(type(self), "save_interval", self.save_interval)
+        check_positive(type(self), "save_interval", self.save_interval)
         if self.save_interval and not self.save:
             raise ConfigError(["--save-interval", "--save"], "a save interval needs --save")
 
@@ -309,7 +309,7 @@ class LoggingArgs:
     """Show a progress bar on the last rank when its output is a terminal."""
 
     def __post_init__(self):
-        _check_positive(type(self), "log_interval", self.log_interval)
+        check_positive(type(self), "log_interval", self.log_interval)
 
 
 DRIVER_CONFIG_CLASSES = (ModelArgs, ParallelArgs, TrainingArgs, CheckpointArgs, LoggingArgs)

@@ -3,24 +3,34 @@
 What it does:
     megatron-core reduces gradients per *bucket group*: flat, contiguous gradient buffers
     that are all-reduced, or reduce-scattered into shards with the distributed optimizer.
-    The adapter in ``megatron_ext.megatron.ddp`` describes each bucket group to a
-    :class:`GradReducer` as a :class:`GradSyncContext` (flat buffers, per-parameter slices
-    keyed by fully qualified name, shard bounds, process group) and calls
-    :meth:`GradReducer.launch`. :class:`DenseGradReducer` is the pass-through: the same
-    collectives megatron-core issues, so training is bit-identical to stock.
+    At install time the adapter (``megatron_ext.megatron.ddp``) describes each bucket group
+    once, as a frozen :class:`BucketGroupSpec` (buffers, per-parameter slices keyed by fully
+    qualified name, this rank's shard, process group, reduction op, whether it runs
+    asynchronously, the reduce-scatter function, the byte meter), and calls
+    :meth:`GradReducer.bind`, which returns a :class:`BoundReduction` owning that group's
+    plan and state. Megatron's ``start_grad_sync`` then only calls
+    :meth:`BoundReduction.launch` with the step. :class:`DenseGradReducer` is the
+    pass-through: the collectives megatron-core issues, so training is bit-identical to stock.
+
+    :class:`CompressedReduction` is the skeleton the compressed reducers share: weight
+    matrices versus the 1-D leftovers (biases, norms) that travel densely, packing and
+    unpacking those leftovers, an all-reduce that is tagged and metered with its dense
+    equivalent, and a deferred handle whose ``wait()`` finishes the reduction.
 
 Why:
     PyTorch's DDP has comm hooks; megatron-core has none. This file is our hook contract,
     independent of Megatron so reducers are testable on plain process groups.
 
-Contract (what a reducer must guarantee):
-    * When the returned handle's ``wait()`` returns (or at once, if ``launch`` returns
-      None), each bucket's ``grad`` holds the reduced gradient: the whole buffer for
-      all-reduce; at least ``grad[shard[0]:shard[1]]`` for reduce-scatter.
+Contract (what a bound reduction must guarantee):
+    * When the handle returned by ``launch`` is waited on (or at once, if ``launch``
+      returns None), each bucket's ``grad`` holds the reduced gradient: the whole buffer
+      for all-reduce; at least ``grad[shard[0]:shard[1]]`` for reduce-scatter.
     * Gradients arrive already multiplied by megatron's ``gradient_scaling_factor``; the
-      reduction uses ``ctx.op`` (SUM, or AVG with ``average_in_collective``).
+      reduction uses ``spec.op`` (SUM, or AVG with ``average_in_collective``). Rank-local
+      state (error feedback) is kept in the units of the rank's own input, so that the
+      ranks' residuals add up (SUM) or average (AVG) to the global one.
     * Padding elements of the buffer are zero on input and must stay zero.
-    * Every transfer is recorded in ``ctx.meter`` (category ``dp-grad``) with its dense
+    * Every transfer is recorded in ``spec.meter`` (category ``dp-grad``) with its dense
       equivalent, and issued inside ``ProcessGroupTrafficMeter.tagged("dp-grad")``.
     * State (residuals, counters) is keyed by parameter FQN, never by bucket index.
 
@@ -32,7 +42,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.distributed_c10d import _coalescing_manager
@@ -42,11 +52,13 @@ from megatron_ext.accounting import CommMeter, ProcessGroupTrafficMeter, collect
 __all__ = [
     "ParamSlice",
     "BucketView",
-    "BucketGroupView",
-    "GradSyncContext",
+    "BucketGroupSpec",
     "DeferredHandle",
+    "BoundReduction",
+    "CompressedReduction",
     "GradReducer",
     "DenseGradReducer",
+    "shard_bounds",
 ]
 
 
@@ -66,68 +78,119 @@ class ParamSlice:
     shape: Tuple[int, ...]
     """The parameter's shape."""
 
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return self.end - self.start
 
-@dataclass
+    @property
+    def is_matrix(self) -> bool:
+        """Two or more dimensions (compressible); 1-D parameters travel densely."""
+        return len(self.shape) >= 2
+
+
+@dataclass(frozen=True)
 class BucketView:
     """One flat gradient bucket as seen by a reducer."""
 
     grad: torch.Tensor
     """The flat gradient buffer (a view into megatron's grad buffer); reduced in place."""
 
-    params: List[ParamSlice]
+    params: Tuple[ParamSlice, ...]
     """Parameter slices in buffer order."""
 
-    shard: Optional[Tuple[int, int]] = None
-    """This rank's [start, end) slice when reduce-scattering, else None."""
-
-    key: str = ""
+    key: str
     """Stable name of the bucket (first and last parameter FQN)."""
 
+    shard: Optional[Tuple[int, int]] = None
+    """This rank's [start, end) slice of ``grad`` with the distributed optimizer, else None."""
 
-@dataclass
-class BucketGroupView:
-    """A bucket group as bound to a reducer at install time."""
+    def region(self, reduce_scatter: bool) -> Tuple[int, int]:
+        """The elements a reduction must deliver: the shard, or the whole buffer."""
+        if reduce_scatter and self.shard is not None:
+            return self.shard
+        return 0, self.grad.numel()
 
-    buckets: List[BucketView]
-    """The group's buckets (stable objects: the same views are passed at every launch)."""
+
+def shard_bounds(numel: int, group_size: int, group_rank: int) -> Tuple[int, int]:
+    """megatron's shard of a bucket under the distributed optimizer (equal chunks)."""
+    size = numel // group_size
+    return group_rank * size, (group_rank + 1) * size
+
+
+@dataclass(frozen=True)
+class BucketGroupSpec:
+    """Fixed description of one bucket group, built once when the seam is installed."""
+
+    buckets: Tuple[BucketView, ...]
+    """The group's buckets (usually one), with their shards when reduce-scattering."""
 
     group: Any
     """Process group the bucket group reduces over."""
 
+    group_size: int
+    """Ranks in ``group``."""
 
-@dataclass
-class GradSyncContext:
-    """Everything a reducer needs for one bucket group's reduction."""
-
-    buckets: List[BucketView]
-    """Buckets of the group (usually one)."""
-
-    group: Any
-    """Data-parallel process group of the reduction."""
-
-    reduce_scatter: bool
-    """True: reduce-scatter into shards (distributed optimizer); False: all-reduce."""
+    group_rank: int
+    """This rank's index in ``group``."""
 
     op: Any
     """torch.distributed.ReduceOp.SUM or AVG."""
 
-    async_op: bool
+    distributed_optimizer: bool = False
+    """Reduce-scatter into shards (unless a launch forces an all-reduce)."""
+
+    async_op: bool = False
     """Launch asynchronously (overlap with backward); the handle is waited on later."""
 
-    step: int
-    """Training iteration (0-based) this reduction belongs to."""
+    reduce_scatter_fn: Callable[..., Any] = torch.distributed.reduce_scatter_tensor
+    """The reduce-scatter function megatron would call (it may use fp32 accumulation)."""
 
     meter: Optional[CommMeter] = None
     """Byte accounting; None disables recording."""
 
-    reduce_scatter_fn: Callable[..., Any] = field(default=torch.distributed.reduce_scatter_tensor)
-    """The reduce-scatter function megatron would call (it may use fp32 accumulation)."""
+    @classmethod
+    def create(
+        cls,
+        grads_and_params: Sequence[Tuple[torch.Tensor, Sequence[ParamSlice], str]],
+        group: Any,
+        *,
+        op: Any = torch.distributed.ReduceOp.SUM,
+        distributed_optimizer: bool = False,
+        **kwargs: Any,
+    ) -> "BucketGroupSpec":
+        """Build a spec from ``(grad, params, key)`` per bucket, computing the shards."""
+        size = torch.distributed.get_world_size(group)
+        rank = torch.distributed.get_rank(group)
+        buckets = tuple(
+            BucketView(
+                grad=grad,
+                params=tuple(params),
+                key=key,
+                shard=shard_bounds(grad.numel(), size, rank) if distributed_optimizer else None,
+            )
+            for grad, params, key in grads_and_params
+        )
+        return cls(
+            buckets=buckets,
+            group=group,
+            group_size=size,
+            group_rank=rank,
+            op=op,
+            distributed_optimizer=distributed_optimizer,
+            **kwargs,
+        )
+
+    @property
+    def share(self) -> float:
+        """A rank's share of the reduced value: ``1/W`` under SUM, 1 under AVG."""
+        return 1.0 / self.group_size if self.op == torch.distributed.ReduceOp.SUM else 1.0
 
 
 class DeferredHandle:
     """A handle whose ``wait()`` runs ``finish`` once (waiting on collectives, decompressing).
 
-    Compressed reducers return it with ``async_op``: megatron's ``finish_grad_sync`` calls
+    Compressed reductions return it with ``async_op``: megatron's ``finish_grad_sync`` calls
     ``wait()`` when it needs the bucket, so decompression happens after communication.
     """
 
@@ -141,60 +204,207 @@ class DeferredHandle:
             finish()
 
 
-class GradReducer(abc.ABC):
-    """Base class of data-parallel gradient reductions (see module docstring).
+class BoundReduction(abc.ABC):
+    """One bucket group's reduction, bound to its :class:`BucketGroupSpec`."""
 
-    Subclasses set ``name`` and ``supports``, implement :meth:`launch`, and keep their
-    state in :meth:`state_dict` / :meth:`load_state_dict` keyed by parameter FQN.
+    def __init__(self, spec: BucketGroupSpec):
+        self.spec = spec
+
+    @abc.abstractmethod
+    def launch(self, step: int, force_all_reduce: bool = False) -> Optional[Any]:
+        """Start the reduction of the group's buckets for ``step``.
+
+        Args:
+            step: 0-based training iteration.
+            force_all_reduce: all-reduce even with the distributed optimizer (megatron's
+                ``force_all_reduce``).
+
+        Returns:
+            A handle with ``wait()``, or None if the reduction already finished.
+        """
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Rank-local state of this group's parameters, keyed by role and FQN."""
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore the keys of :meth:`state_dict` (the reducer checks the key set)."""
+
+
+@dataclass
+class _Split:
+    """A bucket's parameters: compressed matrices and densely reduced leftovers."""
+
+    view: BucketView
+    matrices: List[ParamSlice] = field(default_factory=list)
+    dense: List[ParamSlice] = field(default_factory=list)
+
+
+class CompressedReduction(BoundReduction):
+    """Shared skeleton of compressed reductions (see module docstring).
+
+    Subclasses choose which parameters they compress (:meth:`compresses`) and implement
+    ``launch`` with the helpers below.
+    """
+
+    def __init__(self, spec: BucketGroupSpec):
+        super().__init__(spec)
+        self.splits: List[_Split] = []
+        for view in spec.buckets:
+            split = _Split(view=view)
+            for s in view.params:
+                (split.matrices if self.compresses(s) else split.dense).append(s)
+            self.splits.append(split)
+
+    def compresses(self, s: ParamSlice) -> bool:
+        """Whether parameter ``s`` is compressed (default: every matrix)."""
+        return s.is_matrix
+
+    # -- dense leftovers -------------------------------------------------------------------
+
+    @staticmethod
+    def pack_dense(split: _Split) -> List[torch.Tensor]:
+        """The leftovers' gradients in fp32, to concatenate into a payload."""
+        return [split.view.grad[s.start : s.end].float() for s in split.dense]
+
+    @staticmethod
+    def unpack_dense(split: _Split, flat: torch.Tensor) -> None:
+        """Write the reduced leftovers from ``flat`` (in :meth:`pack_dense` order)."""
+        pos = 0
+        for s in split.dense:
+            split.view.grad[s.start : s.end].copy_(flat[pos : pos + s.numel])
+            pos += s.numel
+
+    # -- collectives -----------------------------------------------------------------------
+
+    def dense_wire_bytes(self, view: BucketView, force_all_reduce: bool) -> int:
+        """What megatron's own collective for ``view`` would put on the wire."""
+        kind = (
+            "reduce_scatter"
+            if self.spec.distributed_optimizer and not force_all_reduce
+            else "all_reduce"
+        )
+        nbytes = view.grad.numel() * view.grad.element_size()
+        return collective_wire_bytes(kind, nbytes, self.spec.group_size)
+
+    def record(self, kind: str, payload: torch.Tensor, dense: int) -> None:
+        """Meter one collective of ``payload`` against ``dense`` bytes of megatron's."""
+        if self.spec.meter is None:
+            return
+        nbytes = payload.numel() * payload.element_size()
+        wire = collective_wire_bytes(kind, nbytes, self.spec.group_size)
+        self.spec.meter.record("dp-grad", sent=wire, recv=wire, dense_sent=dense, dense_recv=dense)
+
+    def all_reduce(
+        self, payload: torch.Tensor, *, dense: int, async_op: Optional[bool] = None
+    ) -> Optional[Any]:
+        """All-reduce ``payload`` in place with the spec's op; meter it against ``dense``."""
+        spec = self.spec
+        async_op = spec.async_op if async_op is None else async_op
+        with ProcessGroupTrafficMeter.tagged("dp-grad"):
+            work = torch.distributed.all_reduce(
+                payload, op=spec.op, group=spec.group, async_op=async_op
+            )
+        self.record("all_reduce", payload, dense)
+        return work
+
+    def finish(self, works: Sequence[Optional[Any]], then: Callable[[], None]) -> Optional[Any]:
+        """Wait on ``works`` and run ``then``: deferred to ``wait()`` when asynchronous."""
+
+        def run():
+            for work in works:
+                if work is not None and self.spec.async_op:
+                    work.wait()
+            then()
+
+        if self.spec.async_op:
+            return DeferredHandle(run)
+        run()
+        return None
+
+
+class GradReducer(abc.ABC):
+    """A data-parallel gradient reduction method (see module docstring).
+
+    Subclasses set ``name`` and ``supports`` and implement :meth:`bind`. The reducer keeps
+    every reduction it bound, so its state (keyed by parameter FQN) spans all groups.
     """
 
     name: str = "base"
     supports: Tuple[str, ...] = ("all_reduce", "reduce_scatter")
 
-    def bind(self, groups: List[BucketGroupView]) -> None:
-        """Called once at install with every bucket group (before any checkpoint load), so
-        stateful reducers can allocate their state and check cross-rank agreement."""
+    def __init__(self) -> None:
+        self.bound: List[BoundReduction] = []
+
+    def bind(self, spec: BucketGroupSpec) -> BoundReduction:
+        """Bind one bucket group (at install, before any checkpoint load); may check
+        cross-rank agreement and raise."""
+        bound = self._bind(spec)
+        self.bound.append(bound)
+        return bound
 
     @abc.abstractmethod
-    def launch(self, ctx: GradSyncContext) -> Optional[Any]:
-        """Start the reduction of ``ctx.buckets``; return a handle with ``wait()`` or None."""
+    def _bind(self, spec: BucketGroupSpec) -> BoundReduction:
+        """The bound reduction of ``spec``."""
 
     def state_dict(self) -> Dict[str, Any]:
-        """Rank-local state (tensors and primitives only)."""
-        return {}
+        """Rank-local state of every bound group (tensors and primitives only)."""
+        out: Dict[str, Any] = {}
+        for bound in self.bound:
+            out.update(bound.state_dict())
+        return out
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; raise ValueError on missing / unexpected keys."""
-        if state:
-            raise ValueError(f"{self.name} reducer has no state, got keys {sorted(state)}")
+        """Restore :meth:`state_dict`; raises ValueError listing missing / unexpected keys."""
+        expected = set(self.state_dict())
+        if set(state) != expected:
+            missing = sorted(expected - set(state))[:5]
+            unexpected = sorted(set(state) - expected)[:5]
+            raise ValueError(
+                f"{self.name} reducer state keys differ from this model's parameters: "
+                f"missing {missing}, unexpected {unexpected}"
+            )
+        for bound in self.bound:
+            keys = set(bound.state_dict())
+            bound.load_state_dict({k: v for k, v in state.items() if k in keys})
 
 
-class DenseGradReducer(GradReducer):
-    """Pass-through: exactly the collectives megatron-core 0.16 issues, plus accounting."""
+class _DenseReduction(BoundReduction):
+    """megatron-core 0.16's collectives for one bucket group, plus accounting."""
 
-    name = "none"
-
-    def launch(self, ctx: GradSyncContext) -> Optional[Any]:
-        group_size = torch.distributed.get_world_size(ctx.group)
-        rank = torch.distributed.get_rank(ctx.group)
+    def launch(self, step: int, force_all_reduce: bool = False) -> Optional[Any]:
+        spec = self.spec
+        reduce_scatter = spec.distributed_optimizer and not force_all_reduce
         with ProcessGroupTrafficMeter.tagged("dp-grad"):
             # One coalescing manager over the group's buckets, as megatron does.
-            with _coalescing_manager(ctx.group, async_ops=ctx.async_op) as cm:
-                for bucket in ctx.buckets:
-                    if ctx.reduce_scatter:
-                        shard_size = bucket.grad.numel() // group_size
-                        local = bucket.grad[rank * shard_size : (rank + 1) * shard_size]
-                        ctx.reduce_scatter_fn(
-                            local, bucket.grad, op=ctx.op, group=ctx.group, async_op=ctx.async_op
+            with _coalescing_manager(spec.group, async_ops=spec.async_op) as cm:
+                for bucket in spec.buckets:
+                    if reduce_scatter:
+                        lo, hi = bucket.shard
+                        spec.reduce_scatter_fn(
+                            bucket.grad[lo:hi],
+                            bucket.grad,
+                            op=spec.op,
+                            group=spec.group,
+                            async_op=spec.async_op,
                         )
                     else:
                         torch.distributed.all_reduce(
-                            bucket.grad, op=ctx.op, group=ctx.group, async_op=ctx.async_op
+                            bucket.grad, op=spec.op, group=spec.group, async_op=spec.async_op
                         )
-        if ctx.meter is not None:
-            kind = "reduce_scatter" if ctx.reduce_scatter else "all_reduce"
-            for bucket in ctx.buckets:
+        if spec.meter is not None:
+            kind = "reduce_scatter" if reduce_scatter else "all_reduce"
+            for bucket in spec.buckets:
                 nbytes = bucket.grad.numel() * bucket.grad.element_size()
-                wire = collective_wire_bytes(kind, nbytes, group_size)
-                ctx.meter.record("dp-grad", sent=wire, recv=wire)
-        return cm if ctx.async_op else None
+                wire = collective_wire_bytes(kind, nbytes, spec.group_size)
+                spec.meter.record("dp-grad", sent=wire, recv=wire)
+        return cm if spec.async_op else None
+
+
+class DenseGradReducer(GradReducer):
+    """Pass-through: exactly the collectives megatron-core issues, plus accounting."""
+
+    name = "none"
+
+    def _bind(self, spec: BucketGroupSpec) -> BoundReduction:
+        return _DenseReduction(spec)

@@ -12,7 +12,8 @@ What it does:
 Why a single payload tensor of deterministic size:
     megatron-core receivers pre-allocate their buffers from the expected shape (no header
     travels unless ``variable_seq_lengths`` is set), so the payload's shape and dtype must
-    be a pure function of (tensor shape, dtype, codec config). One payload tensor per
+    be a pure function of (tensor shape, dtype, codec config, transfer context) that sender
+    and receiver evaluate alike. One payload tensor per
     message keeps megatron's own batched / ordered P2P transport usable unchanged.
 
 Constraints:
@@ -61,9 +62,11 @@ class P2PCodec(abc.ABC):
 
     @abc.abstractmethod
     def payload_spec(
-        self, shape: Tuple[int, ...], dtype: torch.dtype, direction: str
+        self, shape: Tuple[int, ...], dtype: torch.dtype, ctx: P2PContext
     ) -> Tuple[Tuple[int, ...], torch.dtype]:
-        """Shape and dtype of the payload for a tensor of ``shape`` / ``dtype``."""
+        """Shape and dtype of the payload of the transfer ``ctx`` for a tensor of ``shape`` /
+        ``dtype``. Both sides call it with the same context, so it may depend on it (a
+        sample's first visit in full precision, later ones compressed)."""
 
     @abc.abstractmethod
     def encode(self, tensor: torch.Tensor, ctx: P2PContext) -> torch.Tensor:
@@ -90,7 +93,7 @@ class IdentityCodec(P2PCodec):
 
     name = "none"
 
-    def payload_spec(self, shape, dtype, direction):
+    def payload_spec(self, shape, dtype, ctx):
         return tuple(shape), dtype
 
     def encode(self, tensor, ctx):

@@ -29,35 +29,26 @@ Constraints:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import torch
 
-from megatron_ext.accounting import ProcessGroupTrafficMeter, collective_wire_bytes
 from megatron_ext.collectives.grad_reducer import (
-    BucketGroupView,
-    BucketView,
-    DeferredHandle,
-    DenseGradReducer,
+    BoundReduction,
+    BucketGroupSpec,
+    CompressedReduction,
     GradReducer,
-    GradSyncContext,
     ParamSlice,
+    _DenseReduction,
 )
-from megatron_ext.compressors.separate import stable_seed
+from megatron_ext.compressors.lowrank import compressible, initial_q, orthogonalize
 
-__all__ = ["PowerSGDReducer", "orthogonalize"]
-
-
-def orthogonalize(p: torch.Tensor) -> torch.Tensor:
-    """Orthonormal columns spanning ``p`` (reduced QR; deterministic for identical input)."""
-    q, _ = torch.linalg.qr(p, mode="reduced")
-    return q
+__all__ = ["PowerSGDReducer"]
 
 
 @dataclass
 class _Matrix:
-    fqn: str
     slice: ParamSlice
     rows: int
     cols: int
@@ -65,73 +56,58 @@ class _Matrix:
     error: Optional[torch.Tensor]
 
 
-@dataclass
-class _Plan:
-    view: BucketView
-    matrices: List[_Matrix] = field(default_factory=list)
-    dense: List[ParamSlice] = field(default_factory=list)
-
-
 class PowerSGDReducer(GradReducer):
     """PowerSGD gradient reduction (see module docstring).
 
     Args:
-        cfg: a :class:`~megatron_ext.config.PowerSGDConfig`.
+        cfg: a :class:`~megatron_ext.methods.powersgd.PowerSGDConfig`.
     """
 
     name = "powersgd"
     supports = ("all_reduce", "reduce_scatter")
 
     def __init__(self, cfg: Any):
+        super().__init__()
         self.cfg = cfg
-        self._plans: Dict[int, _Plan] = {}
-        self._dense = DenseGradReducer()
 
-    def bind(self, groups: List[BucketGroupView]) -> None:
-        r = self.cfg.approx_rank
-        for group_view in groups:
-            for view in group_view.buckets:
-                plan = _Plan(view=view)
-                for s in view.params:
-                    if len(s.shape) >= 2:
-                        n = s.shape[0]
-                        m = (s.end - s.start) // n
-                        if (n + m) * r * self.cfg.min_compression_rate <= n * m:
-                            plan.matrices.append(
-                                _Matrix(
-                                    fqn=s.fqn,
-                                    slice=s,
-                                    rows=n,
-                                    cols=m,
-                                    q=self._initial_q(s.fqn, m, 0, view.grad.device),
-                                    error=(
-                                        torch.zeros(n, m, device=view.grad.device)
-                                        if self.cfg.error_feedback
-                                        else None
-                                    ),
-                                )
-                            )
-                            continue
-                    plan.dense.append(s)
-                self._plans[id(view)] = plan
+    def _bind(self, spec: BucketGroupSpec) -> BoundReduction:
+        return _PowerSGDReduction(self.cfg, spec)
 
-    def _initial_q(self, fqn: str, cols: int, step: int, device) -> torch.Tensor:
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(stable_seed("powersgd", self.cfg.seed, fqn, step))
-        q = torch.randn(cols, self.cfg.approx_rank, generator=gen)
-        return orthogonalize(q).to(device)
 
-    def launch(self, ctx: GradSyncContext) -> Optional[Any]:
-        if ctx.step < self.cfg.start_step:
-            return self._dense.launch(ctx)
-        group_size = torch.distributed.get_world_size(ctx.group)
-        kind = "reduce_scatter" if ctx.reduce_scatter else "all_reduce"
-        pending = []
-        for view in ctx.buckets:
-            plan = self._plans[id(view)]
-            grad = view.grad
+class _PowerSGDReduction(CompressedReduction):
+    """PowerSGD on one bucket group: two all-reduces per bucket (P, then Q)."""
+
+    def __init__(self, cfg: Any, spec: BucketGroupSpec):
+        self.cfg = cfg
+        super().__init__(spec)
+        self._dense = _DenseReduction(spec)
+        self.matrices: List[List[_Matrix]] = []
+        for split in self.splits:
+            device = split.view.grad.device
+            mats = []
+            for s in split.matrices:
+                rows, cols = s.shape[0], s.numel // s.shape[0]
+                error = torch.zeros(rows, cols, device=device) if cfg.error_feedback else None
+                q = initial_q(cfg.seed, s.fqn, 0, cols, cfg.approx_rank, device)
+                mats.append(_Matrix(slice=s, rows=rows, cols=cols, q=q, error=error))
+            self.matrices.append(mats)
+
+    def compresses(self, s: ParamSlice) -> bool:
+        if not s.is_matrix:
+            return False
+        rows = s.shape[0]
+        return compressible(
+            rows, s.numel // rows, self.cfg.approx_rank, self.cfg.min_compression_rate
+        )
+
+    def launch(self, step: int, force_all_reduce: bool = False) -> Optional[Any]:
+        if step < self.cfg.start_step:
+            return self._dense.launch(step, force_all_reduce)
+        works, pending = [], []
+        for split, mats in zip(self.splits, self.matrices):
+            grad = split.view.grad
             ms, ps = [], []
-            for mat in plan.matrices:
+            for mat in mats:
                 m = grad[mat.slice.start : mat.slice.end].view(mat.rows, mat.cols).float()
                 if mat.error is not None:
                     m = m + mat.error
@@ -139,67 +115,49 @@ class PowerSGDReducer(GradReducer):
                     # PyTorch re-orthogonalizes the previous step's (all-reduced) Q.
                     mat.q = orthogonalize(mat.q)
                 else:
-                    mat.q = self._initial_q(mat.fqn, mat.cols, ctx.step, grad.device)
+                    mat.q = initial_q(
+                        self.cfg.seed,
+                        mat.slice.fqn,
+                        step,
+                        mat.cols,
+                        self.cfg.approx_rank,
+                        grad.device,
+                    )
                 ms.append(m)
                 ps.append(m @ mat.q)
-            dense = [grad[s.start : s.end].float() for s in plan.dense]
-            payload = torch.cat([p.reshape(-1) for p in ps] + dense)
-            with ProcessGroupTrafficMeter.tagged("dp-grad"):
-                work = torch.distributed.all_reduce(
-                    payload, op=ctx.op, group=ctx.group, async_op=ctx.async_op
-                )
-            if ctx.meter is not None:
-                wire = collective_wire_bytes("all_reduce", payload.numel() * 4, group_size)
-                dense_wire = collective_wire_bytes(
-                    kind, grad.numel() * grad.element_size(), group_size
-                )
-                ctx.meter.record(
-                    "dp-grad", sent=wire, recv=wire, dense_sent=dense_wire, dense_recv=dense_wire
-                )
-            pending.append((plan, ms, payload, work))
+            payload = torch.cat([p.reshape(-1) for p in ps] + self.pack_dense(split))
+            dense = self.dense_wire_bytes(split.view, force_all_reduce)
+            works.append(self.all_reduce(payload, dense=dense))
+            pending.append((split, mats, ms, payload))
 
-        def finish():
-            for plan, ms, payload, work in pending:
-                if work is not None and ctx.async_op:
-                    work.wait()
-                self._second_round(plan, ms, payload, ctx, group_size)
+        def then():
+            for split, mats, ms, payload in pending:
+                self._second_round(split, mats, ms, payload)
 
-        if ctx.async_op:
-            return DeferredHandle(finish)
-        finish()
-        return None
+        return self.finish(works, then)
 
-    def _second_round(self, plan: _Plan, ms, payload, ctx, group_size) -> None:
-        grad = plan.view.grad
+    def _second_round(self, split, mats: List[_Matrix], ms, payload) -> None:
+        grad = split.view.grad
         r = self.cfg.approx_rank
         offset = 0
         ps = []
-        for mat in plan.matrices:
+        for mat in mats:
             p = payload[offset : offset + mat.rows * r].view(mat.rows, r)
             offset += mat.rows * r
             ps.append(orthogonalize(p))
-        pos = offset
-        for s in plan.dense:
-            k = s.end - s.start
-            grad[s.start : s.end].copy_(payload[pos : pos + k])
-            pos += k
-        if not plan.matrices:
+        self.unpack_dense(split, payload[offset:])
+        if not mats:
             return
-        qs = [m.t() @ p for m, p in zip(ms, ps)]
-        q_payload = torch.cat([q.reshape(-1) for q in qs])
-        with ProcessGroupTrafficMeter.tagged("dp-grad"):
-            torch.distributed.all_reduce(q_payload, op=ctx.op, group=ctx.group)
-        if ctx.meter is not None:
-            wire = collective_wire_bytes("all_reduce", q_payload.numel() * 4, group_size)
-            # The dense equivalent was recorded with the first round.
-            ctx.meter.record("dp-grad", sent=wire, recv=wire, dense_sent=0, dense_recv=0)
+        q_payload = torch.cat([(m.t() @ p).reshape(-1) for m, p in zip(ms, ps)])
+        # The dense equivalent was recorded with the first round.
+        self.all_reduce(q_payload, dense=0, async_op=False)
         # ``approx`` is in the units of the reduction's result: the sum of the ranks' shares
         # with SUM (megatron pre-scales each share by 1/W), their mean with AVG. A rank's
         # error must stay in the units of its own input, so that the ranks' errors add up
         # (SUM) or average (AVG) to the global residual ``reduce(m) - approx``.
-        share = 1.0 / group_size if ctx.op == torch.distributed.ReduceOp.SUM else 1.0
+        share = self.spec.share
         offset = 0
-        for mat, m, p in zip(plan.matrices, ms, ps):
+        for mat, m, p in zip(mats, ms, ps):
             q = q_payload[offset : offset + mat.cols * r].view(mat.cols, r)
             offset += mat.cols * r
             approx = p @ q.t()
@@ -210,22 +168,16 @@ class PowerSGDReducer(GradReducer):
 
     def state_dict(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {}
-        for plan in self._plans.values():
-            for mat in plan.matrices:
-                out[f"q/{mat.fqn}"] = mat.q.clone()
+        for mats in self.matrices:
+            for mat in mats:
+                out[f"q/{mat.slice.fqn}"] = mat.q.clone()
                 if mat.error is not None:
-                    out[f"error/{mat.fqn}"] = mat.error.clone()
+                    out[f"error/{mat.slice.fqn}"] = mat.error.clone()
         return out
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        expected = set(self.state_dict())
-        if set(state) != expected:
-            raise ValueError(
-                "PowerSGD state keys differ from this model's parameters: "
-                f"{sorted(set(state) ^ expected)[:5]}"
-            )
-        for plan in self._plans.values():
-            for mat in plan.matrices:
-                mat.q = state[f"q/{mat.fqn}"].clone()
+        for mats in self.matrices:
+            for mat in mats:
+                mat.q = state[f"q/{mat.slice.fqn}"].clone()
                 if mat.error is not None:
-                    mat.error.copy_(state[f"error/{mat.fqn}"])
+                    mat.error.copy_(state[f"error/{mat.slice.fqn}"])

@@ -35,20 +35,19 @@ Constraints:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import torch
 
-from megatron_ext.accounting import ProcessGroupTrafficMeter, collective_wire_bytes
+from megatron_ext.accounting import ProcessGroupTrafficMeter
 from megatron_ext.collectives.grad_reducer import (
-    BucketGroupView,
-    BucketView,
-    DeferredHandle,
-    DenseGradReducer,
+    BoundReduction,
+    BucketGroupSpec,
+    CompressedReduction,
     GradReducer,
-    GradSyncContext,
-    ParamSlice,
+    _DenseReduction,
+    _Split,
 )
 from megatron_ext.compressors.topk import adamw_corrected_gradient, topk_mask
 from megatron_ext.optim.hooks import OptimizerHook, OptimizerView
@@ -57,15 +56,11 @@ __all__ = ["RadiusReducer", "RadiusOptimizerHook"]
 
 
 @dataclass
-class _Plan:
-    view: BucketView
-    group: Any
-    sparse: List[ParamSlice] = field(default_factory=list)
-    dense: List[ParamSlice] = field(default_factory=list)
-    residual: Optional[torch.Tensor] = None  # bucket-shaped fp32, zero outside `sparse`
-    index: Optional[torch.Tensor] = None  # sent positions: selected + 1-D (bucket coords)
-    unselected: Optional[torch.Tensor] = None  # bool, bucket-shaped
-    index_version: int = -1
+class _Index:
+    """Sent positions of one bucket for one set of masks (bucket coordinates)."""
+
+    index: torch.Tensor  # selected + 1-D positions
+    unselected: torch.Tensor  # bool, bucket-shaped
     # Distributed optimizer: positions grouped by owner shard, each group padded to the
     # largest, so one reduce-scatter delivers every rank the values of its own shard.
     padded_index: Optional[torch.Tensor] = None
@@ -78,23 +73,18 @@ class RadiusReducer(GradReducer):
     """Radius gradient reduction (see module docstring).
 
     Args:
-        cfg: a :class:`~megatron_ext.config.RadiusConfig`.
+        cfg: a :class:`~megatron_ext.methods.radius.RadiusConfig`.
     """
 
     name = "radius"
     supports = ("all_reduce", "reduce_scatter")
 
     def __init__(self, cfg: Any):
+        super().__init__()
         self.cfg = cfg
-        self._plans: Dict[int, _Plan] = {}
         self.masks: Dict[str, torch.Tensor] = {}
         self.selections = 0
-        self._mask_version = 0
-        self._reduce_scatter = False
-        self._meter = None
-        self._dense = DenseGradReducer()
-
-    # -- phases ----------------------------------------------------------------------------
+        self.mask_version = 0
 
     def phase(self, step: int) -> str:
         """'dense' before the sparse phase, 'select' on reselection steps, else 'sparse'."""
@@ -105,209 +95,34 @@ class RadiusReducer(GradReducer):
             return "select"
         return "sparse"
 
-    # -- setup -------------------------------------------------------------------------------
+    def _bind(self, spec: BucketGroupSpec) -> BoundReduction:
+        return _RadiusReduction(self, spec)
 
-    def bind(self, groups: List[BucketGroupView]) -> None:
-        for group_view in groups:
-            for view in group_view.buckets:
-                plan = _Plan(view=view, group=group_view.group)
-                for s in view.params:
-                    (plan.sparse if len(s.shape) >= 2 else plan.dense).append(s)
-                plan.residual = torch.zeros(
-                    view.grad.numel(), dtype=torch.float32, device=view.grad.device
-                )
-                self._plans[id(view)] = plan
-
-    def _ensure_index(self, plan: _Plan, reduce_scatter: bool) -> None:
-        if plan.index_version == self._mask_version and (plan.padded_index is not None) == (
-            reduce_scatter
-        ):
-            return
-        grad = plan.view.grad
-        n = grad.numel()
-        selected = torch.zeros(n, dtype=torch.bool, device=grad.device)
-        unselected = torch.zeros_like(selected)
-        for s in plan.sparse:
-            mask = self.masks.get(s.fqn)
-            if mask is None:
-                raise RuntimeError(
-                    f"Radius: no top-k selection for {s.fqn}; the sparse phase needs a "
-                    "selection step first"
-                )
-            selected[s.start : s.end] = mask
-            unselected[s.start : s.end] = ~mask
-        for s in plan.dense:
-            selected[s.start : s.end] = True
-        plan.index = torch.nonzero(selected, as_tuple=False).view(-1)
-        plan.unselected = unselected
-        plan.padded_index = plan.padded_valid = plan.shard_index = None
-        if reduce_scatter:
-            size = torch.distributed.get_world_size(plan.group)
-            rank = torch.distributed.get_rank(plan.group)
-            shard = n // size
-            owner = torch.div(plan.index, shard, rounding_mode="floor")
-            groups = [plan.index[owner == r] for r in range(size)]
-            width = max(int(g.numel()) for g in groups)
-            padded = torch.zeros(size * width, dtype=torch.long, device=grad.device)
-            valid = torch.zeros(size * width, dtype=torch.bool, device=grad.device)
-            for r, g in enumerate(groups):
-                padded[r * width : r * width + g.numel()] = g
-                valid[r * width : r * width + g.numel()] = True
-            plan.padded_index, plan.padded_valid = padded, valid
-            plan.shard_index, plan.shard_count = groups[rank], int(groups[rank].numel())
-        plan.index_version = self._mask_version
-
-    # -- the reduction ---------------------------------------------------------------------
-
-    def launch(self, ctx: GradSyncContext) -> Optional[Any]:
-        self._reduce_scatter = ctx.reduce_scatter
-        self._meter = ctx.meter
-        phase = self.phase(ctx.step)
-        if phase == "sparse":
-            return self._launch_sparse(ctx)
-        if phase == "select":
-            for view in ctx.buckets:
-                plan = self._plans[id(view)]
-                view.grad.add_(plan.residual.to(view.grad.dtype))
-                plan.residual.zero_()
-        return self._dense.launch(ctx)
-
-    def _launch_sparse(self, ctx: GradSyncContext) -> Optional[Any]:
-        group_size = torch.distributed.get_world_size(ctx.group)
-        pending = []
-        for view in ctx.buckets:
-            plan = self._plans[id(view)]
-            self._ensure_index(plan, ctx.reduce_scatter)
-            grad = view.grad
-            # Unselected entries wait in the residual until the next selection step.
-            plan.residual.add_(grad.float() * plan.unselected)
-            kind = "reduce_scatter" if ctx.reduce_scatter else "all_reduce"
-            with ProcessGroupTrafficMeter.tagged("dp-grad"):
-                if ctx.reduce_scatter:
-                    payload = grad.index_select(0, plan.padded_index).float()
-                    payload.mul_(plan.padded_valid)
-                    out = torch.empty(
-                        payload.numel() // group_size, dtype=payload.dtype, device=grad.device
-                    )
-                    work = torch.distributed.reduce_scatter_tensor(
-                        out, payload, op=ctx.op, group=ctx.group, async_op=ctx.async_op
-                    )
-                else:
-                    payload = grad.index_select(0, plan.index).float()
-                    out = payload
-                    work = torch.distributed.all_reduce(
-                        payload, op=ctx.op, group=ctx.group, async_op=ctx.async_op
-                    )
-            if ctx.meter is not None:
-                wire = collective_wire_bytes(kind, payload.numel() * 4, group_size)
-                dense_wire = collective_wire_bytes(
-                    kind, grad.numel() * grad.element_size(), group_size
-                )
-                ctx.meter.record(
-                    "dp-grad", sent=wire, recv=wire, dense_sent=dense_wire, dense_recv=dense_wire
-                )
-            pending.append((plan, out, work, ctx.reduce_scatter))
-
-        def finish():
-            for plan, out, work, reduce_scatter in pending:
-                if work is not None and ctx.async_op:
-                    work.wait()
-                grad = plan.view.grad
-                grad.masked_fill_(plan.unselected, 0.0)
-                if reduce_scatter:
-                    values = out[: plan.shard_count]
-                    grad.index_copy_(0, plan.shard_index, values.to(grad.dtype))
-                else:
-                    grad.index_copy_(0, plan.index, out.to(grad.dtype))
-
-        if ctx.async_op:
-            return DeferredHandle(finish)
-        finish()
-        return None
-
-    # -- selection (called by the optimizer hook) -------------------------------------------
+    def set_masks(self, masks: Dict[str, torch.Tensor]) -> None:
+        """Replace the selected entries of the given weights (bool, flattened)."""
+        self.masks.update(masks)
+        self.mask_version += 1
 
     def select(self, view: OptimizerView) -> None:
         """Choose each weight's top-k entries from the AdamW-corrected gradient."""
         new_masks: Dict[str, torch.Tensor] = {}
-        for plan in self._plans.values():
-            if not plan.sparse:
-                continue
-            grad = plan.view.grad
-            scores = torch.zeros(grad.numel(), dtype=torch.float32, device=grad.device)
-            covered = torch.zeros(grad.numel(), dtype=torch.bool, device=grad.device)
-            for s in plan.sparse:
-                st = view.param_state(s.fqn)
-                if st is None or "exp_avg" not in st.state:
-                    continue
-                lo, hi = st.param_range if st.param_range is not None else (0, s.end - s.start)
-                main = st.main_param.detach().reshape(-1)
-                if st.param_range is None:
-                    main = main[lo:hi]
-                g = st.group
-                corrected = adamw_corrected_gradient(
-                    st.state["exp_avg"].reshape(-1),
-                    st.state["exp_avg_sq"].reshape(-1),
-                    main,
-                    step=st.adam_step,
-                    lr=g["lr"],
-                    betas=g["betas"],
-                    eps=g["eps"],
-                    weight_decay=g.get("weight_decay", 0.0),
-                    decoupled=st.decoupled_weight_decay,
-                )
-                scores[s.start + lo : s.start + hi] = corrected.abs()
-                covered[s.start + lo : s.start + hi] = True
-            size = torch.distributed.get_world_size(plan.group)
-            if self._reduce_scatter and size > 1:
-                # Distributed optimizer: each rank scored its own shard; share them.
-                shard = grad.numel() // size
-                rank = torch.distributed.get_rank(plan.group)
-                # bf16 scores halve the traffic; every rank then ranks identical values.
-                local = scores[rank * shard : (rank + 1) * shard].to(torch.bfloat16)
-                gathered = torch.empty(scores.numel(), dtype=torch.bfloat16, device=grad.device)
-                with ProcessGroupTrafficMeter.tagged("dp-grad"):
-                    torch.distributed.all_gather_into_tensor(gathered, local, group=plan.group)
-                scores = gathered.float()
-                if self._meter is not None:
-                    # Selection overhead: no dense counterpart.
-                    wire = collective_wire_bytes("all_gather", scores.numel() * 2, size)
-                    self._meter.record("dp-grad", sent=wire, recv=wire, dense_sent=0, dense_recv=0)
-            elif not bool(covered[_sparse_region(plan)].all()):
-                raise RuntimeError("Radius: optimizer state missing for some weights")
-            for s in plan.sparse:
-                new_masks[s.fqn] = topk_mask(scores[s.start : s.end], self.cfg.density)
-            self._check_agreement(plan, new_masks)
-        self.masks.update(new_masks)
+        for bound in self.bound:
+            new_masks.update(bound.select(view))
+        self.set_masks(new_masks)
         self.selections += 1
-        self._mask_version += 1
-
-    def _check_agreement(self, plan: _Plan, masks: Dict[str, torch.Tensor]) -> None:
-        parts = []
-        for s in plan.sparse:
-            idx = torch.nonzero(masks[s.fqn]).view(-1).double()
-            parts.append(torch.stack([idx.sum(), (idx * idx).sum() % 1e12]))
-        local = torch.cat(parts)
-        lo, hi = local.clone(), local.clone()
-        with ProcessGroupTrafficMeter.untracked():
-            torch.distributed.all_reduce(lo, torch.distributed.ReduceOp.MIN, plan.group)
-            torch.distributed.all_reduce(hi, torch.distributed.ReduceOp.MAX, plan.group)
-        if not torch.equal(lo, hi):
-            raise RuntimeError("Radius: data-parallel ranks selected different top-k indices")
-
-    # -- state -----------------------------------------------------------------------------
 
     def state_dict(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {"selections": self.selections}
-        for plan in self._plans.values():
-            for s in plan.sparse:
-                out[f"residual/{s.fqn}"] = plan.residual[s.start : s.end].clone()
-                if s.fqn in self.masks:
-                    out[f"mask/{s.fqn}"] = self.masks[s.fqn].clone()
+        out.update(super().state_dict())
         return out
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        residual_keys = {f"residual/{s.fqn}" for plan in self._plans.values() for s in plan.sparse}
+        residual_keys = {
+            f"residual/{s.fqn}"
+            for bound in self.bound
+            for split in bound.splits
+            for s in split.matrices
+        }
         mask_keys = {k for k in state if k.startswith("mask/")}
         expected_masks = {"mask/" + k[len("residual/") :] for k in residual_keys}
         if set(state) - mask_keys != residual_keys | {"selections"} or (
@@ -318,18 +133,205 @@ class RadiusReducer(GradReducer):
                 f"{sorted(set(state) ^ (residual_keys | mask_keys | {'selections'}))[:5]}"
             )
         self.selections = int(state["selections"])
-        for plan in self._plans.values():
-            for s in plan.sparse:
-                plan.residual[s.start : s.end].copy_(state[f"residual/{s.fqn}"])
+        for bound in self.bound:
+            bound.load_state_dict(state)
         self.masks = {k[len("mask/") :]: v.clone() for k, v in state.items() if k in mask_keys}
-        self._mask_version += 1
+        self.mask_version += 1
 
 
-def _sparse_region(plan: _Plan) -> torch.Tensor:
-    region = torch.zeros(plan.view.grad.numel(), dtype=torch.bool, device=plan.view.grad.device)
-    for s in plan.sparse:
-        region[s.start : s.end] = True
-    return region
+class _RadiusReduction(CompressedReduction):
+    """Radius on one bucket group (residuals of its weights, index caches)."""
+
+    def __init__(self, reducer: RadiusReducer, spec: BucketGroupSpec):
+        super().__init__(spec)
+        self.reducer = reducer
+        self._dense = _DenseReduction(spec)
+        # Bucket-shaped fp32 residuals, zero outside the weights.
+        self.residuals = [
+            torch.zeros(split.view.grad.numel(), dtype=torch.float32, device=split.view.grad.device)
+            for split in self.splits
+        ]
+        self._index: List[Optional[_Index]] = [None] * len(self.splits)
+        self._index_key: List[Any] = [None] * len(self.splits)
+
+    def launch(self, step: int, force_all_reduce: bool = False) -> Optional[Any]:
+        phase = self.reducer.phase(step)
+        if phase == "sparse":
+            return self._launch_sparse(force_all_reduce)
+        if phase == "select":
+            for split, residual in zip(self.splits, self.residuals):
+                split.view.grad.add_(residual.to(split.view.grad.dtype))
+                residual.zero_()
+        return self._dense.launch(step, force_all_reduce)
+
+    def _ensure_index(self, i: int, reduce_scatter: bool) -> _Index:
+        key = (self.reducer.mask_version, reduce_scatter)
+        if self._index_key[i] == key:
+            return self._index[i]
+        split = self.splits[i]
+        grad = split.view.grad
+        n = grad.numel()
+        selected = torch.zeros(n, dtype=torch.bool, device=grad.device)
+        unselected = torch.zeros_like(selected)
+        for s in split.matrices:
+            mask = self.reducer.masks.get(s.fqn)
+            if mask is None:
+                raise RuntimeError(
+                    f"Radius: no top-k selection for {s.fqn}; the sparse phase needs a "
+                    "selection step first"
+                )
+            selected[s.start : s.end] = mask
+            unselected[s.start : s.end] = ~mask
+        for s in split.dense:
+            selected[s.start : s.end] = True
+        out = _Index(index=torch.nonzero(selected, as_tuple=False).view(-1), unselected=unselected)
+        if reduce_scatter:
+            size, rank = self.spec.group_size, self.spec.group_rank
+            lo, hi = split.view.shard
+            shard = hi - lo
+            owner = torch.div(out.index, shard, rounding_mode="floor")
+            groups = [out.index[owner == r] for r in range(size)]
+            width = max(int(g.numel()) for g in groups)
+            padded = torch.zeros(size * width, dtype=torch.long, device=grad.device)
+            valid = torch.zeros(size * width, dtype=torch.bool, device=grad.device)
+            for r, g in enumerate(groups):
+                padded[r * width : r * width + g.numel()] = g
+                valid[r * width : r * width + g.numel()] = True
+            out.padded_index, out.padded_valid = padded, valid
+            out.shard_index, out.shard_count = groups[rank], int(groups[rank].numel())
+        self._index[i], self._index_key[i] = out, key
+        return out
+
+    def _launch_sparse(self, force_all_reduce: bool) -> Optional[Any]:
+        spec = self.spec
+        reduce_scatter = spec.distributed_optimizer and not force_all_reduce
+        kind = "reduce_scatter" if reduce_scatter else "all_reduce"
+        works, pending = [], []
+        for i, (split, residual) in enumerate(zip(self.splits, self.residuals)):
+            idx = self._ensure_index(i, reduce_scatter)
+            grad = split.view.grad
+            # Unselected entries wait in the residual until the next selection step.
+            residual.add_(grad.float() * idx.unselected)
+            with ProcessGroupTrafficMeter.tagged("dp-grad"):
+                if reduce_scatter:
+                    payload = grad.index_select(0, idx.padded_index).float()
+                    payload.mul_(idx.padded_valid)
+                    out = torch.empty(
+                        payload.numel() // spec.group_size, dtype=payload.dtype, device=grad.device
+                    )
+                    work = torch.distributed.reduce_scatter_tensor(
+                        out, payload, op=spec.op, group=spec.group, async_op=spec.async_op
+                    )
+                else:
+                    payload = out = grad.index_select(0, idx.index).float()
+                    work = torch.distributed.all_reduce(
+                        payload, op=spec.op, group=spec.group, async_op=spec.async_op
+                    )
+            self.record(kind, payload, self.dense_wire_bytes(split.view, force_all_reduce))
+            works.append(work)
+            pending.append((grad, idx, out))
+
+        def then():
+            for grad, idx, out in pending:
+                grad.masked_fill_(idx.unselected, 0.0)
+                if reduce_scatter:
+                    grad.index_copy_(0, idx.shard_index, out[: idx.shard_count].to(grad.dtype))
+                else:
+                    grad.index_copy_(0, idx.index, out.to(grad.dtype))
+
+        return self.finish(works, then)
+
+    # -- selection (called by the optimizer hook through the reducer) -----------------------
+
+    def select(self, view: OptimizerView) -> Dict[str, torch.Tensor]:
+        """New masks of this group's weights from the AdamW-corrected gradient."""
+        masks: Dict[str, torch.Tensor] = {}
+        for split in self.splits:
+            if split.matrices:
+                masks.update(self._select_bucket(split, view))
+        return masks
+
+    def _select_bucket(self, split: _Split, view: OptimizerView) -> Dict[str, torch.Tensor]:
+        spec = self.spec
+        grad = split.view.grad
+        scores = torch.zeros(grad.numel(), dtype=torch.float32, device=grad.device)
+        covered = torch.zeros(grad.numel(), dtype=torch.bool, device=grad.device)
+        for s in split.matrices:
+            st = view.param_state(s.fqn)
+            if st is None or "exp_avg" not in st.state:
+                continue
+            lo, hi = st.param_range if st.param_range is not None else (0, s.numel)
+            main = st.main_param.detach().reshape(-1)
+            if st.param_range is None:
+                main = main[lo:hi]
+            g = st.group
+            corrected = adamw_corrected_gradient(
+                st.state["exp_avg"].reshape(-1),
+                st.state["exp_avg_sq"].reshape(-1),
+                main,
+                step=st.adam_step,
+                lr=g["lr"],
+                betas=g["betas"],
+                eps=g["eps"],
+                weight_decay=g.get("weight_decay", 0.0),
+                decoupled=st.decoupled_weight_decay,
+            )
+            scores[s.start + lo : s.start + hi] = corrected.abs()
+            covered[s.start + lo : s.start + hi] = True
+        if spec.distributed_optimizer and spec.group_size > 1:
+            # Distributed optimizer: each rank scored its own shard; share them. bf16 scores
+            # halve the traffic; every rank then ranks identical values.
+            lo, hi = split.view.shard
+            local = scores[lo:hi].to(torch.bfloat16)
+            gathered = torch.empty(
+                (hi - lo) * spec.group_size, dtype=torch.bfloat16, device=grad.device
+            )
+            with ProcessGroupTrafficMeter.tagged("dp-grad"):
+                torch.distributed.all_gather_into_tensor(gathered, local, group=spec.group)
+            # Selection overhead: no dense counterpart.
+            self.record("all_gather", gathered, 0)
+            scores = gathered.float()
+        else:
+            region = torch.zeros_like(covered)
+            for s in split.matrices:
+                region[s.start : s.end] = True
+            if not bool(covered[region].all()):
+                raise RuntimeError("Radius: optimizer state missing for some weights")
+        masks = {
+            s.fqn: topk_mask(scores[s.start : s.end], self.reducer.cfg.density)
+            for s in split.matrices
+        }
+        self._check_agreement(split, masks)
+        return masks
+
+    def _check_agreement(self, split: _Split, masks: Dict[str, torch.Tensor]) -> None:
+        parts = []
+        for s in split.matrices:
+            idx = torch.nonzero(masks[s.fqn]).view(-1).double()
+            parts.append(torch.stack([idx.sum(), (idx * idx).sum() % 1e12]))
+        local = torch.cat(parts)
+        lo, hi = local.clone(), local.clone()
+        with ProcessGroupTrafficMeter.untracked():
+            torch.distributed.all_reduce(lo, torch.distributed.ReduceOp.MIN, self.spec.group)
+            torch.distributed.all_reduce(hi, torch.distributed.ReduceOp.MAX, self.spec.group)
+        if not torch.equal(lo, hi):
+            raise RuntimeError("Radius: data-parallel ranks selected different top-k indices")
+
+    # -- state -----------------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
+        for split, residual in zip(self.splits, self.residuals):
+            for s in split.matrices:
+                out[f"residual/{s.fqn}"] = residual[s.start : s.end].clone()
+                if s.fqn in self.reducer.masks:
+                    out[f"mask/{s.fqn}"] = self.reducer.masks[s.fqn].clone()
+        return out
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        for split, residual in zip(self.splits, self.residuals):
+            for s in split.matrices:
+                residual[s.start : s.end].copy_(state[f"residual/{s.fqn}"])
 
 
 class RadiusOptimizerHook(OptimizerHook):

@@ -44,18 +44,17 @@ Constraints:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron_ext.accounting import ProcessGroupTrafficMeter, collective_wire_bytes
+from megatron_ext.accounting import ProcessGroupTrafficMeter
 from megatron_ext.collectives.grad_reducer import (
-    BucketGroupView,
-    BucketView,
-    DeferredHandle,
+    BoundReduction,
+    BucketGroupSpec,
+    CompressedReduction,
     GradReducer,
-    GradSyncContext,
     ParamSlice,
 )
 from megatron_ext.compressors.separate import (
@@ -83,61 +82,54 @@ class _Segment:
     work: torch.Tensor  # [rows, block] fp32
 
 
-@dataclass
-class _BucketPlan:
-    view: BucketView
-    segments: List[_Segment] = field(default_factory=list)
-    dense: List[ParamSlice] = field(default_factory=list)
-
-
 class SeparateReducer(GradReducer):
     """SEPARATE gradient reduction (see module docstring).
 
     Args:
-        cfg: a :class:`~megatron_ext.config.SeparateConfig`.
+        cfg: a :class:`~megatron_ext.methods.separate.SeparateConfig`.
     """
 
     name = "separate"
     supports = ("all_reduce", "reduce_scatter")
 
     def __init__(self, cfg: Any):
+        super().__init__()
+        self.cfg = cfg
+
+    def _bind(self, spec: BucketGroupSpec) -> BoundReduction:
+        return _SeparateReduction(self.cfg, spec)
+
+
+class _SeparateReduction(CompressedReduction):
+    """SEPARATE on one bucket group: per bucket, segments of matrices sharing a setting."""
+
+    def __init__(self, cfg: Any, spec: BucketGroupSpec):
+        super().__init__(spec)
         self.cfg = cfg
         self.block = cfg.block_size
-        self._plans: Dict[int, _BucketPlan] = {}
-        self._ratio: Dict[str, int] = {}
-        self._beta_scale: Dict[str, float] = {}
-
-    # -- setup -------------------------------------------------------------------------------
-
-    def bind(self, groups: List[BucketGroupView]) -> None:
-        for group_view in groups:
-            for view in group_view.buckets:
-                plan = _BucketPlan(view=view)
-                for s in view.params:
-                    if len(s.shape) >= 2:
-                        self._ratio.setdefault(s.fqn, self.cfg.ratio)
-                        self._beta_scale.setdefault(s.fqn, self.cfg.beta_scale)
-                    else:
-                        plan.dense.append(s)
-                self._build_segments(plan)
-                self._plans[id(view)] = plan
-        self._check_projections_agree(groups)
+        self.ratio: Dict[str, int] = {}
+        self.beta_scale: Dict[str, float] = {}
+        for split in self.splits:
+            for s in split.matrices:
+                self.ratio[s.fqn] = cfg.ratio
+                self.beta_scale[s.fqn] = cfg.beta_scale
+        self.segments = [self._build_segments(split) for split in self.splits]
+        self._check_projections_agree()
 
     def _build_segments(
-        self, plan: _BucketPlan, residuals: Optional[Dict[str, torch.Tensor]] = None
-    ):
-        device = plan.view.grad.device
+        self, split: Any, residuals: Optional[Dict[str, torch.Tensor]] = None
+    ) -> List[_Segment]:
+        device = split.view.grad.device
         by_setting: Dict[Tuple[int, float], List[ParamSlice]] = {}
-        for s in plan.view.params:
-            if len(s.shape) >= 2:
-                ratio = self._ratio[s.fqn]
-                by_setting.setdefault((ratio, self._beta_scale[s.fqn] / ratio), []).append(s)
-        plan.segments = []
+        for s in split.matrices:
+            ratio = self.ratio[s.fqn]
+            by_setting.setdefault((ratio, self.beta_scale[s.fqn] / ratio), []).append(s)
+        segments = []
         for i, ((ratio, beta), slices) in enumerate(sorted(by_setting.items())):
             offsets, total = [], 0
             for s in slices:
                 offsets.append(total)
-                total += s.end - s.start
+                total += s.numel
             rows = math.ceil(total / self.block)
             seg = _Segment(
                 index=i,
@@ -154,64 +146,60 @@ class SeparateReducer(GradReducer):
                 flat = seg.error.view(-1)
                 for s, off in zip(slices, offsets):
                     if s.fqn in residuals:
-                        flat[off : off + s.end - s.start].copy_(residuals[s.fqn])
-            plan.segments.append(seg)
+                        flat[off : off + s.numel].copy_(residuals[s.fqn])
+            segments.append(seg)
+        return segments
 
-    def _omega(self, plan: _BucketPlan, seg: _Segment, step: int) -> torch.Tensor:
-        k = self.block // seg.ratio
+    def _omega(self, key: str, seg: _Segment, step: int) -> torch.Tensor:
         return projection_block(
             self.cfg.seed,
             step,
-            f"{plan.view.key}#{seg.index}/r{seg.ratio}",
+            f"{key}#{seg.index}/r{seg.ratio}",
             self.block,
-            k,
-            device=plan.view.grad.device,
+            self.block // seg.ratio,
+            device=self.spec.buckets[0].grad.device,
         )
 
-    def _check_projections_agree(self, groups: List[BucketGroupView]) -> None:
+    def _check_projections_agree(self) -> None:
         """One cheap all-reduce: every rank must generate bit-identical projections."""
-        for group_view in groups:
-            sums = []
-            for view in group_view.buckets:
-                plan = self._plans[id(view)]
-                for seg in plan.segments:
-                    sums.append(self._omega(plan, seg, 0).double().sum())
-            if not sums:
-                continue
-            local = torch.stack(sums)
-            lo, hi = local.clone(), local.clone()
-            with ProcessGroupTrafficMeter.untracked():
-                torch.distributed.all_reduce(lo, torch.distributed.ReduceOp.MIN, group_view.group)
-                torch.distributed.all_reduce(hi, torch.distributed.ReduceOp.MAX, group_view.group)
-            if not torch.equal(lo, hi) or not torch.equal(lo, local):
-                raise RuntimeError(
-                    "SEPARATE: data-parallel ranks generated different random projections "
-                    "(different --separate-seed, torch version or bucket layout?)"
-                )
+        sums = [
+            self._omega(split.view.key, seg, 0).double().sum()
+            for split, segments in zip(self.splits, self.segments)
+            for seg in segments
+        ]
+        if not sums:
+            return
+        local = torch.stack(sums)
+        lo, hi = local.clone(), local.clone()
+        group = self.spec.group
+        with ProcessGroupTrafficMeter.untracked():
+            torch.distributed.all_reduce(lo, torch.distributed.ReduceOp.MIN, group)
+            torch.distributed.all_reduce(hi, torch.distributed.ReduceOp.MAX, group)
+        if not torch.equal(lo, hi) or not torch.equal(lo, local):
+            raise RuntimeError(
+                "SEPARATE: data-parallel ranks generated different random projections "
+                "(different --separate-seed, torch version or bucket layout?)"
+            )
 
     # -- the reduction ---------------------------------------------------------------------
 
     def _is_adapt_step(self, step: int) -> bool:
         return self.cfg.adaptive and step > 0 and step % self.cfg.adapt_interval == 0
 
-    def launch(self, ctx: GradSyncContext) -> Optional[Any]:
-        step = ctx.step
+    def launch(self, step: int, force_all_reduce: bool = False) -> Optional[Any]:
         reset = step % self.cfg.reset_interval == 0
         adapt = self._is_adapt_step(step)
-        group_size = torch.distributed.get_world_size(ctx.group)
-        pending = []
-        for view in ctx.buckets:
-            plan = self._plans[id(view)]
-            grad = view.grad
-            payloads = []
-            omegas = []
-            dense_h = []
-            for seg in plan.segments:
+        reduce_scatter = self.spec.distributed_optimizer and not force_all_reduce
+        works, pending = [], []
+        for index, (split, segments) in enumerate(zip(self.splits, self.segments)):
+            grad = split.view.grad
+            payloads, omegas, dense_h = [], [], []
+            for seg in segments:
                 flat = seg.work.view(-1)
                 for s, off in zip(seg.slices, seg.pack_offsets):
-                    flat[off : off + s.end - s.start].copy_(grad[s.start : s.end])
+                    flat[off : off + s.numel].copy_(grad[s.start : s.end])
                 h = seg.work.add_(seg.error)
-                omega = self._omega(plan, seg, step)
+                omega = self._omega(split.view.key, seg, step)
                 p = h @ omega
                 if adapt:
                     dense_h.append(h.reshape(-1)[: seg.numel].clone())
@@ -222,47 +210,32 @@ class SeparateReducer(GradReducer):
                     seg.error.view(-1)[seg.numel :].zero_()
                 payloads.append(p.reshape(-1))
                 omegas.append(omega)
-            if plan.dense:
-                payloads.append(torch.cat([grad[s.start : s.end].float() for s in plan.dense]))
-            flat_payload = torch.cat(payloads) if payloads else None
-            work = None
-            if flat_payload is not None:
-                with ProcessGroupTrafficMeter.tagged("dp-grad"):
-                    work = torch.distributed.all_reduce(
-                        flat_payload, op=ctx.op, group=ctx.group, async_op=ctx.async_op
-                    )
-            dense_kind = "reduce_scatter" if ctx.reduce_scatter else "all_reduce"
-            if ctx.meter is not None:
-                nbytes = 0 if flat_payload is None else flat_payload.numel() * 4
-                wire = collective_wire_bytes("all_reduce", nbytes, group_size)
-                dense = collective_wire_bytes(
-                    dense_kind, grad.numel() * grad.element_size(), group_size
-                )
-                ctx.meter.record(
-                    "dp-grad", sent=wire, recv=wire, dense_sent=dense, dense_recv=dense
-                )
-            pending.append((plan, view, flat_payload, omegas, dense_h, work))
+            payloads += self.pack_dense(split)
+            dense = self.dense_wire_bytes(split.view, force_all_reduce)
+            if payloads:
+                payload = torch.cat(payloads)
+                works.append(self.all_reduce(payload, dense=dense))
+            else:  # a bucket without parameters: nothing travels
+                payload = grad.new_zeros(0, dtype=torch.float32)
+                self.record("all_reduce", payload, dense)
+            pending.append((index, payload, omegas, dense_h))
 
-        def finish():
-            for plan, view, flat_payload, omegas, dense_h, work in pending:
-                if work is not None and ctx.async_op:
-                    work.wait()
-                self._decompress(plan, view, flat_payload, omegas)
+        def then():
+            for index, payload, omegas, dense_h in pending:
+                self._decompress(index, payload, omegas, reduce_scatter)
                 if adapt:
-                    self._adapt(plan, ctx, flat_payload, omegas, dense_h, group_size)
+                    self._adapt(index, payload, omegas, dense_h)
 
-        if ctx.async_op:
-            return DeferredHandle(finish)
-        finish()
-        return None
+        return self.finish(works, then)
 
-    def _decompress(self, plan, view, flat_payload, omegas) -> None:
-        grad = view.grad
-        lo, hi = view.shard if view.shard is not None else (0, grad.numel())
+    def _decompress(self, index: int, payload, omegas, reduce_scatter: bool) -> None:
+        split, segments = self.splits[index], self.segments[index]
+        grad = split.view.grad
+        lo, hi = split.view.region(reduce_scatter)
         offset = 0
-        for seg, omega in zip(plan.segments, omegas):
+        for seg, omega in zip(segments, omegas):
             k = self.block // seg.ratio
-            p = flat_payload[offset : offset + seg.rows * k].view(seg.rows, k)
+            p = payload[offset : offset + seg.rows * k].view(seg.rows, k)
             offset += seg.rows * k
             # Pack-space interval of this segment that falls inside [lo, hi).
             first = last = None
@@ -281,40 +254,32 @@ class SeparateReducer(GradReducer):
                 if a < b:
                     src = off + (a - s.start) - base
                     grad[a:b].copy_(recon[src : src + (b - a)])
-        if plan.dense:
-            dense = flat_payload[offset:]
-            pos = 0
-            for s in plan.dense:
-                n = s.end - s.start
-                grad[s.start : s.end].copy_(dense[pos : pos + n])
-                pos += n
+        self.unpack_dense(split, payload[offset:])
 
     # -- G-SEPARATE ------------------------------------------------------------------------
 
-    def _adapt(self, plan, ctx, flat_payload, omegas, dense_h, group_size) -> None:
+    def _adapt(self, index: int, payload, omegas, dense_h) -> None:
         """Cosine of estimate vs dense average per parameter -> next ratio and beta."""
         if not dense_h:
             return
+        split, segments = self.splits[index], self.segments[index]
         reference = torch.cat(dense_h)
-        with ProcessGroupTrafficMeter.tagged("dp-grad"):
-            torch.distributed.all_reduce(reference, op=ctx.op, group=ctx.group)
-        if ctx.meter is not None:
-            wire = collective_wire_bytes("all_reduce", reference.numel() * 4, group_size)
-            ctx.meter.record("dp-grad", sent=wire, recv=wire, dense_sent=0, dense_recv=0)
+        # Measurement overhead: no dense counterpart in megatron.
+        self.all_reduce(reference, dense=0, async_op=False)
         offset = ref_offset = 0
         residuals: Dict[str, torch.Tensor] = {}
         changed = False
         allowed = [r for r in range(1, self.block + 1) if self.block % r == 0]
-        for seg, omega in zip(plan.segments, omegas):
+        for seg, omega in zip(segments, omegas):
             k = self.block // seg.ratio
-            p = flat_payload[offset : offset + seg.rows * k].view(seg.rows, k)
+            p = payload[offset : offset + seg.rows * k].view(seg.rows, k)
             offset += seg.rows * k
             estimate = reconstruct(p, omega).view(-1)
             flat_err = seg.error.view(-1)
             cosines = [
                 torch.nn.functional.cosine_similarity(
-                    estimate[off : off + s.end - s.start],
-                    reference[ref_offset + off : ref_offset + off + s.end - s.start],
+                    estimate[off : off + s.numel],
+                    reference[ref_offset + off : ref_offset + off + s.numel],
                     dim=0,
                     eps=1e-30,
                 )
@@ -322,8 +287,7 @@ class SeparateReducer(GradReducer):
             ]
             # One host sync per segment, not per parameter.
             for s, off, cos in zip(seg.slices, seg.pack_offsets, torch.stack(cosines).tolist()):
-                n = s.end - s.start
-                ratio, scale = self._ratio[s.fqn], self._beta_scale[s.fqn]
+                ratio, scale = self.ratio[s.fqn], self.beta_scale[s.fqn]
                 if cos >= 2.0 * random_projection_cosine(ratio):
                     new_ratio, new_scale = ratio * 2, min(scale * 1.02, 1.5)
                 elif cos < random_projection_cosine(ratio):
@@ -334,41 +298,34 @@ class SeparateReducer(GradReducer):
                 new_ratio = max(r for r in allowed if r <= new_ratio)
                 if (new_ratio, new_scale) != (ratio, scale):
                     changed = True
-                self._ratio[s.fqn], self._beta_scale[s.fqn] = new_ratio, new_scale
-                residuals[s.fqn] = flat_err[off : off + n].clone()
+                self.ratio[s.fqn], self.beta_scale[s.fqn] = new_ratio, new_scale
+                residuals[s.fqn] = flat_err[off : off + s.numel].clone()
             ref_offset += seg.numel
         if changed:
-            self._build_segments(plan, residuals)
+            self.segments[index] = self._build_segments(split, residuals)
 
     # -- state -----------------------------------------------------------------------------
 
     def state_dict(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {}
-        for plan in self._plans.values():
-            for seg in plan.segments:
+        for segments in self.segments:
+            for seg in segments:
                 flat = seg.error.view(-1)
                 for s, off in zip(seg.slices, seg.pack_offsets):
-                    out[f"residual/{s.fqn}"] = flat[off : off + s.end - s.start].clone()
+                    out[f"residual/{s.fqn}"] = flat[off : off + s.numel].clone()
                     if self.cfg.adaptive:
-                        out[f"ratio/{s.fqn}"] = self._ratio[s.fqn]
-                        out[f"beta_scale/{s.fqn}"] = self._beta_scale[s.fqn]
+                        out[f"ratio/{s.fqn}"] = self.ratio[s.fqn]
+                        out[f"beta_scale/{s.fqn}"] = self.beta_scale[s.fqn]
         return out
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        expected = set(self.state_dict())
-        if set(state) != expected:
-            missing = sorted(expected - set(state))[:5]
-            unexpected = sorted(set(state) - expected)[:5]
-            raise ValueError(
-                f"SEPARATE state keys differ: missing {missing}, unexpected {unexpected}"
-            )
-        residuals = {
-            k[len("residual/") :]: v for k, v in state.items() if k.startswith("residual/")
-        }
+        residuals = {}
         for key, value in state.items():
-            if key.startswith("ratio/"):
-                self._ratio[key[len("ratio/") :]] = int(value)
-            elif key.startswith("beta_scale/"):
-                self._beta_scale[key[len("beta_scale/") :]] = float(value)
-        for plan in self._plans.values():
-            self._build_segments(plan, residuals)
+            role, fqn = key.split("/", 1)
+            if role == "residual":
+                residuals[fqn] = value
+            elif role == "ratio":
+                self.ratio[fqn] = int(value)
+            elif role == "beta_scale":
+                self.beta_scale[fqn] = float(value)
+        self.segments = [self._build_segments(split, residuals) for split in self.splits]

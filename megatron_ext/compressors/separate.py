@@ -23,26 +23,20 @@ Constraints:
 
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import Optional
 
 import torch
 
+from megatron_ext.compressors.seeding import seeded_generator
+
 __all__ = [
-    "stable_seed",
     "projection_block",
     "project",
     "reconstruct",
     "update_error",
     "random_projection_cosine",
 ]
-
-
-def stable_seed(*parts: object) -> int:
-    """A 63-bit seed from any printable parts (independent of PYTHONHASHSEED)."""
-    blob = "\x1f".join(str(p) for p in parts).encode()
-    return int.from_bytes(hashlib.sha256(blob).digest()[:8], "little") & ((1 << 63) - 1)
 
 
 def projection_block(
@@ -72,8 +66,7 @@ def projection_block(
     Returns:
         ``Omega`` with ``E[Omega Omega^T] = k I``.
     """
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(stable_seed("separate", seed, step, key, block_size, num_projections))
+    gen = seeded_generator("separate", seed, step, key, block_size, num_projections)
     omega = torch.randn(block_size, num_projections, generator=gen, dtype=torch.float64)
     if orthonormal:
         # Orthonormal columns scaled by sqrt(c): Omega Omega^T / k = (c/k) Q Q^T. Still

@@ -28,9 +28,9 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from megatron_ext.megatron.ddp import StepClock
 from megatron_ext.megatron.naming import global_param_names
 from megatron_ext.optim.hooks import OptimizerHook, OptimizerView, ParamOptimState
+from megatron_ext.state import StepClock
 
 __all__ = ["MegatronOptimizerView", "OptimizerHooksHandle", "install_optimizer_hooks"]
 

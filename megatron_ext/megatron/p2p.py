@@ -289,7 +289,7 @@ class ExtP2PCommunicator(P2PCommunicator):
     def _recv_buffer(self, shape, dtype, direction: str, counter: str):
         """Context and payload buffer for one receive (megatron's exact buffer for identity)."""
         ctx = self._context(direction, counter)
-        pshape, pdtype = self.codec.payload_spec(tuple(shape), dtype, direction)
+        pshape, pdtype = self.codec.payload_spec(tuple(shape), dtype, ctx)
         payload = torch.empty(
             pshape,
             requires_grad=isinstance(self.codec, IdentityCodec),

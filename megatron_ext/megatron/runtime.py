@@ -1,24 +1,26 @@
 """Everything megatron_ext installs into one megatron-core training run, in one object.
 
 What it does:
-    :func:`install` takes the feature configs (:class:`~megatron_ext.config.ExtConfig`),
-    the DDP-wrapped model chunks and the megatron optimizer, validates the combination
-    against the parallel layout, and installs every seam:
+    :meth:`ExtRuntime.create` validates the feature configs
+    (:class:`~megatron_ext.config.ExtConfig`) against the parallel layout, builds each
+    family's selected method from the registry (``megatron_ext.methods``) with a
+    :class:`~megatron_ext.methods.registry.MethodContext` (step clock, process groups, byte
+    meter, and handles on the model, optimizer and scheduler that fill in at install), and
+    sets up byte accounting. Then, in the order a training script builds things:
 
-    * the data-parallel gradient seam (``ddp.install_grad_sync``) with the selected
-      reducer (pass-through: :class:`DenseGradReducer`);
-    * the pipeline communicator (``p2p.ExtP2PCommunicator``) with the selected codec, for
-      the schedules' ``p2p_communicator=`` argument;
-    * the linear-layer seam (``linear.install_linear_hooks``) on the layers matching
-      ``--grass-layers``;
-    * the optimizer-step seam (``optimizer.install_optimizer_hooks``);
-    * byte accounting: a :class:`CommMeter` fed by the seams and a
-      :class:`ProcessGroupTrafficMeter` for what the seams do not see;
-    * an :class:`~megatron_ext.state.ExtState` holding every stateful piece for
-      checkpoints.
+    * :meth:`ExtRuntime.transform_model` on the unwrapped model chunks, *before*
+      megatron-core's DDP wrapper and optimizer allocate gradient buffers and state (the
+      model-transform seam of methods that change parameters);
+    * :meth:`ExtRuntime.install` once DDP and the optimizer exist: the data-parallel
+      gradient seam (``ddp.install_grad_sync``) with the selected reducer, the pipeline
+      communicator (``p2p.ExtP2PCommunicator``) with the selected codec for the schedules'
+      ``p2p_communicator=`` argument, the linear-layer seam (``linear.install_linear_hooks``),
+      the optimizer-step seam (``optimizer.install_optimizer_hooks``) and an
+      :class:`~megatron_ext.state.ExtState` holding every stateful piece for checkpoints.
 
     The training loop calls :meth:`ExtRuntime.begin_step` / :meth:`ExtRuntime.end_step`
-    around each iteration.
+    around each iteration. :class:`StockRuntime` is the same interface with nothing
+    installed (the stock megatron-core baseline of parity tests and benchmarks).
 
 Why one object:
     Our driver and the Megatron-LM integration install the same things in the same order;
@@ -27,66 +29,34 @@ Why one object:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from megatron_ext.accounting import CommMeter, ProcessGroupTrafficMeter, Traffic
-from megatron_ext.autograd.linear import LinearHook, PassThroughLinearHook
-from megatron_ext.collectives.grad_reducer import DenseGradReducer, GradReducer
-from megatron_ext.collectives.p2p import IdentityCodec, P2PCodec
-from megatron_ext.config import ExtConfig, ParallelLayout, validate_ext_config
-from megatron_ext.megatron.ddp import GradSyncHandle, StepClock, install_grad_sync
-from megatron_ext.megatron.linear import LinearHooksHandle, install_linear_hooks
-from megatron_ext.megatron.optimizer import OptimizerHooksHandle, install_optimizer_hooks
-from megatron_ext.optim.hooks import OptimizerHook
-from megatron_ext.state import ExtState
+from megatron_ext.autograd.linear import PassThroughLinearHook
+from megatron_ext.config import ConfigError, ExtConfig, ParallelLayout, validate_ext_config
+from megatron_ext.methods.registry import (
+    Components,
+    ProcessGroups,
+    TrainingHandles,
+    build_components,
+)
+from megatron_ext.state import ExtState, StepClock
 
-__all__ = ["ExtRuntime", "install", "parallel_layout", "GRAD_REDUCERS", "P2P_CODECS"]
-
-
-def _separate(cfg: ExtConfig, **_):
-    from megatron_ext.collectives.separate import SeparateReducer
-
-    return SeparateReducer(cfg.separate), []
+__all__ = ["Runtime", "ExtRuntime", "StockRuntime", "install", "parallel_layout"]
 
 
-def _radius(cfg: ExtConfig, **_):
-    from megatron_ext.collectives.radius import RadiusOptimizerHook, RadiusReducer
+def parallel_layout(ddp_config: Any = None, transformer_impl: str = "local") -> ParallelLayout:
+    """The parallel layout of the current megatron-core run (from parallel_state).
 
-    reducer = RadiusReducer(cfg.radius)
-    return reducer, [RadiusOptimizerHook(reducer)]
-
-
-def _powersgd(cfg: ExtConfig, **_):
-    from megatron_ext.collectives.powersgd import PowerSGDReducer
-
-    return PowerSGDReducer(cfg.powersgd), []
-
-
-# Method name -> factory. A method is selectable on the command line once it is listed in
-# config.py's *_METHODS and has a factory here (a test checks both). Gradient reducers come
-# with the optimizer hooks they need (Radius selects its indices after the optimizer step).
-GRAD_REDUCERS: Dict[str, Callable[..., Tuple[GradReducer, List[OptimizerHook]]]] = {
-    "none": lambda cfg, **_: (DenseGradReducer(), []),
-    "separate": _separate,
-    "radius": _radius,
-    "powersgd": _powersgd,
-}
-P2P_CODECS: Dict[str, Callable[..., P2PCodec]] = {"none": lambda cfg, **_: IdentityCodec()}
-LINEAR_HOOKS: Dict[str, Callable[..., LinearHook]] = {
-    "none": lambda cfg, **_: PassThroughLinearHook()
-}
-
-
-def parallel_layout(
-    model_chunks: Sequence[torch.nn.Module], transformer_impl: str = "local"
-) -> ParallelLayout:
-    """The parallel layout of the current megatron-core run (from parallel_state)."""
+    Args:
+        ddp_config: the ``DistributedDataParallelConfig`` the model is (or will be) wrapped
+            with; None for a run without DDP.
+        transformer_impl: 'local' or 'transformer_engine'.
+    """
     from megatron.core import parallel_state as ps
 
-    ddp_config = getattr(model_chunks[0], "ddp_config", None)
     return ParallelLayout(
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
@@ -101,15 +71,25 @@ def parallel_layout(
     )
 
 
-def _group_names() -> Tuple[set, set]:
+def _process_groups() -> ProcessGroups:
+    from megatron.core import parallel_state as ps
+
+    return ProcessGroups(
+        dp=ps.get_data_parallel_group(with_context_parallel=False),
+        dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
+        tp=ps.get_tensor_model_parallel_group(check_initialized=False),
+        pp=ps.get_pipeline_model_parallel_group(),
+        embd=ps.get_embedding_group(check_initialized=False),
+    )
+
+
+def _traffic_classifier() -> Callable[[Any, str], str]:
+    """Category of an untagged ProcessGroup call: tensor parallelism, the distributed
+    optimizer's parameter gather, or other."""
     from megatron.core import parallel_state as ps
 
     def names(*groups):
-        out = set()
-        for g in groups:
-            if g is not None and hasattr(g, "group_name"):
-                out.add(g.group_name)
-        return out
+        return {g.group_name for g in groups if g is not None and hasattr(g, "group_name")}
 
     tp = names(ps.get_tensor_model_parallel_group(check_initialized=False))
     dp = names(
@@ -117,26 +97,38 @@ def _group_names() -> Tuple[set, set]:
         ps.get_data_parallel_group(with_context_parallel=True),
         ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True),
     )
-    return tp, dp
+
+    def classify(group, kind):
+        name = getattr(group, "group_name", None)
+        if name in tp:
+            return "tp"
+        if name in dp and kind == "all_gather":
+            return "dp-param"
+        return "other"
+
+    return classify
 
 
-@dataclass
-class ExtRuntime:
-    """Installed seams and accounting of one run (see module docstring)."""
+def _schedule_pg_collection():
+    """The process groups megatron's pipeline schedules build when none are passed."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
-    config: ExtConfig
-    layout: ParallelLayout
-    clock: StepClock
+    pgc = ProcessGroupCollection()
+    pgc.tp = ps.get_tensor_model_parallel_group()
+    pgc.pp = ps.get_pipeline_model_parallel_group()
+    pgc.embd = ps.get_embedding_group(check_initialized=False)
+    pgc.pos_embd = ps.get_position_embedding_group(check_initialized=False)
+    pgc.cp = ps.get_context_parallel_group()
+    pgc.dp_cp = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=False)
+    return pgc
+
+
+class Runtime:
+    """What the training loop talks to (see module docstring)."""
+
     meter: CommMeter
-    pg_meter: Optional[ProcessGroupTrafficMeter]
-    reducer: GradReducer
-    communicator: Optional[Any]
-    state: ExtState
-    grad_handle: Optional[GradSyncHandle] = None
-    linear_handle: Optional[LinearHooksHandle] = None
-    optimizer_handle: Optional[OptimizerHooksHandle] = None
-    last_pg_tagged: Dict[str, Traffic] = field(default_factory=dict)
-    pg_collection: Optional[Any] = None
+    communicator: Optional[Any] = None
 
     def begin_step(
         self,
@@ -145,6 +137,202 @@ class ExtRuntime:
         sample_ids_fn: Optional[Callable[[int], torch.Tensor]] = None,
         forward_only: bool = False,
     ) -> None:
+        """Call before each ``forward_backward_func`` of training (or evaluation)."""
+
+    def end_step(self) -> Dict[str, Traffic]:
+        """Close the iteration: this rank's bytes by category."""
+        return {}
+
+    def forward_backward_kwargs(self) -> Dict[str, Any]:
+        """Extra arguments for megatron's ``forward_backward_func``."""
+        return {}
+
+    def remove(self) -> None:
+        """Undo every installation (for tests and in-process reuse)."""
+
+
+class StockRuntime(Runtime):
+    """Nothing of megatron_ext installed: stock megatron-core, no bytes counted."""
+
+    def __init__(self) -> None:
+        self.meter = CommMeter(enabled=False)
+
+
+class ExtRuntime(Runtime):
+    """Built methods, installed seams and accounting of one run (see module docstring)."""
+
+    def __init__(
+        self,
+        config: ExtConfig,
+        layout: ParallelLayout,
+        *,
+        clock: StepClock,
+        meter: CommMeter,
+        pg_meter: Optional[ProcessGroupTrafficMeter],
+        handles: TrainingHandles,
+        components: Dict[str, Components],
+    ):
+        self.config = config
+        self.layout = layout
+        self.clock = clock
+        self.meter = meter
+        self.pg_meter = pg_meter
+        self.handles = handles
+        self.components = components
+        self.state: Optional[ExtState] = None
+        self.communicator: Optional[Any] = None
+        self.grad_handle = None
+        self.linear_handle = None
+        self.optimizer_handle = None
+        self.last_pg_tagged: Dict[str, Traffic] = {}
+        self.pg_collection = None
+        self._transformed = False
+        self._installed = False
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, cfg: ExtConfig, layout: ParallelLayout) -> "ExtRuntime":
+        """Validate ``cfg`` against ``layout`` and build every selected method.
+
+        Call after the process groups exist (``parallel_state`` initialized) and before the
+        model is wrapped in DDP.
+
+        Raises:
+            ConfigError: unsupported flag combination (names the flags).
+        """
+        validate_ext_config(cfg, layout)
+        clock = StepClock()
+        meter = CommMeter(enabled=cfg.comm.accounting)
+        handles = TrainingHandles()
+        components = build_components(
+            cfg, layout, clock=clock, meter=meter, groups=_process_groups(), handles=handles
+        )
+        return cls(
+            cfg,
+            layout,
+            clock=clock,
+            meter=meter,
+            pg_meter=None,
+            handles=handles,
+            components=components,
+        )
+
+    @property
+    def reducer(self) -> Any:
+        """The gradient reducer of the ``grad`` family."""
+        return self.components["grad"].reducer
+
+    def _optimizer_hooks(self) -> List[Any]:
+        return [h for c in self.components.values() for h in c.optimizer_hooks]
+
+    def transform_model(self, model_chunks: Sequence[torch.nn.Module]) -> None:
+        """Apply the methods' model transforms to the unwrapped chunks (before DDP)."""
+        if self._installed:
+            raise RuntimeError("model transforms must run before install()")
+        for comp in self.components.values():
+            if comp.model_transform is not None:
+                comp.model_transform(list(model_chunks))
+        self._transformed = True
+
+    def install(
+        self,
+        model_chunks: Sequence[torch.nn.Module],
+        optimizer: Any,
+        *,
+        model_config: Any,
+        scheduler: Any = None,
+        transformer_impl: str = "local",
+        optimizer_hooks: Sequence[Any] = (),
+    ) -> "ExtRuntime":
+        """Install every seam on the DDP-wrapped chunks and the optimizer (see module doc).
+
+        Args:
+            model_chunks: DDP-wrapped model chunks.
+            optimizer: megatron-core optimizer.
+            model_config: the model's TransformerConfig (for the P2P communicator).
+            scheduler: the LR scheduler, handed to methods that need it.
+            transformer_impl: 'local' or 'transformer_engine' (which layer spec was built).
+            optimizer_hooks: extra optimizer hooks (the methods add their own).
+
+        Returns:
+            ``self``.
+        """
+        from megatron.core import parallel_state as ps
+
+        from megatron_ext.megatron.ddp import install_grad_sync
+        from megatron_ext.megatron.linear import install_linear_hooks
+        from megatron_ext.megatron.optimizer import install_optimizer_hooks
+
+        needs_transform = [
+            fam for fam, comp in self.components.items() if comp.model_transform is not None
+        ]
+        if needs_transform and not self._transformed:
+            from megatron_ext.methods import registry
+
+            raise ConfigError(
+                [registry.family(f).flag for f in needs_transform],
+                "this method changes the model before megatron-core's DDP wraps it; the "
+                "caller installed megatron-ext on an already wrapped model",
+            )
+        self.handles.model_chunks = list(model_chunks)
+        self.handles.optimizer = optimizer
+        self.handles.scheduler = scheduler
+        self.handles.model_config = model_config
+        layout = self.layout
+        if self.config.comm.accounting:
+            self.pg_meter = ProcessGroupTrafficMeter(_traffic_classifier()).install()
+        self.state = ExtState(
+            settings=self.config.state_settings(),
+            layout={
+                "tp": layout.tensor_model_parallel_size,
+                "pp": layout.pipeline_model_parallel_size,
+                "dp": layout.data_parallel_size,
+                "world": torch.distributed.get_world_size(),
+                "rank": torch.distributed.get_rank(),
+            },
+        )
+        hooks = self._optimizer_hooks() + list(optimizer_hooks)
+        try:
+            self.grad_handle = install_grad_sync(
+                model_chunks, self.reducer, clock=self.clock, meter=self.meter
+            )
+            self.state.register("grad_reducer", self.reducer)
+            if layout.pipeline_model_parallel_size > 1:
+                from megatron_ext.megatron.p2p import ExtP2PCommunicator
+
+                codec = self.components["p2p"].codec
+                self.communicator = ExtP2PCommunicator(
+                    ps.get_pipeline_model_parallel_group(),
+                    model_config,
+                    codec=codec,
+                    meter=self.meter,
+                )
+                self.state.register("p2p_codec", codec)
+            linear = self.components["linear"]
+            if transformer_impl == "local" or not isinstance(
+                linear.linear_hook, PassThroughLinearHook
+            ):
+                self.linear_handle = install_linear_hooks(
+                    model_chunks, linear.linear_hook, linear.linear_layers
+                )
+            self.optimizer_handle = install_optimizer_hooks(
+                optimizer, model_chunks, hooks, clock=self.clock
+            )
+            for i, hook in enumerate(hooks):
+                self.state.register(f"optimizer_hook.{i}.{hook.name}", hook)
+            for fam, comp in self.components.items():
+                for name, obj in comp.state.items():
+                    self.state.register(f"{fam}.{name}", obj)
+        except Exception:
+            self.remove()
+            raise
+        self._installed = True
+        return self
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def begin_step(self, step, *, sample_ids_fn=None, forward_only=False) -> None:
         """Call before each ``forward_backward_func`` of training (or evaluation).
 
         Args:
@@ -184,24 +372,10 @@ class ExtRuntime:
         for handle in (self.grad_handle, self.linear_handle, self.optimizer_handle):
             if handle is not None:
                 handle.remove()
+        self.grad_handle = self.linear_handle = self.optimizer_handle = None
         if self.pg_meter is not None:
             self.pg_meter.remove()
             self.pg_meter = None
-
-
-def _schedule_pg_collection():
-    """The process groups megatron's pipeline schedules build when none are passed."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    pgc = ProcessGroupCollection()
-    pgc.tp = ps.get_tensor_model_parallel_group()
-    pgc.pp = ps.get_pipeline_model_parallel_group()
-    pgc.embd = ps.get_embedding_group(check_initialized=False)
-    pgc.pos_embd = ps.get_position_embedding_group(check_initialized=False)
-    pgc.cp = ps.get_context_parallel_group()
-    pgc.dp_cp = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=False)
-    return pgc
 
 
 def install(
@@ -210,91 +384,23 @@ def install(
     model_chunks: Sequence[torch.nn.Module],
     optimizer: Any,
     model_config: Any,
+    scheduler: Any = None,
     transformer_impl: str = "local",
-    optimizer_hooks: Sequence[OptimizerHook] = (),
+    optimizer_hooks: Sequence[Any] = (),
 ) -> ExtRuntime:
-    """Validate ``cfg`` against the run and install every seam (see module docstring).
+    """Create the runtime and install it on an already wrapped model in one call.
 
-    Args:
-        cfg: megatron_ext feature configs.
-        model_chunks: DDP-wrapped model chunks.
-        optimizer: megatron-core optimizer.
-        model_config: the model's TransformerConfig (for the P2P communicator).
-        transformer_impl: 'local' or 'transformer_engine' (which layer spec was built).
-        optimizer_hooks: extra optimizer hooks (the methods add their own).
-
-    Returns:
-        The runtime handle.
-
-    Raises:
-        ConfigError: unsupported flag combination (names the flags).
+    For methods without a model transform (every DP, P2P and pass-through method); a method
+    that transforms the model needs :meth:`ExtRuntime.create` and
+    :meth:`ExtRuntime.transform_model` before DDP wraps it, and is refused here.
     """
-    from megatron.core import parallel_state as ps
-
-    layout = parallel_layout(model_chunks, transformer_impl)
-    validate_ext_config(cfg, layout)
-
-    clock = StepClock()
-    meter = CommMeter(enabled=cfg.comm.accounting)
-    pg_meter = None
-    if cfg.comm.accounting:
-        tp_names, dp_names = _group_names()
-
-        def classify(group, kind):
-            name = getattr(group, "group_name", None)
-            if name in tp_names:
-                return "tp"
-            if name in dp_names and kind == "all_gather":
-                return "dp-param"
-            return "other"
-
-        pg_meter = ProcessGroupTrafficMeter(classify).install()
-
-    reducer, reducer_hooks = GRAD_REDUCERS[cfg.grad.method](cfg, layout=layout)
-    optimizer_hooks = list(reducer_hooks) + list(optimizer_hooks)
-    rank = torch.distributed.get_rank()
-    state = ExtState(
-        settings=cfg.state_settings(),
-        layout={
-            "tp": layout.tensor_model_parallel_size,
-            "pp": layout.pipeline_model_parallel_size,
-            "dp": layout.data_parallel_size,
-            "world": torch.distributed.get_world_size(),
-            "rank": rank,
-        },
+    ddp_config = getattr(model_chunks[0], "ddp_config", None)
+    runtime = ExtRuntime.create(cfg, parallel_layout(ddp_config, transformer_impl))
+    return runtime.install(
+        model_chunks,
+        optimizer,
+        model_config=model_config,
+        scheduler=scheduler,
+        transformer_impl=transformer_impl,
+        optimizer_hooks=optimizer_hooks,
     )
-    runtime = ExtRuntime(
-        config=cfg,
-        layout=layout,
-        clock=clock,
-        meter=meter,
-        pg_meter=pg_meter,
-        reducer=reducer,
-        communicator=None,
-        state=state,
-    )
-    try:
-        runtime.grad_handle = install_grad_sync(model_chunks, reducer, clock=clock, meter=meter)
-        state.register("grad_reducer", reducer)
-        if layout.pipeline_model_parallel_size > 1:
-            from megatron_ext.megatron.p2p import ExtP2PCommunicator
-
-            codec = P2P_CODECS[cfg.p2p.method](cfg.p2p, layout=layout)
-            runtime.communicator = ExtP2PCommunicator(
-                ps.get_pipeline_model_parallel_group(), model_config, codec=codec, meter=meter
-            )
-            state.register("p2p_codec", codec)
-        linear_hook = LINEAR_HOOKS[cfg.grass.method](cfg.grass, layout=layout)
-        if transformer_impl == "local" or not isinstance(linear_hook, PassThroughLinearHook):
-            runtime.linear_handle = install_linear_hooks(
-                model_chunks, linear_hook, cfg.grass.layers
-            )
-        runtime.optimizer_handle = install_optimizer_hooks(
-            optimizer, model_chunks, list(optimizer_hooks), clock=clock
-        )
-        for i, hook in enumerate(optimizer_hooks):
-            state.register(f"optimizer_hook.{i}.{hook.name}", hook)
-    except Exception:
-        runtime.remove()
-        raise
-    return runtime

@@ -82,43 +82,36 @@ def _dense_reducer(rank, world, reduce_scatter, async_op):
     import torch.distributed as dist
 
     from megatron_ext.accounting import CommMeter, ProcessGroupTrafficMeter
-    from megatron_ext.collectives.grad_reducer import (
-        BucketView,
-        DenseGradReducer,
-        GradSyncContext,
-        ParamSlice,
-    )
+    from megatron_ext.collectives.grad_reducer import DenseGradReducer, ParamSlice
+    from tests.helpers.reducers import bind
 
     dist.init_process_group("gloo")
     pg_meter = ProcessGroupTrafficMeter().install()
     try:
         grads = [_inputs(r, 1000) for r in range(world)]
         reference = sum(grads)
-        bucket = BucketView(
-            grad=grads[rank].clone(), params=[ParamSlice("w", 0, 1000, (10, 100))], key="w..w"
-        )
-        if reduce_scatter:
-            bucket.shard = (rank * 500, (rank + 1) * 500)
+        grad = grads[rank].clone()
         meter = CommMeter()
-        ctx = GradSyncContext(
-            buckets=[bucket],
-            group=dist.group.WORLD,
-            reduce_scatter=reduce_scatter,
-            op=dist.ReduceOp.SUM,
+        bound = bind(
+            DenseGradReducer(),
+            grad,
+            [ParamSlice("w", 0, 1000, (10, 100))],
+            key="w..w",
+            distributed_optimizer=reduce_scatter,
             async_op=async_op,
-            step=0,
             meter=meter,
         )
-        handle = DenseGradReducer().launch(ctx)
+        handle = bound.launch(0)
         if async_op:
             handle.wait()
         else:
             assert handle is None
         if reduce_scatter:
-            lo, hi = bucket.shard
-            equal = torch.equal(bucket.grad[lo:hi], reference[lo:hi])
+            lo, hi = bound.spec.buckets[0].shard
+            assert (lo, hi) == (rank * 500, (rank + 1) * 500)
+            equal = torch.equal(grad[lo:hi], reference[lo:hi])
         else:
-            equal = torch.equal(bucket.grad, reference)
+            equal = torch.equal(grad, reference)
         seam = meter.end_step()["dp-grad"]
         _, tagged = pg_meter.end_step()
         return {"equal": equal, "seam": seam.sent, "pg": tagged["dp-grad"].sent}

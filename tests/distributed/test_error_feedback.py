@@ -39,19 +39,14 @@ def _slices():
     return slices, pos
 
 
-def _reducer(method):
-    from megatron_ext.collectives.powersgd import PowerSGDReducer
-    from megatron_ext.collectives.radius import RadiusReducer
-    from megatron_ext.collectives.separate import SeparateReducer
-    from megatron_ext.config import PowerSGDConfig, RadiusConfig, SeparateConfig
-
-    if method == "powersgd":
-        return PowerSGDReducer(PowerSGDConfig(approx_rank=2, start_step=0))
-    if method == "separate":
-        # No periodic reset inside the run: a reset discards the residual by design, which
-        # is the paper's choice, not the error feedback under test.
-        return SeparateReducer(SeparateConfig(ratio=4, block_size=64, reset_interval=10**6))
-    return RadiusReducer(RadiusConfig(density=0.25, interval=8, dense_steps=0))
+# Each compressed method at a setting that compresses this bucket noticeably.
+SETTINGS = {
+    "powersgd": {"approx_rank": 2, "start_step": 0},
+    # No periodic reset inside the run: a reset discards the residual by design (the
+    # paper's choice), which is not the error feedback under test.
+    "separate": {"ratio": 4, "block_size": 64, "reset_interval": 10**6},
+    "radius": {"density": 0.25, "interval": 8, "dense_steps": 0},
+}
 
 
 def _select_radius(reducer, slices, step):
@@ -61,19 +56,16 @@ def _select_radius(reducer, slices, step):
     from megatron_ext.compressors.topk import topk_mask
 
     gen = torch.Generator().manual_seed(step)
-    reducer.masks = {
-        s.fqn: topk_mask(torch.randn(s.end - s.start, generator=gen), 0.25)
-        for s in slices
-        if len(s.shape) == 2
-    }
-    reducer._mask_version += 1
+    reducer.set_masks(
+        {s.fqn: topk_mask(torch.randn(s.numel, generator=gen), 0.25) for s in slices if s.is_matrix}
+    )
 
 
 def _cumulative(rank, world, methods):
     import torch
     import torch.distributed as dist
 
-    from megatron_ext.collectives.grad_reducer import BucketGroupView, BucketView, GradSyncContext
+    from tests.helpers.reducers import bind, make_reducer, reduce
 
     dist.init_process_group("gloo")
     slices, n = _slices()
@@ -85,19 +77,15 @@ def _cumulative(rank, world, methods):
     out = {}
     for method in methods:
         for op_name in ("SUM", "AVG"):
-            op = getattr(dist.ReduceOp, op_name)
-            reducer = _reducer(method)
-            view = BucketView(grad=torch.zeros(n), params=slices, key="w1..w2")
-            reducer.bind([BucketGroupView([view], dist.group.WORLD)])
+            reducer = make_reducer(method, **SETTINGS[method])
+            buffer = torch.zeros(n)
+            bound = bind(reducer, buffer, slices, key="w1..w2", op=getattr(dist.ReduceOp, op_name))
             applied = torch.zeros(n, dtype=torch.float64)
             deviation = []
             for step in range(STEPS):
-                view.grad.copy_(grad(rank) / (world if op_name == "SUM" else 1))
-                ctx = GradSyncContext([view], dist.group.WORLD, False, op, False, step)
-                handle = reducer.launch(ctx)
-                if handle is not None:
-                    handle.wait()
-                applied += view.grad.double()
+                buffer.copy_(grad(rank) / (world if op_name == "SUM" else 1))
+                reduce(bound, step)
+                applied += buffer.double()
                 if method == "radius" and reducer.phase(step) == "select":
                     _select_radius(reducer, slices, step)
                 deviation.append((applied - (step + 1) * mean.double()).norm().item())
@@ -107,7 +95,11 @@ def _cumulative(rank, world, methods):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_cumulative_applied_gradient_converges_to_the_true_mean(world):
-    results = run_ranks(_cumulative, world, ("powersgd", "separate", "radius"))
+    from tests.helpers.reducers import compressed_grad_methods
+
+    # Every registered compressed method must be covered here (with a setting above).
+    assert set(compressed_grad_methods()) == set(SETTINGS)
+    results = run_ranks(_cumulative, world, tuple(SETTINGS))
     for (method, op), (deviation, mean_norm) in results[0].items():
         relative = [d / ((t + 1) * mean_norm) for t, d in enumerate(deviation)]
         where = f"{method} {op} DP={world}"
@@ -137,10 +129,8 @@ def _parity(rank, world, op_name):
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as hook
 
-    from megatron_ext.collectives.grad_reducer import BucketGroupView, BucketView, GradSyncContext
     from megatron_ext.collectives.grad_reducer import ParamSlice
-    from megatron_ext.collectives.powersgd import PowerSGDReducer
-    from megatron_ext.config import PowerSGDConfig
+    from tests.helpers.reducers import bind, make_reducer, reduce
 
     dist.init_process_group("gloo")
     # w is compressed at rank 2 ((24+40)*2*2 < 960); b and the 3x4 s are not.
@@ -187,24 +177,20 @@ def _parity(rank, world, op_name):
         n = int(np.prod(shape))
         slices.append(ParamSlice(k, pos, pos + n, shape))
         pos += n
-    view = BucketView(grad=torch.zeros(pos), params=slices, key="w..s")
-    reducer = PowerSGDReducer(
-        PowerSGDConfig(approx_rank=2, start_step=2, min_compression_rate=2.0)
-    )
-    reducer.bind([BucketGroupView([view], dist.group.WORLD)])
-    reducer.load_state_dict({"q/w": q[0].clone(), "error/w": torch.zeros(24, 40)})
     op = getattr(dist.ReduceOp, op_name)
+    buffer = torch.zeros(pos)
+    reducer = make_reducer("powersgd", approx_rank=2, start_step=2, min_compression_rate=2.0)
+    bound = bind(reducer, buffer, slices, key="w..s", op=op)
+    reducer.load_state_dict({"q/w": q[0].clone(), "error/w": torch.zeros(24, 40)})
     scale = 1.0 / world if op_name == "SUM" else 1.0
     worst = 0.0
     for step in range(_PARITY_STEPS):
         g = grads(rank, step)
         for s in slices:
-            view.grad[s.start : s.end] = g[s.fqn].reshape(-1) * scale
-        handle = reducer.launch(GradSyncContext([view], dist.group.WORLD, False, op, False, step))
-        if handle is not None:
-            handle.wait()
+            buffer[s.start : s.end] = g[s.fqn].reshape(-1) * scale
+        reduce(bound, step)
         for s in slices:
-            ours = view.grad[s.start : s.end].view(s.shape)
+            ours = buffer[s.start : s.end].view(s.shape)
             worst = max(worst, (ours - theirs[step][s.fqn]).abs().max().item())
     scale_of = max(t["w"].abs().max().item() for t in theirs)
     return worst, scale_of

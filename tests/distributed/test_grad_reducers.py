@@ -38,61 +38,36 @@ def _grads(rank, step, world):
     return g / world
 
 
-def _cfg(method, **kw):
-    from megatron_ext import config
-
-    cls = {
-        "separate": config.SeparateConfig,
-        "radius": config.RadiusConfig,
-        "powersgd": config.PowerSGDConfig,
-    }[method]
-    return cls(**kw)
-
-
-def _make(method, cfg):
-    from megatron_ext.collectives.powersgd import PowerSGDReducer
-    from megatron_ext.collectives.radius import RadiusReducer
-    from megatron_ext.collectives.separate import SeparateReducer
-
-    return {"separate": SeparateReducer, "radius": RadiusReducer, "powersgd": PowerSGDReducer}[
-        method
-    ](cfg)
-
-
 def _run(rank, world, method, kw, reduce_scatter, async_op, steps, optimizer_states=None):
     import torch
     import torch.distributed as dist
 
     from megatron_ext.accounting import CommMeter
-    from megatron_ext.collectives.grad_reducer import BucketGroupView, BucketView, GradSyncContext
+    from tests.helpers.reducers import bind, make_reducer, reduce
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     slices, n = _layout()
-    view = BucketView(grad=torch.zeros(n), params=slices, key="w1..ln")
-    reducer = _make(method, _cfg(method, **kw))
-    reducer.bind([BucketGroupView([view], dist.group.WORLD)])
+    grad = torch.zeros(n)
+    reducer = make_reducer(method, **kw)
     meter = CommMeter()
+    bound = bind(
+        reducer,
+        grad,
+        slices,
+        key="w1..ln",
+        distributed_optimizer=reduce_scatter,
+        async_op=async_op,
+        meter=meter,
+    )
     outs = []
     for step in range(steps):
-        view.grad.copy_(_grads(rank, step, world))
-        view.shard = (rank * n // world, (rank + 1) * n // world) if reduce_scatter else None
-        ctx = GradSyncContext(
-            buckets=[view],
-            group=dist.group.WORLD,
-            reduce_scatter=reduce_scatter,
-            op=dist.ReduceOp.SUM,
-            async_op=async_op,
-            step=step,
-            meter=meter,
-        )
-        handle = reducer.launch(ctx)
-        if handle is not None:
-            handle.wait()
-        outs.append(view.grad.clone())
+        grad.copy_(_grads(rank, step, world))
+        reduce(bound, step)
+        outs.append(grad.clone())
         meter.end_step()
         if optimizer_states is not None:
-            optimizer_states(reducer, step, view)
+            optimizer_states(reducer, step)
     totals = meter.totals()["dp-grad"]
     return {
         "outs": outs,
@@ -179,14 +154,13 @@ def _state_round_trip(rank, world):
     import torch
     import torch.distributed as dist
 
-    from megatron_ext.collectives.grad_reducer import BucketGroupView, BucketView
+    from tests.helpers.reducers import bind, make_reducer
 
     dist.init_process_group("gloo")
     out = _run(rank, world, "separate", {"ratio": 4, "block_size": 64}, False, False, 4)
     slices, n = _layout()
-    fresh = _make("separate", _cfg("separate", ratio=4, block_size=64))
-    view = BucketView(grad=torch.zeros(n), params=slices, key="w1..ln")
-    fresh.bind([BucketGroupView([view], dist.group.WORLD)])
+    fresh = make_reducer("separate", ratio=4, block_size=64)
+    bind(fresh, torch.zeros(n), slices, key="w1..ln")
     fresh.load_state_dict(out["state"])
     again = fresh.state_dict()
     try:
@@ -206,7 +180,7 @@ def _fake_optimizer_view(step_of_selection):
     """An OptimizerView whose moments make the corrected gradient equal a known score."""
     import torch
 
-    from megatron_ext.compressors.separate import stable_seed
+    from megatron_ext.compressors.seeding import stable_seed
     from megatron_ext.optim.hooks import OptimizerView, ParamOptimState
 
     slices, _ = _layout()
@@ -236,7 +210,7 @@ def _fake_optimizer_view(step_of_selection):
 
 
 def _radius_run(rank, world, kw, reduce_scatter):
-    def hook(reducer, step, view):
+    def hook(reducer, step):
         if reducer.phase(step) == "select":
             reducer.select(_fake_optimizer_view(step))
 
@@ -294,27 +268,23 @@ def _powersgd_low_rank(rank, world):
     import torch
     import torch.distributed as dist
 
-    from megatron_ext.collectives.grad_reducer import (
-        BucketGroupView,
-        BucketView,
-        GradSyncContext,
-    )
+    from tests.helpers.reducers import bind, make_reducer, reduce
 
     dist.init_process_group("gloo")
     slices, n = _layout()
-    view = BucketView(grad=torch.zeros(n), params=slices, key="b")
-    red = _make("powersgd", _cfg("powersgd", approx_rank=2, start_step=0, error_feedback=False))
-    red.bind([BucketGroupView([view], dist.group.WORLD)])
+    grad = torch.zeros(n)
+    red = make_reducer("powersgd", approx_rank=2, start_step=0, error_feedback=False)
+    bound = bind(red, grad, slices, key="b")
     gen = torch.Generator().manual_seed(5)
     lowrank = {}
     for s in slices:
         if len(s.shape) == 2:
             r, c = s.shape
             lowrank[s.fqn] = torch.randn(r, 2, generator=gen) @ torch.randn(2, c, generator=gen)
-            view.grad[s.start : s.end] = lowrank[s.fqn].reshape(-1) / world
-    red.launch(GradSyncContext([view], dist.group.WORLD, False, dist.ReduceOp.SUM, False, 0))
+            grad[s.start : s.end] = lowrank[s.fqn].reshape(-1) / world
+    reduce(bound, 0)
     return {
-        f: (view.grad[s.start : s.end].view(s.shape) - lowrank[f]).abs().max().item()
+        f: (grad[s.start : s.end].view(s.shape) - lowrank[f]).abs().max().item()
         for s in slices
         for f in [s.fqn]
         if f in lowrank

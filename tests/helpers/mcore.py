@@ -58,9 +58,9 @@ def make_trainer(flags: Sequence[str]):
 def build(trainer, *, stock: bool) -> None:
     """(Re)seed and build model, optimizer and (unless ``stock``) megatron_ext's seams."""
     trainer.seed()
-    trainer.build_model()
+    trainer.build_model(stock=stock)
     trainer.build_optimizer()
-    trainer.install_ext(stock=stock)
+    trainer.install_ext()
 
 
 def train(trainer, steps: int, start: int = 0) -> List[Optional[float]]:
@@ -89,8 +89,8 @@ def params(trainer) -> Dict[str, Any]:
 
 def optimizer_state(trainer) -> Dict[str, Any]:
     """Optimizer state tensors of this rank keyed by FQN and state name."""
-    from megatron_ext.megatron.ddp import StepClock
     from megatron_ext.megatron.optimizer import MegatronOptimizerView
+    from megatron_ext.state import StepClock
 
     view = MegatronOptimizerView(trainer.optimizer, trainer.model, StepClock())
     out = {}

@@ -449,7 +449,7 @@ def test_build_gpt_datasets_on_two_gloo_ranks(small, tmp_path):
 
 
 def test_prepare_data_command(small, tmp_path, capsys):
-    from megatron_ext.data.prepare import main
+    from megatron_ext.megatron.prepare_data import main
 
     jsonl = tmp_path / "in.jsonl"
     jsonl.write_text(

@@ -36,13 +36,19 @@ def _parity(rank, world, flags):
     runtime = trainer.runtime
     runtime.pg_meter.keep_records = True
     launches = []
-    reducer_launch = runtime.reducer.launch
 
-    def counting_launch(ctx):
-        launches.append((ctx.step, tuple(b.key for b in ctx.buckets), ctx.reduce_scatter))
-        return reducer_launch(ctx)
+    def counting(bound):
+        launch = bound.launch
 
-    runtime.reducer.launch = counting_launch
+        def counting_launch(step, force_all_reduce=False):
+            reduce_scatter = bound.spec.distributed_optimizer and not force_all_reduce
+            launches.append((step, tuple(b.key for b in bound.spec.buckets), reduce_scatter))
+            return launch(step, force_all_reduce)
+
+        return counting_launch
+
+    for bound in runtime.reducer.bound:
+        bound.launch = counting(bound)
     seen_batches = []
     trainer.on_step_batch = lambda batch: seen_batches.append(batch["sample_index"].tolist())
     if runtime.communicator is not None:

@@ -189,7 +189,13 @@ def test_driver_flags_of_the_methods():
     assert "--pipeline-model-parallel-size 2" in " ".join(cmd)
     cargs = convergence.build_parser().parse_args([])
     flags = " ".join(convergence.method_flags("radius", cargs))
-    assert "--radius-dense-steps 60 --radius-interval 50" in flags  # 20% of 300 steps
+    # Radius's benchmark defaults: dense for 20% of 300 steps, reselection every 50.
+    assert "--radius-dense-steps 60" in flags and "--radius-interval 50" in flags
+    assert "--radius-density 0.4" in flags
+    # A given option wins over the benchmark default.
+    cargs = convergence.build_parser().parse_args(["--radius-interval", "7"])
+    assert "--radius-interval 7" in " ".join(convergence.method_flags("radius", cargs))
+    cargs = convergence.build_parser().parse_args([])
     assert convergence.label("separate", cargs) == "separate-16"
     gargs = convergence.build_parser().parse_args(["--extra-train-args=--separate-adaptive"])
     assert convergence.label("separate", gargs) == "g-separate-16"

@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
+from megatron_ext.compressors.seeding import stable_seed
 from megatron_ext.compressors.separate import (
     projection_block,
     random_projection_cosine,
     reconstruct,
-    stable_seed,
     update_error,
 )
 from megatron_ext.compressors.topk import adamw_corrected_gradient, num_selected, topk_mask
@@ -121,7 +121,7 @@ def test_adamw_corrected_gradient_matches_torch_adamw():
 
 
 def test_powersgd_recovers_low_rank_matrices_exactly():
-    from megatron_ext.collectives.powersgd import orthogonalize
+    from megatron_ext.compressors.lowrank import orthogonalize
 
     torch.manual_seed(0)
     m = torch.randn(30, 3, dtype=torch.float64) @ torch.randn(3, 20, dtype=torch.float64)

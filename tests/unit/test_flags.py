@@ -15,14 +15,15 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.config import (
-    EXT_CONFIG_CLASSES,
     ConfigError,
     ExtCheckpointConfig,
-    GradCompressionConfig,
+    ExtConfig,
     add_args,
+    ext_config_classes,
     ext_config_from_args,
     flag_of,
 )
+from megatron_ext.methods.separate import SeparateConfig
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -42,8 +43,8 @@ def test_add_args_returns_the_parser_and_defaults_are_none():
     parser = argparse.ArgumentParser()
     assert add_args(parser) is parser
     cfg = ext_config_from_args(parser.parse_args([]))
-    assert not cfg.grad.enabled and not cfg.p2p.enabled
-    assert not cfg.grass.enabled and not cfg.subspace.enabled
+    assert cfg.methods == {"grad": "none", "p2p": "none", "linear": "none", "subspace": "none"}
+    assert not any(cfg.enabled(f) for f in cfg.methods)
     assert cfg.comm.accounting is True
 
 
@@ -80,12 +81,15 @@ def test_unknown_method_is_refused_naming_the_flag(flag, capsys):
 
 def test_config_errors_name_the_flag():
     with pytest.raises(ConfigError) as exc:
-        GradCompressionConfig(method="bogus")
+        ExtConfig(methods={"grad": "bogus"})
     assert str(exc.value).startswith("--grad-compression:")
     with pytest.raises(ConfigError) as exc:
         ExtCheckpointConfig(on_mismatch="ignore")
     assert str(exc.value).startswith("--ext-state-on-mismatch:")
-    assert flag_of(GradCompressionConfig, "method") == "--grad-compression"
+    with pytest.raises(ConfigError) as exc:
+        SeparateConfig(ratio=3)
+    assert str(exc.value).startswith("--separate-ratio, --separate-block-size:")
+    assert flag_of(SeparateConfig, "ratio") == "--separate-ratio"
 
 
 def _megatron_lm_names(lines):
@@ -134,7 +138,7 @@ def test_no_clash_with_live_megatron_lm_checkout(tmp_path):
 def test_every_config_field_has_a_docstring():
     from megatron_ext.config import _field_docstrings
 
-    for cls in EXT_CONFIG_CLASSES:
+    for cls in ext_config_classes():
         docs = _field_docstrings(cls)
         for f in dataclasses.fields(cls):
             assert docs.get(f.name), f"{cls.__name__}.{f.name} has no docstring"

@@ -116,7 +116,7 @@ def check_megatron_lm_args(args: Any, cfg: ExtConfig) -> None:
         raise ConfigError(
             flag, "megatron-ext hooks megatron-core's DistributedDataParallel, not FSDP"
         )
-    if cfg.p2p.enabled and args.dataloader_type not in (None, "single"):
+    if cfg.enabled("p2p") and args.dataloader_type not in (None, "single"):
         raise ConfigError(
             ["--p2p-compression", "--dataloader-type"],
             "pipeline codecs key state by dataset sample; only --dataloader-type single gives "
@@ -227,13 +227,15 @@ class MegatronLMSession:
     def _log_installed(self, args: Any) -> None:
         rt = self.runtime
         cfg = self.cfg
-        seams = [f"grad reducer {type(rt.reducer).__name__} (--grad-compression {cfg.grad.method})"]
+        seams = [
+            f"grad reducer {type(rt.reducer).__name__} (--grad-compression {cfg.method('grad')})"
+        ]
         if rt.communicator is not None:
             seams.append(
-                f"P2P {type(rt.communicator).__name__} (--p2p-compression {cfg.p2p.method})"
+                f"P2P {type(rt.communicator).__name__} (--p2p-compression {cfg.method('p2p')})"
             )
         if rt.linear_handle is not None:
-            seams.append(f"linear hooks (--grass-method {cfg.grass.method})")
+            seams.append(f"linear hooks (--grass-method {cfg.method('linear')})")
         seams.append("optimizer-step hooks")
         seams.append("byte accounting " + ("on" if cfg.comm.accounting else "off"))
         ckpt = {

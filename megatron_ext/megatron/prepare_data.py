@@ -20,7 +20,9 @@ Why:
     (and Megatron-LM) unchanged.
 
 Constraints:
-    * Megatron-core is imported lazily (by :func:`main`), so importing this module is cheap.
+    * It writes megatron-core's indexed format, so it lives with the other megatron-core
+      adapters; megatron-core is imported lazily (by :func:`prepare_data`), so importing
+      this module (for ``--help``) is cheap.
     * ``--workers`` parallelizes tokenization only; reading is sequential. The output is the
       same for any number of workers; a trained SentencePiece model always uses 2 training
       threads, because SentencePiece's result depends on the thread count.

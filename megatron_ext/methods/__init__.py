@@ -1,0 +1,14 @@
+"""Compression methods: one module each, declared to :mod:`megatron_ext.methods.registry`.
+
+Each module in :data:`BUILTIN` defines its options dataclass and factory and registers a
+:class:`~megatron_ext.methods.registry.Method`; the registry imports them on first use.
+Adding a method is a new module plus one line here.
+"""
+
+BUILTIN = (
+    "megatron_ext.methods.none",
+    "megatron_ext.methods.separate",
+    "megatron_ext.methods.radius",
+    "megatron_ext.methods.powersgd",
+)
+"""Modules that register the built-in methods, in ``--help`` order."""

@@ -1,0 +1,390 @@
+"""The method registry: every compression method declares itself here, once.
+
+What it does:
+    A method is a :class:`Method`: its name (the value of its family's selector flag), its
+    family, its options dataclass (``--<prefix>-*`` flags), and a factory that builds its
+    :class:`Components` (gradient reducer, P2P codec, linear hook, optimizer hooks, model
+    transform) from a :class:`MethodContext`. A *family* (:class:`Family`) is one selector
+    flag (``--grad-compression``, ``--p2p-compression``, ``--grass-method``,
+    ``--subspace-method``); one method per family is active in a run, ``none`` being the
+    pass-through. Everything else reads the registry: the flags, their choices and help
+    (``megatron_ext.config``), the settings fingerprint of checkpointed state, the runtime
+    that builds and installs components (``megatron_ext.megatron.runtime``), the benchmarks'
+    method lists and option defaults, and the tests' parametrization.
+
+    Adding a method is one module (its options dataclass, its factory, a :class:`Method`)
+    plus one line in ``megatron_ext.methods.BUILTIN``; a plugin or a test can also call
+    :func:`register` directly.
+
+Why components built together:
+    Methods span seams: Radius pairs a reducer with an optimizer hook that picks its
+    indices; Grass needs a linear backward, an optimizer hook and a model transform that
+    share the selected rows; Protocol Models a model transform, a P2P codec and an
+    optimizer. One factory call returns all of them, sharing whatever state they need.
+
+Lifecycle (the runtime's):
+    1. :func:`Method.build` once per run, after the process groups exist and before the
+       model is wrapped in DDP; ``ctx.handles`` is still empty.
+    2. ``Components.model_transform(model_chunks)`` on the unwrapped model chunks, before
+       megatron-core's DDP wrapper and optimizer allocate gradient buffers and state.
+    3. After DDP and the optimizer exist, ``ctx.handles`` holds them and the runtime binds
+       the reducer to the bucket groups, passes the codec to the P2P communicator, hooks the
+       linear layers and the optimizer step.
+
+Constraints:
+    Pure Python/torch: never imports Megatron. Factories import their heavy parts lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+__all__ = [
+    "Family",
+    "Method",
+    "MethodContext",
+    "Components",
+    "TrainingHandles",
+    "ProcessGroups",
+    "BenchContext",
+    "register",
+    "unregister",
+    "families",
+    "family",
+    "methods",
+    "choices",
+    "get",
+    "find",
+    "option_classes",
+    "build_components",
+]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One selector flag; exactly one of its methods is active in a run."""
+
+    name: str
+    """Short name used in code (``ExtConfig.methods[name]``)."""
+
+    flag: str
+    """The selector flag, e.g. ``--grad-compression``."""
+
+    title: str
+    """Title of the flag's argument group in ``--help``."""
+
+    help: str
+    """What the selector chooses (the flag's help text)."""
+
+    options: Optional[type] = None
+    """Options shared by every method of the family (e.g. which linear layers are hooked)."""
+
+    @property
+    def dest(self) -> str:
+        """argparse destination of the selector (``grad_compression``)."""
+        return self.flag[2:].replace("-", "_")
+
+
+@dataclass
+class TrainingHandles:
+    """What exists only once the model is wrapped and the optimizer built (filled at install)."""
+
+    model_chunks: Sequence[Any] = ()
+    """The DDP-wrapped model chunks."""
+
+    optimizer: Any = None
+    """megatron-core optimizer (usually a ``ChainedOptimizer``)."""
+
+    scheduler: Any = None
+    """megatron-core ``OptimizerParamScheduler`` (None where the caller has none)."""
+
+    model_config: Any = None
+    """The model's ``TransformerConfig``."""
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """The process groups of the run (torch ``ProcessGroup`` objects, None when absent)."""
+
+    dp: Any = None
+    """Data-parallel group (without context parallelism)."""
+
+    dp_cp: Any = None
+    """Data-parallel group with context parallelism."""
+
+    tp: Any = None
+    """Tensor-parallel group."""
+
+    pp: Any = None
+    """Pipeline-parallel group."""
+
+    embd: Any = None
+    """Embedding group (first and last pipeline stage)."""
+
+
+@dataclass
+class MethodContext:
+    """What a method's factory receives."""
+
+    name: str
+    """The selected method name (a family's choice; variants of one method share a factory)."""
+
+    options: Any
+    """The method's options dataclass instance (None for a method without options)."""
+
+    family_options: Any
+    """The family's shared options instance (None if the family has none)."""
+
+    config: Any
+    """The whole :class:`~megatron_ext.config.ExtConfig`."""
+
+    layout: Any
+    """The :class:`~megatron_ext.config.ParallelLayout` of the run."""
+
+    clock: Any
+    """The :class:`~megatron_ext.state.StepClock` (current 0-based iteration)."""
+
+    meter: Any = None
+    """The :class:`~megatron_ext.accounting.CommMeter` of the seams."""
+
+    groups: ProcessGroups = field(default_factory=ProcessGroups)
+    """Process groups."""
+
+    handles: TrainingHandles = field(default_factory=TrainingHandles)
+    """Model chunks, optimizer, scheduler: empty until the runtime installs (step 3)."""
+
+
+@dataclass
+class Components:
+    """What a method contributes to a run (any subset)."""
+
+    reducer: Any = None
+    """A :class:`~megatron_ext.collectives.grad_reducer.GradReducer` (family ``grad``)."""
+
+    codec: Any = None
+    """A :class:`~megatron_ext.collectives.p2p.P2PCodec` for pipeline transfers."""
+
+    linear_hook: Any = None
+    """A :class:`~megatron_ext.autograd.linear.LinearHook` for the hooked linear layers."""
+
+    linear_layers: Optional[str] = None
+    """Regular expression of the layers ``linear_hook`` applies to."""
+
+    optimizer_hooks: Sequence[Any] = ()
+    """:class:`~megatron_ext.optim.hooks.OptimizerHook` objects run around the step."""
+
+    model_transform: Optional[Callable[[Sequence[Any]], None]] = None
+    """Called with the unwrapped model chunks before DDP wraps them."""
+
+    state: Mapping[str, Any] = field(default_factory=dict)
+    """Further stateful objects to checkpoint, by name (reducer, codec and hooks are
+    registered automatically)."""
+
+
+@dataclass(frozen=True)
+class BenchContext:
+    """What a benchmark tells a method when it asks for option defaults."""
+
+    iters: int
+    """Training iterations of the benchmark run."""
+
+    matrix_shapes: Sequence[Tuple[int, int]] = ()
+    """The model's weight-matrix shapes (for settings matched by bytes)."""
+
+    resolve: Callable[[str, str], Any] = lambda method, option: None
+    """``resolve(method, option)``: another method's option as this benchmark runs it."""
+
+
+@dataclass(frozen=True)
+class Method:
+    """A compression method (see module docstring)."""
+
+    name: str
+    """Selector value, e.g. ``separate``."""
+
+    family: str
+    """Family name (``grad``, ``p2p``, ``linear``, ``subspace``)."""
+
+    build: Callable[[MethodContext], Components]
+    """Factory of the run's components."""
+
+    options: Optional[type] = None
+    """Options dataclass (``ARG_PREFIX`` and ``ARG_GROUP`` class attributes; frozen,
+    keyword-only, a docstring per field)."""
+
+    summary: str = ""
+    """One line for ``--help`` and reports."""
+
+    validate: Optional[Callable[[Any, Any], None]] = None
+    """``validate(ext_config, layout)``: raise ConfigError for unsupported combinations."""
+
+    bench_defaults: Optional[Callable[[BenchContext], Dict[str, Any]]] = None
+    """Option values the benchmarks use unless given (field name -> value)."""
+
+    bench_label: Optional[Callable[[Any], str]] = None
+    """Short label of a configured run from its options instance (default: the name)."""
+
+    def label(self, options: Any) -> str:
+        """Short label of this method with ``options``, e.g. ``separate-16``."""
+        if self.bench_label is None or options is None:
+            return self.name
+        return self.bench_label(options)
+
+
+_FAMILIES: Tuple[Family, ...] = ()
+_METHODS: Dict[str, Dict[str, Method]] = {}
+_loaded = False
+
+
+def _define_families() -> Tuple[Family, ...]:
+    from megatron_ext.config import LinearLayersConfig
+
+    return (
+        Family(
+            "grad",
+            "--grad-compression",
+            "megatron-ext: data-parallel gradient compression",
+            "Compressor applied to every data-parallel gradient bucket before it is reduced; "
+            "'none' reduces dense gradients exactly as megatron-core does.",
+        ),
+        Family(
+            "p2p",
+            "--p2p-compression",
+            "megatron-ext: pipeline-parallel activation compression",
+            "Codec for tensors sent between pipeline stages; 'none' sends them as "
+            "megatron-core does.",
+        ),
+        Family(
+            "linear",
+            "--grass-method",
+            "megatron-ext: row-sparse linear backward (Grass)",
+            "Row-selection rule of the row-sparse linear backward; 'none' keeps "
+            "megatron-core's dense backward.",
+            options=LinearLayersConfig,
+        ),
+        Family(
+            "subspace",
+            "--subspace-method",
+            "megatron-ext: subspace-confined activations (Protocol Models)",
+            "Subspace method for pipeline activations; 'none' leaves the residual stream "
+            "unconstrained.",
+        ),
+    )
+
+
+def _ensure_loaded() -> None:
+    global _loaded, _FAMILIES
+    if _loaded:
+        return
+    _loaded = True
+    _FAMILIES = _define_families()
+    for fam in _FAMILIES:
+        _METHODS.setdefault(fam.name, {})
+    from megatron_ext.methods import BUILTIN
+
+    for module in BUILTIN:
+        importlib.import_module(module)
+
+
+def register(method: Method) -> Method:
+    """Add ``method`` to its family; returns it (so a module can write ``METHOD = register(...)``).
+
+    Raises:
+        ValueError: unknown family, or the name is taken in the family.
+    """
+    _ensure_loaded()
+    if method.family not in _METHODS:
+        raise ValueError(f"unknown method family {method.family!r} (of method {method.name!r})")
+    if method.name in _METHODS[method.family]:
+        raise ValueError(f"method {method.name!r} is registered twice in {method.family!r}")
+    _METHODS[method.family][method.name] = method
+    return method
+
+
+def unregister(family_name: str, name: str) -> None:
+    """Remove a method (tests that register toy methods clean up with it)."""
+    _ensure_loaded()
+    del _METHODS[family_name][name]
+
+
+def families() -> Tuple[Family, ...]:
+    """Every family, in flag order."""
+    _ensure_loaded()
+    return _FAMILIES
+
+
+def family(name: str) -> Family:
+    """The family called ``name``."""
+    for fam in families():
+        if fam.name == name:
+            return fam
+    raise KeyError(f"unknown method family {name!r}")
+
+
+def methods(family_name: str) -> Dict[str, Method]:
+    """The family's methods by name, in registration order (``none`` first)."""
+    _ensure_loaded()
+    return dict(_METHODS[family_name])
+
+
+def choices(family_name: str) -> Tuple[str, ...]:
+    """The selector's allowed values."""
+    return tuple(methods(family_name))
+
+
+def get(family_name: str, name: str) -> Method:
+    """The method ``name`` of a family (KeyError if absent)."""
+    return methods(family_name)[name]
+
+
+def find(name: str) -> List[Method]:
+    """Every registered method called ``name`` (across families)."""
+    return [m for fam in families() for m in methods(fam.name).values() if m.name == name]
+
+
+def option_classes() -> Tuple[type, ...]:
+    """Every options dataclass: the families' shared ones, then the methods', deduplicated."""
+    out: List[type] = []
+    for fam in families():
+        if fam.options is not None and fam.options not in out:
+            out.append(fam.options)
+    for fam in families():
+        for method in methods(fam.name).values():
+            if method.options is not None and method.options not in out:
+                out.append(method.options)
+    return tuple(out)
+
+
+def build_components(
+    config: Any,
+    layout: Any,
+    *,
+    clock: Any,
+    meter: Any = None,
+    groups: Optional[ProcessGroups] = None,
+    handles: Optional[TrainingHandles] = None,
+) -> Dict[str, Components]:
+    """Build every family's selected method of ``config`` (an ExtConfig); family -> components.
+
+    The runtime calls this once per run; the contexts share ``clock``, ``meter``, ``groups``
+    and ``handles`` (which the runtime fills at install).
+    """
+    groups = groups if groups is not None else ProcessGroups()
+    handles = handles if handles is not None else TrainingHandles()
+    out: Dict[str, Components] = {}
+    for fam, method in config.selected():
+        ctx = MethodContext(
+            name=method.name,
+            options=None if method.options is None else config.options_for(method.options),
+            family_options=None if fam.options is None else config.options_for(fam.options),
+            config=config,
+            layout=layout,
+            clock=clock,
+            meter=meter,
+            groups=groups,
+            handles=handles,
+        )
+        out[fam.name] = method.build(ctx)
+    return out

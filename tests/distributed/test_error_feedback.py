@@ -27,16 +27,9 @@ STEPS = 161  # Radius (interval 8) ends on a selection step: its residual is flu
 
 
 def _slices():
-    from megatron_ext.collectives.grad_reducer import ParamSlice
+    from tests.helpers.reducers import param_slices
 
-    slices, pos = [], 0
-    for fqn, shape in SHAPES:
-        n = 1
-        for d in shape:
-            n *= d
-        slices.append(ParamSlice(fqn, pos, pos + n, shape))
-        pos += n
-    return slices, pos
+    return param_slices(SHAPES)
 
 
 # Each compressed method at a setting that compresses this bucket noticeably.
@@ -129,8 +122,7 @@ def _parity(rank, world, op_name):
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as hook
 
-    from megatron_ext.collectives.grad_reducer import ParamSlice
-    from tests.helpers.reducers import bind, make_reducer, reduce
+    from tests.helpers.reducers import bind, make_reducer, param_slices, reduce
 
     dist.init_process_group("gloo")
     # w is compressed at rank 2 ((24+40)*2*2 < 960); b and the 3x4 s are not.
@@ -172,11 +164,7 @@ def _parity(rank, world, op_name):
     q = torch.randn(1, 40, 2)
     hook._orthogonalize(q)
 
-    slices, pos = [], 0
-    for k, shape in shapes.items():
-        n = int(np.prod(shape))
-        slices.append(ParamSlice(k, pos, pos + n, shape))
-        pos += n
+    slices, pos = param_slices(shapes.items())
     op = getattr(dist.ReduceOp, op_name)
     buffer = torch.zeros(pos)
     reducer = make_reducer("powersgd", approx_rank=2, start_step=2, min_compression_rate=2.0)

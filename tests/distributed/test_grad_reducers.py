@@ -15,16 +15,10 @@ PAD = 24  # trailing padding, as the distributed optimizer's bucket alignment ad
 
 
 def _layout():
-    from megatron_ext.collectives.grad_reducer import ParamSlice
+    from tests.helpers.reducers import param_slices
 
-    slices, pos = [], 0
-    for fqn, shape in PARAMS:
-        n = 1
-        for d in shape:
-            n *= d
-        slices.append(ParamSlice(fqn, pos, pos + n, shape))
-        pos += n
-    return slices, pos + PAD
+    slices, n = param_slices(PARAMS)
+    return slices, n + PAD
 
 
 def _grads(rank, step, world):

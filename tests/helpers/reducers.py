@@ -9,7 +9,29 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-__all__ = ["make_reducer", "method_options", "bind", "reduce", "compressed_grad_methods"]
+__all__ = [
+    "make_reducer",
+    "method_options",
+    "bind",
+    "reduce",
+    "compressed_grad_methods",
+    "param_slices",
+]
+
+
+def param_slices(shapes):
+    """``ParamSlice`` objects of ``(fqn, shape)`` laid out back to back; returns them and the
+    number of elements they cover."""
+    import math
+
+    from megatron_ext.collectives.grad_reducer import ParamSlice
+
+    slices, pos = [], 0
+    for fqn, shape in shapes:
+        n = math.prod(shape)
+        slices.append(ParamSlice(fqn, pos, pos + n, tuple(shape)))
+        pos += n
+    return slices, pos
 
 
 def method_options(method: str, **options: Any) -> Any:

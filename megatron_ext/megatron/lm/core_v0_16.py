@@ -27,6 +27,9 @@ What it does:
     parameters this module relies on, otherwise the checkout is refused (it is not the
     release it claims to be). ``remove()`` restores every original.
 
+    The wrappers themselves are :mod:`megatron_ext.megatron.lm.hooks` (shared with the other
+    releases); this module is the table of where they go in core_v0.16.x.
+
 Why module globals:
     ``pretrain()`` and ``train()`` look these names up in their modules at call time, so
     rebinding them hooks an unmodified checkout (the zero-touch launcher) as well as a
@@ -35,247 +38,55 @@ Why module globals:
 Constraints:
     Verified on core_v0.16.1. From 0.18 arguments are parsed in ``pretrain_gpt.py``'s
     ``__main__`` through ``arguments.parse_and_validate_args``, so the argument hooks move
-    to ``megatron.training.arguments``; 0.19 passes ``p2p_communicator`` to ``train_step``
-    itself. A hook module per release keeps those differences out of the session.
+    to ``megatron.training.arguments`` (:mod:`megatron_ext.megatron.lm.core_v0_19`). A
+    table per release keeps those differences out of the session and the wrappers.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import inspect
-from dataclasses import dataclass
-from typing import Any, Callable, List, Tuple
+from typing import Any, List, Tuple
 
-from megatron_ext.accounting import ProcessGroupTrafficMeter
-from megatron_ext.megatron.lm.releases import UnsupportedReleaseError
+from megatron_ext.megatron.lm.hooks import (  # noqa: F401 (MegatronLMHooks re-exported)
+    HookTarget,
+    MegatronLMHooks,
+    check_targets,
+    install_targets,
+)
 from megatron_ext.megatron.lm.session import MegatronLMSession
-from megatron_ext.megatron.patching import AttributePatches
 
-__all__ = ["install_hooks", "MegatronLMHooks", "HOOK_TARGETS"]
+__all__ = ["install_hooks", "MegatronLMHooks", "HOOK_TARGETS", "RELEASE_LABEL"]
 
+RELEASE_LABEL = "core_v0.16.x"
 
-@dataclass(frozen=True)
-class _Target:
-    """One module global of megatron.training that megatron-ext replaces."""
+_TRAINING = "megatron.training.training"
+_CHECKPOINTING = "megatron.training.checkpointing"
 
-    module: str
-    """Module holding the name (the one whose callers look it up)."""
-
-    name: str
-    """The global's name."""
-
-    params: Tuple[str, ...]
-    """Parameters the wrapper reads by name (checked against the original's signature)."""
-
-
-HOOK_TARGETS: Tuple[_Target, ...] = (
-    _Target(
-        "megatron.training.initialize", "parse_args", ("extra_args_provider", "ignore_unknown_args")
+HOOK_TARGETS: Tuple[HookTarget, ...] = (
+    HookTarget(
+        "megatron.training.initialize",
+        "parse_args",
+        "parse_args",
+        ("extra_args_provider", "ignore_unknown_args"),
     ),
-    _Target("megatron.training.initialize", "validate_args", ("args", "defaults")),
-    _Target("megatron.training.training", "get_megatron_optimizer", ("config", "model_chunks")),
-    _Target(
-        "megatron.training.training", "get_megatron_muon_optimizer", ("config", "model_chunks")
+    HookTarget("megatron.training.initialize", "validate_args", "validate_args", ("args", "defaults")),
+    HookTarget(_TRAINING, "get_megatron_optimizer", "build_optimizer", ("config", "model_chunks")),
+    HookTarget(
+        _TRAINING, "get_megatron_muon_optimizer", "build_optimizer", ("config", "model_chunks")
     ),
-    _Target("megatron.training.training", "train_step", ("iteration",)),
-    _Target("megatron.training.training", "get_forward_backward_func", ()),
-    _Target("megatron.training.training", "training_log", ("iteration", "is_first_iteration")),
-    _Target("megatron.training.training", "print_rank_last", ("message",)),
-    _Target("megatron.training.training", "train", ()),
-    _Target("megatron.training.training", "save_checkpoint", ("iteration", "release")),
-    _Target("megatron.training.training", "load_checkpoint", ()),
-    _Target("megatron.training.checkpointing", "generate_state_dict", ("args",)),
-    _Target("megatron.training.checkpointing", "_load_base_checkpoint", ("rank0", "args")),
+    HookTarget(_TRAINING, "train_step", "train_step", ("iteration",)),
+    HookTarget(_TRAINING, "get_forward_backward_func", "schedule", ()),
+    HookTarget(_TRAINING, "training_log", "training_log", ("iteration", "is_first_iteration")),
+    HookTarget(_TRAINING, "print_rank_last", "print_log_line", ("message",)),
+    HookTarget(_TRAINING, "train", "train", ()),
+    HookTarget(_TRAINING, "save_checkpoint", "save_checkpoint", ("iteration", "release")),
+    HookTarget(_TRAINING, "load_checkpoint", "load_checkpoint", ()),
+    HookTarget(_CHECKPOINTING, "generate_state_dict", "generate_state_dict", ("args",)),
+    HookTarget(_CHECKPOINTING, "_load_base_checkpoint", "load_base_checkpoint", ("rank0", "args")),
 )
 
 
-class MegatronLMHooks:
-    """The installed hooks; ``remove()`` restores every original function."""
-
-    def __init__(self, session: MegatronLMSession):
-        self.session = session
-        self.on_remove: List[Callable[[], None]] = []
-        self._patches = AttributePatches()
-
-    @property
-    def names(self) -> List[str]:
-        """``module.name`` of every hooked function."""
-        return [f"{m.__name__.rsplit('.', 1)[-1]}.{n}" for m, n in self._patches.targets]
-
-    def _set(self, module: Any, name: str, value: Any) -> None:
-        self._patches.set(module, name, value)
-
-    def remove(self) -> None:
-        """Restore the original functions."""
-        self._patches.restore()
-        for callback in self.on_remove:
-            callback()
-        self.on_remove.clear()
-
-
-def _check_targets() -> List[Tuple[Any, _Target, Callable, inspect.Signature]]:
-    checked = []
-    for target in HOOK_TARGETS:
-        module = importlib.import_module(target.module)
-        original = getattr(module, target.name, None)
-        if original is None or not callable(original):
-            raise UnsupportedReleaseError(
-                f"{target.module}.{target.name} not found: this Megatron-LM is not core_v0.16.x "
-                "as its package_info.py says (megatron-ext hooks it by name)"
-            )
-        signature = inspect.signature(original)
-        missing = [p for p in target.params if p not in signature.parameters]
-        if missing:
-            raise UnsupportedReleaseError(
-                f"{target.module}.{target.name}{signature} lacks {missing}: this Megatron-LM "
-                "differs from core_v0.16.x, whose hooks megatron-ext installs"
-            )
-        checked.append((module, target, original, signature))
-    return checked
-
-
-def _args():
-    from megatron.training.global_vars import get_args
-
-    return get_args()
-
-
-def _wrap(session: MegatronLMSession, target: _Target, original: Callable, sig: inspect.Signature):
-    """The wrapper of one target (see the table in the module docstring)."""
-    name = target.name
-
-    def bound(args, kwargs):
-        binding = sig.bind_partial(*args, **kwargs)
-        binding.apply_defaults()
-        return binding.arguments
-
-    if name == "parse_args":
-        from megatron_ext.megatron.lm import megatron_lm_extra_args
-
-        def wrapper(*args, **kwargs):
-            arguments = bound(args, kwargs)
-            arguments["extra_args_provider"] = megatron_lm_extra_args(
-                arguments["extra_args_provider"]
-            )
-            return original(**arguments)
-
-    elif name == "validate_args":
-
-        def wrapper(*args, **kwargs):
-            result = original(*args, **kwargs)
-            with session.clean_errors():
-                session.configure(bound(args, kwargs)["args"])
-            return result
-
-    elif name in ("get_megatron_optimizer", "get_megatron_muon_optimizer"):
-
-        def wrapper(*args, **kwargs):
-            optimizer = original(*args, **kwargs)
-            with session.clean_errors():
-                session.install_runtime(bound(args, kwargs)["model_chunks"], optimizer, _args())
-            return optimizer
-
-    elif name == "train_step":
-
-        def wrapper(*args, **kwargs):
-            session.begin_train_step(bound(args, kwargs)["iteration"], _args())
-            result = original(*args, **kwargs)
-            session.end_train_step()
-            return result
-
-    elif name == "get_forward_backward_func":
-
-        def wrapper(*args, **kwargs):
-            schedule = original(*args, **kwargs)
-
-            @functools.wraps(schedule)
-            def forward_backward(*f_args, **f_kwargs):
-                extra = session.before_forward_backward(
-                    bool(f_kwargs.get("forward_only", False)), _args()
-                )
-                for key, value in extra.items():
-                    f_kwargs.setdefault(key, value)
-                return schedule(*f_args, **f_kwargs)
-
-            return forward_backward
-
-    elif name == "training_log":
-
-        def wrapper(*args, **kwargs):
-            arguments = bound(args, kwargs)
-            session.pending_log_field = session.interval_log_field(
-                arguments["iteration"], bool(arguments["is_first_iteration"]), _args()
-            )
-            try:
-                return original(*args, **kwargs)
-            finally:
-                session.pending_log_field = ""
-
-    elif name == "print_rank_last":
-
-        def wrapper(*args, **kwargs):
-            arguments = bound(args, kwargs)
-            arguments["message"] = session.decorate_log_line(arguments["message"])
-            return original(**arguments)
-
-    elif name == "train":
-
-        def wrapper(*args, **kwargs):
-            with session.clean_errors():
-                session.check_installed()
-            try:
-                result = original(*args, **kwargs)
-            except SystemExit as exc:
-                # train() exits the process itself at --exit-interval / --exit-duration-in-mins.
-                if exc.code in (None, 0):
-                    session.write_report(_args())
-                raise
-            session.write_report(_args())
-            return result
-
-    elif name == "save_checkpoint":
-
-        def wrapper(*args, **kwargs):
-            arguments = bound(args, kwargs)
-            session.before_save(arguments["iteration"], bool(arguments["release"]), _args())
-            # Checkpoint I/O collectives are not training communication.
-            with ProcessGroupTrafficMeter.untracked():
-                return original(*args, **kwargs)
-
-    elif name == "load_checkpoint":
-
-        def wrapper(*args, **kwargs):
-            session.begin_load()
-            try:
-                with session.clean_errors(), ProcessGroupTrafficMeter.untracked():
-                    result = original(*args, **kwargs)
-            finally:
-                ctx = session.end_load()
-            with session.clean_errors(), ProcessGroupTrafficMeter.untracked():
-                session.finish_load(ctx, _args())
-            return result
-
-    elif name == "generate_state_dict":
-
-        def wrapper(*args, **kwargs):
-            state_dict = original(*args, **kwargs)
-            session.extend_state_dict(state_dict, bound(args, kwargs)["args"])
-            return state_dict
-
-    elif name == "_load_base_checkpoint":
-
-        def wrapper(*args, **kwargs):
-            result = original(*args, **kwargs)
-            arguments = bound(args, kwargs)
-            session.on_base_checkpoint(result, bool(arguments["rank0"]), arguments["args"])
-            return result
-
-    else:
-        raise AssertionError(f"no wrapper for {target.module}.{name}")
-    functools.update_wrapper(wrapper, original)
-    wrapper.__megatron_ext_hook__ = True
-    return wrapper
+def _check_targets() -> List[Tuple[Any, HookTarget, Any, Any]]:
+    return check_targets(HOOK_TARGETS, RELEASE_LABEL)
 
 
 def install_hooks(session: MegatronLMSession) -> MegatronLMHooks:
@@ -284,9 +95,4 @@ def install_hooks(session: MegatronLMSession) -> MegatronLMHooks:
     Raises:
         UnsupportedReleaseError: a target is missing or has another signature.
     """
-    checked = _check_targets()
-    hooks = MegatronLMHooks(session)
-    for module, target, original, signature in checked:
-        hooks._set(module, target.name, _wrap(session, target, original, signature))
-    session.hook_names = hooks.names
-    return hooks
+    return install_targets(session, HOOK_TARGETS, RELEASE_LABEL)

@@ -11,22 +11,29 @@ from typing import Tuple
 
 from megatron_ext.config import ConfigError
 
-__all__ = ["mcore_version", "require_mcore"]
+__all__ = ["mcore_version", "public_version", "require_mcore"]
+
+
+def public_version(version: str) -> str:
+    """``version`` without its PEP 440 local part: megatron-core 0.19's ``package_info``
+    appends ``+<git sha>`` whenever its folder is inside a git work tree (a Megatron-LM
+    checkout, or a virtual environment created inside any repository)."""
+    return version.split("+", 1)[0]
 
 
 def _parse(version: str) -> Tuple[int, ...]:
     parts = []
-    for piece in version.split(".")[:3]:
+    for piece in public_version(version).split(".")[:3]:
         digits = "".join(ch for ch in piece if ch.isdigit())
         parts.append(int(digits) if digits else 0)
     return tuple(parts)
 
 
 def mcore_version() -> str:
-    """The installed megatron-core version string."""
+    """The imported megatron-core version string (without a local ``+<git sha>`` part)."""
     from megatron.core import package_info
 
-    return package_info.__version__
+    return public_version(package_info.__version__)
 
 
 def require_mcore(feature: str, minimum: str, below: str) -> None:

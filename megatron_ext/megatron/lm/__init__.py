@@ -15,7 +15,9 @@ What it does:
     :func:`install_megatron_lm_hooks` finds the release of the imported megatron-core in
     :data:`~megatron_ext.megatron.lm.releases.RELEASES`, refuses an unknown one, switches on
     CPU execution when asked (``cpu=True`` or ``MEGATRON_EXT_CPU=1``) and installs that
-    release's hooks (for core_v0.16.x: :mod:`megatron_ext.megatron.lm.core_v0_16`).
+    release's hooks (core_v0.16.x: :mod:`megatron_ext.megatron.lm.core_v0_16`, core_v0.19.x:
+    :mod:`megatron_ext.megatron.lm.core_v0_19`), after the Python shims the release needs
+    (:mod:`megatron_ext.megatron.lm.compat`).
 
 Why:
     Megatron-LM users keep their launch scripts and flags; megatron-ext's flags join
@@ -71,7 +73,7 @@ def megatron_lm_extra_args(provider: Optional[Callable] = None) -> Callable:
 
 
 def installed_hooks() -> Any:
-    """The installed :class:`~megatron_ext.megatron.lm.core_v0_16.MegatronLMHooks`, or None."""
+    """The installed :class:`~megatron_ext.megatron.lm.hooks.MegatronLMHooks`, or None."""
     return _HOOKS
 
 
@@ -84,6 +86,23 @@ def _checkout_version_next_to_training() -> Optional[str]:
         return None
     checkout = os.path.dirname(os.path.dirname(list(spec.submodule_search_locations)[0]))
     return read_checkout_version(checkout)
+
+
+def _core_version_on_disk() -> str:
+    """Version in the ``megatron/core/package_info.py`` that ``import megatron.core`` would
+    load, read without importing megatron.core (which must come after the Python shims)."""
+    from megatron_ext.megatron.lm.releases import read_checkout_version
+
+    spec = importlib.util.find_spec("megatron.core")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    version = None
+    if locations:
+        version = read_checkout_version(os.path.dirname(os.path.dirname(locations[0])))
+    if version is None:
+        from megatron_ext.megatron.version import mcore_version  # raises the import error
+
+        version = mcore_version()
+    return version
 
 
 def install_megatron_lm_hooks(cpu: Optional[bool] = None) -> Any:
@@ -107,13 +126,22 @@ def install_megatron_lm_hooks(cpu: Optional[bool] = None) -> Any:
     from megatron_ext.megatron.lm.releases import UnsupportedReleaseError, release_for_version
     from megatron_ext.megatron.lm.session import MegatronLMSession
 
+    from megatron_ext.megatron.lm.compat import apply_python_shims
+
     if cpu is None:
         cpu = cpu_requested_by_env()
+    release = release_for_version(_core_version_on_disk(), "the imported megatron-core")
+    # Before anything imports megatron.training (0.19 on Python 3.11: typing.override).
+    shims = apply_python_shims(release.requires_python)
     # Triton may be missing on CPU machines: the stand-in must precede megatron.training.
     cpu_on = cpu and enable_megatron_lm_cpu() is not None
-    from megatron.core import package_info
+    from megatron_ext.megatron.version import mcore_version
 
-    release = release_for_version(package_info.__version__, "the imported megatron-core")
+    if mcore_version() != release.version:
+        raise UnsupportedReleaseError(
+            f"megatron.core reports {mcore_version()} but its package_info.py on disk says "
+            f"{release.version}"
+        )
     training_version = _checkout_version_next_to_training()
     if training_version is not None and training_version != release.version:
         raise UnsupportedReleaseError(
@@ -122,7 +150,9 @@ def install_megatron_lm_hooks(cpu: Optional[bool] = None) -> Any:
         )
     module_name, function_name = release.hooks.split(":")
     install = getattr(importlib.import_module(module_name), function_name)
-    _HOOKS = install(MegatronLMSession(release, cpu=bool(cpu_on)))
+    session = MegatronLMSession(release, cpu=bool(cpu_on))
+    session.python_shims = shims
+    _HOOKS = install(session)
     if cpu_on:
         from megatron_ext.megatron.lm.cpu import disable_megatron_lm_cpu
 

@@ -29,7 +29,7 @@ import ast
 import hashlib
 import os
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 __all__ = [
     "MegatronLMRelease",
@@ -40,6 +40,7 @@ __all__ = [
     "file_sha256",
     "detect_checkout_release",
     "release_for_version",
+    "same_release_family",
 ]
 
 
@@ -62,6 +63,12 @@ class MegatronLMRelease:
     patch_dir: str
     """Folder under ``patches/`` holding the release's source patch."""
 
+    requires_python: Tuple[int, int] = (3, 10)
+    """Python the release declares; on an older one :mod:`~megatron_ext.megatron.lm.compat`
+    backports what its training package imports."""
+
+
+_CORE_V0_19_0_SHA256 = "7283c4aeb5a00c694bbf2930527a184fc0d5f607f548c74707c71cc240d05fae"
 
 RELEASES: Dict[str, MegatronLMRelease] = {
     "0.16.1": MegatronLMRelease(
@@ -71,6 +78,21 @@ RELEASES: Dict[str, MegatronLMRelease] = {
         pretrain_gpt_sha256="5a5b8fe909610892146e4d2ef5b303bd9b73bb31dfc96d73f2d0afb8937d4b22",
         patch_dir="core_v0.16.1",
     ),
+    # One Megatron-LM tag, three megatron-core version strings: the release 0.19.0 was built
+    # from the tag's parent, the tag commit itself only bumps package_info.py to 0.19.1, and
+    # the megatron-core 0.19.2 wheel ships the same megatron/training (it differs from the
+    # tag in four megatron/core files outside every seam megatron-ext hooks).
+    **{
+        version: MegatronLMRelease(
+            version=version,
+            tag="core_v0.19.0",
+            hooks="megatron_ext.megatron.lm.core_v0_19:install_hooks",
+            pretrain_gpt_sha256=_CORE_V0_19_0_SHA256,
+            patch_dir="core_v0.19.0",
+            requires_python=(3, 12),
+        )
+        for version in ("0.19.0", "0.19.1", "0.19.2")
+    },
 }
 
 
@@ -80,7 +102,15 @@ class UnsupportedReleaseError(RuntimeError):
 
 def supported_releases_text() -> str:
     """``core_v0.16.1 (megatron-core 0.16.1), ...`` for error messages."""
-    return ", ".join(f"{r.tag} (megatron-core {r.version})" for r in RELEASES.values())
+    versions: Dict[str, list] = {}
+    for release in RELEASES.values():
+        versions.setdefault(release.tag, []).append(release.version)
+    return ", ".join(f"{tag} (megatron-core {', '.join(v)})" for tag, v in versions.items())
+
+
+def same_release_family(a: str, b: str) -> bool:
+    """Whether two megatron-core versions are supported releases of the same Megatron-LM tag."""
+    return a in RELEASES and b in RELEASES and RELEASES[a].tag == RELEASES[b].tag
 
 
 def read_checkout_version(checkout: str) -> Optional[str]:

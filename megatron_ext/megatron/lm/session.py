@@ -158,6 +158,7 @@ class MegatronLMSession:
         self.cfg: Optional[ExtConfig] = None
         self.runtime: Any = None
         self.hook_names: List[str] = []
+        self.python_shims: List[str] = []
         self.start_iteration: Optional[int] = None
         self.last_iteration: Optional[int] = None
         self.interval: Dict[str, Traffic] = {}
@@ -251,6 +252,13 @@ class MegatronLMSession:
             f"> megatron-ext: CPU execution {'on' if self.cpu else 'off'}; communication "
             f"report: {self.report_path(args) if cfg.comm.accounting else 'off'}"
         )
+        if self.python_shims:
+            need = ".".join(map(str, self.release.requires_python))
+            print_rank_0(
+                f"> megatron-ext: Python {sys.version_info.major}.{sys.version_info.minor} is "
+                f"older than the {need} Megatron-LM {self.release.tag} declares; backported: "
+                f"{', '.join(self.python_shims)}"
+            )
 
     def check_installed(self) -> None:
         """Raise unless :meth:`install_runtime` ran (called when training starts)."""

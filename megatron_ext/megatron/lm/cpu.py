@@ -6,12 +6,15 @@ What it does:
     Megatron-LM's training package adds:
 
     * ``megatron/training/initialize.py`` imports
-      ``megatron.core.transformer.custom_layers.batch_invariant_kernels``, which imports
-      triton at module level; without triton a stand-in module with the same public names
-      is registered (batch-invariant mode itself stays unavailable and says so if asked);
+      ``megatron.core.transformer.custom_layers.batch_invariant_kernels``, and megatron-core
+      0.19's pipeline schedules import ``megatron.core.transformer.moe.ops.paged_stash``
+      (MoE paged stash); both import triton at module level. Without triton a stand-in
+      module with the same public names is registered for each (batch-invariant mode and
+      the paged stash stay unavailable and say so if used);
     * ``initialize_megatron`` (as ``pretrain()`` calls it through
       ``megatron.training.training``) gets ``allow_no_cuda=True``;
-    * ``megatron.legacy.fused_kernels.load`` (needs ``CUDA_HOME``/nvcc) becomes a no-op;
+    * ``megatron.legacy.fused_kernels.load`` (needs ``CUDA_HOME``/nvcc) becomes a no-op
+      (core_v0.16; 0.19 has no ``megatron/legacy`` and loads no fused kernels);
     * ``megatron.core.datasets.utils.compile_helpers`` skips the build when
       ``helpers_cpp`` already imports (the megatron-core wheel ships it prebuilt but no
       Makefile), and otherwise builds it with *this* interpreter's pybind11 include path
@@ -41,13 +44,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import logging
 import os
 import subprocess
 import sys
 import sysconfig
 import types
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from megatron_ext.config import ConfigError
 from megatron_ext.megatron.patching import AttributePatches
@@ -60,6 +64,7 @@ __all__ = [
     "enable_megatron_lm_cpu",
     "disable_megatron_lm_cpu",
     "check_cpu_args",
+    "register_triton_stand_ins",
 ]
 
 logger = logging.getLogger(__name__)
@@ -68,6 +73,7 @@ CPU_ENV_VAR = "MEGATRON_EXT_CPU"
 """Environment variable that switches CPU execution on for a patched pretrain_gpt.py."""
 
 _BATCH_INVARIANT = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
+_PAGED_STASH_OPS = "megatron.core.transformer.moe.ops.paged_stash"
 
 # (flag, args attribute, value CPU execution needs)
 CPU_REQUIRED_FLAGS: Tuple[Tuple[str, str, Any], ...] = (
@@ -107,6 +113,30 @@ def _batch_invariant_stand_in() -> types.ModuleType:
     return module
 
 
+def _paged_stash_stand_in() -> types.ModuleType:
+    """Module with the public names of moe.ops.paged_stash (0.19), for machines without triton."""
+    module = types.ModuleType(_PAGED_STASH_OPS)
+    module.__doc__ = "megatron-ext CPU stand-in: triton is not installed."
+
+    def unavailable(*args, **kwargs):
+        raise RuntimeError(
+            "the MoE paged stash needs triton (a GPU build); megatron-ext's CPU execution "
+            f"replaced {_PAGED_STASH_OPS}"
+        )
+
+    module.GLOBAL_BLOCK_SIZE = 1024
+    module.paged_stash_copy_kernel = unavailable
+    module.paged_stash_pop_kernel = unavailable
+    return module
+
+
+# Modules that import triton at module level, with their stand-ins.
+_TRITON_STAND_INS = {
+    _BATCH_INVARIANT: _batch_invariant_stand_in,
+    _PAGED_STASH_OPS: _paged_stash_stand_in,
+}
+
+
 def _compile_helpers() -> None:
     """megatron.core.datasets.utils.compile_helpers for CPU runs (see module docstring)."""
     try:
@@ -138,7 +168,7 @@ class MegatronLMCpuHandle:
 
     def __init__(self):
         self._patches = AttributePatches()
-        self._stubbed_module = False
+        self._stubbed_modules: list = []
 
     def replace(self, owner: Any, name: str, value: Any) -> None:
         """Set ``owner.name = value``, remembering the old value."""
@@ -147,12 +177,38 @@ class MegatronLMCpuHandle:
     def remove(self) -> None:
         """Undo the Megatron-LM part (megatron-core's CPU execution stays on)."""
         self._patches.restore()
-        if self._stubbed_module:
-            sys.modules.pop(_BATCH_INVARIANT, None)
-            self._stubbed_module = False
+        for name in self._stubbed_modules:
+            sys.modules.pop(name, None)
+        self._stubbed_modules.clear()
 
 
 _ACTIVE: Optional[MegatronLMCpuHandle] = None
+
+
+def register_triton_stand_ins() -> List[str]:
+    """Without triton, register the stand-ins of the modules that import it (see module
+    docstring) unless already imported; returns the names registered.
+
+    Must run before megatron-core imports them (0.19: ``import megatron.core.pipeline_parallel``
+    already does), so the modules are not looked up first: a name a release lacks is simply
+    never imported.
+    """
+    if importlib.util.find_spec("triton") is not None:
+        return []
+    registered = []
+    for name, stand_in in _TRITON_STAND_INS.items():
+        if name not in sys.modules:
+            sys.modules[name] = stand_in()
+            registered.append(name)
+    return registered
+
+
+def _module_exists(name: str) -> bool:
+    """Whether ``name``'s file exists, without importing it (its parents are imported)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def enable_megatron_lm_cpu() -> Optional[MegatronLMCpuHandle]:
@@ -171,19 +227,16 @@ def enable_megatron_lm_cpu() -> Optional[MegatronLMCpuHandle]:
     if not enable_cpu_execution():
         return None
     handle = MegatronLMCpuHandle()
-    try:
-        importlib.import_module(_BATCH_INVARIANT)
-    except ImportError:
-        sys.modules[_BATCH_INVARIANT] = _batch_invariant_stand_in()
-        handle._stubbed_module = True
+    handle._stubbed_modules.extend(register_triton_stand_ins())
     training = importlib.import_module("megatron.training.training")
     handle.replace(
         training,
         "initialize_megatron",
         functools.partial(training.initialize_megatron, allow_no_cuda=True),
     )
-    fused_kernels = importlib.import_module("megatron.legacy.fused_kernels")
-    handle.replace(fused_kernels, "load", lambda args: None)
+    if _module_exists("megatron.legacy.fused_kernels"):  # core_v0.16; gone in 0.19
+        fused_kernels = importlib.import_module("megatron.legacy.fused_kernels")
+        handle.replace(fused_kernels, "load", lambda args: None)
     dataset_utils = importlib.import_module("megatron.core.datasets.utils")
     handle.replace(dataset_utils, "compile_helpers", _compile_helpers)
     _ACTIVE = handle

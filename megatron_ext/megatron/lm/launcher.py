@@ -8,9 +8,14 @@ What it does:
     1. detects the checkout's release (``megatron/core/package_info.py``) and refuses an
        unsupported one before importing anything of it;
     2. puts the checkout on ``sys.path`` (``--core-from``: ``megatron.core`` from the
-       checkout, or from the installed megatron-core wheel of the same release, whose
-       Python files are identical and which ships the dataset helpers prebuilt; ``auto``
-       picks the wheel when its version matches);
+       checkout, or from the installed megatron-core wheel of the same release, which
+       ships the dataset helpers prebuilt; ``auto`` picks the wheel when its version is
+       the checkout's). ``installed`` also accepts a wheel of another version of the same
+       Megatron-LM tag (core_v0.19.0's checkout says 0.19.1, the wheel on PyPI may be
+       0.19.2). The megatron-core 0.19 wheels also ship ``megatron/training``, which then
+       shadows the checkout's: only ``pretrain_gpt.py``, ``gpt_builders.py``,
+       ``model_provider.py`` and the packages the wheel lacks (``megatron/post_training``,
+       ``megatron/rl``) come from the checkout;
     3. installs megatron-ext's hooks (:func:`~megatron_ext.megatron.lm.
        install_megatron_lm_hooks`), with CPU execution on ``--cpu`` or ``MEGATRON_EXT_CPU=1``;
     4. executes the script's source as ``__main__`` with ``sys.argv`` = the script and the
@@ -49,8 +54,9 @@ launcher options (before the script path):
                  --distributed-backend gloo --transformer-impl local
                  --no-gradient-accumulation-fusion --no-persist-layer-norm
   --core-from    where megatron.core comes from: the checkout, the installed
-                 megatron-core wheel, or auto (the wheel if its version is the
-                 checkout's release, else the checkout). Default: auto.
+                 megatron-core wheel (a version of the checkout's tag; 0.19 wheels
+                 also bring megatron.training), or auto (the wheel if its version
+                 is the checkout's, else the checkout). Default: auto.
 
 megatron-ext flags (--grad-compression, --p2p-compression, --comm-report, ...):
   see 'megatron-ext train --help'; they are added to Megatron-LM's parser.
@@ -127,13 +133,17 @@ def setup_sys_path(checkout: str, release_version: str, core_from: str) -> str:
     Raises:
         ValueError: ``installed`` asked for but no matching megatron-core is installed.
     """
+    from megatron_ext.megatron.lm.releases import same_release_family
+
     installed = _installed_core_version()
     if core_from == "auto":
         core_from = "installed" if installed == release_version else "checkout"
-    if core_from == "installed" and installed != release_version:
+    if core_from == "installed" and not (
+        installed == release_version or same_release_family(installed or "", release_version)
+    ):
         raise ValueError(
             f"--core-from installed: the installed megatron-core is {installed or 'missing'}, "
-            f"the checkout is {release_version}"
+            f"the checkout is {release_version} (a release of another Megatron-LM tag)"
         )
     while checkout in sys.path:
         sys.path.remove(checkout)
@@ -178,10 +188,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
         import megatron.core
+        import megatron.training
 
         print(
             f"> megatron-ext pretrain: Megatron-LM {release.tag} at {checkout}; megatron.core "
-            f"from {os.path.dirname(megatron.core.__file__)} ({core_from})",
+            f"from {os.path.dirname(megatron.core.__file__)} ({core_from}), megatron.training "
+            f"from {os.path.dirname(megatron.training.__file__)}",
             flush=True,
         )
     with open(script, encoding="utf-8") as f:

@@ -10,27 +10,20 @@ them, so CI can check without a checkout. Regenerate it for each supported relea
 
 import argparse
 import sys
-import types
 
 
 def main() -> int:
     checkout, out = sys.argv[1], sys.argv[2]
     sys.path.insert(0, checkout)
-    # megatron/training/initialize.py imports triton kernels at module level; the parser does
-    # not need them, and triton is absent on CPU-only machines.
-    name = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
-    try:
-        __import__(name)
-    except ImportError:
-        stub = types.ModuleType(name)
-        for attr in (
-            "enable_batch_invariant_mode",
-            "disable_batch_invariant_mode",
-            "is_batch_invariant_mode_enabled",
-            "set_batch_invariant_mode",
-        ):
-            setattr(stub, attr, lambda *a, **k: False)
-        sys.modules[name] = stub
+    # The parser needs no triton (absent on CPU-only machines; megatron/training/initialize.py
+    # and 0.19's schedules import triton kernels at module level) and, for 0.19 on Python
+    # 3.11, typing.override (see megatron_ext/megatron/lm/compat.py).
+    from megatron_ext.megatron.lm.compat import apply_python_shims
+    from megatron_ext.megatron.lm.cpu import register_triton_stand_ins
+    from megatron_ext.megatron.lm.releases import detect_checkout_release
+
+    apply_python_shims(detect_checkout_release(checkout).requires_python)
+    register_triton_stand_ins()
     from megatron.training.arguments import add_megatron_arguments
 
     parser = argparse.ArgumentParser(allow_abbrev=False)

@@ -98,8 +98,9 @@ def _megatron_lm_names(lines):
     return flags, dests
 
 
-def test_no_clash_with_megatron_lm_0_16_1_parser():
-    lines = (DATA / "megatron_lm_core_v0.16.1_flags.txt").read_text().split()
+@pytest.mark.parametrize("tag", ["core_v0.16.1", "core_v0.19.0"])
+def test_no_clash_with_megatron_lm_parser(tag):
+    lines = (DATA / f"megatron_lm_{tag}_flags.txt").read_text().split()
     lm_flags, lm_dests = _megatron_lm_names(lines)
     assert len(lm_flags) > 500  # the file really is Megatron-LM's parser
     flags, dests = _ext_flags_and_dests()

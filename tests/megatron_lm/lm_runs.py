@@ -24,6 +24,21 @@ TINY_RUN_FILE = REPO / "configs" / "megatron_lm" / "gpt_tiny_separate_cpu.yaml"
 _ADDRESS_IN_USE = ("Address already in use", "EADDRINUSE")
 
 
+def checkout_release():
+    """The release of the checkout in ``MEGATRON_LM_DIR`` (a :class:`MegatronLMRelease`)."""
+    from megatron_ext.megatron.lm.releases import detect_checkout_release
+
+    return detect_checkout_release(os.environ["MEGATRON_LM_DIR"])
+
+
+def hook_module(release=None):
+    """The hook module (``core_v0_16`` / ``core_v0_19``) of ``release`` (default: the checkout's)."""
+    import importlib
+
+    release = release or checkout_release()
+    return importlib.import_module(release.hooks.split(":")[0])
+
+
 def tiny_args(**overrides: str) -> List[str]:
     """The tiny GPT's flags (from the shipped CPU run file), with ``--flag value`` overrides."""
     from megatron_ext.megatron.lm.runfile import run_file_args

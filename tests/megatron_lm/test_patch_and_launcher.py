@@ -4,8 +4,8 @@ Without a checkout: release detection and refusal on fake trees in tmp_path, the
 applied / re-applied / reverted / refused on a synthetic ``pretrain_gpt.py`` made of the
 patch's own context, the launcher refusing an unknown release before importing anything,
 the flag chaining, the CPU flag check, run files and the launcher scripts' syntax.
-With ``MEGATRON_LM_DIR``: the same on a copy of the real core_v0.16.1 ``pretrain_gpt.py``
-(the checkout itself is never modified).
+With ``MEGATRON_LM_DIR``: the same on a copy of the real ``pretrain_gpt.py`` of the
+checkout's release (the checkout itself is never modified).
 """
 
 import argparse
@@ -46,9 +46,9 @@ def _fake_checkout(root: Path, version=(0, 16, 1), script: str = "print('hi')\n"
     return root
 
 
-def _synthetic_pretrain_gpt() -> str:
+def _synthetic_pretrain_gpt(version: str = "0.16.1") -> str:
     """A file holding exactly the original context of every hunk, with filler between."""
-    (file_patch,) = lm_patch.load_release_patches(RELEASES["0.16.1"])
+    (file_patch,) = lm_patch.load_release_patches(RELEASES[version])
     lines = []
     for hunk in file_patch.hunks:
         lines += [f"filler_{len(lines)} = 1"] * 3
@@ -80,7 +80,7 @@ def test_release_detected_from_package_info(tmp_path):
     assert release.tag == "core_v0.16.1"
 
 
-@pytest.mark.parametrize("version", [(0, 17, 0), (0, 16, 2), (0, 19, 1)])
+@pytest.mark.parametrize("version", [(0, 17, 0), (0, 16, 2), (0, 18, 0), (0, 19, 3)])
 def test_unknown_release_refused_naming_the_supported_ones(tmp_path, version):
     checkout = _fake_checkout(tmp_path, version)
     with pytest.raises(UnsupportedReleaseError) as info:
@@ -88,6 +88,25 @@ def test_unknown_release_refused_naming_the_supported_ones(tmp_path, version):
     message = str(info.value)
     assert ".".join(map(str, version)) in message
     assert "core_v0.16.1" in message
+
+
+@pytest.mark.parametrize("version", [(0, 19, 0), (0, 19, 1), (0, 19, 2)])
+def test_the_versions_of_core_v0_19_0_share_its_hooks_and_patch(tmp_path, version):
+    release = detect_checkout_release(str(_fake_checkout(tmp_path, version)))
+    assert release.tag == "core_v0.19.0" and release.patch_dir == "core_v0.19.0"
+    assert release.hooks == "megatron_ext.megatron.lm.core_v0_19:install_hooks"
+    assert release.requires_python == (3, 12)
+
+
+def test_supported_releases_are_named_once_per_tag():
+    from megatron_ext.megatron.lm.releases import same_release_family, supported_releases_text
+
+    assert supported_releases_text() == (
+        "core_v0.16.1 (megatron-core 0.16.1), "
+        "core_v0.19.0 (megatron-core 0.19.0, 0.19.1, 0.19.2)"
+    )
+    assert same_release_family("0.19.1", "0.19.2")
+    assert not same_release_family("0.16.1", "0.19.1") and not same_release_family("0.19.3", "0.19.1")
 
 
 def test_tree_without_package_info_and_unknown_script_refused(tmp_path):
@@ -99,17 +118,21 @@ def test_tree_without_package_info_and_unknown_script_refused(tmp_path):
 # -- the patch -------------------------------------------------------------------------------
 
 
-def test_shipped_patch_targets_pretrain_gpt_with_two_hunks():
-    (file_patch,) = lm_patch.load_release_patches(RELEASES["0.16.1"])
+@pytest.mark.parametrize("version", ["0.16.1", "0.19.1"])
+def test_shipped_patch_targets_pretrain_gpt_with_two_hunks(version):
+    (file_patch,) = lm_patch.load_release_patches(RELEASES[version])
     assert file_patch.path == "pretrain_gpt.py"
     added = [text for hunk in file_patch.hunks for tag, text in hunk.lines if tag == "+"]
     assert any("install_megatron_lm_hooks()" == line for line in added)
     assert any("megatron_lm_extra_args(add_modelopt_args" in line for line in added)
 
 
-def test_patch_applies_is_idempotent_and_reverts(tmp_path, capsys):
-    original = _synthetic_pretrain_gpt()
-    checkout = _fake_checkout(tmp_path, script=original)
+@pytest.mark.parametrize("version", ["0.16.1", "0.19.1"])
+def test_patch_applies_is_idempotent_and_reverts(tmp_path, capsys, version):
+    original = _synthetic_pretrain_gpt(version)
+    checkout = _fake_checkout(
+        tmp_path, tuple(int(v) for v in version.split(".")), script=original
+    )
     script = checkout / "pretrain_gpt.py"
 
     code, out, _ = _run_patch(capsys, checkout, "--dry-run")
@@ -191,6 +214,52 @@ def test_launcher_refuses_unknown_release_before_importing_it(tmp_path, capsys):
     assert code == 2
     assert "megatron-ext pretrain: error:" in err and "0.17.1" in err and "core_v0.16.1" in err
     assert str(checkout) not in os.sys.path
+
+
+def test_launcher_core_from_installed_accepts_a_wheel_of_the_same_tag(monkeypatch, tmp_path):
+    from megatron_ext.megatron.lm import launcher
+
+    checkout = str(tmp_path)
+    monkeypatch.setattr(os.sys, "path", list(os.sys.path))
+    monkeypatch.setattr(launcher, "_installed_core_version", lambda: "0.19.2")
+    # auto: the wheel only when it is exactly the checkout's version.
+    assert launcher.setup_sys_path(checkout, "0.19.1", "auto") == "checkout"
+    assert os.sys.path[0] == checkout
+    assert launcher.setup_sys_path(checkout, "0.19.2", "auto") == "installed"
+    assert os.sys.path[-1] == checkout and os.sys.path.count(checkout) == 1
+    # installed: any version of the same Megatron-LM tag, never another tag's.
+    assert launcher.setup_sys_path(checkout, "0.19.1", "installed") == "installed"
+    with pytest.raises(ValueError, match="installed megatron-core is 0.19.2, the checkout is 0.16.1"):
+        launcher.setup_sys_path(checkout, "0.16.1", "installed")
+
+
+def test_megatron_core_versions_compare_without_the_git_suffix():
+    from megatron_ext.megatron.version import _parse, public_version
+
+    # megatron-core 0.19's package_info appends '+<sha>' inside any git work tree.
+    assert public_version("0.19.1+5be9626709") == "0.19.1"
+    assert _parse("0.19.1+5be9626709") == (0, 19, 1)
+    assert public_version("0.16.1") == "0.16.1"
+
+
+def test_python_shims_only_below_the_declared_python(monkeypatch):
+    import typing
+
+    from megatron_ext.megatron.lm.compat import apply_python_shims
+
+    if hasattr(typing, "override") and getattr(typing.override, "__module__", "") == "typing":
+        pytest.skip("this Python has typing.override itself")
+    monkeypatch.delattr(typing, "override", raising=False)
+    assert apply_python_shims((3, 10)) == []
+    assert not hasattr(typing, "override")
+    assert apply_python_shims((3, 12)) == ["typing.override"]
+
+    @typing.override
+    def f():
+        return 1
+
+    assert f.__override__ is True and f() == 1
+    assert apply_python_shims((3, 12)) == []  # present now: left as it is
 
 
 def test_cli_lists_patch_and_pretrain():
@@ -348,21 +417,22 @@ def checkout_copy(tmp_path):
 @pytest.mark.megatron_lm
 def test_patch_real_pretrain_gpt(checkout_copy, capsys):
     script = checkout_copy / "pretrain_gpt.py"
-    release = RELEASES["0.16.1"]
+    release = detect_checkout_release(str(checkout_copy))
     assert file_sha256(str(script)) == release.pretrain_gpt_sha256
     code, out, err = _run_patch(capsys, checkout_copy)
     assert code == 0, err
-    assert "Megatron-LM core_v0.16.1" in out and "patched pretrain_gpt.py" in out
+    assert f"Megatron-LM {release.tag}" in out and "patched pretrain_gpt.py" in out
     text = script.read_text()
     assert text.count("install_megatron_lm_hooks()") == 1
     compile(text, str(script), "exec")
     assert "already patched" in _run_patch(capsys, checkout_copy)[1]
     code, out, _ = _run_patch(capsys, checkout_copy, "--revert")
-    assert code == 0 and "byte-identical to the core_v0.16.1 release file" in out
+    assert code == 0 and f"byte-identical to the {release.tag} release file" in out
     assert file_sha256(str(script)) == release.pretrain_gpt_sha256
 
 
 @pytest.mark.megatron_lm
 def test_release_detected_by_fingerprint_without_package_info(checkout_copy):
+    tag = detect_checkout_release(str(checkout_copy)).tag
     shutil.rmtree(checkout_copy / "megatron")
-    assert detect_checkout_release(str(checkout_copy)).tag == "core_v0.16.1"
+    assert detect_checkout_release(str(checkout_copy)).tag == tag

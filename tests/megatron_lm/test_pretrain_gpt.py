@@ -1,7 +1,8 @@
 """Megatron-LM's own pretrain_gpt.py trained on CPU (gloo) with megatron-ext, end to end.
 
-Needs a Megatron-LM checkout at core_v0.16.1 in ``MEGATRON_LM_DIR`` (skipped otherwise; the
-checkout is never modified: the patched runs use a copy). A tiny GPT on ``--mock-data``
+Needs a Megatron-LM checkout of a supported release (core_v0.16.1, core_v0.19.0) in
+``MEGATRON_LM_DIR`` (skipped otherwise; the checkout is never modified: the patched runs use a
+copy). A tiny GPT on ``--mock-data``
 (``configs/megatron_lm/gpt_tiny_separate_cpu.yaml``: 2 layers, hidden 64, seq 64, dropout
 off), 2 processes:
 
@@ -32,7 +33,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.megatron_lm.lm_runs import REPO, TINY_RUN_FILE, iterations, pretrain, tiny_args
+from tests.megatron_lm.lm_runs import (
+    REPO,
+    TINY_RUN_FILE,
+    checkout_release,
+    iterations,
+    pretrain,
+    tiny_args,
+)
 
 pytestmark = [pytest.mark.megatron_lm, pytest.mark.slow]
 
@@ -67,11 +75,11 @@ def dp2_torch_dist(lm_dir, tmp_path_factory):
 
 def test_zero_touch_dp2_logs_bytes_and_writes_report(dp2_torch_dist):
     root, run = dp2_torch_dist
-    assert "> megatron-ext: hooked Megatron-LM core_v0.16.1:" in run.stdout
+    assert f"> megatron-ext: hooked Megatron-LM {checkout_release().tag}:" in run.stdout
     assert "grad reducer SeparateReducer (--grad-compression separate)" in run.stdout
     _assert_dp_grad_bytes(iterations(run.stdout), [1, 2, 3, 4])
     report = json.loads((root / "ckpt" / "comm_report.json").read_text())
-    assert report["megatron_lm_release"] == "core_v0.16.1"
+    assert report["megatron_lm_release"] == checkout_release().tag
     assert report["steps_this_run"] == 4 and report["layout"]["dp"] == 2
     dp_grad = report["comm"]["all_ranks_total"]["dp-grad"]
     assert 0 < dp_grad["sent"] < dp_grad["dense_sent"] / 8
@@ -98,8 +106,10 @@ def test_torch_dist_checkpoint_holds_one_object_per_rank(dp2_torch_dist):
         "megatron_ext/rank_state/shard_0_2",
         "megatron_ext/rank_state/shard_1_2",
     }
-    common = torch.load(directory / "common.pt", weights_only=False)
-    meta = common["megatron_ext_meta"]
+    # core_v0.16 writes common.pt; 0.19 keeps the common state inside the torch_dist files.
+    from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+    meta = load_common_state_dict(str(directory))["megatron_ext_meta"]
     assert meta["layout"] == {"tp": 1, "pp": 1, "dp": 2, "world": 2}
     assert meta["settings"]["grad_compression"] == "separate"
     assert "saving the state of 2 ranks at iteration 2" in run.stdout
@@ -282,7 +292,7 @@ def test_patched_pretrain_gpt_trains(patched_copy, tmp_path, layout, expected):
         cwd=tmp_path,
         zero_touch=False,
     ).check()
-    assert "> megatron-ext: hooked Megatron-LM core_v0.16.1:" in run.stdout
+    assert f"> megatron-ext: hooked Megatron-LM {checkout_release().tag}:" in run.stdout
     iters = iterations(run.stdout)
     assert sorted(iters) == [1, 2, 3]
     assert all(r["bytes"].startswith(expected) for r in iters.values()), iters

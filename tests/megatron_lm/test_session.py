@@ -18,10 +18,10 @@ import pytest
 
 from megatron_ext.config import ConfigError, ExtConfig
 from megatron_ext.megatron.lm import checkpoint as lm_ckpt
-from megatron_ext.megatron.lm.core_v0_16 import HOOK_TARGETS
 from megatron_ext.megatron.lm.releases import RELEASES
 from megatron_ext.megatron.lm.session import MegatronLMSession, check_megatron_lm_args
 from megatron_ext.state import ExtState, StateMismatch
+from tests.megatron_lm.lm_runs import hook_module
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -117,17 +117,21 @@ def test_pipeline_codecs_need_the_single_sampler():
 
 
 def _run_with_checkout(code: str) -> str:
-    """Run ``code`` with the checkout's megatron.training importable (triton stand-in)."""
+    """Run ``code`` with the checkout's megatron.training importable (the Python shims of its
+    release, the triton stand-ins). ``hooks`` is the release's hook module."""
     prelude = textwrap.dedent(f"""
         import sys
         sys.path.append({os.environ["MEGATRON_LM_DIR"]!r})
         sys.path.insert(0, {REPO!r})
         import importlib
-        from megatron_ext.megatron.lm.cpu import _BATCH_INVARIANT, _batch_invariant_stand_in
-        try:
-            importlib.import_module(_BATCH_INVARIANT)
-        except ImportError:
-            sys.modules[_BATCH_INVARIANT] = _batch_invariant_stand_in()
+        from megatron_ext.megatron.lm.compat import apply_python_shims
+        from megatron_ext.megatron.lm.cpu import register_triton_stand_ins
+        from megatron_ext.megatron.lm.releases import detect_checkout_release
+
+        release = detect_checkout_release({os.environ["MEGATRON_LM_DIR"]!r})
+        apply_python_shims(release.requires_python)
+        register_triton_stand_ins()
+        hooks = importlib.import_module(release.hooks.split(":")[0])
         """)
     proc = subprocess.run(
         [sys.executable, "-c", prelude + textwrap.dedent(code)],
@@ -161,21 +165,21 @@ def test_sample_ids_equal_megatron_pretraining_sampler():
 @pytest.mark.megatron_lm
 def test_hook_targets_exist_and_a_changed_signature_is_refused():
     out = _run_with_checkout("""
-        from megatron_ext.megatron.lm import core_v0_16
         from megatron_ext.megatron.lm.releases import UnsupportedReleaseError
 
-        checked = core_v0_16._check_targets()
-        print("targets", len(checked))
+        checked = hooks._check_targets()
+        print("targets", len(checked), "of", len(hooks.HOOK_TARGETS))
         import megatron.training.training as training
 
         training.train_step = lambda forward_step_func, data_iterator: None
         try:
-            core_v0_16._check_targets()
+            hooks._check_targets()
         except UnsupportedReleaseError as exc:
             print("refused:", exc)
         """)
-    assert f"targets {len(HOOK_TARGETS)}" in out
-    assert "refused: megatron.training.training.train_step" in out and "lacks ['iteration']" in out
+    n = len(hook_module().HOOK_TARGETS)
+    assert f"targets {n} of {n}" in out
+    assert "refused: megatron.training.training.train_step" in out and "lacks ['iteration'" in out
 
 
 def test_dataset_helpers_build_is_skipped_when_built_and_explained_when_impossible(monkeypatch):
@@ -217,4 +221,4 @@ def test_install_then_remove_restores_megatron_lm():
         assert after == before and installed_hooks() is None
         print("restored", len(hooks.session.hook_names))
         """)
-    assert f"restored {len(HOOK_TARGETS)}" in out
+    assert f"restored {len(hook_module().HOOK_TARGETS)}" in out

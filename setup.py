@@ -42,6 +42,12 @@ setup(
         "gpu": ["transformer-engine[pytorch]"],
         "test": ["pytest", "tensorboard", "matplotlib"],
         "report": ["matplotlib", "tensorboard"],
+        # What Megatron-LM's pretrain_gpt.py / megatron/training import beyond megatron-core
+        # (megatron_ext/megatron/lm/requirements.py; pyyaml and psutil are required above):
+        # core_v0.16.1 imports six, regex, pydantic at start-up; pybind11 builds the dataset
+        # helpers of a checkout's megatron/core. triton (0.19's schedules) comes with CUDA
+        # builds of torch and has a CPU stand-in.
+        "megatron-lm": ["six", "regex", "pydantic", "pybind11"],
     },
     # Model presets, run files and Megatron-LM patches, found there by a non-editable install.
     data_files=_data_files("configs") + _data_files("patches"),

@@ -93,4 +93,17 @@ if [[ "$DRY_RUN" == 1 ]]; then
     printf '\n'
     exit 0
 fi
+
+# Pre-flight, once, before torchrun starts its processes: the checkout's release is supported
+# and every Python package its training code imports is installed (names all that are missing).
+REQUIREMENT_ARGS=("$MEGATRON_LM_DIR")
+if [[ "$CPU" == 1 ]]; then
+    REQUIREMENT_ARGS+=(--cpu)
+fi
+if [[ "$MODE" == patched ]]; then
+    # pretrain_gpt.py's folder comes first on sys.path: megatron.core is the checkout's.
+    REQUIREMENT_ARGS+=(--core-from checkout)
+fi
+$PYTHON -m megatron_ext.megatron.lm.requirements "${REQUIREMENT_ARGS[@]}"
+
 exec "${COMMAND[@]}"

@@ -262,6 +262,38 @@ def test_python_shims_only_below_the_declared_python(monkeypatch):
     assert apply_python_shims((3, 12)) == []  # present now: left as it is
 
 
+def test_requirements_are_named_all_at_once_before_anything_runs(tmp_path, monkeypatch, capsys):
+    from megatron_ext.megatron.lm import requirements
+
+    found = {"six", "yaml", "psutil"}
+    monkeypatch.setattr(
+        requirements.importlib.util,
+        "find_spec",
+        lambda name: object() if name in found else None,
+    )
+    # A checkout with megatron/core but no built dataset helpers: pybind11 is needed too.
+    checkout = _fake_checkout(tmp_path)
+    (checkout / "megatron" / "core" / "datasets").mkdir()
+    code = requirements.main([str(checkout), "--cpu", "--core-from", "checkout"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "Megatron-LM core_v0.16.1 needs Python packages that are not installed" in err
+    assert "regex (pip: regex)" in err and "pydantic (pip: pydantic)" in err
+    assert "pybind11 (pip: pybind11)" in err and "triton" not in err  # --cpu: stand-in
+    assert "pip install pybind11 pydantic regex" in err
+    found |= {"regex", "pydantic", "pybind11"}
+    assert requirements.main([str(checkout), "--cpu", "--core-from", "checkout"]) == 0
+    # 0.19 needs none of the tokenizer / RL packages, and triton only off CPU.
+    checkout19 = _fake_checkout(tmp_path / "v19", (0, 19, 1))
+    found.clear()
+    found.add("psutil")
+    assert requirements.missing_requirements("core_v0.19.0", cpu=True) == []
+    assert [r.module for r in requirements.missing_requirements("core_v0.19.0", cpu=False)] == [
+        "triton"
+    ]
+    assert requirements.main([str(checkout19), "--cpu", "--core-from", "checkout"]) == 0
+
+
 def test_cli_lists_patch_and_pretrain():
     from megatron_ext.cli import SUBCOMMANDS
 

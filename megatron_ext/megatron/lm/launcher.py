@@ -16,9 +16,11 @@ What it does:
        shadows the checkout's: only ``pretrain_gpt.py``, ``gpt_builders.py``,
        ``model_provider.py`` and the packages the wheel lacks (``megatron/post_training``,
        ``megatron/rl``) come from the checkout;
-    3. installs megatron-ext's hooks (:func:`~megatron_ext.megatron.lm.
+    3. names every Python package Megatron-LM's training code needs that is missing
+       (:mod:`megatron_ext.megatron.lm.requirements`) and stops, before importing any;
+    4. installs megatron-ext's hooks (:func:`~megatron_ext.megatron.lm.
        install_megatron_lm_hooks`), with CPU execution on ``--cpu`` or ``MEGATRON_EXT_CPU=1``;
-    4. executes the script's source as ``__main__`` with ``sys.argv`` = the script and the
+    5. executes the script's source as ``__main__`` with ``sys.argv`` = the script and the
        remaining arguments, so Megatron-LM parses them, megatron-ext's flags included.
 
 Why exec in this process's ``__main__``:
@@ -40,7 +42,7 @@ import sys
 from importlib import metadata
 from typing import List, Optional, Sequence, Tuple
 
-__all__ = ["main", "parse_launcher_args", "setup_sys_path"]
+__all__ = ["main", "parse_launcher_args", "resolve_core_from", "setup_sys_path"]
 
 _USAGE = """\
 usage: megatron-ext pretrain [--cpu] [--core-from {auto,checkout,installed}]
@@ -121,17 +123,15 @@ def _installed_core_version() -> Optional[str]:
         return None
 
 
-def setup_sys_path(checkout: str, release_version: str, core_from: str) -> str:
-    """Put ``checkout`` on ``sys.path`` so ``megatron.core`` comes from where asked.
-
-    ``megatron`` is a namespace package in both the checkout and the wheel, so the order of
-    ``sys.path`` decides which ``megatron/core`` is found first.
+def resolve_core_from(release_version: str, core_from: str) -> str:
+    """``auto``/``checkout``/``installed`` -> where ``megatron.core`` will come from.
 
     Returns:
         ``"checkout"`` or ``"installed"``.
 
     Raises:
-        ValueError: ``installed`` asked for but no matching megatron-core is installed.
+        ValueError: ``installed`` asked for but no megatron-core of the checkout's tag is
+            installed.
     """
     from megatron_ext.megatron.lm.releases import same_release_family
 
@@ -145,6 +145,22 @@ def setup_sys_path(checkout: str, release_version: str, core_from: str) -> str:
             f"--core-from installed: the installed megatron-core is {installed or 'missing'}, "
             f"the checkout is {release_version} (a release of another Megatron-LM tag)"
         )
+    return core_from
+
+
+def setup_sys_path(checkout: str, release_version: str, core_from: str) -> str:
+    """Put ``checkout`` on ``sys.path`` so ``megatron.core`` comes from where asked.
+
+    ``megatron`` is a namespace package in both the checkout and the wheel, so the order of
+    ``sys.path`` decides which ``megatron/core`` is found first.
+
+    Returns:
+        ``"checkout"`` or ``"installed"``.
+
+    Raises:
+        ValueError: ``installed`` asked for but no matching megatron-core is installed.
+    """
+    core_from = resolve_core_from(release_version, core_from)
     while checkout in sys.path:
         sys.path.remove(checkout)
     if core_from == "installed":
@@ -158,6 +174,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry point (returns only if the script returns)."""
     from megatron_ext.megatron.lm.cpu import CPU_ENV_VAR, cpu_requested_by_env
     from megatron_ext.megatron.lm.releases import UnsupportedReleaseError, detect_checkout_release
+    from megatron_ext.megatron.lm.requirements import format_missing, missing_requirements
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -177,6 +194,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         release = detect_checkout_release(checkout)
         core_from = setup_sys_path(checkout, release.version, options["core_from"])
+        missing = missing_requirements(
+            release.tag, cpu=cpu, core_checkout=checkout if core_from == "checkout" else None
+        )
+        if missing:
+            raise ValueError(format_missing(release.tag, missing))
         if cpu:
             # A spawned checkpoint writer inherits the environment, not our arguments.
             os.environ[CPU_ENV_VAR] = "1"

@@ -222,12 +222,18 @@ def enable_megatron_lm_cpu() -> Optional[MegatronLMCpuHandle]:
     global _ACTIVE
     if _ACTIVE is not None:
         return _ACTIVE
+    import torch
+
     from megatron_ext.megatron.cpu import enable_cpu_execution
 
-    if not enable_cpu_execution():
-        return None
     handle = MegatronLMCpuHandle()
-    handle._stubbed_modules.extend(register_triton_stand_ins())
+    if not torch.cuda.is_available():
+        # Before enable_cpu_execution: it imports megatron.core, whose __init__ reaches 0.19's
+        # schedules (and their paged-stash triton kernels).
+        handle._stubbed_modules.extend(register_triton_stand_ins())
+    if not enable_cpu_execution():
+        handle.remove()
+        return None
     training = importlib.import_module("megatron.training.training")
     handle.replace(
         training,

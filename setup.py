@@ -29,9 +29,11 @@ setup(
     install_requires=[
         # The CPU wheel is pinned by the README's install command; any torch >= 2.6 works.
         "torch>=2.6",
-        # Tested on 0.16.1. Newer releases are not locked out: the adapters check the
-        # hook signatures they rely on at install time and fail with a clear error.
-        "megatron-core>=0.16.1",
+        # The supported release lines (megatron_ext/megatron/mcore): 0.16.x and 0.19.x. pip
+        # takes the newest the Python allows: 0.16.1 on Python 3.11 (0.17+ declare >= 3.12),
+        # 0.19.x on 3.12. 0.17/0.18 are excluded (their method bodies are not verified; the
+        # adapters would refuse them at run time, naming the supported releases).
+        "megatron-core>=0.16.1,!=0.17.*,!=0.18.*,<0.20",
         "numpy",
         "sentencepiece",
         "datasets",

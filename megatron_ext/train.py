@@ -717,6 +717,10 @@ class _Progress:
 
 def run_training(cfg: DriverConfig) -> Dict[str, Any]:
     """Set up a full run from a parsed config and train (call on every rank)."""
+    from megatron_ext.megatron import mcore
+
+    # An unsupported megatron-core is refused before any process group or model exists.
+    mcore.release()
     trainer = Trainer(cfg)
     trainer.setup_distributed()
     trainer.build_data()

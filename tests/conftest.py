@@ -5,6 +5,9 @@
   suite never writes into the user's ``~/.cache`` and reruns reuse the built data.
 * ``gpu`` tests are skipped without CUDA; ``megatron_lm`` tests without a checkout in
   ``MEGATRON_LM_DIR``.
+* Without triton, megatron-core 0.19's triton kernel modules get megatron-ext's
+  stand-ins before any test imports megatron.core (importing ``megatron_ext.megatron``
+  does that in every process, as it does for users).
 """
 
 import os
@@ -14,6 +17,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("MEGATRON_EXT_CACHE", str(REPO / ".cache" / "tests"))
+
+
+def pytest_configure(config):
+    import megatron_ext.megatron  # noqa: F401 (registers the triton stand-ins where needed)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -146,6 +146,10 @@ class BucketGroupSpec:
     reduce_scatter_fn: Callable[..., Any] = torch.distributed.reduce_scatter_tensor
     """The reduce-scatter function megatron would call (it may use fp32 accumulation)."""
 
+    reduce_scatter_own_handle: bool = False
+    """Wait on ``reduce_scatter_fn``'s own handle rather than the coalescing manager's
+    (megatron's fp32-accumulating reduce-scatter; one bucket per group)."""
+
     meter: Optional[CommMeter] = None
     """Byte accounting; None disables recording."""
 
@@ -370,18 +374,20 @@ class GradReducer(abc.ABC):
 
 
 class _DenseReduction(BoundReduction):
-    """megatron-core 0.16's collectives for one bucket group, plus accounting."""
+    """megatron-core's collectives for one bucket group (0.16 and 0.19 alike), plus
+    accounting."""
 
     def launch(self, step: int, force_all_reduce: bool = False) -> Optional[Any]:
         spec = self.spec
         reduce_scatter = spec.distributed_optimizer and not force_all_reduce
+        handle = None
         with ProcessGroupTrafficMeter.tagged("dp-grad"):
             # One coalescing manager over the group's buckets, as megatron does.
             with _coalescing_manager(spec.group, async_ops=spec.async_op) as cm:
                 for bucket in spec.buckets:
                     if reduce_scatter:
                         lo, hi = bucket.shard
-                        spec.reduce_scatter_fn(
+                        handle = spec.reduce_scatter_fn(
                             bucket.grad[lo:hi],
                             bucket.grad,
                             op=spec.op,
@@ -398,7 +404,13 @@ class _DenseReduction(BoundReduction):
                 nbytes = bucket.grad.numel() * bucket.grad.element_size()
                 wire = collective_wire_bytes(kind, nbytes, spec.group_size)
                 spec.meter.record("dp-grad", sent=wire, recv=wire)
-        return cm if spec.async_op else None
+        if not spec.async_op:
+            return None
+        if reduce_scatter and spec.reduce_scatter_own_handle:
+            # megatron's fp32-accumulating reduce-scatter returns a handle of its own that
+            # the coalescing manager does not wait on.
+            return handle
+        return cm
 
 
 class DenseGradReducer(GradReducer):

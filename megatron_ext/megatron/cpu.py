@@ -41,8 +41,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import logging
 import os
+import sys
+import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -50,7 +53,12 @@ from torch.overrides import TorchFunctionMode
 
 from megatron_ext.megatron.patching import AttributePatches
 
-__all__ = ["enable_cpu_execution", "disable_cpu_execution", "is_cpu_execution_enabled"]
+__all__ = [
+    "enable_cpu_execution",
+    "disable_cpu_execution",
+    "is_cpu_execution_enabled",
+    "register_triton_stand_ins",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -283,6 +291,76 @@ _ACTIVE: Optional[_CpuExecution] = None
 def is_cpu_execution_enabled() -> bool:
     """Whether ``enable_cpu_execution()`` has installed the CPU redirections."""
     return _ACTIVE is not None
+
+
+_BATCH_INVARIANT = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
+_PAGED_STASH_OPS = "megatron.core.transformer.moe.ops.paged_stash"
+
+
+def _batch_invariant_stand_in() -> types.ModuleType:
+    """Module with the public names of batch_invariant_kernels, for machines without triton."""
+    module = types.ModuleType(_BATCH_INVARIANT)
+    module.__doc__ = "megatron-ext CPU stand-in: triton is not installed."
+
+    def unavailable(*args, **kwargs):
+        raise RuntimeError(
+            "--batch-invariant-mode needs triton (a GPU build); megatron-ext's CPU execution "
+            "replaced megatron.core.transformer.custom_layers.batch_invariant_kernels"
+        )
+
+    @contextlib.contextmanager
+    def set_batch_invariant_mode(enabled: bool = True):
+        if enabled:
+            unavailable()
+        yield
+
+    module.is_batch_invariant_mode_enabled = lambda: False
+    module.enable_batch_invariant_mode = unavailable
+    module.disable_batch_invariant_mode = lambda: None
+    module.set_batch_invariant_mode = set_batch_invariant_mode
+    return module
+
+
+def _paged_stash_stand_in() -> types.ModuleType:
+    """Module with the public names of moe.ops.paged_stash (0.19), for machines without triton."""
+    module = types.ModuleType(_PAGED_STASH_OPS)
+    module.__doc__ = "megatron-ext CPU stand-in: triton is not installed."
+
+    def unavailable(*args, **kwargs):
+        raise RuntimeError(
+            "the MoE paged stash needs triton (a GPU build); megatron-ext's CPU execution "
+            f"replaced {_PAGED_STASH_OPS}"
+        )
+
+    module.GLOBAL_BLOCK_SIZE = 1024
+    module.paged_stash_copy_kernel = unavailable
+    module.paged_stash_pop_kernel = unavailable
+    return module
+
+
+# Modules that import triton at module level, with their stand-ins.
+_TRITON_STAND_INS = {
+    _BATCH_INVARIANT: _batch_invariant_stand_in,
+    _PAGED_STASH_OPS: _paged_stash_stand_in,
+}
+
+
+def register_triton_stand_ins() -> List[str]:
+    """Without triton, register the stand-ins of the modules that import it (see module
+    docstring) unless already imported; returns the names registered.
+
+    Must run before megatron-core imports them (0.19: ``import megatron.core`` already
+    does); the modules are not looked up first, so a name a release lacks is never imported.
+    Batch-invariant mode and the MoE paged stash stay unavailable and say so if used.
+    """
+    if importlib.util.find_spec("triton") is not None:
+        return []
+    registered = []
+    for name, stand_in in _TRITON_STAND_INS.items():
+        if name not in sys.modules:
+            sys.modules[name] = stand_in()
+            registered.append(name)
+    return registered
 
 
 def enable_cpu_execution(force: bool = False) -> bool:

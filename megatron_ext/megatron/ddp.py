@@ -50,15 +50,16 @@ __all__ = ["GradSyncHandle", "install_grad_sync", "bucket_group_spec"]
 logger = get_logger(__name__)
 
 
-def _param_slices(bucket: Any, names: Dict[Any, str]) -> List[ParamSlice]:
+def _param_slices(bucket: Any, names: Dict[Any, str], release: Any) -> List[ParamSlice]:
     grad = bucket.grad_data
     base = grad.data_ptr()
     elem = grad.element_size()
     slices = []
     for param in bucket.params_list:
-        # main_grad is a view into the bucket; its offset is robust to the padding the
-        # distributed optimizer inserts (bucket.param_to_index ignores it).
-        start = (param.main_grad.data_ptr() - base) // elem
+        # The param's view into the bucket (main_grad, or 0.19's copy for params with an
+        # extra fp32 main_grad); its offset is robust to the padding the distributed
+        # optimizer inserts (bucket.param_to_index ignores it).
+        start = (release.bucket_grad(param).data_ptr() - base) // elem
         slices.append(
             ParamSlice(
                 fqn=names[param], start=start, end=start + param.numel(), shape=tuple(param.shape)
@@ -81,9 +82,10 @@ def bucket_group_spec(
         if dist_opt
         else bucket_group.data_parallel_group
     )
+    release = mcore.release()
     buckets = []
     for bucket in bucket_group.buckets:
-        slices = _param_slices(bucket, names)
+        slices = _param_slices(bucket, names, release)
         key = f"{slices[0].fqn}..{slices[-1].fqn}" if slices else f"bucket{bucket.bucket_id}"
         buckets.append((bucket.grad_data, slices, key))
     op = torch.distributed.ReduceOp.SUM
@@ -96,8 +98,12 @@ def bucket_group_spec(
         distributed_optimizer=dist_opt,
         async_op=ddp_config.overlap_grad_reduce,
         # Read at install time: megatron swaps the module global for the fp32 accumulating
-        # variant when a DDP config asks for it.
+        # variant when a DDP config asks for it; that variant's own handle is the one to wait
+        # on (the coalescing manager does not wait on it).
         reduce_scatter_fn=pgb.dist_reduce_scatter_func,
+        reduce_scatter_own_handle=bool(
+            getattr(ddp_config, "reduce_scatter_with_fp32_accumulation", False)
+        ),
         meter=meter,
     )
 

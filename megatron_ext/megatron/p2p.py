@@ -40,7 +40,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron_ext.accounting import CommMeter, ProcessGroupTrafficMeter
 from megatron_ext.collectives.p2p import IdentityCodec, P2PCodec, P2PContext
 from megatron_ext.config import ConfigError
-from megatron_ext.megatron.version import require_mcore
+from megatron_ext.megatron import mcore
 
 __all__ = ["ExtP2PCommunicator"]
 
@@ -79,8 +79,9 @@ class ExtP2PCommunicator(P2PCommunicator):
         codec: Optional[P2PCodec] = None,
         meter: Optional[CommMeter] = None,
     ):
-        # _communicate below re-implements megatron-core 0.16's body around the codec.
-        require_mcore("pipeline send/receive seam (P2P communicator)", "0.16", "0.17")
+        # _communicate below re-implements megatron-core's body around the codec: only for
+        # the supported releases (identical in 0.16 and 0.19).
+        mcore.release()
         super().__init__(pp_group=pp_group, config=config)
         self.codec = codec or IdentityCodec()
         self.meter = meter

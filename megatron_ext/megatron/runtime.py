@@ -29,7 +29,7 @@ Why one object:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -121,6 +121,10 @@ def _schedule_pg_collection():
     pgc.pos_embd = ps.get_position_embedding_group(check_initialized=False)
     pgc.cp = ps.get_context_parallel_group()
     pgc.dp_cp = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=False)
+    # megatron-core 0.19's default collection (schedules._build_default_pg_collection) also
+    # carries these two; both fields exist in 0.16's ProcessGroupCollection too.
+    pgc.tp_dp_cp = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    pgc.dp = ps.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False)
     return pgc
 
 

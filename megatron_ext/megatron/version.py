@@ -1,17 +1,13 @@
-"""megatron-core version checks for the adapters.
+"""megatron-core version strings: the installed release, compared without local parts.
 
-Each adapter that re-implements a piece of megatron-core (rather than calling a public
-seam) states the releases it was verified against and refuses others with a message that
-names the feature and the versions, instead of silently dropping upstream behaviour.
+Which releases are supported, and the code path of each, is ``megatron_ext.megatron.mcore``.
 """
 
 from __future__ import annotations
 
 from typing import Tuple
 
-from megatron_ext.config import ConfigError
-
-__all__ = ["mcore_version", "public_version", "require_mcore"]
+__all__ = ["mcore_version", "public_version", "parse_version"]
 
 
 def public_version(version: str) -> str:
@@ -21,7 +17,8 @@ def public_version(version: str) -> str:
     return version.split("+", 1)[0]
 
 
-def _parse(version: str) -> Tuple[int, ...]:
+def parse_version(version: str) -> Tuple[int, ...]:
+    """``(major, minor, patch)`` of a version string (non-digits dropped)."""
     parts = []
     for piece in public_version(version).split(".")[:3]:
         digits = "".join(ch for ch in piece if ch.isdigit())
@@ -34,21 +31,3 @@ def mcore_version() -> str:
     from megatron.core import package_info
 
     return public_version(package_info.__version__)
-
-
-def require_mcore(feature: str, minimum: str, below: str) -> None:
-    """Raise ConfigError unless ``minimum <= megatron-core < below``.
-
-    Args:
-        feature: what needs the check (named in the error).
-        minimum: lowest verified release.
-        below: first release not verified.
-    """
-    version = mcore_version()
-    if not (_parse(minimum) <= _parse(version) < _parse(below)):
-        raise ConfigError(
-            "megatron-core",
-            f"{feature} is verified for megatron-core >= {minimum}, < {below}; found "
-            f"{version}. Its hook re-implements a megatron-core method whose body changed "
-            "in later releases, so it refuses to run rather than drop upstream steps.",
-        )

@@ -44,6 +44,10 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     )
     import torch
 
+    # As in any megatron_ext process: importing the adapters package first registers the
+    # triton stand-ins megatron-core 0.19 needs on machines without triton.
+    import megatron_ext.megatron  # noqa: F401
+
     torch.set_num_threads(1)
     try:
         result = fn(rank, world_size, *args)

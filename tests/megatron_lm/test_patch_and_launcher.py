@@ -106,7 +106,9 @@ def test_supported_releases_are_named_once_per_tag():
         "core_v0.19.0 (megatron-core 0.19.0, 0.19.1, 0.19.2)"
     )
     assert same_release_family("0.19.1", "0.19.2")
-    assert not same_release_family("0.16.1", "0.19.1") and not same_release_family("0.19.3", "0.19.1")
+    assert not same_release_family("0.16.1", "0.19.1") and not same_release_family(
+        "0.19.3", "0.19.1"
+    )
 
 
 def test_tree_without_package_info_and_unknown_script_refused(tmp_path):
@@ -130,9 +132,7 @@ def test_shipped_patch_targets_pretrain_gpt_with_two_hunks(version):
 @pytest.mark.parametrize("version", ["0.16.1", "0.19.1"])
 def test_patch_applies_is_idempotent_and_reverts(tmp_path, capsys, version):
     original = _synthetic_pretrain_gpt(version)
-    checkout = _fake_checkout(
-        tmp_path, tuple(int(v) for v in version.split(".")), script=original
-    )
+    checkout = _fake_checkout(tmp_path, tuple(int(v) for v in version.split(".")), script=original)
     script = checkout / "pretrain_gpt.py"
 
     code, out, _ = _run_patch(capsys, checkout, "--dry-run")
@@ -229,16 +229,18 @@ def test_launcher_core_from_installed_accepts_a_wheel_of_the_same_tag(monkeypatc
     assert os.sys.path[-1] == checkout and os.sys.path.count(checkout) == 1
     # installed: any version of the same Megatron-LM tag, never another tag's.
     assert launcher.setup_sys_path(checkout, "0.19.1", "installed") == "installed"
-    with pytest.raises(ValueError, match="installed megatron-core is 0.19.2, the checkout is 0.16.1"):
+    with pytest.raises(
+        ValueError, match="installed megatron-core is 0.19.2, the checkout is 0.16.1"
+    ):
         launcher.setup_sys_path(checkout, "0.16.1", "installed")
 
 
 def test_megatron_core_versions_compare_without_the_git_suffix():
-    from megatron_ext.megatron.version import _parse, public_version
+    from megatron_ext.megatron.version import parse_version, public_version
 
     # megatron-core 0.19's package_info appends '+<sha>' inside any git work tree.
     assert public_version("0.19.1+5be9626709") == "0.19.1"
-    assert _parse("0.19.1+5be9626709") == (0, 19, 1)
+    assert parse_version("0.19.1+5be9626709") == (0, 19, 1)
     assert public_version("0.16.1") == "0.16.1"
 
 

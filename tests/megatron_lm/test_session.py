@@ -109,7 +109,7 @@ def test_megatron_lm_options_the_hooks_cannot_serve_are_refused(overrides, flag)
 
 def test_pipeline_codecs_need_the_single_sampler():
     # No pipeline codec has landed yet ('none' only): a stand-in config with one enabled.
-    cfg = SimpleNamespace(p2p=SimpleNamespace(enabled=True))
+    cfg = SimpleNamespace(enabled=lambda family: family == "p2p")
     with pytest.raises(ConfigError) as info:
         check_megatron_lm_args(_megatron_args(dataloader_type="cyclic"), cfg)
     assert info.value.flags == ("--p2p-compression", "--dataloader-type")

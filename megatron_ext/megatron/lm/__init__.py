@@ -122,11 +122,10 @@ def install_megatron_lm_hooks(cpu: Optional[bool] = None) -> Any:
     global _HOOKS
     if _HOOKS is not None:
         return _HOOKS
+    from megatron_ext.megatron.lm.compat import apply_python_shims
     from megatron_ext.megatron.lm.cpu import cpu_requested_by_env, enable_megatron_lm_cpu
     from megatron_ext.megatron.lm.releases import UnsupportedReleaseError, release_for_version
     from megatron_ext.megatron.lm.session import MegatronLMSession
-
-    from megatron_ext.megatron.lm.compat import apply_python_shims
 
     if cpu is None:
         cpu = cpu_requested_by_env()

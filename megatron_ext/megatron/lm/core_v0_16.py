@@ -68,7 +68,9 @@ HOOK_TARGETS: Tuple[HookTarget, ...] = (
         "parse_args",
         ("extra_args_provider", "ignore_unknown_args"),
     ),
-    HookTarget("megatron.training.initialize", "validate_args", "validate_args", ("args", "defaults")),
+    HookTarget(
+        "megatron.training.initialize", "validate_args", "validate_args", ("args", "defaults")
+    ),
     HookTarget(_TRAINING, "get_megatron_optimizer", "build_optimizer", ("config", "model_chunks")),
     HookTarget(
         _TRAINING, "get_megatron_muon_optimizer", "build_optimizer", ("config", "model_chunks")

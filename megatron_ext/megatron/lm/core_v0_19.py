@@ -62,7 +62,9 @@ _TRAINING = "megatron.training.training"
 _CHECKPOINTING = "megatron.training.checkpointing"
 
 HOOK_TARGETS: Tuple[HookTarget, ...] = (
-    HookTarget(_ARGUMENTS, "parse_args", "parse_args", ("extra_args_provider", "ignore_unknown_args")),
+    HookTarget(
+        _ARGUMENTS, "parse_args", "parse_args", ("extra_args_provider", "ignore_unknown_args")
+    ),
     HookTarget(_ARGUMENTS, "validate_args", "validate_args", ("args", "defaults")),
     HookTarget(_TRAINING, "get_megatron_optimizer", "build_optimizer", ("config", "model_chunks")),
     HookTarget(_TRAINING, "train_step", "train_step", ("iteration", "p2p_communicator")),

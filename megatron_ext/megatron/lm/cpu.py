@@ -41,7 +41,6 @@ Constraints:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import importlib.util
@@ -50,10 +49,10 @@ import os
 import subprocess
 import sys
 import sysconfig
-import types
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from megatron_ext.config import ConfigError
+from megatron_ext.megatron.cpu import register_triton_stand_ins
 from megatron_ext.megatron.patching import AttributePatches
 
 __all__ = [
@@ -72,8 +71,6 @@ logger = logging.getLogger(__name__)
 CPU_ENV_VAR = "MEGATRON_EXT_CPU"
 """Environment variable that switches CPU execution on for a patched pretrain_gpt.py."""
 
-_BATCH_INVARIANT = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
-_PAGED_STASH_OPS = "megatron.core.transformer.moe.ops.paged_stash"
 
 # (flag, args attribute, value CPU execution needs)
 CPU_REQUIRED_FLAGS: Tuple[Tuple[str, str, Any], ...] = (
@@ -87,54 +84,6 @@ CPU_REQUIRED_FLAGS: Tuple[Tuple[str, str, Any], ...] = (
 def cpu_requested_by_env() -> bool:
     """Whether ``MEGATRON_EXT_CPU`` asks for CPU execution (1/true/yes/on)."""
     return os.environ.get(CPU_ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _batch_invariant_stand_in() -> types.ModuleType:
-    """Module with the public names of batch_invariant_kernels, for machines without triton."""
-    module = types.ModuleType(_BATCH_INVARIANT)
-    module.__doc__ = "megatron-ext CPU stand-in: triton is not installed."
-
-    def unavailable(*args, **kwargs):
-        raise RuntimeError(
-            "--batch-invariant-mode needs triton (a GPU build); megatron-ext's CPU execution "
-            "replaced megatron.core.transformer.custom_layers.batch_invariant_kernels"
-        )
-
-    @contextlib.contextmanager
-    def set_batch_invariant_mode(enabled: bool = True):
-        if enabled:
-            unavailable()
-        yield
-
-    module.is_batch_invariant_mode_enabled = lambda: False
-    module.enable_batch_invariant_mode = unavailable
-    module.disable_batch_invariant_mode = lambda: None
-    module.set_batch_invariant_mode = set_batch_invariant_mode
-    return module
-
-
-def _paged_stash_stand_in() -> types.ModuleType:
-    """Module with the public names of moe.ops.paged_stash (0.19), for machines without triton."""
-    module = types.ModuleType(_PAGED_STASH_OPS)
-    module.__doc__ = "megatron-ext CPU stand-in: triton is not installed."
-
-    def unavailable(*args, **kwargs):
-        raise RuntimeError(
-            "the MoE paged stash needs triton (a GPU build); megatron-ext's CPU execution "
-            f"replaced {_PAGED_STASH_OPS}"
-        )
-
-    module.GLOBAL_BLOCK_SIZE = 1024
-    module.paged_stash_copy_kernel = unavailable
-    module.paged_stash_pop_kernel = unavailable
-    return module
-
-
-# Modules that import triton at module level, with their stand-ins.
-_TRITON_STAND_INS = {
-    _BATCH_INVARIANT: _batch_invariant_stand_in,
-    _PAGED_STASH_OPS: _paged_stash_stand_in,
-}
 
 
 def _compile_helpers() -> None:
@@ -183,24 +132,6 @@ class MegatronLMCpuHandle:
 
 
 _ACTIVE: Optional[MegatronLMCpuHandle] = None
-
-
-def register_triton_stand_ins() -> List[str]:
-    """Without triton, register the stand-ins of the modules that import it (see module
-    docstring) unless already imported; returns the names registered.
-
-    Must run before megatron-core imports them (0.19: ``import megatron.core.pipeline_parallel``
-    already does), so the modules are not looked up first: a name a release lacks is simply
-    never imported.
-    """
-    if importlib.util.find_spec("triton") is not None:
-        return []
-    registered = []
-    for name, stand_in in _TRITON_STAND_INS.items():
-        if name not in sys.modules:
-            sys.modules[name] = stand_in()
-            registered.append(name)
-    return registered
 
 
 def _module_exists(name: str) -> bool:

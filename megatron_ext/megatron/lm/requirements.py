@@ -126,7 +126,9 @@ def format_missing(tag: str, missing: Sequence[Requirement]) -> str:
         + ("; CUDA builds of torch bring it, not needed with --cpu" if r.gpu_only else "")
         for r in missing
     ]
-    lines.append(f"Install them: pip install {names}   (or: pip install 'megatron-ext[megatron-lm]')")
+    lines.append(
+        f"Install them: pip install {names}   (or: pip install 'megatron-ext[megatron-lm]')"
+    )
     return "\n".join(lines)
 
 

@@ -4,7 +4,8 @@ What it does:
     The adapters in ``megatron_ext.megatron`` re-implement a few megatron-core method bodies
     around our seams (the DP bucket group's ``start_grad_sync``, the P2P communicator's
     ``_communicate``). Those bodies differ between releases, so each supported release has
-    one module here (``core_v0_16``, ``core_v0_19``) holding everything release-specific;
+    one module here (``core_v0_16``, ``core_v0_19``) holding everything release-specific
+    (``start_grad_sync``, ``bucket_grad``; ``_communicate`` is identical in both);
     :func:`release` picks the module of the installed megatron-core and nothing else in
     megatron-ext branches on versions. A release not in :data:`SUPPORTED` (0.17 and 0.18
     included) is refused before training with :class:`~megatron_ext.config.ConfigError`
@@ -21,28 +22,20 @@ from types import ModuleType
 from typing import Dict, Tuple
 
 from megatron_ext.config import ConfigError
+from megatron_ext.megatron.version import mcore_version, parse_version
 
-__all__ = ["SUPPORTED", "release", "mcore_version", "supported_text"]
+__all__ = ["SUPPORTED", "release", "supported_text"]
 
 SUPPORTED: Dict[Tuple[int, int], str] = {
     (0, 16): "megatron_ext.megatron.mcore.core_v0_16",
+    (0, 19): "megatron_ext.megatron.mcore.core_v0_19",
 }
 """(major, minor) of megatron-core -> the module of that release line."""
 
 
-def mcore_version() -> str:
-    """The installed megatron-core version string."""
-    from megatron.core import package_info
-
-    return package_info.__version__
-
-
 def _major_minor(version: str) -> Tuple[int, int]:
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)  # type: ignore[return-value]
+    major, minor = parse_version(version)[:2]
+    return major, minor
 
 
 def supported_text() -> str:

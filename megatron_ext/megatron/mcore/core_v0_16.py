@@ -18,9 +18,14 @@ from typing import Any, Optional
 
 from megatron_ext.collectives.grad_reducer import BoundReduction, DeferredHandle
 
-__all__ = ["VERSION", "start_grad_sync"]
+__all__ = ["VERSION", "start_grad_sync", "bucket_grad"]
 
 VERSION = "0.16"
+
+
+def bucket_grad(param: Any) -> Any:
+    """The view of ``bucket.grad_data`` holding ``param``'s gradient (``main_grad``)."""
+    return param.main_grad
 
 
 def _noop() -> None:

@@ -250,8 +250,11 @@ class Trainer:
         self.tokenizer = ext_data.build_tokenizer(cfg.data)
         iters = cfg.training.train_iters
         eval_runs = (iters // cfg.training.eval_interval if cfg.training.eval_interval else 0) + 1
+        self.dp_rank = self.ps.get_data_parallel_rank()
+        self.dp_size = self.ps.get_data_parallel_world_size()
+        self.sampler = self._train_sampler()
         num_samples = (
-            iters * sizes["gbs"],
+            self.sampler.num_samples if self.sampler.fixed else iters * sizes["gbs"],
             eval_runs * cfg.training.eval_iters * sizes["gbs"],
             0,
         )
@@ -262,16 +265,40 @@ class Trainer:
             seed=cfg.training.seed,
             num_samples=num_samples,
         )
-        self.dp_rank = self.ps.get_data_parallel_rank()
-        self.dp_size = self.ps.get_data_parallel_world_size()
         self.needs_data = self.ps.is_pipeline_first_stage() or self.ps.is_pipeline_last_stage()
+        fixed = (
+            f" (fixed samples: {self.sampler.num_samples}, {self.sampler.per_rank} per "
+            "data-parallel rank, a new order each epoch)"
+            if self.sampler.fixed
+            else ""
+        )
         print_rank_0(
-            f"> data: {len(self.train_ds)} train / "
+            f"> data{fixed}: {len(self.train_ds)} train / "
             f"{0 if self.valid_ds is None else len(self.valid_ds)} valid samples of "
             f"{cfg.model.seq_length} tokens, vocab {self.tokenizer.vocab_size} "
             f"({time.time() - t0:.1f} s)"
         )
         torch.distributed.barrier()
+
+    def _train_sampler(self):
+        """Which sample ids training microbatches take (fixed-sample mode or one pass)."""
+        from megatron_ext.megatron.data import FixedSampleSampler, SequentialSampler
+
+        cfg = self.cfg
+        mbs = cfg.training.micro_batch_size
+        if not cfg.data.fixed_samples:
+            return SequentialSampler(mbs, self.dp_rank, self.dp_size)
+        sampler = FixedSampleSampler(
+            cfg.data.fixed_samples, mbs, self.dp_rank, self.dp_size, cfg.training.seed
+        )
+        per_step = mbs * self.sizes["num_microbatches"]
+        if sampler.per_rank < per_step:
+            raise ConfigError(
+                ["--fixed-samples", "--global-batch-size"],
+                f"{sampler.per_rank} fixed samples per data-parallel rank are fewer than the "
+                f"{per_step} one step takes on a rank: a sample would repeat within a step",
+            )
+        return sampler
 
     def build_model(self, stock: bool = False) -> None:
         """The GPT model of this stage, megatron_ext's methods and the DDP wrapper.
@@ -325,12 +352,24 @@ class Trainer:
         training.wire_grad_sync(self.config, self.model, self.optimizer, self.cfg.parallel)
         self.param_gather = training.ParamGather(self.model, self.config, self.cfg.parallel)
         if isinstance(self.runtime, ExtRuntime):
+            from megatron_ext.methods.registry import SampleSpace
+
+            sampler = self.sampler
             self.runtime.install(
                 self.model,
                 self.optimizer,
                 model_config=self.config,
                 scheduler=self.scheduler,
                 transformer_impl=self.cfg.model.transformer_impl,
+                samples=SampleSpace(
+                    fixed=sampler.fixed,
+                    num_samples=sampler.num_samples if sampler.fixed else 0,
+                    dp_rank=self.dp_rank,
+                    dp_size=self.dp_size,
+                    micro_batch_size=self.cfg.training.micro_batch_size,
+                    num_microbatches=self.sizes["num_microbatches"],
+                    seq_length=self.cfg.model.seq_length,
+                ),
             )
 
     def sync_params(self) -> None:
@@ -351,13 +390,12 @@ class Trainer:
             dp_rank=self.dp_rank,
             dp_size=self.dp_size,
             consumed_samples=consumed,
+            sampler=self.sampler if dataset is self.train_ds else None,
         )
 
     def _sample_ids_fn(self, consumed: int):
-        from megatron_ext.megatron.data import sample_indices
-
-        mbs, dp_rank, dp_size = self.cfg.training.micro_batch_size, self.dp_rank, self.dp_size
-        return lambda microbatch: sample_indices(consumed, microbatch, mbs, dp_rank, dp_size)
+        sampler = self.sampler
+        return lambda microbatch: sampler.indices(consumed, microbatch)
 
     def forward_step(self, data_iterator, model):
         """megatron's forward_step_func: one microbatch through this stage."""
@@ -449,9 +487,19 @@ class Trainer:
                 scheduler=self.scheduler,
                 runtime=self.runtime,
                 on_mismatch=cfg.ext.checkpoint.on_mismatch,
+                model_only=cfg.checkpoint.finetune,
             )
         if loaded is None:
+            if cfg.checkpoint.finetune:
+                raise ConfigError(
+                    ["--finetune", "--load"], f"no checkpoint to fine-tune in {cfg.checkpoint.load}"
+                )
             print_rank_0(f"> no checkpoint in {cfg.checkpoint.load}; starting from scratch")
+            return 0, 0
+        if cfg.checkpoint.finetune:
+            # The distributed optimizer's fp32 main copies were made from the initial weights.
+            self.optimizer.reload_model_params()
+            print_rank_0(f"> fine-tuning from the model weights of {loaded['finetune_from']}")
             return 0, 0
         self._eval_consumed = loaded.get("eval_consumed_samples", 0)
         print_rank_0(f"> resumed from {cfg.checkpoint.load} at iteration {loaded['iteration']}")

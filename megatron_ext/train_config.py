@@ -282,10 +282,18 @@ class CheckpointArgs:
     save_interval: Optional[int] = None
     """Save every N iterations (and at the end)."""
 
+    finetune: bool = False
+    """Fine-tune: load only the model weights of --load's latest checkpoint (a megatron-ext
+    train or Megatron-LM torch_dist checkpoint of the same model), then start at iteration
+    0 with a fresh optimizer, learning-rate schedule and megatron-ext state (Megatron-LM's
+    --finetune)."""
+
     def __post_init__(self):
         check_positive(type(self), "save_interval", self.save_interval)
         if self.save_interval and not self.save:
             raise ConfigError(["--save-interval", "--save"], "a save interval needs --save")
+        if self.finetune and not self.load:
+            raise ConfigError(["--finetune", "--load"], "fine-tuning needs a checkpoint to load")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -78,6 +78,13 @@ class P2PCodec(abc.ABC):
     ) -> torch.Tensor:
         """Tensor of ``shape`` / ``dtype`` reconstructed from ``payload``."""
 
+    def begin_step(self, sample_ids_fn: Optional[Any]) -> None:
+        """A training iteration starts; ``sample_ids_fn(microbatch)`` gives the sample ids of
+        each of its microbatches (default: nothing)."""
+
+    def end_step(self) -> None:
+        """The training iteration is over (commit per-step state; default: nothing)."""
+
     def state_dict(self) -> Dict[str, Any]:
         """Rank-local state (tensors and primitives only)."""
         return {}

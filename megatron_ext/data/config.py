@@ -225,6 +225,14 @@ class DataConfig(TokenizerConfig):
     must be visible to every rank of a run. Default: $MEGATRON_EXT_CACHE, else
     ~/.cache/megatron_ext."""
 
+    fixed_samples: Optional[int] = None
+    """Fixed-sample mode: cut the training split into this many samples once (rounded down
+    to a multiple of the data-parallel size) and train in epochs over them, each epoch in a
+    new order, every sample always on the same data-parallel rank. A sample id then means
+    the same tokens in every epoch (megatron-core's GPTDataset otherwise repacks documents
+    per epoch); methods that keep state per training sample (--p2p-compression aqsgd)
+    need it. Default: off (one pass over as many samples as the run consumes)."""
+
     def __post_init__(self):
         super().__post_init__()
         cls = type(self)
@@ -253,6 +261,10 @@ class DataConfig(TokenizerConfig):
             )
         if sum(float(x) for x in re.findall(r"[.0-9]+", self.split)) <= 0:
             raise ConfigError(flag_of(cls, "split"), f"proportions sum to zero: {self.split!r}")
+        if self.fixed_samples is not None and self.fixed_samples <= 0:
+            raise ConfigError(
+                flag_of(cls, "fixed_samples"), f"must be > 0, got {self.fixed_samples}"
+            )
 
     @property
     def blend(self) -> Optional[Tuple[List[str], Optional[List[float]]]]:

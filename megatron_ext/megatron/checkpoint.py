@@ -332,6 +332,24 @@ def _init_dist_opt_state(optimizer: Any) -> None:
             leaf._init_optimizer_states_with_dummy_values()
 
 
+def _load_model(directory: str, model_chunks: Sequence[torch.nn.Module]) -> Dict[str, Any]:
+    """Model weights only, from a megatron-ext train or a Megatron-LM torch_dist checkpoint."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    metadata = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    keys = ["model"] if len(model_chunks) == 1 else [f"model{i}" for i in range(len(model_chunks))]
+    template = {
+        key: unwrap(chunk).sharded_state_dict(metadata=metadata)
+        for key, chunk in zip(keys, model_chunks)
+    }
+    state = dist_checkpointing.load(template, directory)
+    for key, chunk in zip(keys, model_chunks):
+        unwrap(chunk).load_state_dict(state[key], strict=True)
+    torch.distributed.barrier()
+    return {"iteration": 0, "consumed_samples": 0, "finetune_from": directory}
+
+
 def load_checkpoint(
     root: str,
     *,
@@ -340,12 +358,17 @@ def load_checkpoint(
     scheduler: Any,
     runtime: Any,
     on_mismatch: str = "error",
+    model_only: bool = False,
 ) -> Optional[Dict[str, Any]]:
     """Restore the latest checkpoint under ``root`` (collective).
 
+    Args:
+        model_only: load the model weights only (fine-tuning); the checkpoint may also be
+            a Megatron-LM torch_dist one, whose model state has the same layout.
+
     Returns:
         The common state (``iteration``, ``consumed_samples``, ...), or None if ``root``
-        holds no checkpoint.
+        holds no checkpoint; with ``model_only`` iteration and consumed samples are 0.
 
     Raises:
         StateMismatch: megatron_ext state saved with another layout or settings and
@@ -358,6 +381,8 @@ def load_checkpoint(
         return None
     directory = checkpoint_dir(root, iteration)
     common = dist_checkpointing.load_common_state_dict(directory)
+    if model_only:
+        return _load_model(directory, model_chunks)
     if common.get("checkpoint_version") != _FORMAT:
         raise StateMismatch(
             f"{directory} is not a megatron-ext train checkpoint "

@@ -15,6 +15,8 @@ What it does:
       Megatron-LM's ``MegatronPretrainingSampler`` (``--dataloader-type single``): from
       ``consumed_samples`` on, each step takes the next ``micro_batch_size * dp_size``
       consecutive sample indices and data-parallel rank ``r`` gets the ``r``-th slice.
+      :class:`FixedSampleSampler` (``--fixed-samples``) maps those positions onto epochs over
+      a fixed sample set, each sample always on the same data-parallel rank.
 
 Why:
     megatron-core's ``GPTDataset`` does the document shuffling, sample packing across
@@ -94,6 +96,8 @@ __all__ = [
     "build_tokenizer",
     "build_gpt_datasets",
     "sample_indices",
+    "SequentialSampler",
+    "FixedSampleSampler",
     "MicrobatchIterator",
 ]
 
@@ -576,6 +580,89 @@ def sample_indices(
     return torch.arange(start, start + micro_batch_size, dtype=torch.long)
 
 
+class SequentialSampler:
+    """Megatron-LM's ``MegatronPretrainingSampler`` layout: :func:`sample_indices`.
+
+    Args:
+        micro_batch_size: samples per microbatch per rank.
+        dp_rank: data-parallel rank.
+        dp_size: data-parallel size.
+    """
+
+    fixed = False
+
+    def __init__(self, micro_batch_size: int, dp_rank: int, dp_size: int):
+        _check_sampling_args(micro_batch_size, dp_rank, dp_size)
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+
+    def indices(self, consumed_samples: int, microbatch: int = 0) -> torch.LongTensor:
+        """Dataset indices of microbatch ``microbatch`` counted from ``consumed_samples``."""
+        return sample_indices(
+            consumed_samples, microbatch, self.micro_batch_size, self.dp_rank, self.dp_size
+        )
+
+
+class FixedSampleSampler(SequentialSampler):
+    """Fixed-sample mode (``--fixed-samples``): epochs over a fixed set of sample ids.
+
+    The ``num_samples`` samples are cut once (the first ``num_samples`` of a ``GPTDataset``
+    built for exactly that many); ``num_samples`` is rounded down to a multiple of
+    ``dp_size``. Sample id ``i`` belongs to data-parallel rank ``i % dp_size`` in every
+    epoch, so per-sample state kept on a rank (AQ-SGD's activation buffers) always finds
+    its sample there. Each rank walks its ``num_samples / dp_size`` ids epoch after epoch,
+    in a new order per epoch (a permutation seeded by ``(seed, epoch, rank)``). A position
+    is a pure function of ``consumed_samples``, so a resumed run sees exactly the samples
+    an uninterrupted one would.
+
+    Args:
+        num_samples: fixed samples over all ranks.
+        micro_batch_size: samples per microbatch per rank.
+        dp_rank: data-parallel rank.
+        dp_size: data-parallel size.
+        seed: seed of the per-epoch orders.
+    """
+
+    fixed = True
+
+    def __init__(
+        self, num_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int, seed: int
+    ):
+        super().__init__(micro_batch_size, dp_rank, dp_size)
+        self.per_rank = num_samples // dp_size
+        if self.per_rank < 1:
+            raise ValueError(f"{num_samples} fixed samples do not cover {dp_size} ranks")
+        self.num_samples = self.per_rank * dp_size
+        self.seed = seed
+        self._epoch = -1
+        self._order: Optional[torch.Tensor] = None
+
+    def local_ids(self) -> torch.LongTensor:
+        """The sample ids this rank owns (``dp_rank + dp_size * k``)."""
+        return self.dp_rank + self.dp_size * torch.arange(self.per_rank, dtype=torch.long)
+
+    def _order_of(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            from megatron_ext.compressors.seeding import seeded_generator
+
+            gen = seeded_generator("fixed-samples", self.seed, epoch, self.dp_rank)
+            self._order = torch.randperm(self.per_rank, generator=gen)
+            self._epoch = epoch
+        return self._order
+
+    def indices(self, consumed_samples: int, microbatch: int = 0) -> torch.LongTensor:
+        positions = super().indices(consumed_samples, microbatch)
+        mbs, dp = self.micro_batch_size, self.dp_size
+        out = torch.empty_like(positions)
+        for j, p in enumerate(positions.tolist()):
+            # This rank's running count of samples: its slice of every block of mbs * dp.
+            k = (p // (mbs * dp)) * mbs + p % mbs
+            epoch, pos = divmod(k, self.per_rank)
+            out[j] = self.dp_rank + dp * int(self._order_of(epoch)[pos])
+        return out
+
+
 def _collate(samples: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
     batch: Dict[str, torch.Tensor] = {}
     for key in samples[0]:
@@ -619,6 +706,7 @@ class MicrobatchIterator:
         dp_rank: int,
         dp_size: int,
         consumed_samples: int = 0,
+        sampler: Optional[SequentialSampler] = None,
     ):
         _check_sampling_args(micro_batch_size, dp_rank, dp_size)
         if consumed_samples < 0:
@@ -627,6 +715,7 @@ class MicrobatchIterator:
         self.micro_batch_size = micro_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
+        self.sampler = sampler or SequentialSampler(micro_batch_size, dp_rank, dp_size)
         self._consumed_samples = int(consumed_samples)
 
     @property
@@ -641,7 +730,12 @@ class MicrobatchIterator:
         return self.micro_batch_size * self.dp_size
 
     def __len__(self) -> int:
-        """Microbatches left before the dataset is exhausted."""
+        """Microbatches left before the dataset is exhausted (unbounded with fixed samples:
+        the epochs repeat; reported as ``sys.maxsize``)."""
+        if self.sampler.fixed:
+            import sys
+
+            return sys.maxsize
         remaining = len(self.dataset) - self._consumed_samples
         return max(0, remaining // self.samples_per_microbatch)
 
@@ -650,15 +744,13 @@ class MicrobatchIterator:
 
     def __next__(self) -> Dict[str, torch.Tensor]:
         end = self._consumed_samples + self.samples_per_microbatch
-        if end > len(self.dataset):
+        if not self.sampler.fixed and end > len(self.dataset):
             raise DatasetExhaustedError(
                 f"the dataset has {len(self.dataset)} samples but the next microbatch needs "
                 f"samples [{self._consumed_samples}, {end}) over all {self.dp_size} "
                 "data-parallel rank(s); build the datasets with more samples (num_samples)"
             )
-        indices = sample_indices(
-            self._consumed_samples, 0, self.micro_batch_size, self.dp_rank, self.dp_size
-        )
+        indices = self.sampler.indices(self._consumed_samples, 0)
         batch = _collate([self.dataset[int(i)] for i in indices])
         batch["sample_index"] = indices
         self._consumed_samples = end

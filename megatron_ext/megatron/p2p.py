@@ -122,6 +122,8 @@ class ExtP2PCommunicator(P2PCommunicator):
         self._sample_ids_fn = sample_ids_fn
         for k in self._counters:
             self._counters[k] = 0
+        if not forward_only:
+            self.codec.begin_step(sample_ids_fn if self.codec.needs_sample_ids else None)
 
     # -- contexts ----------------------------------------------------------------------------
 

@@ -248,6 +248,7 @@ class ExtRuntime(Runtime):
         scheduler: Any = None,
         transformer_impl: str = "local",
         optimizer_hooks: Sequence[Any] = (),
+        samples: Any = None,
     ) -> "ExtRuntime":
         """Install every seam on the DDP-wrapped chunks and the optimizer (see module doc).
 
@@ -258,6 +259,8 @@ class ExtRuntime(Runtime):
             scheduler: the LR scheduler, handed to methods that need it.
             transformer_impl: 'local' or 'transformer_engine' (which layer spec was built).
             optimizer_hooks: extra optimizer hooks (the methods add their own).
+            samples: the :class:`~megatron_ext.methods.registry.SampleSpace` of training
+                (methods with per-sample state need it).
 
         Returns:
             ``self``.
@@ -283,6 +286,7 @@ class ExtRuntime(Runtime):
         self.handles.optimizer = optimizer
         self.handles.scheduler = scheduler
         self.handles.model_config = model_config
+        self.handles.samples = samples
         layout = self.layout
         if self.config.comm.accounting:
             self.pg_meter = ProcessGroupTrafficMeter(_traffic_classifier()).install()
@@ -328,6 +332,9 @@ class ExtRuntime(Runtime):
             for fam, comp in self.components.items():
                 for name, obj in comp.state.items():
                     self.state.register(f"{fam}.{name}", obj)
+            for comp in self.components.values():
+                if comp.on_install is not None:
+                    comp.on_install()
         except Exception:
             self.remove()
             raise
@@ -357,6 +364,10 @@ class ExtRuntime(Runtime):
         Seam categories (dp-grad, pp-act, pp-grad) come from the seams; the rest from the
         process-group meter's untagged transfers.
         """
+        if self.communicator is not None:
+            # Per-step state of the codec (AQ-SGD's buffer updates) is committed here, so
+            # a step that megatron replays never applies its updates twice.
+            self.communicator.codec.end_step()
         if self.pg_meter is not None:
             untagged, tagged = self.pg_meter.end_step()
             self.last_pg_tagged = tagged

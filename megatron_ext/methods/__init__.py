@@ -10,5 +10,6 @@ BUILTIN = (
     "megatron_ext.methods.separate",
     "megatron_ext.methods.radius",
     "megatron_ext.methods.powersgd",
+    "megatron_ext.methods.aqsgd",
 )
 """Modules that register the built-in methods, in ``--help`` order."""

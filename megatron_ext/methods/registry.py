@@ -47,6 +47,7 @@ __all__ = [
     "MethodContext",
     "Components",
     "TrainingHandles",
+    "SampleSpace",
     "ProcessGroups",
     "BenchContext",
     "register",
@@ -87,6 +88,42 @@ class Family:
         return self.flag[2:].replace("-", "_")
 
 
+@dataclass(frozen=True)
+class SampleSpace:
+    """The training samples as the data pipeline hands them to this rank."""
+
+    fixed: bool
+    """Fixed-sample mode: a sample id means the same tokens in every epoch and always
+    comes to the same data-parallel rank (``--fixed-samples``)."""
+
+    num_samples: int
+    """Fixed samples over all data-parallel ranks (0 when not fixed)."""
+
+    dp_rank: int
+    """This rank's data-parallel rank."""
+
+    dp_size: int
+    """Data-parallel size."""
+
+    micro_batch_size: int
+    """Samples per microbatch on a rank."""
+
+    num_microbatches: int
+    """Microbatches per step on a rank."""
+
+    seq_length: int
+    """Tokens per sample."""
+
+    @property
+    def num_slots(self) -> int:
+        """Fixed samples this rank owns (ids ``dp_rank + dp_size * slot``)."""
+        return self.num_samples // self.dp_size if self.fixed else 0
+
+    def slots(self, sample_ids: Any) -> Any:
+        """This rank's slot of each fixed sample id (an int64 tensor)."""
+        return sample_ids // self.dp_size
+
+
 @dataclass
 class TrainingHandles:
     """What exists only once the model is wrapped and the optimizer built (filled at install)."""
@@ -102,6 +139,9 @@ class TrainingHandles:
 
     model_config: Any = None
     """The model's ``TransformerConfig``."""
+
+    samples: Optional[SampleSpace] = None
+    """The training samples (None where the caller does not describe them)."""
 
 
 @dataclass(frozen=True)
@@ -181,6 +221,10 @@ class Components:
     state: Mapping[str, Any] = field(default_factory=dict)
     """Further stateful objects to checkpoint, by name (reducer, codec and hooks are
     registered automatically)."""
+
+    on_install: Optional[Callable[[], None]] = None
+    """Called once every seam is installed and ``ctx.handles`` is filled (allocate what
+    needs the model, the optimizer or the sample space; check it fits)."""
 
 
 @dataclass(frozen=True)

@@ -300,6 +300,49 @@ def test_iterator_stops_with_a_clear_error(train_dataset):
         it.load_state_dict({"consumed": 0})
 
 
+@pytest.mark.parametrize("dp_size", [1, 2, 4])
+def test_fixed_samples_cycle_per_rank_in_a_new_order_each_epoch(dp_size):
+    from megatron_ext.megatron.data import FixedSampleSampler
+
+    mbs, num = 2, 26  # 26 rounds down to a multiple of dp_size
+    per_rank = num // dp_size
+    for rank in range(dp_size):
+        sampler = FixedSampleSampler(num, mbs, rank, dp_size, seed=7)
+        assert sampler.num_samples == per_rank * dp_size
+        ids = torch.cat(
+            [sampler.indices(c, 0) for c in range(0, 6 * per_rank * dp_size, mbs * dp_size)]
+        ).tolist()
+        assert all(i % dp_size == rank for i in ids)  # a sample always on its rank
+        epochs = [ids[k * per_rank : (k + 1) * per_rank] for k in range(6)]
+        for epoch in epochs:
+            assert sorted(epoch) == sorted(sampler.local_ids().tolist())  # each once an epoch
+        assert len({tuple(e) for e in epochs}) > 1  # a new order per epoch
+        # A pure function of the consumed samples (what makes resume exact).
+        again = FixedSampleSampler(num, mbs, rank, dp_size, seed=7)
+        assert (
+            again.indices(3 * mbs * dp_size, 1).tolist()
+            == sampler.indices(3 * mbs * dp_size, 1).tolist()
+        )
+
+
+def test_fixed_sample_ids_mean_the_same_tokens_every_epoch(small):
+    from megatron_ext.megatron.data import FixedSampleSampler
+
+    train, _, _ = build_gpt_datasets(
+        small.cfg, tokenizer=small.tokenizer, seq_length=_SEQ, seed=1234, num_samples=(12, 0, 0)
+    )
+    sampler = FixedSampleSampler(12, 2, 0, 1, seed=3)
+    it = MicrobatchIterator(train, micro_batch_size=2, dp_rank=0, dp_size=1, sampler=sampler)
+    seen = {}
+    for _ in range(3 * 6):  # three epochs of 12 samples, 2 per microbatch
+        batch = next(it)
+        for i, tokens in zip(batch["sample_index"].tolist(), batch["tokens"]):
+            if i in seen:
+                assert torch.equal(seen[i], tokens), i
+            seen[i] = tokens
+    assert sorted(seen) == list(range(12))
+
+
 def test_iterator_without_attention_mask(small):
     train, _, _ = build_gpt_datasets(
         small.cfg,

@@ -157,3 +157,89 @@ def test_bad_flags_stop_before_training(args, flag, tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert flag in proc.stderr
     assert "iteration" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        ([], "--fixed-samples"),  # a sample id must mean the same tokens every epoch
+        (
+            ["--fixed-samples", "32", "--aqsgd-buffer", "disk", "--aqsgd-buffer-dir", "FILE"],
+            "--aqsgd-buffer-dir",
+        ),
+    ],
+)
+def test_aqsgd_refusals_name_the_flag_before_training(args, flag, tmp_path):
+    (tmp_path / "FILE").write_text("not a directory")
+    args = [str(tmp_path / a) if a == "FILE" else a for a in args]
+    proc = _torchrun(
+        BASE
+        + ["--train-iters", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
+        + ["--p2p-compression", "aqsgd"]
+        + args,
+        cwd=tmp_path,
+    )
+    assert proc.returncode != 0
+    assert "megatron-ext train: error:" in proc.stderr and flag in proc.stderr, proc.stderr[-3000:]
+    assert not _log_lines(proc.stdout)
+
+
+def test_aqsgd_bit_widths_outside_the_set_are_refused(tmp_path):
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_ext",
+            "train",
+            "--cpu",
+            "--p2p-compression",
+            "aqsgd",
+            "--aqsgd-fw-bits",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**env, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 2 and "--aqsgd-fw-bits" in proc.stderr
+
+
+def test_finetune_loads_the_model_only_and_starts_at_iteration_zero(tmp_path):
+    pre = _torchrun(
+        BASE
+        + [
+            "--train-iters",
+            "8",
+            "--save",
+            str(tmp_path / "pre"),
+            "--log-json",
+            str(tmp_path / "pre.jsonl"),
+        ],
+        cwd=tmp_path,
+    )
+    assert pre.returncode == 0, pre.stderr[-3000:]
+    tuned = _torchrun(
+        BASE
+        + [
+            "--train-iters",
+            "4",
+            "--load",
+            str(tmp_path / "pre"),
+            "--finetune",
+            "--log-interval",
+            "1",
+            "--log-json",
+            str(tmp_path / "ft.jsonl"),
+        ],
+        cwd=tmp_path,
+    )
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    assert "fine-tuning from the model weights of" in tuned.stdout
+    records = [json.loads(l) for l in (tmp_path / "ft.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4]  # a fresh schedule from 0
+    pretrained_end = _losses(tmp_path / "pre.jsonl")[-1]
+    # The first fine-tuning step starts from the pretrained weights, not from scratch (~9).
+    assert records[0]["lm_loss"] < pretrained_end + 0.3, (records[0], pretrained_end)

@@ -107,12 +107,21 @@ def test_megatron_lm_options_the_hooks_cannot_serve_are_refused(overrides, flag)
     assert info.value.flags[0] == flag
 
 
-def test_pipeline_codecs_need_the_single_sampler():
-    # No pipeline codec has landed yet ('none' only): a stand-in config with one enabled.
-    cfg = SimpleNamespace(enabled=lambda family: family == "p2p")
+def test_aqsgd_is_refused_in_megatron_lm_naming_the_flag():
+    from megatron_ext.config import ext_config_from_flags
+
+    cfg = ext_config_from_flags(["--p2p-compression", "aqsgd"])
     with pytest.raises(ConfigError) as info:
-        check_megatron_lm_args(_megatron_args(dataloader_type="cyclic"), cfg)
-    assert info.value.flags == ("--p2p-compression", "--dataloader-type")
+        check_megatron_lm_args(_megatron_args(), cfg)
+    assert info.value.flags == ("--p2p-compression",) and "fixed-samples" in str(info.value)
+
+
+def test_codecs_without_sample_state_take_any_sampler():
+    from megatron_ext.config import ext_config_from_flags
+
+    cfg = ext_config_from_flags(["--p2p-compression", "directq"])
+    check_megatron_lm_args(_megatron_args(dataloader_type="cyclic"), cfg)
+    # Only the single sampler determines sample ids (what a sample-keyed codec would need).
     assert MegatronLMSession._sample_ids(SimpleNamespace(dataloader_type="cyclic")) is None
 
 

@@ -116,11 +116,13 @@ def check_megatron_lm_args(args: Any, cfg: ExtConfig) -> None:
         raise ConfigError(
             flag, "megatron-ext hooks megatron-core's DistributedDataParallel, not FSDP"
         )
-    if cfg.enabled("p2p") and args.dataloader_type not in (None, "single"):
+    if cfg.enabled("p2p") and cfg.method("p2p") == "aqsgd":
         raise ConfigError(
-            ["--p2p-compression", "--dataloader-type"],
-            "pipeline codecs key state by dataset sample; only --dataloader-type single gives "
-            "sample ids",
+            "--p2p-compression",
+            "aqsgd keeps an activation per training sample and needs a sample id to mean "
+            "the same tokens in every epoch; Megatron-LM's GPTDataset repacks documents per "
+            "epoch. Use megatron-ext's driver (megatron-ext train --fixed-samples N "
+            "--load <Megatron checkpoint>), or --p2p-compression directq here",
         )
 
 

@@ -10,6 +10,7 @@ BUILTIN = (
     "megatron_ext.methods.separate",
     "megatron_ext.methods.radius",
     "megatron_ext.methods.powersgd",
+    "megatron_ext.methods.quantized",
     "megatron_ext.methods.aqsgd",
 )
 """Modules that register the built-in methods, in ``--help`` order."""

@@ -79,6 +79,7 @@ POWERSGD = [
     "--powersgd-start-step",
     "2",
 ]
+QUANTIZED = ["--grad-compression", "quantized", "--quantized-bits", "4"]
 OVERLAP_DISTOPT = [
     "--overlap-grad-reduce",
     "--ddp-bucket-size",
@@ -96,6 +97,10 @@ CASES = {
     "radius-dp2-overlap-distopt": RADIUS + OVERLAP_DISTOPT,
     "powersgd-dp2": POWERSGD,
     "powersgd-dp2-overlap-distopt": POWERSGD + OVERLAP_DISTOPT,
+    "quantized-dp2-overlap": QUANTIZED + ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"],
+    "quantized-dp2-overlap-distopt": QUANTIZED + OVERLAP_DISTOPT,
+    "quantized-pp2-dp2-bf16": QUANTIZED
+    + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--bf16"],
     "separate-pp2-dp2": SEPARATE
     + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"],
     "radius-pp2-dp2-distopt": RADIUS
@@ -113,6 +118,7 @@ CASES = {
     + ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"],
 }
 WORLD = {
+    "quantized-pp2-dp2-bf16": 4,
     "separate-pp2-dp2": 4,
     "radius-pp2-dp2-distopt": 4,
     "separate-tp2-dp2-overlap": 4,
@@ -139,13 +145,23 @@ def test_compressed_training_in_megatron_ddp(case):
             # distributed optimizer 2 + 2 x (1 + 0.5 bf16 score gather) + 4 x 0.4 halves.
             low, high = (1.1, 1.4) if "distopt" in case else (1.3, 1.6)
             assert low < ratio < high, ratio
+        elif case.startswith("quantized"):
+            # 4-bit codes (+ an fp16 scale per 256 values) instead of fp32, or of bf16's fp32
+            # accumulation buffer: all-to-all (and all-gather) of 1/8 the bytes of
+            # megatron's all-reduce (reduce-scatter), less the padding of small buckets.
+            assert 6.0 < ratio < 8.0, ratio
         else:
             assert ratio > 2.0, ratio
     losses = [l for l in results[-1]["losses"] if l is not None]
     assert losses[-1] < losses[0], losses
     method = case.split("-")[0]
     keys = results[0]["state_keys"]
-    prefix = {"separate": "residual/", "radius": "residual/", "powersgd": "q/"}[method]
+    prefix = {
+        "separate": "residual/",
+        "radius": "residual/",
+        "powersgd": "q/",
+        "quantized": "worker_error/",
+    }[method]
     assert any(k.startswith(prefix + "decoder.layers.") for k in keys), keys[:5]
 
 
@@ -201,8 +217,9 @@ def test_separate_ratio_1_matches_stock():
         SEPARATE + ["--separate-reset-interval", "4"],
         RADIUS + ["--use-distributed-optimizer"],
         POWERSGD,
+        QUANTIZED,
     ],
-    ids=["separate", "radius-distopt", "powersgd"],
+    ids=["separate", "radius-distopt", "powersgd", "quantized"],
 )
 def test_resume_with_compressor_state_is_bit_exact(flags, tmp_path):
     from tests.megatron.test_checkpoint_resume import _resume

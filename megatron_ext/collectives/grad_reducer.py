@@ -59,6 +59,7 @@ __all__ = [
     "GradReducer",
     "DenseGradReducer",
     "shard_bounds",
+    "all_gather_flat",
 ]
 
 
@@ -110,6 +111,15 @@ class BucketView:
         if reduce_scatter and self.shard is not None:
             return self.shard
         return 0, self.grad.numel()
+
+
+def all_gather_flat(output: torch.Tensor, local: torch.Tensor, group: Any) -> None:
+    """``output = cat(local of every rank)`` (torch >= 2.13 names it ``all_gather_single``
+    and deprecates ``all_gather_into_tensor``, which older releases only have)."""
+    gather = getattr(torch.distributed, "all_gather_single", None)
+    if gather is None:
+        gather = torch.distributed.all_gather_into_tensor
+    gather(output, local, group=group)
 
 
 def shard_bounds(numel: int, group_size: int, group_rank: int) -> Tuple[int, int]:

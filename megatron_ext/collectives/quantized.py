@@ -44,6 +44,7 @@ from megatron_ext.collectives.grad_reducer import (
     CompressedReduction,
     GradReducer,
     ParamSlice,
+    all_gather_flat,
 )
 from megatron_ext.compressors.quantize import (
     Quantized,
@@ -202,7 +203,7 @@ class _QuantizedReduction(CompressedReduction):
         mine = self._pack(q)
         gathered = torch.empty(layout.size * nbytes, dtype=torch.uint8, device=mine.device)
         with ProcessGroupTrafficMeter.tagged("dp-grad"):
-            torch.distributed.all_gather_into_tensor(gathered, mine, group=spec.group)
+            all_gather_flat(gathered, mine, spec.group)
         # Dense equivalent recorded with the all-to-all.
         self.record("all_gather", gathered, 0)
         parts = torch.stack(

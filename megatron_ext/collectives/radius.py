@@ -48,6 +48,7 @@ from megatron_ext.collectives.grad_reducer import (
     GradReducer,
     _DenseReduction,
     _Split,
+    all_gather_flat,
 )
 from megatron_ext.compressors.topk import adamw_corrected_gradient, topk_mask
 from megatron_ext.optim.hooks import OptimizerHook, OptimizerView
@@ -287,7 +288,7 @@ class _RadiusReduction(CompressedReduction):
                 (hi - lo) * spec.group_size, dtype=torch.bfloat16, device=grad.device
             )
             with ProcessGroupTrafficMeter.tagged("dp-grad"):
-                torch.distributed.all_gather_into_tensor(gathered, local, group=spec.group)
+                all_gather_flat(gathered, local, spec.group)
             # Selection overhead: no dense counterpart.
             self.record("all_gather", gathered, 0)
             scores = gathered.float()

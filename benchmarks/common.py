@@ -561,8 +561,10 @@ def add_method_args(p: Any, family: str = "grad") -> None:
     from megatron_ext.config import add_config_args
     from megatron_ext.methods import registry
 
+    added = set()
     for method in registry.methods(family).values():
-        if method.options is not None:
+        if method.options is not None and method.options not in added:
+            added.add(method.options)  # methods may share one options class
             add_config_args(p, method.options, flag_default=argparse.SUPPRESS)
 
 

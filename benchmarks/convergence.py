@@ -66,11 +66,36 @@ def build_parser() -> argparse.ArgumentParser:
         prog="benchmarks/convergence.py",
         description="Loss curves per gradient-compression method vs dense, DP=2 gpt-tiny.",
     )
-    methods = method_choices()
+    p.add_argument(
+        "--family",
+        choices=("grad", "p2p"),
+        default="grad",
+        help="Which methods --methods names: data-parallel gradient compression (grad; "
+        f"{method_choices('grad')}) or pipeline activation compression (p2p; "
+        f"{method_choices('p2p')}). Default grad.",
+    )
     p.add_argument(
         "--methods",
-        default=",".join(methods),
-        help=f"Comma-separated subset of the registered methods {methods} (default: all).",
+        default=None,
+        help="Comma-separated subset of the family's registered methods (default: all).",
+    )
+    p.add_argument(
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=1,
+        help="Pipeline stages (the p2p family needs 2 or more; default 1).",
+    )
+    p.add_argument(
+        "--fixed-samples",
+        type=int,
+        default=None,
+        help="Fixed-sample mode: train in epochs over this many samples (aqsgd needs it).",
+    )
+    p.add_argument(
+        "--finetune-from",
+        default=None,
+        help="Fine-tune: start every run from the model weights of this checkpoint "
+        "directory (the driver's --load DIR --finetune).",
     )
     p.add_argument("--iters", type=int, default=300, help="Training iterations (300).")
     p.add_argument("--model", default="gpt-tiny")
@@ -100,10 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick", action="store_true", help="Smoke run: 20 iterations, none and separate."
     )
     # Every method's options under the driver's names (--separate-ratio, --radius-density,
-    # ...); unset ones take the method's benchmark defaults (Radius: dense for 20%% of the
-    # iterations, reselection every 50; PowerSGD: the rank sending SEPARATE's bytes, start
-    # step 30), then its own defaults.
-    add_method_args(p)
+    # --aqsgd-fw-bits, ...); unset ones take the method's benchmark defaults (Radius: dense
+    # for 20%% of the iterations, reselection every 50; PowerSGD: the rank sending
+    # SEPARATE's bytes, start step 30), then its own defaults.
+    add_method_args(p, "grad")
+    add_method_args(p, "p2p")
     p.add_argument(
         "--out", default=None, help="Run directory (default runs/bench-convergence-<time>)."
     )
@@ -118,13 +144,13 @@ def _free_port() -> int:
 
 def method_flags(method: str, args: argparse.Namespace) -> List[str]:
     """Driver flags of ``method`` with this benchmark's options."""
-    return MethodSettings(args).flags(method)
+    return MethodSettings(args, args.family).flags(method)
 
 
 def label(method: str, args: argparse.Namespace) -> str:
     """Short name of a configured method, e.g. ``separate-16``, ``g-separate-16`` (with
     ``--separate-adaptive`` among the extra driver flags), ``powersgd-r14``."""
-    return MethodSettings(args).label(method, args.extra_train_args.split())
+    return MethodSettings(args, args.family).label(method, args.extra_train_args.split())
 
 
 def train_command(args: argparse.Namespace, method: str, run_dir: str) -> List[str]:
@@ -168,6 +194,12 @@ def train_command(args: argparse.Namespace, method: str, run_dir: str) -> List[s
         "--comm-report",
         os.path.join(run_dir, "comm_report.json"),
     ]
+    if args.pipeline_model_parallel_size > 1:
+        cmd += ["--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size)]
+    if args.fixed_samples:
+        cmd += ["--fixed-samples", str(args.fixed_samples)]
+    if args.finetune_from:
+        cmd += ["--load", args.finetune_from, "--finetune"]
     cmd += method_flags(method, args)
     if args.extra_train_args:
         cmd += args.extra_train_args.split()
@@ -277,8 +309,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
         defaults = build_parser().parse_args([])
-        if args.methods == defaults.methods:
-            args.methods = "none,separate"
+        if args.methods is None:
+            args.methods = "none,separate" if args.family == "grad" else "none,aqsgd"
         if args.iters == defaults.iters:
             args.iters = 20
         if args.lr_warmup_iters == defaults.lr_warmup_iters:
@@ -287,17 +319,22 @@ def main(argv: Optional[List[str]] = None) -> int:
             args.powersgd_start_step = 2
         if args.quiet_wait == defaults.quiet_wait:
             args.quiet_wait = 0.0
+    if args.methods is None:
+        args.methods = ",".join(method_choices(args.family))
     methods = parse_list(args.methods)
     for m in methods:
-        if m not in method_choices():
-            print(f"convergence.py: error: unknown method {m!r} (choose from {method_choices()})")
+        if m not in method_choices(args.family):
+            print(
+                f"convergence.py: error: unknown {args.family} method {m!r} (choose from "
+                f"{method_choices(args.family)})"
+            )
             return 2
     if "none" not in methods:
         print("convergence.py: note: without 'none' there is no baseline for the gap")
     out = args.out or default_out_dir("convergence")
     os.makedirs(out, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k != "out"}
-    chosen = MethodSettings(args)
+    chosen = MethodSettings(args, args.family)
     settings["method_options"] = {m: chosen.options(m) for m in methods}
     settings["final_loss_definition"] = (
         f"mean of the logged training losses (one per iteration) of the last "

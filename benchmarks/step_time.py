@@ -80,17 +80,16 @@ __all__ = [
 ]
 
 LAYOUTS = {
-    # name: (nproc, pipeline-parallel size, data-parallel gradient methods allowed; None:
-    # every registered one)
-    "dp2": (2, 1, None),
-    "pp2": (2, 2, ("none",)),
-    "pp2dp2": (4, 2, None),
+    # name: (nproc, pipeline-parallel size, method families it measures)
+    "dp2": (2, 1, ("grad",)),
+    "pp2": (2, 2, ("p2p",)),
+    "pp2dp2": (4, 2, ("grad", "p2p")),
 }
 
 
-def _layout_methods(layout: str) -> Tuple[str, ...]:
-    allowed = LAYOUTS[layout][2]
-    return method_choices() if allowed is None else allowed
+def _layout_methods(layout: str, family: str = "grad") -> Tuple[str, ...]:
+    """Methods of ``family`` a layout measures (only ``none`` where it has no such link)."""
+    return method_choices(family) if family in LAYOUTS[layout][2] else ("none",)
 
 
 DEFAULT_BANDWIDTHS = "unshaped,1gbit,100mbit,10mbit"
@@ -103,11 +102,33 @@ def build_parser() -> argparse.ArgumentParser:
         description="Step time of the tiny GPT against bandwidth, per compression method, "
         "through megatron-ext netbench (needs root).",
     )
-    methods = method_choices()
+    p.add_argument(
+        "--family",
+        choices=("grad", "p2p"),
+        default="grad",
+        help="Which methods --methods names: data-parallel gradient compression (grad; "
+        f"{method_choices('grad')}) or pipeline activation compression (p2p; "
+        f"{method_choices('p2p')}; runs in fixed-sample mode, see --fixed-samples). "
+        "Default grad.",
+    )
     p.add_argument(
         "--methods",
-        default=",".join(methods),
-        help=f"Comma-separated subset of the registered methods {methods} (default: all).",
+        default=None,
+        help="Comma-separated subset of the family's registered methods (default: all).",
+    )
+    p.add_argument(
+        "--fixed-samples",
+        type=int,
+        default=None,
+        help="Fixed samples of --family p2p runs (default: two global batches, so that "
+        "from the third step on every sample is a revisit).",
+    )
+    p.add_argument(
+        "--shape",
+        choices=("all", "pp", "dp"),
+        default="all",
+        help="Links netbench shapes: all, or only those between pipeline stages / inside "
+        "a data-parallel group (default all).",
     )
     p.add_argument(
         "--bandwidths",
@@ -160,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # Every method's options under the driver's names; step time wants the compressed
     # steps early: Radius's dense warm-up and PowerSGD's start after 2 steps.
-    add_method_args(p)
+    add_method_args(p, "grad")
+    add_method_args(p, "p2p")
     p.set_defaults(radius_dense_steps=2, powersgd_start_step=2)
     p.add_argument(
         "--out", default=None, help="Run directory (default runs/bench-step_time-<time>)."
@@ -185,8 +207,12 @@ def _rounds_for(args: argparse.Namespace, bandwidth: str) -> int:
 
 
 def method_flags(method: str, args: argparse.Namespace) -> List[str]:
-    """Driver flags selecting ``method`` with the benchmark's settings."""
-    return MethodSettings(args).flags(method)
+    """Driver flags selecting ``method`` (of ``--family``) with the benchmark's settings."""
+    flags = MethodSettings(args, args.family).flags(method)
+    if args.family == "p2p":
+        fixed = args.fixed_samples or 2 * args.global_batch_size
+        flags += ["--fixed-samples", str(fixed)]
+    return flags
 
 
 def train_command(
@@ -231,12 +257,21 @@ def train_command(
 
 
 def netbench_command(
-    nproc: int, pp: int, bandwidth: str, report: str, timeout: float, train: Sequence[str]
+    nproc: int,
+    pp: int,
+    bandwidth: str,
+    report: str,
+    timeout: float,
+    train: Sequence[str],
+    shape: str = "all",
 ) -> List[str]:
     """``python -m megatron_ext netbench ... -- <train>`` for one run."""
     cmd = [sys.executable, "-m", "megatron_ext", "netbench", "--nproc", str(nproc)]
     cmd += ["--pp", str(pp)]
-    cmd += ["--unshaped"] if bandwidth == "unshaped" else ["--bandwidth", bandwidth]
+    if bandwidth == "unshaped":
+        cmd += ["--unshaped"]
+    else:
+        cmd += ["--bandwidth", bandwidth, "--shape", shape]
     cmd += ["--report", report, "--timeout", str(int(timeout)), "--"]
     return cmd + list(train)
 
@@ -244,9 +279,10 @@ def netbench_command(
 # -- analysis ------------------------------------------------------------------------------
 
 
-def step_kind(record: Dict[str, Any]) -> str:
-    """``"compressed"`` when the step's DP gradients travelled compressed, else ``"dense"``."""
-    grad = (record.get("bytes_per_step_all_ranks") or {}).get("dp-grad")
+def step_kind(record: Dict[str, Any], category: str = "dp-grad") -> str:
+    """``"compressed"`` when the step's traffic of ``category`` (DP gradients, or ``pp-act``
+    for pipeline methods) travelled compressed, else ``"dense"``."""
+    grad = (record.get("bytes_per_step_all_ranks") or {}).get(category)
     if not grad or not grad.get("dense_sent"):
         return "dense"
     return "compressed" if is_compressed(grad["sent"], grad["dense_sent"]) else "dense"
@@ -274,7 +310,9 @@ def _step_stats(times: Sequence[float], kinds: Sequence[str]) -> Dict[str, Any]:
     }
 
 
-def summarize_run(records: List[Dict[str, Any]], skip: int) -> Dict[str, Any]:
+def summarize_run(
+    records: List[Dict[str, Any]], skip: int, category: str = "dp-grad"
+) -> Dict[str, Any]:
     """Statistics of one run's ``log.jsonl`` records (one per iteration).
 
     Returns:
@@ -287,14 +325,14 @@ def summarize_run(records: List[Dict[str, Any]], skip: int) -> Dict[str, Any]:
     records = sorted(records, key=lambda r: r["iteration"])
     times = [r["step_time_s"] for r in records]
     steady_recs = [r for r in records if r["iteration"] > skip]
-    kinds = [step_kind(r) for r in steady_recs]
+    kinds = [step_kind(r, category) for r in steady_recs]
     comp = [r for r, k in zip(steady_recs, kinds) if k == "compressed"]
     headline = comp or steady_recs
     return {
         "num_iterations": len(records),
         "iterations": [r["iteration"] for r in records],
         "step_times_s": times,
-        "step_kinds": [step_kind(r) for r in records],
+        "step_kinds": [step_kind(r, category) for r in records],
         **_step_stats([r["step_time_s"] for r in steady_recs], kinds),
         "bytes_per_step_all_ranks": mean_bytes(headline) if headline else {},
         "bytes_per_step_all_ranks_mean_all": mean_bytes(steady_recs) if steady_recs else {},
@@ -373,6 +411,32 @@ def _link_summary(netbench: Dict[str, Any], bandwidth: str) -> Dict[str, Any]:
     return out
 
 
+# A full TCP segment over a 1500-byte MTU: 1448 bytes of payload in a 1514-byte frame
+# (Ethernet 14, IP 20, TCP 20 + 12 of timestamps), before ACKs.
+TCP_FRAME_OVERHEAD = 1514 / 1448
+
+
+def wire_check(
+    interface_bytes: List[Dict[str, int]], comm_report: Dict[str, Any]
+) -> Dict[str, Any]:
+    """The bytes each rank's interface sent against what megatron_ext's accounting counted.
+
+    The interface counts every frame (headers, ACKs, the rendezvous, evaluation if any);
+    the accounting counts payloads. Their ratio over :data:`TCP_FRAME_OVERHEAD` is the
+    agreement left once frame headers are allowed for.
+    """
+    per_rank = comm_report.get("comm", {}).get("per_rank_total") or []
+    accounted = [sum(c.get("sent", 0) for c in rank.values()) for rank in per_rank]
+    sent = [c["tx_bytes"] for c in interface_bytes]
+    ratios = [s / a if a else None for s, a in zip(sent, accounted)]
+    return {
+        "interface_tx_bytes": sent,
+        "accounted_sent_bytes": accounted,
+        "interface_over_accounted": ratios,
+        "over_frame_overhead": [r / TCP_FRAME_OVERHEAD if r else None for r in ratios],
+    }
+
+
 def run_one(
     args: argparse.Namespace,
     layout: str,
@@ -394,7 +458,13 @@ def run_one(
             os.remove(os.path.join(run_dir, stale))
     train = train_command(args, method, pp, iters, run_dir)
     cmd = netbench_command(
-        nproc, pp, bandwidth, os.path.join(run_dir, "netbench.json"), args.run_timeout, train
+        nproc,
+        pp,
+        bandwidth,
+        os.path.join(run_dir, "netbench.json"),
+        args.run_timeout,
+        train,
+        shape=args.shape,
     )
     quiet = wait_for_quiet(args.quiet_wait) if args.quiet_wait > 0 else None
     with CpuMonitor() as mon:
@@ -423,16 +493,22 @@ def run_one(
         "run_dir": os.path.relpath(run_dir, out_dir),
         "contention": dict(mon.result(), quiet_wait=quiet),
     }
-    result["method_options"] = MethodSettings(args).options(method)
+    result["family"] = args.family
+    result["method_options"] = MethodSettings(args, args.family).options(method)
     log_path = os.path.join(run_dir, "log.jsonl")
     if os.path.exists(log_path):
-        result.update(summarize_run(read_jsonl(log_path), args.skip))
+        category = "pp-act" if args.family == "p2p" else "dp-grad"
+        result.update(summarize_run(read_jsonl(log_path), args.skip, category))
     nb_path = os.path.join(run_dir, "netbench.json")
     if os.path.exists(nb_path):
         with open(nb_path) as f:
             nb = json.load(f)
         result["link_check"] = _link_summary(nb, bandwidth)
         result["netbench_wall_s"] = nb.get("wall_time_s")
+        report_path = os.path.join(run_dir, "comm_report.json")
+        if nb.get("interface_bytes") and os.path.exists(report_path):
+            with open(report_path) as f:
+                result["wire_check"] = wire_check(nb["interface_bytes"], json.load(f))
     if code != 0:
         with open(os.path.join(run_dir, "stdout.txt")) as f:
             result["error_tail"] = f.read()[-2000:]
@@ -507,12 +583,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                 setattr(args, name, value)
         if args.quiet_wait == defaults.quiet_wait:
             args.quiet_wait = 0.0
+    if args.methods is None:
+        args.methods = ",".join(method_choices(args.family))
     methods = parse_list(args.methods)
     layouts = parse_list(args.layouts)
     bandwidths = parse_list(args.bandwidths)
     for m in methods:
-        if m not in method_choices():
-            print(f"step_time.py: error: unknown method {m!r} (choose from {method_choices()})")
+        if m not in method_choices(args.family):
+            print(
+                f"step_time.py: error: unknown {args.family} method {m!r} (choose from "
+                f"{method_choices(args.family)})"
+            )
             return 2
     for lay in layouts:
         if lay not in LAYOUTS:
@@ -547,7 +628,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for lay in layouts
         for bw in bandwidths
         for m in methods
-        if m in _layout_methods(lay)
+        if m in _layout_methods(lay, args.family)
     ]
     # Round-major: the rounds of a cell are spread over the whole benchmark, so slow
     # periods of a shared machine do not hit one cell's every round.
@@ -559,13 +640,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         if k < _rounds_for(args, bw)
     ]
     skipped = [
-        {"layout": lay, "method": m, "reason": "no pipeline compression method yet"}
+        {"layout": lay, "method": m, "reason": f"the layout has no {args.family} links"}
         for lay in layouts
         for m in methods
-        if m not in _layout_methods(lay)
+        if m not in _layout_methods(lay, args.family)
     ]
     settings = {k: v for k, v in vars(args).items() if k not in ("out",)}
-    chosen = MethodSettings(args)
+    chosen = MethodSettings(args, args.family)
     settings["method_options"] = {m: chosen.options(m) for m in methods}
     settings["plan"] = [[k + 1, lay, m, bw] for k, lay, m, bw in plan]
     settings["statistic"] = (

@@ -200,6 +200,9 @@ def _print_summary(
     codes = " ".join("?" if c is None else str(c) for c in result.exit_codes)
     print(f"rank exit codes: {codes}{'  (timed out)' if result.timed_out else ''}")
     print(f"wall time: {result.wall_time_s:.2f} s")
+    if result.interface_bytes:
+        sent = " ".join(f"{c['tx_bytes'] / 1e6:.2f}" for c in result.interface_bytes)
+        print(f"MB sent per rank (interface counters, headers included): {sent}")
 
 
 def _exit_code(result: RankRunResult) -> int:
@@ -241,6 +244,7 @@ def _report(
             dict(dataclasses.asdict(m), kind=layout.classify(m.src, m.dst)) for m in links
         ],
         "exit_codes": result.exit_codes,
+        "interface_bytes": result.interface_bytes,
         "timed_out": result.timed_out,
         "wall_time_s": result.wall_time_s,
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

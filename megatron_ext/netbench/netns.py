@@ -136,6 +136,10 @@ class RankRunResult:
     output_tails: List[List[str]] = dataclasses.field(default_factory=list)
     """Last lines of each rank's combined stdout/stderr, without the ``[rank N]`` prefix."""
 
+    interface_bytes: List[Dict[str, int]] = dataclasses.field(default_factory=list)
+    """Per rank, bytes its ``eth0`` transmitted and received during the run (the kernel's
+    interface counters: every frame, so payload plus Ethernet/IP/TCP headers and ACKs)."""
+
     @property
     def ok(self) -> bool:
         """All ranks exited with code 0 within the timeout."""
@@ -698,6 +702,26 @@ class ShapedNetwork:
         env.update({k: str(v) for k, v in (env_extra or {}).items()})
         return env
 
+    def interface_counters(self) -> List[Dict[str, int]]:
+        """Per rank, the ``tx_bytes`` / ``rx_bytes`` counters of its ``eth0`` now."""
+        out = []
+        for rank in range(self.num_ranks):
+            stats = {}
+            for key in ("tx_bytes", "rx_bytes"):
+                text = _run(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        self.namespace(rank),
+                        "cat",
+                        f"/sys/class/net/{RANK_IFNAME}/statistics/{key}",
+                    ]
+                )
+                stats[key] = int(text.strip())
+            out.append(stats)
+        return out
+
     def run_ranks(
         self,
         command: Sequence[str],
@@ -736,6 +760,7 @@ class ShapedNetwork:
         tails: List[Deque[str]] = [
             collections.deque(maxlen=tail_lines) for _ in range(self.num_ranks)
         ]
+        before = self.interface_counters()
         start = time.monotonic()
         procs = [
             self._spawn(
@@ -781,6 +806,8 @@ class ShapedNetwork:
             for proc in procs:
                 self._processes.remove(proc)
         exit_codes = [p.poll() for p in procs]
+        after = self.interface_counters()
+        moved = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
         if failed_rank is None:
             failed_rank = next((r for r, c in enumerate(exit_codes) if c not in (0, None)), None)
         if failed_rank is not None and failed_rank not in shown:
@@ -799,6 +826,7 @@ class ShapedNetwork:
             timed_out=timed_out,
             failed_rank=failed_rank,
             output_tails=[list(t) for t in tails],
+            interface_bytes=moved,
         )
 
 

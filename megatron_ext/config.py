@@ -38,7 +38,17 @@ import textwrap
 import typing
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, ClassVar, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    ClassVar,
+    Dict,
+    Iterable,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 __all__ = [
     "ConfigError",

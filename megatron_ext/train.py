@@ -308,7 +308,11 @@ class Trainer:
                 parity tests and benchmarks compare against).
         """
         from megatron_ext.megatron import training
-        from megatron_ext.megatron.runtime import ExtRuntime, StockRuntime, parallel_layout
+        from megatron_ext.megatron.runtime import (
+            ExtRuntime,
+            StockRuntime,
+            parallel_layout,
+        )
 
         cfg, m = self.cfg, self.cfg.model
         self.config = training.transformer_config(
@@ -668,7 +672,11 @@ class _TrainLog:
 
     def emit(self, iteration, consumed, grad_norm, eval_loss) -> Dict[str, Any]:
         """Log the interval ending at ``iteration`` and start the next one."""
-        from megatron_ext.accounting import all_ranks_totals, comm_scalars, format_traffic
+        from megatron_ext.accounting import (
+            all_ranks_totals,
+            comm_scalars,
+            format_traffic,
+        )
 
         trainer = self.trainer
         cfg = trainer.cfg

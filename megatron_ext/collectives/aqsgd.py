@@ -18,8 +18,9 @@ What it does (aq-sgd.txt Algorithm 1; methods.md section 4):
 
     :class:`DirectQCodec` is the baseline that quantizes the activations themselves.
 
-    Payloads are one uint8 tensor per transfer; per sample of the microbatch, in order:
-    raw bytes of the activation (first visit) or packed codes followed by the fp16 scales.
+    Payloads are one uint8 tensor per transfer: the raw bytes of the first-visit samples'
+    activations, then the packed codes of the other samples (each padded to a multiple of 8
+    values), then their fp16 scales.
     Its size is a pure function of (shape, dtype, bits, which samples were visited), and both
     sides hold the same visit flags, so the receiver allocates it in advance.
 
@@ -241,44 +242,43 @@ class _QuantizingCodec(P2PCodec):
 
     # -- [s, b, h] tensors as per-sample [rows, cols] blocks --------------------------------
 
-    def _encode_quantized(self, x: torch.Tensor, bits: int, gen) -> List[torch.Tensor]:
-        """Per sample: packed codes then scales (``x`` is ``[b, rows, cols]``)."""
-        q = self._quantize(x, bits, gen)
-        parts = []
-        for j in range(x.shape[0]):
-            parts.append(pack_bits(q.codes[j], bits))
-            parts.append(q.scales[j].contiguous().view(torch.uint8).reshape(-1))
-        return parts
+    def _pack_samples(self, q: Quantized) -> torch.Tensor:
+        """Quantized samples ``[k, rows, cols]`` on the wire: every sample's codes, packed
+        (each padded to a multiple of 8 values, so samples stay byte-aligned), then every
+        sample's fp16 scales."""
+        k = q.codes.shape[0]
+        codes = q.codes.reshape(k, -1)
+        pad = (-codes.shape[1]) % 8
+        if pad:
+            codes = torch.cat([codes, codes.new_zeros(k, pad)], dim=1)
+        scales = q.scales.contiguous().view(torch.uint8).reshape(-1)
+        return torch.cat([pack_bits(codes, q.bits), scales])
 
-    def _decode_quantized(
-        self, payload: torch.Tensor, offset: int, rows: int, cols: int, bits: int
-    ) -> Tuple[torch.Tensor, int]:
-        """One sample's dequantized ``[rows, cols]`` (fp32) at ``offset``; the next offset."""
-        n = packed_nbytes(rows * cols, bits)
-        codes = unpack_bits(payload[offset : offset + n], bits, rows * cols).view(rows, cols)
-        offset += n
-        sshape = scale_shape((rows, cols), self.cfg.granularity)
-        ns = 2 * int(np.prod(sshape))
-        scales = payload[offset : offset + ns].clone().view(torch.float16).view(sshape)
-        offset += ns
-        return dequantize(Quantized(codes=codes, scales=scales, bits=bits)), offset
+    def _unpack_samples(
+        self, payload: torch.Tensor, k: int, rows: int, cols: int, bits: int
+    ) -> torch.Tensor:
+        """Inverse of :meth:`_pack_samples`: ``[k, rows, cols]`` dequantized (fp32)."""
+        n = rows * cols
+        padded = n + (-n) % 8
+        ncodes = k * packed_nbytes(padded, bits)
+        codes = unpack_bits(payload[:ncodes], bits, k * padded).view(k, padded)[:, :n]
+        sshape = (k,) + scale_shape((rows, cols), self.cfg.granularity)
+        nscales = 2 * int(np.prod(sshape))
+        scales = payload[ncodes : ncodes + nscales].clone().view(torch.float16).view(sshape)
+        q = Quantized(codes=codes.reshape(k, rows, cols), scales=scales, bits=bits)
+        return dequantize(q)
 
     def _grad_spec(self, shape, dtype) -> Tuple[Tuple[int, ...], torch.dtype]:
         s, b, h = shape
         return (b * _segment_nbytes(s, h, self.cfg.bw_bits, self.cfg.granularity),), torch.uint8
 
     def _encode_grad(self, g: torch.Tensor, ctx: P2PContext) -> torch.Tensor:
-        parts = self._encode_quantized(
-            g.transpose(0, 1), self.cfg.bw_bits, self._generator(ctx, "backward")
-        )
-        return torch.cat(parts)
+        gen = self._generator(ctx, "backward")
+        return self._pack_samples(self._quantize(g.transpose(0, 1), self.cfg.bw_bits, gen))
 
     def _decode_grad(self, payload, shape, dtype) -> torch.Tensor:
         s, b, h = shape
-        out = torch.empty(b, s, h, dtype=torch.float32, device=payload.device)
-        offset = 0
-        for j in range(b):
-            out[j], offset = self._decode_quantized(payload, offset, s, h, self.cfg.bw_bits)
+        out = self._unpack_samples(payload, b, s, h, self.cfg.bw_bits)
         return out.transpose(0, 1).to(dtype)
 
     @staticmethod
@@ -308,10 +308,8 @@ class DirectQCodec(_QuantizingCodec):
             return self._encode_grad(tensor, ctx)
         if ctx.forward_only:
             return tensor
-        parts = self._encode_quantized(
-            tensor.transpose(0, 1), self.cfg.fw_bits, self._generator(ctx, "forward")
-        )
-        return torch.cat(parts)
+        gen = self._generator(ctx, "forward")
+        return self._pack_samples(self._quantize(tensor.transpose(0, 1), self.cfg.fw_bits, gen))
 
     def decode(self, payload, ctx, shape, dtype):
         if ctx.direction == "backward":
@@ -319,11 +317,7 @@ class DirectQCodec(_QuantizingCodec):
         if ctx.forward_only:
             return payload
         s, b, h = shape
-        out = torch.empty(b, s, h, dtype=torch.float32, device=payload.device)
-        offset = 0
-        for j in range(b):
-            out[j], offset = self._decode_quantized(payload, offset, s, h, self.cfg.fw_bits)
-        return out.transpose(0, 1).to(dtype)
+        return self._unpack_samples(payload, b, s, h, self.cfg.fw_bits).transpose(0, 1).to(dtype)
 
 
 class AQSGDCodec(_QuantizingCodec):
@@ -496,27 +490,21 @@ class AQSGDCodec(_QuantizingCodec):
         buffers = self._side(ctx, sending=True)
         slots = self.samples.slots(ctx.sample_ids)
         visited = buffers.visited[slots]
+        first, revisit = (~visited).nonzero().view(-1), visited.nonzero().view(-1)
         x = tensor.detach().transpose(0, 1)  # [b, s, h]
-        parts: List[torch.Tensor] = []
         new = torch.empty(x.shape, dtype=buffers.dtype, device=x.device)
-        revisit = visited.nonzero().view(-1).tolist()
-        quantized = {}
-        if revisit:
+        parts: List[torch.Tensor] = []
+        # Payload: the first visits' raw activations, then the revisits' quantized deltas.
+        if first.numel():
+            parts.append(self._raw(x[first]))
+            new[first] = x[first].to(buffers.dtype)
+        if revisit.numel():
             m = buffers.read(slots[revisit]).float()
-            delta = x[revisit].float() - m
-            q = self._quantize(delta, self.cfg.fw_bits, self._generator(ctx, "forward"))
+            q = self._quantize(
+                x[revisit].float() - m, self.cfg.fw_bits, self._generator(ctx, "forward")
+            )
+            parts.append(self._pack_samples(q))
             new[revisit] = (m + dequantize(q)).to(buffers.dtype)
-            for k, j in enumerate(revisit):
-                quantized[j] = (
-                    pack_bits(q.codes[k], self.cfg.fw_bits),
-                    q.scales[k].contiguous().view(torch.uint8).reshape(-1),
-                )
-        for j in range(x.shape[0]):
-            if j in quantized:
-                parts.extend(quantized[j])
-            else:
-                parts.append(self._raw(x[j]))
-                new[j] = x[j].to(buffers.dtype)
         self._staged["send"].append(_Staged(slots, new))
         self._prefetch_next(buffers, ctx)
         return torch.cat(parts)
@@ -528,25 +516,24 @@ class AQSGDCodec(_QuantizingCodec):
             return payload
         buffers = self._side(ctx, sending=False)
         slots = self.samples.slots(ctx.sample_ids)
-        visited = buffers.visited[slots].tolist()
+        visited = buffers.visited[slots]
+        first, revisit = (~visited).nonzero().view(-1), visited.nonzero().view(-1)
         s, b, h = shape
         out = torch.empty(b, s, h, dtype=dtype, device=payload.device)
         new = torch.empty(b, s, h, dtype=buffers.dtype, device=payload.device)
-        revisit = [j for j in range(b) if visited[j]]
-        m = buffers.read(slots[revisit]).float() if revisit else None
         offset = 0
-        raw = s * h * torch.tensor([], dtype=dtype).element_size()
-        for j in range(b):
-            if visited[j]:
-                delta, offset = self._decode_quantized(payload, offset, s, h, self.cfg.fw_bits)
-                value = m[revisit.index(j)] + delta
-                new[j] = value.to(buffers.dtype)
-                out[j] = value.to(dtype)
-            else:
-                x = self._from_raw(payload[offset : offset + raw], (s, h), dtype)
-                offset += raw
-                out[j] = x
-                new[j] = x.to(buffers.dtype)
+        if first.numel():
+            offset = first.numel() * s * h * torch.tensor([], dtype=dtype).element_size()
+            x = self._from_raw(payload[:offset], (first.numel(), s, h), dtype)
+            out[first] = x
+            new[first] = x.to(buffers.dtype)
+        if revisit.numel():
+            m = buffers.read(slots[revisit]).float()
+            value = m + self._unpack_samples(
+                payload[offset:], revisit.numel(), s, h, self.cfg.fw_bits
+            )
+            out[revisit] = value.to(dtype)
+            new[revisit] = value.to(buffers.dtype)
         self._staged["recv"].append(_Staged(slots, new))
         self._prefetch_next(buffers, ctx)
         return out.transpose(0, 1)

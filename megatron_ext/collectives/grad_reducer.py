@@ -47,7 +47,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.distributed.distributed_c10d import _coalescing_manager
 
-from megatron_ext.accounting import CommMeter, ProcessGroupTrafficMeter, collective_wire_bytes
+from megatron_ext.accounting import (
+    CommMeter,
+    ProcessGroupTrafficMeter,
+    collective_wire_bytes,
+)
 
 __all__ = [
     "ParamSlice",

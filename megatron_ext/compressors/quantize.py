@@ -145,6 +145,14 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     pad = (-n) % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
+    if 8 % bits == 0:
+        # 1, 2, 4 bits: whole codes per byte, combined in uint8 (same layout as below).
+        per = 8 // bits
+        groups = flat.view(-1, per)
+        out = groups[:, 0].clone()
+        for i in range(1, per):
+            out |= groups[:, i] << (bits * i)
+        return out
     groups = flat.view(-1, 8).to(torch.int64)
     shifts = torch.arange(8, device=flat.device, dtype=torch.int64) * bits
     word = (groups << shifts).sum(dim=1)  # 8 * bits <= 64 bits per group
@@ -163,6 +171,11 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         )
     if bits == 8:
         return packed.reshape(-1)[:numel].clone()
+    if 8 % bits == 0:
+        per, mask = 8 // bits, (1 << bits) - 1
+        flat = packed.reshape(-1)
+        out = torch.stack([(flat >> (bits * i)) & mask for i in range(per)], dim=1)
+        return out.reshape(-1)[:numel]
     groups = packed.reshape(-1, bits).to(torch.int64)
     byte_shifts = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
     word = (groups << byte_shifts).sum(dim=1)

@@ -17,7 +17,10 @@ Constraints:
 """
 
 from megatron_ext.data.config import DataConfig, TokenizerConfig, default_cache_dir
-from megatron_ext.data.corpus import embedded_corpus_documents, embedded_corpus_fingerprint
+from megatron_ext.data.corpus import (
+    embedded_corpus_documents,
+    embedded_corpus_fingerprint,
+)
 from megatron_ext.data.tokenizers import (
     GPT2BPETokenizer,
     SentencePieceTokenizer,

@@ -50,7 +50,17 @@ import os
 import re
 from abc import ABC, abstractmethod
 from functools import lru_cache
-from typing import Any, ClassVar, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    ClassVar,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 import sentencepiece
 

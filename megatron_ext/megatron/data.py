@@ -55,7 +55,9 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 import numpy
 import torch
 from megatron.core.datasets.blended_dataset import BlendedDataset
-from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.blended_megatron_dataset_builder import (
+    BlendedMegatronDatasetBuilder,
+)
 from megatron.core.datasets.blended_megatron_dataset_config import (
     convert_split_vector_to_split_matrix,
     parse_and_normalize_split,
@@ -73,7 +75,10 @@ from megatron.core.datasets.utils import Split
 from megatron_ext.config import ConfigError
 from megatron_ext.data.cache import build_once
 from megatron_ext.data.config import DataConfig, TokenizerConfig, default_cache_dir
-from megatron_ext.data.corpus import embedded_corpus_documents, embedded_corpus_fingerprint
+from megatron_ext.data.corpus import (
+    embedded_corpus_documents,
+    embedded_corpus_fingerprint,
+)
 from megatron_ext.data.readers import files_fingerprint, iter_file_documents
 from megatron_ext.data.tokenizers import (
     GPT2BPETokenizer,

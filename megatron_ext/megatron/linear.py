@@ -24,7 +24,11 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from megatron_ext.autograd.linear import LinearContext, LinearHook, PassThroughLinearHook
+from megatron_ext.autograd.linear import (
+    LinearContext,
+    LinearHook,
+    PassThroughLinearHook,
+)
 from megatron_ext.config import ConfigError
 from megatron_ext.logging import get_logger, log_rank_0
 from megatron_ext.megatron.naming import global_module_names
@@ -80,7 +84,10 @@ def install_linear_hooks(
         ConfigError: the pattern is invalid, or a matching layer is not a megatron-core
             local linear layer while ``hook`` is not the pass-through.
     """
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+    )
 
     try:
         regex = re.compile(pattern)

@@ -35,7 +35,12 @@ import torch
 
 from megatron_ext.accounting import CommMeter, ProcessGroupTrafficMeter, Traffic
 from megatron_ext.autograd.linear import PassThroughLinearHook
-from megatron_ext.config import ConfigError, ExtConfig, ParallelLayout, validate_ext_config
+from megatron_ext.config import (
+    ConfigError,
+    ExtConfig,
+    ParallelLayout,
+    validate_ext_config,
+)
 from megatron_ext.methods.registry import (
     Components,
     ProcessGroups,

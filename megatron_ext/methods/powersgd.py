@@ -10,7 +10,13 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Dict
 
 from megatron_ext.config import ConfigError, check_positive, flag_of
-from megatron_ext.methods.registry import BenchContext, Components, Method, MethodContext, register
+from megatron_ext.methods.registry import (
+    BenchContext,
+    Components,
+    Method,
+    MethodContext,
+    register,
+)
 
 __all__ = ["PowerSGDConfig", "METHOD"]
 

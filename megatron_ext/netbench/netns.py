@@ -51,7 +51,17 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Deque, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, TextIO
+from typing import (
+    Deque,
+    Dict,
+    FrozenSet,
+    Iterable,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    TextIO,
+)
 
 from megatron_ext.netbench.shaping import LinkShape, tc_commands
 from megatron_ext.netbench.topology import select_check_links

@@ -99,7 +99,9 @@ def _core_version_on_disk() -> str:
     if locations:
         version = read_checkout_version(os.path.dirname(os.path.dirname(locations[0])))
     if version is None:
-        from megatron_ext.megatron.version import mcore_version  # raises the import error
+        from megatron_ext.megatron.version import (
+            mcore_version,  # raises the import error
+        )
 
         version = mcore_version()
     return version
@@ -123,8 +125,14 @@ def install_megatron_lm_hooks(cpu: Optional[bool] = None) -> Any:
     if _HOOKS is not None:
         return _HOOKS
     from megatron_ext.megatron.lm.compat import apply_python_shims
-    from megatron_ext.megatron.lm.cpu import cpu_requested_by_env, enable_megatron_lm_cpu
-    from megatron_ext.megatron.lm.releases import UnsupportedReleaseError, release_for_version
+    from megatron_ext.megatron.lm.cpu import (
+        cpu_requested_by_env,
+        enable_megatron_lm_cpu,
+    )
+    from megatron_ext.megatron.lm.releases import (
+        UnsupportedReleaseError,
+        release_for_version,
+    )
     from megatron_ext.megatron.lm.session import MegatronLMSession
 
     if cpu is None:

@@ -173,8 +173,14 @@ def setup_sys_path(checkout: str, release_version: str, core_from: str) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry point (returns only if the script returns)."""
     from megatron_ext.megatron.lm.cpu import CPU_ENV_VAR, cpu_requested_by_env
-    from megatron_ext.megatron.lm.releases import UnsupportedReleaseError, detect_checkout_release
-    from megatron_ext.megatron.lm.requirements import format_missing, missing_requirements
+    from megatron_ext.megatron.lm.releases import (
+        UnsupportedReleaseError,
+        detect_checkout_release,
+    )
+    from megatron_ext.megatron.lm.requirements import (
+        format_missing,
+        missing_requirements,
+    )
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -135,7 +135,10 @@ def format_missing(tag: str, missing: Sequence[Requirement]) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m megatron_ext.megatron.lm.requirements CHECKOUT [--cpu]``; exit code 2 if
     something is missing."""
-    from megatron_ext.megatron.lm.releases import UnsupportedReleaseError, detect_checkout_release
+    from megatron_ext.megatron.lm.releases import (
+        UnsupportedReleaseError,
+        detect_checkout_release,
+    )
 
     parser = argparse.ArgumentParser(
         prog="python -m megatron_ext.megatron.lm.requirements",

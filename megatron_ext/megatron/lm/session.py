@@ -337,7 +337,10 @@ class MegatronLMSession:
 
     @staticmethod
     def _write_scalars(sums: Dict[str, Traffic], steps: int, iteration: int) -> None:
-        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+        from megatron.training.global_vars import (
+            get_tensorboard_writer,
+            get_wandb_writer,
+        )
 
         writer = get_tensorboard_writer()
         wandb_writer = get_wandb_writer()

@@ -282,23 +282,20 @@ class Trainer:
 
     def _train_sampler(self):
         """Which sample ids training microbatches take (fixed-sample mode or one pass)."""
-        from megatron_ext.megatron.data import FixedSampleSampler, SequentialSampler
+        from megatron_ext.megatron.data import SequentialSampler, fixed_sample_sampler
 
         cfg = self.cfg
         mbs = cfg.training.micro_batch_size
         if not cfg.data.fixed_samples:
             return SequentialSampler(mbs, self.dp_rank, self.dp_size)
-        sampler = FixedSampleSampler(
-            cfg.data.fixed_samples, mbs, self.dp_rank, self.dp_size, cfg.training.seed
+        return fixed_sample_sampler(
+            cfg.data.fixed_samples,
+            mbs,
+            self.sizes["num_microbatches"],
+            self.dp_rank,
+            self.dp_size,
+            cfg.training.seed,
         )
-        per_step = mbs * self.sizes["num_microbatches"]
-        if sampler.per_rank < per_step:
-            raise ConfigError(
-                ["--fixed-samples", "--global-batch-size"],
-                f"{sampler.per_rank} fixed samples per data-parallel rank are fewer than the "
-                f"{per_step} one step takes on a rank: a sample would repeat within a step",
-            )
-        return sampler
 
     def build_model(self, stock: bool = False) -> None:
         """The GPT model of this stage, megatron_ext's methods and the DDP wrapper.

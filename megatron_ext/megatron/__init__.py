@@ -8,8 +8,6 @@ them; everything else in megatron-core imports and runs (see
 :func:`megatron_ext.megatron.cpu.register_triton_stand_ins`).
 """
 
-from megatron_ext.megatron.cpu import (
-    register_triton_stand_ins as _register_triton_stand_ins,
-)
+from megatron_ext.megatron.cpu import register_triton_stand_ins as _register_triton_stand_ins
 
 _register_triton_stand_ins()

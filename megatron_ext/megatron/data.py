@@ -103,6 +103,8 @@ __all__ = [
     "sample_indices",
     "SequentialSampler",
     "FixedSampleSampler",
+    "fixed_sample_sampler",
+    "FixedSampleBatchSampler",
     "MicrobatchIterator",
 ]
 
@@ -666,6 +668,64 @@ class FixedSampleSampler(SequentialSampler):
             epoch, pos = divmod(k, self.per_rank)
             out[j] = self.dp_rank + dp * int(self._order_of(epoch)[pos])
         return out
+
+
+def fixed_sample_sampler(
+    num_samples: int,
+    micro_batch_size: int,
+    num_microbatches: int,
+    dp_rank: int,
+    dp_size: int,
+    seed: int,
+) -> FixedSampleSampler:
+    """The :class:`FixedSampleSampler` of ``--fixed-samples``, checked against the step size.
+
+    Raises:
+        ConfigError: naming ``--fixed-samples`` (and ``--global-batch-size``) when a rank
+            owns fewer fixed samples than one step takes (a sample would repeat within a
+            step, and per-sample state would be read and written in the same step).
+    """
+    if num_samples < dp_size:
+        raise ConfigError(
+            "--fixed-samples",
+            f"{num_samples} fixed samples do not give each of the {dp_size} data-parallel "
+            "ranks one",
+        )
+    sampler = FixedSampleSampler(num_samples, micro_batch_size, dp_rank, dp_size, seed)
+    per_step = micro_batch_size * num_microbatches
+    if sampler.per_rank < per_step:
+        raise ConfigError(
+            ["--fixed-samples", "--global-batch-size"],
+            f"{sampler.per_rank} fixed samples per data-parallel rank are fewer than the "
+            f"{per_step} one step takes on a rank: a sample would repeat within a step",
+        )
+    return sampler
+
+
+class FixedSampleBatchSampler:
+    """A ``torch.utils.data.DataLoader`` batch sampler over a :class:`FixedSampleSampler`.
+
+    From ``consumed_samples`` on it yields this rank's microbatches (lists of sample ids)
+    one after another, epoch after epoch, without end: training stops it. It is what
+    Megatron-LM's ``MegatronPretrainingSampler`` would yield, with positions mapped onto the
+    fixed sample set, so Megatron-LM's data iterator and megatron-ext's sample ids (which
+    the pipeline stages compute from ``consumed_samples`` without reading data) agree.
+
+    Args:
+        sampler: the fixed-sample sampler of this rank.
+        consumed_samples: samples consumed by all data-parallel ranks before the first
+            microbatch.
+    """
+
+    def __init__(self, sampler: FixedSampleSampler, consumed_samples: int):
+        self.sampler = sampler
+        self.consumed_samples = int(consumed_samples)
+
+    def __iter__(self) -> Iterator[List[int]]:
+        microbatch = 0
+        while True:
+            yield self.sampler.indices(self.consumed_samples, microbatch).tolist()
+            microbatch += 1
 
 
 def _collate(samples: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:

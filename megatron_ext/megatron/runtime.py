@@ -407,6 +407,7 @@ def install(
     scheduler: Any = None,
     transformer_impl: str = "local",
     optimizer_hooks: Sequence[Any] = (),
+    samples: Any = None,
 ) -> ExtRuntime:
     """Create the runtime and install it on an already wrapped model in one call.
 
@@ -423,4 +424,5 @@ def install(
         scheduler=scheduler,
         transformer_impl=transformer_impl,
         optimizer_hooks=optimizer_hooks,
+        samples=samples,
     )

@@ -240,6 +240,55 @@ def test_zero_touch_pp2_through_launcher_script(lm_dir, tmp_path):
     assert "validation loss at iteration 3 on validation set" in proc.stdout
 
 
+# -- AQ-SGD: fixed samples, first visits in full precision, then quantized deltas ------------
+
+
+def _kb(field: str, category: str) -> float:
+    """The KB of ``category`` in an iteration line's bytes field."""
+    import re
+
+    found = re.search(rf"{category} ([0-9.]+) (B|KB|MB)\b", field)
+    assert found, f"no {category} in {field!r}"
+    return float(found.group(1)) * {"B": 1e-3, "KB": 1.0, "MB": 1e3}[found.group(2)]
+
+
+def test_zero_touch_pp2_aqsgd_with_fixed_samples(lm_dir, tmp_path):
+    """PP=2 AQ-SGD in Megatron-LM: one global batch of fixed samples, so iteration 1 visits
+    every sample first (full precision) and iterations 2-4 revisit them (4-bit deltas)."""
+    run = pretrain(
+        lm_dir / "pretrain_gpt.py",
+        tiny_args(train_iters="4", fixed_samples="8", p2p_compression="aqsgd",
+                  grad_compression="none", aqsgd_fw_bits="4", aqsgd_bw_bits="8")
+        + ["--pipeline-model-parallel-size", "2"],
+        cwd=tmp_path,
+    ).check()  # fmt: skip
+    assert "P2P ExtP2PCommunicator (--p2p-compression aqsgd)" in run.stdout
+    assert "fixed samples: 8 of the training split, 8 per data-parallel rank" in run.stdout
+    iters = iterations(run.stdout)
+    assert sorted(iters) == [1, 2, 3, 4]
+    dense = 131.072  # fp32 [64, 2, 64] x 4 microbatches, KB
+    first = iters[1]["bytes"]
+    assert _kb(first, "pp-act") == pytest.approx(dense, rel=1e-3), first  # raw first visits
+    for i in (2, 3, 4):
+        field = iters[i]["bytes"]
+        # 4-bit codes (dense / 8) plus a scale per channel and sample header.
+        assert _kb(field, "pp-act") < dense / 6, field
+        assert _kb(field, "pp-grad") < dense / 3, field
+    losses = [float(r["loss"]) for r in iters.values()]
+    assert all(0 < loss < 7.0 for loss in losses), iters
+
+
+def test_aqsgd_without_fixed_samples_stops_naming_the_flag(lm_dir, tmp_path):
+    run = pretrain(
+        lm_dir / "pretrain_gpt.py",
+        tiny_args(p2p_compression="aqsgd") + ["--pipeline-model-parallel-size", "2"],
+        cwd=tmp_path,
+    )
+    assert run.returncode != 0
+    assert "megatron-ext: error: --p2p-compression, --fixed-samples:" in run.stderr
+    assert not iterations(run.stdout)
+
+
 # -- patched checkout ---------------------------------------------------------------------------
 
 

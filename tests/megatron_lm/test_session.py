@@ -107,13 +107,35 @@ def test_megatron_lm_options_the_hooks_cannot_serve_are_refused(overrides, flag)
     assert info.value.flags[0] == flag
 
 
-def test_aqsgd_is_refused_in_megatron_lm_naming_the_flag():
+def test_aqsgd_needs_fixed_samples_in_megatron_lm_naming_the_flag():
     from megatron_ext.config import ext_config_from_flags
 
     cfg = ext_config_from_flags(["--p2p-compression", "aqsgd"])
     with pytest.raises(ConfigError) as info:
         check_megatron_lm_args(_megatron_args(), cfg)
-    assert info.value.flags == ("--p2p-compression",) and "fixed-samples" in str(info.value)
+    assert info.value.flags == ("--p2p-compression", "--fixed-samples")
+    fixed = dict(
+        fixed_samples=64, data_parallel_size=2, micro_batch_size=2, global_batch_size=16, seed=1
+    )
+    check_megatron_lm_args(_megatron_args(**fixed), cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides, flags",
+    [
+        ({"fixed_samples": 0}, ("--fixed-samples",)),
+        ({"fixed_samples": 1}, ("--fixed-samples",)),  # fewer than the DP ranks
+        ({"fixed_samples": 14}, ("--fixed-samples", "--global-batch-size")),  # < one step
+        ({"dataloader_type": "cyclic"}, ("--fixed-samples", "--dataloader-type")),
+    ],
+)
+def test_bad_fixed_samples_are_refused_naming_the_flag(overrides, flags):
+    base = dict(
+        fixed_samples=64, data_parallel_size=2, micro_batch_size=2, global_batch_size=16, seed=1
+    )
+    with pytest.raises(ConfigError) as info:
+        check_megatron_lm_args(_megatron_args(**{**base, **overrides}), ExtConfig())
+    assert info.value.flags == flags
 
 
 def test_codecs_without_sample_state_take_any_sampler():
@@ -122,7 +144,7 @@ def test_codecs_without_sample_state_take_any_sampler():
     cfg = ext_config_from_flags(["--p2p-compression", "directq"])
     check_megatron_lm_args(_megatron_args(dataloader_type="cyclic"), cfg)
     # Only the single sampler determines sample ids (what a sample-keyed codec would need).
-    assert MegatronLMSession._sample_ids(SimpleNamespace(dataloader_type="cyclic")) is None
+    assert _session()._sample_ids(SimpleNamespace(dataloader_type="cyclic")) is None
 
 
 def _run_with_checkout(code: str) -> str:
@@ -169,6 +191,35 @@ def test_sample_ids_equal_megatron_pretraining_sampler():
         print("checked", checked)
         """)
     assert "checked 102" in out  # 6 microbatches x 17 (layout, DP rank) pairs
+
+
+@pytest.mark.megatron_lm
+def test_fixed_sample_loader_yields_the_ids_the_stages_compute():
+    """Megatron-LM's data iterator (our batch sampler in its DataLoader) and the ids the
+    pipeline stages compute from consumed samples agree, across epochs and resumes."""
+    out = _run_with_checkout("""
+        import torch
+        from megatron_ext.megatron.data import FixedSampleBatchSampler, fixed_sample_sampler
+
+        checked = 0
+        for mbs, dp, nmb, n, consumed in [(2, 2, 2, 16, 0), (2, 2, 2, 16, 24), (3, 1, 2, 12, 6)]:
+            for rank in range(dp):
+                sampler = fixed_sample_sampler(n, mbs, nmb, rank, dp, seed=5)
+                loader = torch.utils.data.DataLoader(
+                    list(range(100)), batch_sampler=FixedSampleBatchSampler(sampler, consumed)
+                )
+                seen = []
+                for microbatch, batch in zip(range(3 * n // (mbs * dp)), loader):
+                    expect = sampler.indices(consumed, microbatch).tolist()
+                    assert batch.tolist() == expect, (mbs, dp, rank, microbatch)
+                    seen += expect
+                    checked += 1
+                if consumed % n == 0:
+                    # Three epochs over this rank's fixed samples, each sample once per epoch.
+                    assert sorted(seen) == sorted(sampler.local_ids().tolist() * 3)
+        print("checked", checked)
+        """)
+    assert "checked 60" in out
 
 
 @pytest.mark.megatron_lm

@@ -66,10 +66,26 @@ def megatron_lm_extra_args(provider: Optional[Callable] = None) -> Callable:
             from megatron_ext.config import add_args
 
             parser = add_args(parser)
+            _add_data_args(parser)
         return parser
 
     extra_args_provider.__megatron_ext_args__ = True
     return extra_args_provider
+
+
+def _add_data_args(parser) -> None:
+    """The driver's data flags that Megatron-LM runs need too (``--fixed-samples``)."""
+    group = parser.add_argument_group(title="megatron-ext data")
+    group.add_argument(
+        "--fixed-samples",
+        type=int,
+        default=None,
+        help="Fixed-sample mode: train in epochs over the first N samples of the training "
+        "split (rounded down to a multiple of the data-parallel size), a new order each "
+        "epoch, every sample always on the same data-parallel rank, so that a sample id "
+        "means the same tokens in every epoch; --p2p-compression aqsgd needs it. Needs "
+        "--dataloader-type single. Default: off.",
+    )
 
 
 def installed_hooks() -> Any:
@@ -99,9 +115,7 @@ def _core_version_on_disk() -> str:
     if locations:
         version = read_checkout_version(os.path.dirname(os.path.dirname(locations[0])))
     if version is None:
-        from megatron_ext.megatron.version import (
-            mcore_version,  # raises the import error
-        )
+        from megatron_ext.megatron.version import mcore_version  # raises the import error
 
         version = mcore_version()
     return version

@@ -12,6 +12,8 @@ What it does:
     * ``training.get_megatron_optimizer`` (and the muon variant): install every seam once
       the DDP chunks and the optimizer exist, before Megatron-LM loads a checkpoint;
     * ``training.train_step``: begin and end of an iteration (step, sample ids, bytes);
+    * ``training.build_pretraining_data_loader``: the training loader of fixed-sample mode
+      (``--fixed-samples``, which ``--p2p-compression aqsgd`` needs);
     * ``training.get_forward_backward_func``: the schedule gets ``p2p_communicator=`` and
       ``pg_collection=``; evaluation calls restart the microbatch counters;
     * ``training.training_log`` and ``training.print_rank_last``: bytes per category in the
@@ -76,6 +78,12 @@ HOOK_TARGETS: Tuple[HookTarget, ...] = (
         _TRAINING, "get_megatron_muon_optimizer", "build_optimizer", ("config", "model_chunks")
     ),
     HookTarget(_TRAINING, "train_step", "train_step", ("iteration",)),
+    HookTarget(
+        _TRAINING,
+        "build_pretraining_data_loader",
+        "data_loader",
+        ("dataset", "consumed_samples"),
+    ),
     HookTarget(_TRAINING, "get_forward_backward_func", "schedule", ()),
     HookTarget(_TRAINING, "training_log", "training_log", ("iteration", "is_first_iteration")),
     HookTarget(_TRAINING, "print_rank_last", "print_log_line", ("message",)),

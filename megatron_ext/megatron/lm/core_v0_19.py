@@ -68,6 +68,12 @@ HOOK_TARGETS: Tuple[HookTarget, ...] = (
     HookTarget(_ARGUMENTS, "validate_args", "validate_args", ("args", "defaults")),
     HookTarget(_TRAINING, "get_megatron_optimizer", "build_optimizer", ("config", "model_chunks")),
     HookTarget(_TRAINING, "train_step", "train_step", ("iteration", "p2p_communicator")),
+    HookTarget(
+        _TRAINING,
+        "build_pretraining_data_loader",
+        "data_loader",
+        ("dataset", "consumed_samples"),
+    ),
     HookTarget(_TRAINING, "get_forward_backward_func", "schedule", ()),
     HookTarget(_TRAINING, "training_log", "training_log", ("iteration", "is_first_iteration")),
     HookTarget(_TRAINING, "print_rank_last", "print_log_line", ("message",)),

@@ -43,6 +43,7 @@ ROLES = (
     "validate_args",
     "build_optimizer",
     "train_step",
+    "data_loader",
     "schedule",
     "training_log",
     "print_log_line",
@@ -193,6 +194,16 @@ def _wrap(session: MegatronLMSession, target: HookTarget, original: Callable, si
             result = original(*args, **kwargs)
             session.end_train_step()
             return result
+
+    elif role == "data_loader":
+
+        def wrapper(*args, **kwargs):
+            arguments = bound(args, kwargs)
+            with session.clean_errors():
+                loader = session.train_data_loader(
+                    arguments["dataset"], arguments["consumed_samples"], _args()
+                )
+            return original(*args, **kwargs) if loader is None else loader
 
     elif role == "schedule":
 

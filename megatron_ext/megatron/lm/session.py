@@ -116,13 +116,33 @@ def check_megatron_lm_args(args: Any, cfg: ExtConfig) -> None:
         raise ConfigError(
             flag, "megatron-ext hooks megatron-core's DistributedDataParallel, not FSDP"
         )
-    if cfg.enabled("p2p") and cfg.method("p2p") == "aqsgd":
+    fixed = getattr(args, "fixed_samples", None)
+    if fixed is not None:
+        if fixed <= 0:
+            raise ConfigError("--fixed-samples", f"must be > 0, got {fixed}")
+        if args.dataloader_type not in (None, "single"):
+            raise ConfigError(
+                ["--fixed-samples", "--dataloader-type"],
+                f"fixed-sample mode replaces the 'single' sampler; got --dataloader-type "
+                f"{args.dataloader_type}",
+            )
+        from megatron_ext.megatron.data import fixed_sample_sampler
+
+        dp = args.data_parallel_size
+        fixed_sample_sampler(
+            fixed,
+            args.micro_batch_size,
+            args.global_batch_size // (args.micro_batch_size * dp),
+            0,
+            dp,
+            args.seed,
+        )
+    elif cfg.enabled("p2p") and cfg.method("p2p") == "aqsgd":
         raise ConfigError(
-            "--p2p-compression",
+            ["--p2p-compression", "--fixed-samples"],
             "aqsgd keeps an activation per training sample and needs a sample id to mean "
             "the same tokens in every epoch; Megatron-LM's GPTDataset repacks documents per "
-            "epoch. Use megatron-ext's driver (megatron-ext train --fixed-samples N "
-            "--load <Megatron checkpoint>), or --p2p-compression directq here",
+            "epoch. Add --fixed-samples N (epochs over the first N training samples)",
         )
 
 
@@ -168,6 +188,7 @@ class MegatronLMSession:
         self.pending_log_field = ""
         self._step: Optional[int] = None
         self._sample_ids_fn: Optional[Callable[[int], torch.Tensor]] = None
+        self._fixed: Any = None
         self._load: Optional[_LoadContext] = None
         self._report_written = False
 
@@ -224,8 +245,87 @@ class MegatronLMSession:
             optimizer=optimizer,
             model_config=get_model_config(model_chunks[0]),
             transformer_impl=args.transformer_impl,
+            samples=self._sample_space(args),
         )
         self._log_installed(args)
+
+    def _fixed_sampler(self, args: Any) -> Any:
+        """This rank's :class:`~megatron_ext.megatron.data.FixedSampleSampler` (or None)."""
+        if getattr(args, "fixed_samples", None) is None:
+            return None
+        if self._fixed is None:
+            from megatron.core import parallel_state as ps
+
+            from megatron_ext.megatron.data import fixed_sample_sampler
+
+            dp_size = ps.get_data_parallel_world_size()
+            self._fixed = fixed_sample_sampler(
+                args.fixed_samples,
+                args.micro_batch_size,
+                args.global_batch_size // (args.micro_batch_size * dp_size),
+                ps.get_data_parallel_rank(),
+                dp_size,
+                args.seed,
+            )
+        return self._fixed
+
+    def _sample_space(self, args: Any) -> Any:
+        """The training samples as Megatron-LM's data loader hands them to this rank."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_ext.methods.registry import SampleSpace
+
+        fixed = self._fixed_sampler(args)
+        dp_size = ps.get_data_parallel_world_size()
+        return SampleSpace(
+            fixed=fixed is not None,
+            num_samples=0 if fixed is None else fixed.num_samples,
+            dp_rank=ps.get_data_parallel_rank(),
+            dp_size=dp_size,
+            micro_batch_size=args.micro_batch_size,
+            num_microbatches=args.global_batch_size // (args.micro_batch_size * dp_size),
+            seq_length=args.seq_length,
+        )
+
+    def train_data_loader(self, dataset: Any, consumed_samples: int, args: Any) -> Any:
+        """Fixed-sample mode's training data loader (None: leave it to Megatron-LM).
+
+        Called for every split Megatron-LM builds a loader for; only the training split of
+        a run with ``--fixed-samples`` gets one here: epochs over the first N samples of
+        the split, which Megatron-LM's dataset built once, so an id always means the same
+        tokens.
+
+        Raises:
+            ConfigError: naming ``--fixed-samples`` when the split has fewer samples.
+        """
+        fixed = self._fixed_sampler(args)
+        if fixed is None or dataset is None:
+            return None
+        from megatron.core.datasets.utils import Split
+
+        split = getattr(dataset, "split", getattr(dataset, "index_split", None))
+        if split != Split.train:
+            return None
+        if len(dataset) < fixed.num_samples:
+            raise ConfigError(
+                "--fixed-samples",
+                f"the training split has {len(dataset)} samples, fewer than the "
+                f"{fixed.num_samples} fixed samples asked for",
+            )
+        from megatron_ext.megatron.data import FixedSampleBatchSampler
+
+        print_rank_0(
+            f"> megatron-ext: fixed samples: {fixed.num_samples} of the training split, "
+            f"{fixed.per_rank} per data-parallel rank, a new order each epoch "
+            f"(from consumed samples {consumed_samples})"
+        )
+        return torch.utils.data.DataLoader(
+            dataset,
+            batch_sampler=FixedSampleBatchSampler(fixed, consumed_samples),
+            num_workers=args.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=args.num_workers > 0,
+        )
 
     def _log_installed(self, args: Any) -> None:
         rt = self.runtime
@@ -291,16 +391,19 @@ class MegatronLMSession:
         self._step = None
         self._sample_ids_fn = None
 
-    @staticmethod
-    def _sample_ids(args: Any) -> Optional[Callable[[int], torch.Tensor]]:
-        """Microbatch -> dataset sample ids of this DP rank (MegatronPretrainingSampler)."""
+    def _sample_ids(self, args: Any) -> Optional[Callable[[int], torch.Tensor]]:
+        """Microbatch -> dataset sample ids of this DP rank (MegatronPretrainingSampler, or
+        the fixed-sample sampler of ``--fixed-samples``)."""
         if args.dataloader_type not in (None, "single"):
             return None
+        consumed = args.consumed_train_samples
+        fixed = self._fixed_sampler(args)
+        if fixed is not None:
+            return lambda microbatch: fixed.indices(consumed, microbatch)
         from megatron.core import parallel_state as ps
 
         from megatron_ext.megatron.data import sample_indices
 
-        consumed = args.consumed_train_samples
         mbs = args.micro_batch_size
         dp_rank = ps.get_data_parallel_rank()
         dp_size = ps.get_data_parallel_world_size()

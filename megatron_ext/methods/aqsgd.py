@@ -16,7 +16,9 @@ from megatron_ext.methods.registry import Components, Method, MethodContext, reg
 
 __all__ = ["AQSGDConfig", "METHOD", "DIRECTQ"]
 
-_BITS = (2, 3, 4, 8)
+_BITS = (2, 3, 4, 5, 6, 7, 8)
+"""Widths on the wire: 2-8 bits (the paper uses fw 2/3/4 and bw 4/6/8; 1 bit would keep only
+the sign)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,7 +71,7 @@ class AQSGDConfig:
             value = getattr(self, name)
             if value not in _BITS:
                 raise ConfigError(
-                    flag_of(cls, name), f"invalid choice {value!r} (choose from 2, 3, 4, 8)"
+                    flag_of(cls, name), f"invalid choice {value!r} (choose from 2 to 8)"
                 )
         check_positive(cls, "seed", self.seed, allow_zero=True)
         if self.buffer == "disk" and not self.buffer_dir:

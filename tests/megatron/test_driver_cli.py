@@ -196,7 +196,7 @@ def test_aqsgd_bit_widths_outside_the_set_are_refused(tmp_path):
             "--p2p-compression",
             "aqsgd",
             "--aqsgd-fw-bits",
-            "5",
+            "9",
         ],
         capture_output=True,
         text=True,

@@ -378,8 +378,10 @@ def test_run_file_format(tmp_path, monkeypatch):
 def test_shipped_run_files_parse_and_follow_the_naming(monkeypatch):
     from megatron_ext.megatron.lm.runfile import run_file_args
 
-    for name in ("DATA_PREFIX", "VOCAB_FILE", "MERGE_FILE", "RUN_DIR"):
+    for name in ("DATA_PREFIX", "VOCAB_FILE", "MERGE_FILE", "RUN_DIR", "PRETRAINED"):
         monkeypatch.setenv(name, f"/{name.lower()}")
+    monkeypatch.setenv("FIXED_SAMPLES", "2304")
+    monkeypatch.setenv("TRAIN_ITERS", "720")
     files = sorted((REPO / "configs" / "megatron_lm").glob("*.yaml"))
     names = {f.stem for f in files}
     assert {
@@ -387,6 +389,7 @@ def test_shipped_run_files_parse_and_follow_the_naming(monkeypatch):
         "gpt_355m_radius_64gpu",
         "gpt_2.0b_radius_64gpu",
         "gpt_tiny_separate_cpu",
+        "gpt2_1.5b_aqsgd_8gpu",
     } <= names
     for path in files:
         assert len(path.stem.split("_")) == 4, f"{path.name}: <model>_<size>_<algo>_<cluster>"
@@ -400,6 +403,14 @@ def test_shipped_run_files_parse_and_follow_the_naming(monkeypatch):
     radius = run_file_args(str(REPO / "configs/megatron_lm/gpt_2.0b_radius_64gpu.yaml"))
     assert radius[radius.index("--radius-dense-steps") + 1] == "60000"
     assert radius[radius.index("--global-batch-size") + 1] == "512"
+    aqsgd = run_file_args(str(REPO / "configs/megatron_lm/gpt2_1.5b_aqsgd_8gpu.yaml"))
+    for flag, value in [("--pipeline-model-parallel-size", "8"), ("--hidden-size", "1600"),
+                        ("--num-layers", "48"), ("--micro-batch-size", "1"),
+                        ("--global-batch-size", "32"), ("--lr", "5.0e-6"),
+                        ("--fixed-samples", "2304"), ("--p2p-compression", "aqsgd"),
+                        ("--load", "/pretrained")]:  # fmt: skip
+        assert aqsgd[aqsgd.index(flag) + 1] == value, flag
+    assert "--finetune" in aqsgd and "--lr-decay-style" in aqsgd
 
 
 @pytest.mark.parametrize(
@@ -409,6 +420,7 @@ def test_shipped_run_files_parse_and_follow_the_naming(monkeypatch):
         "scripts/slurm/pretrain_gpt_ext.sbatch",
         "scripts/reproduce/separate_gpt2_345m.sh",
         "scripts/reproduce/radius_gpt.sh",
+        "scripts/reproduce/aqsgd_gpt2_1.5b.sh",
     ],
 )
 def test_launcher_scripts_parse(script):

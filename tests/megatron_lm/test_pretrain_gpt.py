@@ -252,16 +252,23 @@ def _kb(field: str, category: str) -> float:
     return float(found.group(1)) * {"B": 1e-3, "KB": 1.0, "MB": 1e3}[found.group(2)]
 
 
-def test_zero_touch_pp2_aqsgd_with_fixed_samples(lm_dir, tmp_path):
-    """PP=2 AQ-SGD in Megatron-LM: one global batch of fixed samples, so iteration 1 visits
-    every sample first (full precision) and iterations 2-4 revisit them (4-bit deltas)."""
+def test_zero_touch_pp2_aqsgd_finetunes_a_checkpoint(dp2_torch_dist, lm_dir, tmp_path):
+    """PP=2 AQ-SGD fine-tuning (--finetune) of a DP=2 torch_dist checkpoint, on one global
+    batch of fixed samples: iteration 1 visits every sample first (full precision) and
+    iterations 2-4 revisit them (4-bit deltas)."""
+    root, pretraining = dp2_torch_dist
     run = pretrain(
         lm_dir / "pretrain_gpt.py",
         tiny_args(train_iters="4", fixed_samples="8", p2p_compression="aqsgd",
-                  grad_compression="none", aqsgd_fw_bits="4", aqsgd_bw_bits="8")
-        + ["--pipeline-model-parallel-size", "2"],
+                  grad_compression="none", aqsgd_fw_bits="4", aqsgd_bw_bits="8",
+                  load=str(root / "ckpt"))
+        + ["--pipeline-model-parallel-size", "2", "--finetune"],
         cwd=tmp_path,
     ).check()  # fmt: skip
+    # The pre-trained weights are loaded: fine-tuning starts below the loss training began at.
+    assert float(iterations(run.stdout)[1]["loss"]) < float(
+        iterations(pretraining.stdout)[1]["loss"]
+    )
     assert "P2P ExtP2PCommunicator (--p2p-compression aqsgd)" in run.stdout
     assert "fixed samples: 8 of the training split, 8 per data-parallel rank" in run.stdout
     iters = iterations(run.stdout)

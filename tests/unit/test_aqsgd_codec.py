@@ -108,7 +108,7 @@ def test_first_visit_exact_then_low_bit_deltas_and_identical_buffers():
     assert len(records) == 4 * steps_per_epoch
 
 
-@pytest.mark.parametrize("bits", [2, 3, 8])
+@pytest.mark.parametrize("bits", [2, 3, 5, 6, 8])
 def test_every_width_keeps_the_buffers_identical(bits):
     sender, receiver = _pair(fw_bits=bits, rounding="stochastic", granularity="token")
     for r in _epochs(sender, receiver, epochs=3):

@@ -85,6 +85,33 @@ def test_aqsgd_pp2_dp2_each_replica_keeps_its_samples():
     assert _boundaries_identical(results[0]["sums"]) == 2
 
 
+def test_aqsgd_pp4_every_boundary_stays_identical():
+    flags = ["--pipeline-model-parallel-size", "4", "--num-layers", "4"] + FIXED
+    flags += ["--p2p-compression", "aqsgd", "--aqsgd-fw-bits", "3"]
+    results = run_ranks(_run, 4, flags, 6)
+    assert _boundaries_identical(results[0]["sums"]) == 3
+    losses = [l for l in results[-1]["losses"] if l is not None]
+    assert len(losses) == 6 and all(l == l for l in losses)
+
+
+def test_aqsgd_tp2_pp2_bf16_keeps_boundaries_identical():
+    """Tensor parallelism without sequence parallelism: each TP rank holds and sends the
+    replicated activation; bf16 activations, fp16 buffers."""
+    flags = PP2 + FIXED + ["--tensor-model-parallel-size", "2", "--bf16"]
+    flags += ["--p2p-compression", "aqsgd", "--aqsgd-fw-bits", "4", "--aqsgd-bw-bits", "6"]
+    results = run_ranks(_run, 4, flags, 6)
+    sums = results[0]["sums"]
+    assert _boundaries_identical(sums) == 1
+    # Both TP ranks of a stage hold the same buffers (the activation is replicated).
+    by_stage = {}
+    for pp, _, s in sums:
+        by_stage.setdefault(pp, []).append(s)
+    assert all(len(v) == 2 and v[0] == v[1] for v in by_stage.values()), by_stage
+    raw = 8 * 32 * 64 * 2  # bf16 first visits
+    assert [s for s, _ in results[0]["act"][:4]] == [raw] * 4
+    assert all(s < raw / 3 for s, _ in results[0]["act"][4:])
+
+
 def test_directq_pp2_sends_quantized_activations_from_the_start():
     results = run_ranks(_run, 2, PP2 + FIXED + ["--p2p-compression", "directq"], 3)
     assert results[0]["act"] == [(8 * (32 * 64 // 2 + 2 * 64), 8 * 32 * 64 * 4)] * 3

@@ -271,6 +271,25 @@ def load_runs(paths: Sequence[str]) -> RunData:
 # -- derived numbers -----------------------------------------------------------------------
 
 
+def convergence_layout(data: RunData) -> str:
+    """The step-time layout the convergence runs trained in (``dp2``, ``pp2``, ``pp2dp2``)."""
+    s = data.settings.get("convergence") or {}
+    nproc = int(s.get("nproc") or 2)
+    pp = int(s.get("pipeline_model_parallel_size") or 1)
+    dp = max(1, nproc // pp)
+    if pp == 1:
+        return f"dp{dp}"
+    return f"pp{pp}" if dp == 1 else f"pp{pp}dp{dp}"
+
+
+def _layout_words(layout: str) -> str:
+    """``pp2dp2`` -> ``PP=2 x DP=2``."""
+    import re
+
+    parts = re.findall(r"(pp|dp)(\d+)", layout)
+    return " x ".join(f"{k.upper()}={v}" for k, v in parts) or layout
+
+
 def _baseline(data: RunData, layout: str, bandwidth: str) -> Optional[float]:
     r = data.step_time.get((layout, "none", bandwidth))
     return r.get("step_s") if r and r.get("ok") else None
@@ -304,7 +323,12 @@ def _dense_fractions(curve: Dict[str, Any]) -> List[float]:
     low = min(compressed) if compressed else None
     out = []
     for s, d in zip(sent, dense):
-        if not is_compressed(s, d) or low is None:
+        if not d:
+            # No data-parallel gradient traffic (a pipeline-only layout): the step costs the
+            # method's own measured step (for AQ-SGD also in its full-precision first epoch,
+            # which makes its derived time optimistic by that epoch's extra bytes).
+            out.append(0.0)
+        elif not is_compressed(s, d) or low is None:
             out.append(1.0)
         elif d - low <= 0:
             out.append(0.0)
@@ -403,11 +427,12 @@ def _clip_loss_axis(ax, runs) -> None:
 
 
 def _plot_loss_vs_time(data: RunData, path: str, window: int) -> Optional[str]:
+    layout = convergence_layout(data)
     runs = [r for r in data.convergence.values() if (r.get("curve") or {}).get("iteration")]
     bws = [
         bw
         for bw in data.bandwidth_order
-        if any(_step_times_for(data, r["method"], bw) for r in runs)
+        if any(_step_times_for(data, r["method"], bw, layout) for r in runs)
     ]
     if not runs or not bws:
         return None
@@ -418,7 +443,7 @@ def _plot_loss_vs_time(data: RunData, path: str, window: int) -> Optional[str]:
     for k, bw in enumerate(bws):
         ax = axes[k // ncols][k % ncols]
         for i, r in enumerate(runs):
-            times = _step_times_for(data, r["method"], bw)
+            times = _step_times_for(data, r["method"], bw, layout)
             if times is None:
                 continue
             x = wall_clock_axis(r["curve"], *times)
@@ -428,7 +453,7 @@ def _plot_loss_vs_time(data: RunData, path: str, window: int) -> Optional[str]:
                 color=_color(r["method"], i),
                 label=f"{r['label']} ({times[0]:.2f} s/step)",
             )
-        ax.set_title(f"DP=2, {bw}")
+        ax.set_title(f"{_layout_words(layout)}, {bw}")
         ax.set_xlabel("wall-clock minutes (derived)")
         ax.set_ylabel("training loss")
         ax.grid(alpha=0.3)
@@ -599,7 +624,18 @@ def _convergence_md(data: RunData) -> List[str]:
     out = ["## Convergence", ""]
     if settings:
         out.append(
-            f"DP={settings.get('nproc', 2)} {settings.get('model', 'gpt-tiny')}, "
+            f"{_layout_words(convergence_layout(data))} {settings.get('model', 'gpt-tiny')}"
+            + (
+                f" fine-tuned from {settings['finetune_from']}"
+                if settings.get("finetune_from")
+                else ""
+            )
+            + (
+                f" on {settings['fixed_samples']} fixed samples"
+                if settings.get("fixed_samples")
+                else ""
+            )
+            + ", "
             f"{settings.get('iters')} iterations, global batch "
             f"{settings.get('global_batch_size')}, seed {settings.get('seed')}, lr "
             f"{settings.get('lr')} {settings.get('lr_decay_style')} (warm-up "
@@ -718,14 +754,15 @@ def _step_time_md(data: RunData) -> List[str]:
             )
         )
         out.append("")
+    layout = convergence_layout(data)
     runs = [r for r in data.convergence.values() if (r.get("curve") or {}).get("iteration")]
     eff_rows = []
     for r in runs:
         row = [r["label"]]
         any_cell = False
         for bw in bws:
-            times = _step_times_for(data, r["method"], bw)
-            none_times = _step_times_for(data, "none", bw)
+            times = _step_times_for(data, r["method"], bw, layout)
+            none_times = _step_times_for(data, "none", bw, layout)
             if times is None:
                 row.append("-")
                 continue
@@ -741,7 +778,8 @@ def _step_time_md(data: RunData) -> List[str]:
             eff_rows.append(row)
     if eff_rows:
         out.append(
-            "Derived time for the whole convergence run at each bandwidth (DP=2), dense steps "
+            f"Derived time for the whole convergence run at each bandwidth "
+            f"({_layout_words(layout)}), dense steps "
             "included (Radius's dense warm-up and reselections, PowerSGD before its start), "
             "and speed-up over none:"
         )
@@ -800,13 +838,14 @@ def _time_to_loss_md(data: RunData, runs: List[Dict[str, Any]], bws: List[str]) 
     if len(finals) < 2:
         return []
     target = max(finals)
+    layout = convergence_layout(data)
     rows = []
     for r in runs:
         curve = smoothed[r["label"]]
         hit = next((i for i, v in enumerate(curve) if v is not None and v <= target), None)
         row = [r["label"], "-" if hit is None else str(r["curve"]["iteration"][hit])]
         for bw in bws:
-            times = _step_times_for(data, r["method"], bw)
+            times = _step_times_for(data, r["method"], bw, layout)
             if times is None or hit is None:
                 row.append("-")
                 continue

@@ -36,6 +36,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -284,8 +285,6 @@ def convergence_layout(data: RunData) -> str:
 
 def _layout_words(layout: str) -> str:
     """``pp2dp2`` -> ``PP=2 x DP=2``."""
-    import re
-
     parts = re.findall(r"(pp|dp)(\d+)", layout)
     return " x ".join(f"{k.upper()}={v}" for k, v in parts) or layout
 

@@ -661,12 +661,13 @@ class FixedSampleSampler(SequentialSampler):
     def indices(self, consumed_samples: int, microbatch: int = 0) -> torch.LongTensor:
         positions = super().indices(consumed_samples, microbatch)
         mbs, dp = self.micro_batch_size, self.dp_size
+        # This rank's running count of samples: its slice of every block of mbs * dp.
+        k = (positions // (mbs * dp)) * mbs + positions % mbs
+        epochs, pos = k // self.per_rank, k % self.per_rank
         out = torch.empty_like(positions)
-        for j, p in enumerate(positions.tolist()):
-            # This rank's running count of samples: its slice of every block of mbs * dp.
-            k = (p // (mbs * dp)) * mbs + p % mbs
-            epoch, pos = divmod(k, self.per_rank)
-            out[j] = self.dp_rank + dp * int(self._order_of(epoch)[pos])
+        for epoch in epochs.unique().tolist():  # one epoch, two at an epoch boundary
+            mask = epochs == epoch
+            out[mask] = self.dp_rank + dp * self._order_of(epoch)[pos[mask]]
         return out
 
 

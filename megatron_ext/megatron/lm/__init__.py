@@ -76,15 +76,16 @@ def megatron_lm_extra_args(provider: Optional[Callable] = None) -> Callable:
 def _add_data_args(parser) -> None:
     """The driver's data flags that Megatron-LM runs need too (``--fixed-samples``)."""
     group = parser.add_argument_group(title="megatron-ext data")
+    from megatron_ext.config import _field_docstrings
+    from megatron_ext.data.config import DataConfig
+
     group.add_argument(
         "--fixed-samples",
         type=int,
         default=None,
-        help="Fixed-sample mode: train in epochs over the first N samples of the training "
-        "split (rounded down to a multiple of the data-parallel size), a new order each "
-        "epoch, every sample always on the same data-parallel rank, so that a sample id "
-        "means the same tokens in every epoch; --p2p-compression aqsgd needs it. Needs "
-        "--dataloader-type single. Default: off.",
+        help=(
+            _field_docstrings(DataConfig)["fixed_samples"] + " Needs --dataloader-type single."
+        ).replace("%", "%%"),
     )
 
 

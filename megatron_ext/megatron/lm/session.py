@@ -84,6 +84,11 @@ def layout_from_args(args: Any) -> ParallelLayout:
     )
 
 
+def _microbatches(args: Any, dp_size: int) -> int:
+    """Microbatches a step takes on one data-parallel rank (at the final global batch)."""
+    return args.global_batch_size // (args.micro_batch_size * dp_size)
+
+
 def check_megatron_lm_args(args: Any, cfg: ExtConfig) -> None:
     """Refuse Megatron-LM options under which a megatron-ext hook could not do its job.
 
@@ -132,7 +137,7 @@ def check_megatron_lm_args(args: Any, cfg: ExtConfig) -> None:
         fixed_sample_sampler(
             fixed,
             args.micro_batch_size,
-            args.global_batch_size // (args.micro_batch_size * dp),
+            _microbatches(args, dp),
             0,
             dp,
             args.seed,
@@ -262,7 +267,7 @@ class MegatronLMSession:
             self._fixed = fixed_sample_sampler(
                 args.fixed_samples,
                 args.micro_batch_size,
-                args.global_batch_size // (args.micro_batch_size * dp_size),
+                _microbatches(args, dp_size),
                 ps.get_data_parallel_rank(),
                 dp_size,
                 args.seed,
@@ -283,7 +288,7 @@ class MegatronLMSession:
             dp_rank=ps.get_data_parallel_rank(),
             dp_size=dp_size,
             micro_batch_size=args.micro_batch_size,
-            num_microbatches=args.global_batch_size // (args.micro_batch_size * dp_size),
+            num_microbatches=_microbatches(args, dp_size),
             seq_length=args.seq_length,
         )
 

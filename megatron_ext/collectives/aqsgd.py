@@ -588,8 +588,17 @@ class AQSGDCodec(_QuantizingCodec):
                 out[f"{side}/visited"] = buffers.visited.clone()
         return out
 
+    def _state_keys(self) -> set:
+        """Keys of :meth:`state_dict` (without copying the buffers)."""
+        keys = {"policy"}
+        if self.cfg.checkpoint_buffers:
+            for side in ("send", "recv"):
+                if getattr(self, side) is not None:
+                    keys |= {f"{side}/rows", f"{side}/visited"}
+        return keys
+
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        expected = set(self.state_dict())
+        expected = self._state_keys()
         if set(state) != expected:
             raise ValueError(
                 f"AQ-SGD state keys differ: saved {sorted(state)}, expected {sorted(expected)}"

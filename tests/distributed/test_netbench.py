@@ -174,6 +174,9 @@ def test_cleanup_after_signal_mid_run(signum, tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # A shell that starts pytest in the background (`cmd &`, nohup) ignores SIGINT and
+        # the runner would inherit that: give it the disposition of a terminal's Ctrl-C.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     own = f"{_PREFIX}{runner.pid}-"
     try:

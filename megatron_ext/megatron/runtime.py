@@ -358,6 +358,9 @@ class ExtRuntime(Runtime):
         """
         if not forward_only:
             self.clock.step = step
+            for comp in self.components.values():
+                if comp.on_step is not None:
+                    comp.on_step(step)
         if self.communicator is not None:
             self.communicator.begin_step(
                 step, sample_ids_fn=sample_ids_fn, forward_only=forward_only

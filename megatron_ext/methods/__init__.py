@@ -12,5 +12,6 @@ BUILTIN = (
     "megatron_ext.methods.powersgd",
     "megatron_ext.methods.quantized",
     "megatron_ext.methods.aqsgd",
+    "megatron_ext.methods.grass",
 )
 """Modules that register the built-in methods, in ``--help`` order."""

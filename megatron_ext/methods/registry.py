@@ -226,6 +226,10 @@ class Components:
     """Called once every seam is installed and ``ctx.handles`` is filled (allocate what
     needs the model, the optimizer or the sample space; check it fits)."""
 
+    on_step: Optional[Callable[[int], None]] = None
+    """Called with the 0-based iteration before each training step's forward and backward
+    (not before evaluation)."""
+
 
 @dataclass(frozen=True)
 class BenchContext:

@@ -243,3 +243,19 @@ def test_finetune_loads_the_model_only_and_starts_at_iteration_zero(tmp_path):
     pretrained_end = _losses(tmp_path / "pre.jsonl")[-1]
     # The first fine-tuning step starts from the pretrained weights, not from scratch (~9).
     assert records[0]["lm_loss"] < pretrained_end + 0.3, (records[0], pretrained_end)
+
+
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["--grass-rank", "100000"], "--grass-rank"),  # larger than any projected dimension
+        (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
+        (["--grad-compression", "separate"], "--grad-compression"),
+        (["--grass-layers", "no_such_layer"], "--grass-layers"),
+    ],
+)
+def test_grass_refusals_name_the_flag_before_training(args, flag, tmp_path):
+    proc = _torchrun(BASE + ["--train-iters", "4", "--grass-method", "topr"] + args, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "megatron-ext train: error:" in proc.stderr and flag in proc.stderr, proc.stderr[-3000:]
+    assert not _log_lines(proc.stdout)

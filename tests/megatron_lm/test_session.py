@@ -120,6 +120,16 @@ def test_aqsgd_needs_fixed_samples_in_megatron_lm_naming_the_flag():
     check_megatron_lm_args(_megatron_args(**fixed), cfg)
 
 
+def test_grass_is_refused_in_megatron_lm_naming_the_flag():
+    from megatron_ext.config import ext_config_from_flags
+
+    cfg = ext_config_from_flags(["--grass-method", "topr"])
+    with pytest.raises(ConfigError) as info:
+        check_megatron_lm_args(_megatron_args(), cfg)
+    assert info.value.flags == ("--grass-method",)
+    assert "megatron-ext train" in str(info.value)
+
+
 @pytest.mark.parametrize(
     "overrides, flags",
     [

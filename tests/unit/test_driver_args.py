@@ -67,6 +67,9 @@ def test_unknown_preset_lists_the_available_ones():
         (["--group-query-attention"], "--num-query-groups"),
         (["--hidden-dropout", "1.5"], "--hidden-dropout"),
         (["--min-lr", "1", "--lr", "0.1"], "--min-lr"),
+        (["--grass-method", "topr", "--grass-rank", "0"], "--grass-rank"),
+        (["--grass-method", "norm2", "--grass-scale", "0"], "--grass-scale"),
+        (["--grass-method", "topr", "--grass-sketch-size", "-1"], "--grass-sketch-size"),
     ],
 )
 def test_invalid_values_name_the_flag(argv, flag):

@@ -121,6 +121,13 @@ def check_megatron_lm_args(args: Any, cfg: ExtConfig) -> None:
         raise ConfigError(
             flag, "megatron-ext hooks megatron-core's DistributedDataParallel, not FSDP"
         )
+    if cfg.enabled("linear"):
+        raise ConfigError(
+            "--grass-method",
+            "Grass replaces the projected weights' gradients by virtual parameters before "
+            "megatron-core's DDP wraps the model; the Megatron-LM integration has no hook "
+            "there yet. Train Grass with the megatron-core driver (megatron-ext train)",
+        )
     fixed = getattr(args, "fixed_samples", None)
     if fixed is not None:
         if fixed <= 0:

@@ -1,0 +1,397 @@
+"""Grass: a linear layer whose backward computes only the selected rows of the weight gradient.
+
+What it does:
+    Grass (``../shared/papers/grass.txt``) trains a weight ``W`` (``m x n``) through a sparse
+    projection ``P^T = rho B``: ``B`` selects ``r`` rows of the gradient ``G = dY^T X`` and
+    ``rho`` scales them. The backward never forms ``G``: it computes
+    ``G_C = rho (B dY^T) X``, one ``(r x tokens) x (tokens x n)`` matmul, and the input
+    gradient ``dX = dY W`` exactly. When ``n < m`` the smaller dimension is projected
+    instead (the paper's rule): ``G_C = dY^T (X B^T rho)``, an ``m x r`` matrix of selected
+    columns.
+
+    The projected weight itself is frozen (no gradient, no optimizer state); the gradient
+    ``G_C`` goes to a small trainable *virtual parameter* ``V`` (``r x n`` or ``m x r``), so
+    that data parallelism reduces ``r x n`` values and the optimizer keeps ``r x n`` state
+    (the paper's appendix H). ``V`` is the change of the selected rows since the selection,
+    in projected coordinates: the selected rows of ``W`` are ``base + P V`` where ``base``
+    holds them in fp32 at selection time (:meth:`GrassLayer.write_rows`). Then the gradient
+    of ``V`` is exactly ``P^T G = G_C``, and an optimizer step on ``V`` moves ``W`` by
+    ``P dV`` — Grass's update ``W <- W + P Delta`` — for every selection rule, with
+    duplicate rows (sampling with replacement) summed.
+
+    Selection (:func:`select`) every ``K`` steps from the row norms of the step's gradient:
+    Top-r; multinomial by row norm or squared norm with replacement (``rho = 1/sqrt(r q_j)``,
+    unbiased) or without (``rho = 1``); uniform with replacement. The norms come from a
+    sketch accumulated in the backward without forming ``G`` for more than one microbatch
+    of one layer: ``G Omega = dY^T (X Omega)`` with a seeded Gaussian ``Omega`` (``n x s``),
+    which sums exactly over microbatches and data-parallel ranks (an ``m x s``
+    all-reduce), or with ``s = 0`` the exact ``G`` (tests, small models).
+
+Shapes:
+    input ``[..., n]``, weight ``[m, n]``, output ``[..., m]``; tokens = product of the
+    leading dimensions.
+
+Constraints:
+    Pure torch; never imports Megatron. Tensor-parallel communication of megatron's
+    column- and row-parallel layers is re-done here (sequence-parallel gather and
+    reduce-scatter, data-gradient all-reduce), with the process group passed in.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+__all__ = [
+    "SELECTION_METHODS",
+    "GrassLayer",
+    "grass_linear",
+    "select",
+    "needs_sketch",
+    "projected_dim",
+]
+
+SELECTION_METHODS = ("topr", "norm", "norm2", "norm-nr", "norm2-nr", "uniform")
+"""``--grass-method`` values: Top-r; Multinomial-Norm / -Norm2 with replacement (unbiased
+``rho``) or without (``-nr``, ``rho = 1``); uniform with replacement."""
+
+
+def projected_dim(shape: Tuple[int, int]) -> Tuple[str, int]:
+    """Which dimension of an ``m x n`` weight Grass projects: ('row', m) if ``m <= n``,
+    else ('col', n) — the smaller one (the paper's rule)."""
+    m, n = shape
+    return ("row", m) if m <= n else ("col", n)
+
+
+def needs_sketch(method: str, rank: int, size: int) -> bool:
+    """Whether the selection depends on the gradient (uniform, and choosing every index
+    without replacement, do not)."""
+    if method == "uniform":
+        return False
+    if rank >= size and method in ("topr", "norm-nr", "norm2-nr"):
+        return False
+    return True
+
+
+def select(
+    norms_sq: Optional[torch.Tensor],
+    size: int,
+    rank: int,
+    method: str,
+    generator: torch.Generator,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Choose ``rank`` of ``size`` indices and their scales ``rho``.
+
+    Args:
+        norms_sq: squared row norms of the gradient (fp32, ``[size]``); unused by 'uniform'
+            and when every index is chosen without replacement.
+        size: number of rows (or columns) to choose from.
+        rank: ``r``.
+        method: one of :data:`SELECTION_METHODS`.
+        generator: CPU generator of the sampling methods (seeded identically on every
+            data-parallel rank).
+
+    Returns:
+        ``(index, rho)``: int64 ``[r]`` and fp32 ``[r]`` on the CPU. Top-r and the ``-nr``
+        methods give distinct indices in increasing order.
+    """
+    if method not in SELECTION_METHODS:
+        raise ValueError(f"unknown Grass selection method {method!r}")
+    if rank > size:
+        raise ValueError(f"rank {rank} exceeds the {size} rows to choose from")
+    ones = torch.ones(rank, dtype=torch.float32)
+    if not needs_sketch(method, rank, size):
+        if method == "uniform":
+            index = torch.randint(size, (rank,), generator=generator)
+            return index, torch.full((rank,), math.sqrt(size / rank))
+        return torch.arange(size), ones
+    scores = norms_sq.detach().to("cpu", torch.float64).clamp_min(0)
+    if method == "topr":
+        # Stable order: ties go to the lower index on every rank alike.
+        order = torch.sort(scores, descending=True, stable=True).indices[:rank]
+        return torch.sort(order).values, ones
+    q = scores.sqrt() if method.startswith("norm-") or method == "norm" else scores
+    total = q.sum()
+    if not torch.isfinite(total) or total <= 0:
+        q = torch.ones(size, dtype=torch.float64)
+    else:
+        # A zero-norm row keeps a tiny probability, so that sampling r distinct rows
+        # without replacement is always possible.
+        q = q / total
+        q = q + 1e-12 / size
+    q = q / q.sum()
+    if method.endswith("-nr"):
+        index = torch.multinomial(q, rank, replacement=False, generator=generator)
+        return torch.sort(index).values, ones
+    index = torch.multinomial(q, rank, replacement=True, generator=generator)
+    rho = (1.0 / torch.sqrt(rank * q[index])).to(torch.float32)
+    return index, rho
+
+
+def _stable_hash(text: str) -> int:
+    return zlib.crc32(text.encode())
+
+
+@dataclass
+class GrassLayer:
+    """One projected weight: its selection, virtual parameter and sketch (see module doc).
+
+    Args:
+        fqn: the layer's global FQN (state keys).
+        weight: the frozen weight ``[m, n]`` (the model's tensor, updated in place).
+        param: the virtual parameter ``V`` (``[r, n]`` or ``[m, r]``).
+        mode: 'row' or 'col' (:func:`projected_dim`).
+        rank: ``r``.
+        method: selection rule.
+        sketch_size: columns of the Gaussian sketch (0: the exact gradient).
+        seed: run seed of sketches and sampling.
+    """
+
+    fqn: str
+    weight: torch.Tensor
+    param: torch.Tensor
+    mode: str
+    rank: int
+    method: str
+    sketch_size: int
+    seed: int
+    index: Optional[torch.Tensor] = None
+    rho: Optional[torch.Tensor] = None
+    unique: Optional[torch.Tensor] = None
+    inverse: Optional[torch.Tensor] = None
+    base: Optional[torch.Tensor] = None
+    sketching: bool = False
+    sketch: Optional[torch.Tensor] = None
+    omega: Optional[torch.Tensor] = None
+    _sketch_step: int = -1
+
+    @property
+    def size(self) -> int:
+        """Rows (or columns) selected from."""
+        return self.weight.shape[0] if self.mode == "row" else self.weight.shape[1]
+
+    @property
+    def needs_sketch(self) -> bool:
+        """Whether this layer's selection depends on the gradient."""
+        return needs_sketch(self.method, self.rank, self.size)
+
+    # -- backward ---------------------------------------------------------------------------
+
+    def projected_grad(self, dy: torch.Tensor, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """``G_C`` from output gradients ``dy`` ``[tokens, m]`` and inputs ``x``
+        ``[tokens, n]`` (fp32); None before the first selection. Adds to the sketch when
+        one is being taken."""
+        if self.sketching:
+            self._add_sketch(dy, x)
+        if self.index is None:
+            return None
+        index = self.index.to(dy.device)
+        rho = self.rho.to(device=dy.device, dtype=dy.dtype)
+        if self.mode == "row":
+            return (dy.index_select(1, index) * rho).t().matmul(x)
+        return dy.t().matmul(x.index_select(1, index) * rho)
+
+    def _add_sketch(self, dy: torch.Tensor, x: torch.Tensor) -> None:
+        dy32, x32 = dy.float(), x.float()
+        if self.sketch_size == 0:
+            part = dy32.t().matmul(x32)
+        elif self.mode == "row":
+            part = dy32.t().matmul(x32.matmul(self.omega.to(x32.device)))
+        else:
+            part = self.omega.to(dy32.device).t().matmul(dy32.t()).matmul(x32)
+        self.sketch = part if self.sketch is None else self.sketch.add_(part)
+
+    def start_sketch(self, step: int) -> None:
+        """Accumulate a sketch of this step's gradient (cleared by :meth:`reselect`)."""
+        self.sketching = self.needs_sketch
+        self.sketch = None
+        if self.sketching and self.sketch_size > 0 and self._sketch_step != step:
+            m, n = self.weight.shape
+            other = n if self.mode == "row" else m
+            gen = torch.Generator().manual_seed(
+                (self.seed * 1_000_003 + step * 7919 + _stable_hash(self.fqn)) % (2**63)
+            )
+            self.omega = torch.randn(other, self.sketch_size, generator=gen).to(self.weight.device)
+            self._sketch_step = step
+
+    def sketch_norms(self) -> torch.Tensor:
+        """Squared row (or column) norms estimated from the (reduced) sketch."""
+        dim = 1 if self.mode == "row" else 0
+        return self.sketch.pow(2).sum(dim=dim)
+
+    def empty_sketch(self) -> torch.Tensor:
+        """A zero sketch of the right shape (a rank whose backward did not reach the layer)."""
+        m, n = self.weight.shape
+        s = self.sketch_size
+        shape = (m, n) if s == 0 else ((m, s) if self.mode == "row" else (s, n))
+        return torch.zeros(shape, dtype=torch.float32, device=self.weight.device)
+
+    # -- the weight ------------------------------------------------------------------------
+
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.mode == "row" else t.t()
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """Precision of ``base``: fp32 (fp64 for an fp64 weight)."""
+        return torch.float64 if self.weight.dtype == torch.float64 else torch.float32
+
+    def current_rows(self, v: torch.Tensor) -> torch.Tensor:
+        """fp32 values of the selected unique rows: ``base + P V`` (duplicates summed)."""
+        dtype = self.base.dtype
+        delta = torch.zeros_like(self.base)
+        scaled = self._rows(v).to(dtype) * self.rho.to(v.device, dtype)[:, None]
+        delta.index_add_(0, self.inverse.to(v.device), scaled)
+        return self.base + delta
+
+    def write_rows(self, v: torch.Tensor) -> None:
+        """Write ``base + P V`` into the selected rows of the frozen weight."""
+        if self.index is None:
+            return
+        rows = self.current_rows(v).to(self.weight.dtype)
+        with torch.no_grad():
+            self._rows(self.weight).index_copy_(0, self.unique.to(rows.device), rows)
+
+    def set_selection(self, index: torch.Tensor, rho: torch.Tensor, v: torch.Tensor) -> None:
+        """Adopt a new selection: fold ``V`` into the weight, take the new rows' fp32 values
+        as ``base`` (rows kept from the old selection keep their fp32 values) and zero ``V``.
+        """
+        device = self.weight.device
+        old = {}
+        if self.index is not None:
+            values = self.current_rows(v)
+            self.write_rows(v)
+            old = {int(u): i for i, u in enumerate(self.unique.tolist())}
+        unique, inverse = torch.unique(index, sorted=True, return_inverse=True)
+        base = self._rows(self.weight).index_select(0, unique.to(device)).to(self.master_dtype)
+        keep = [(j, old[u]) for j, u in enumerate(unique.tolist()) if u in old]
+        if keep:
+            dst = torch.tensor([j for j, _ in keep], device=device)
+            src = torch.tensor([i for _, i in keep], device=device)
+            base.index_copy_(0, dst, values.index_select(0, src))
+        self.index, self.rho = index.cpu(), rho.cpu().float()
+        self.unique, self.inverse, self.base = unique.cpu(), inverse.cpu(), base
+        with torch.no_grad():
+            v.zero_()
+
+    def reselect(self, step: int, v: torch.Tensor) -> None:
+        """Choose the next selection (from the reduced sketch where one was taken)."""
+        gen = torch.Generator().manual_seed(
+            (self.seed * 1_000_033 + step * 104_729 + _stable_hash(self.fqn)) % (2**63)
+        )
+        norms = self.sketch_norms() if self.sketching else None
+        index, rho = select(norms, self.size, self.rank, self.method, gen)
+        self.set_selection(index, rho, v)
+        self.sketching, self.sketch, self.omega = False, None, None
+
+    # -- state -----------------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Selection and fp32 rows (no sketch: a checkpoint is taken between steps)."""
+        if self.index is None:
+            return {}
+        return {
+            "index": self.index.clone(),
+            "rho": self.rho.clone(),
+            "base": self.base.detach().cpu().clone(),
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the weight and ``V`` come from the model checkpoint)."""
+        if not state:
+            self.index = self.rho = self.unique = self.inverse = self.base = None
+            return
+        index = state["index"].long()
+        unique, inverse = torch.unique(index, sorted=True, return_inverse=True)
+        if state["base"].shape != (unique.numel(), self._rows(self.weight).shape[1]):
+            raise ValueError(f"Grass state of {self.fqn} does not fit its weight")
+        self.index, self.rho = index, state["rho"].float()
+        self.unique, self.inverse = unique, inverse
+        self.base = state["base"].to(self.weight.device, self.master_dtype)
+        self.sketching, self.sketch, self.omega = False, None, None
+
+
+def _all_gather_first_dim(t: torch.Tensor, group: Any) -> torch.Tensor:
+    world = torch.distributed.get_world_size(group)
+    out = torch.empty((world * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    torch.distributed.all_gather_into_tensor(out, t.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter_first_dim(t: torch.Tensor, group: Any) -> torch.Tensor:
+    world = torch.distributed.get_world_size(group)
+    out = torch.empty((t.shape[0] // world,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    torch.distributed.reduce_scatter_tensor(out, t.contiguous(), group=group)
+    return out
+
+
+class _GrassLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, weight, bias, param, layer, allreduce_dgrad, sequence_parallel, group):
+        total = _all_gather_first_dim(input, group) if sequence_parallel else input
+        output = torch.matmul(total, weight.t())
+        if bias is not None:
+            output = output + bias
+        ctx.save_for_backward(input, weight)
+        ctx.layer, ctx.group = layer, group
+        ctx.allreduce_dgrad, ctx.sequence_parallel = allreduce_dgrad, sequence_parallel
+        ctx.has_bias = bias is not None and bias.requires_grad
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        layer, group = ctx.layer, ctx.group
+        total = _all_gather_first_dim(input, group) if ctx.sequence_parallel else input
+        grad_input = grad_output.matmul(weight)
+        if ctx.sequence_parallel:
+            grad_input = _reduce_scatter_first_dim(grad_input, group)
+        elif ctx.allreduce_dgrad:
+            torch.distributed.all_reduce(grad_input, group=group)
+        dy = grad_output.reshape(-1, grad_output.shape[-1])
+        x = total.reshape(-1, total.shape[-1])
+        grad_bias = dy.sum(dim=0) if ctx.has_bias else None
+        g = layer.projected_grad(dy, x)
+        param = layer.param
+        if g is None:
+            g = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
+        if hasattr(param, "main_grad"):
+            # megatron-core DDP: accumulate in its fp32 buffer (gradient-accumulation
+            # fusion); the dummy gradient still runs the parameter's grad hook.
+            param.main_grad.add_(g.to(param.main_grad.dtype))
+            param.grad_added_to_main_grad = True
+            grad_param = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+        else:
+            grad_param = g.to(param.dtype)
+        return grad_input, None, grad_bias, grad_param, None, None, None, None
+
+
+def grass_linear(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    layer: GrassLayer,
+    *,
+    allreduce_dgrad: bool = False,
+    sequence_parallel: bool = False,
+    group: Any = None,
+) -> torch.Tensor:
+    """``input @ weight.T (+ bias)`` with Grass's backward (see module doc).
+
+    Args:
+        input: ``[..., n]`` (this rank's sequence shard under sequence parallelism).
+        weight: the frozen ``[m, n]`` weight (``layer.weight``).
+        bias: optional ``[m]`` bias, trained densely.
+        layer: selection, virtual parameter and sketch of this weight.
+        allreduce_dgrad: all-reduce the input gradient over ``group`` (column-parallel).
+        sequence_parallel: all-gather the input over ``group`` along dim 0 in forward and
+            reduce-scatter the input gradient in backward.
+        group: tensor-parallel process group.
+    """
+    return _GrassLinear.apply(
+        input, weight, bias, layer.param, layer, allreduce_dgrad, sequence_parallel, group
+    )

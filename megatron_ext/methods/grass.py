@@ -1,0 +1,160 @@
+"""Grass (``--grass-method topr|norm|norm2|norm-nr|norm2-nr|uniform``): options, factory, registration.
+
+The algorithm is ``megatron_ext.autograd.grass`` (selection, the row-sparse backward, the
+fp32 rows) and ``megatron_ext.optim.grass`` (the subspace step, re-warm-up, reselection);
+``megatron_ext.megatron.grass`` adds the virtual parameters before DDP wraps the model and
+hooks the linear layers. One options class serves every selection rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict
+
+from megatron_ext.config import ConfigError, check_positive, flag_of
+from megatron_ext.methods.registry import (
+    BenchContext,
+    Components,
+    Method,
+    MethodContext,
+    register,
+)
+
+__all__ = ["GrassConfig", "METHODS"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GrassConfig:
+    """Grass: row-sparse weight gradients, r x n optimizer state and data-parallel traffic."""
+
+    ARG_GROUP: ClassVar[str] = "megatron-ext: row-sparse linear backward (Grass)"
+    ARG_PREFIX: ClassVar[str] = "grass"
+
+    rank: int = 128
+    """Rows r of each projected weight trained at a time (of the smaller dimension of the
+    weight on each tensor-parallel rank; paper: 128 for 60M/350M, 256 for 1B)."""
+
+    update_interval: int = 200
+    """Every this many steps K the rows are selected again from the gradient (paper: 200;
+    0 keeps the first selection)."""
+
+    scale: float = 0.25
+    """alpha: factor on the learning rate of the projected weights (paper: 0.25 for
+    pre-training)."""
+
+    rewarmup_steps: int = 200
+    """After each selection the learning rate of the projected weights rises linearly from
+    1/N to alpha over this many steps (paper: 200; 0: no re-warm-up)."""
+
+    reset_state: bool = True
+    """Zero the Adam moments of the projected weights at each new selection (the paper does
+    for 60M and 350M, not for 1B)."""
+
+    sketch_size: int = 256
+    """Columns of the Gaussian sketch G Omega from which row norms are estimated at a
+    selection step (all-reduced over data parallelism: rows x this many fp32 values per
+    weight); 0 uses the exact gradient (rows x columns, for small models and tests)."""
+
+    seed: int = 0
+    """Seed of the sketches and of the sampling rules (the same on every data-parallel
+    rank)."""
+
+    def __post_init__(self):
+        cls = type(self)
+        check_positive(cls, "rank", self.rank)
+        check_positive(cls, "update_interval", self.update_interval, allow_zero=True)
+        check_positive(cls, "rewarmup_steps", self.rewarmup_steps, allow_zero=True)
+        check_positive(cls, "sketch_size", self.sketch_size, allow_zero=True)
+        check_positive(cls, "seed", self.seed, allow_zero=True)
+        if not self.scale > 0:
+            raise ConfigError(flag_of(cls, "scale"), f"must be > 0, got {self.scale!r}")
+
+
+def _validate(cfg: Any, layout: Any) -> None:
+    if layout.use_distributed_optimizer:
+        raise ConfigError(
+            ["--grass-method", "--use-distributed-optimizer"],
+            "Grass keeps per-row selections and fp32 rows of its virtual parameters, which "
+            "the distributed optimizer would split into flat shards; use the regular "
+            "optimizer (its state for projected weights is already r x n)",
+        )
+    if cfg.enabled("grad"):
+        raise ConfigError(
+            ["--grass-method", "--grad-compression"],
+            "Grass already reduces only the selected rows of the projected weights; a "
+            "gradient compressor on top would keep error-feedback state across reselections "
+            "of different rows. Use one or the other",
+        )
+
+
+def _build(ctx: MethodContext) -> Components:
+    from megatron_ext.megatron.grass import (
+        VIRTUAL_PARAM,
+        GrassLinearHook,
+        add_virtual_params,
+        sketch_reducer,
+    )
+    from megatron_ext.optim.grass import GrassOptimizerHook, GrassSchedule
+
+    opts = ctx.options
+    layers: Dict[str, Any] = {}
+    hook = GrassOptimizerHook(
+        layers,
+        GrassSchedule(opts.update_interval, opts.rewarmup_steps, opts.scale),
+        sketch_reducer(ctx.groups.dp_cp, ctx.meter),
+        reset_state=opts.reset_state,
+        param_fqn=lambda fqn: f"{fqn}.{VIRTUAL_PARAM}",
+    )
+
+    def transform(model_chunks):
+        layers.update(
+            add_virtual_params(
+                model_chunks,
+                ctx.family_options.layers,
+                rank=opts.rank,
+                method=ctx.name,
+                sketch_size=opts.sketch_size,
+                seed=opts.seed,
+            )
+        )
+        hook.initial_selection()
+
+    return Components(
+        linear_hook=GrassLinearHook(layers),
+        linear_layers=ctx.family_options.layers,
+        optimizer_hooks=[hook],
+        model_transform=transform,
+        on_step=hook.begin_step,
+    )
+
+
+def _bench_defaults(bench: BenchContext) -> Dict[str, Any]:
+    # Reselect a few times within a benchmark run.
+    interval = max(1, bench.iters // 4)
+    return {"update_interval": interval, "rewarmup_steps": max(1, interval // 4)}
+
+
+_SUMMARIES = {
+    "topr": "rows with the largest gradient norms",
+    "norm": "rows sampled by gradient norm, with replacement (unbiased)",
+    "norm2": "rows sampled by squared gradient norm, with replacement (unbiased)",
+    "norm-nr": "rows sampled by gradient norm, without replacement",
+    "norm2-nr": "rows sampled by squared gradient norm, without replacement",
+    "uniform": "rows sampled uniformly, with replacement (unbiased)",
+}
+
+METHODS = tuple(
+    register(
+        Method(
+            name=name,
+            family="linear",
+            build=_build,
+            options=GrassConfig,
+            summary=f"Grass: {summary}, reselected every K steps",
+            validate=_validate,
+            bench_defaults=_bench_defaults,
+            bench_label=lambda o, name=name: f"grass-{name}-r{o.rank}",
+        )
+    )
+    for name, summary in _SUMMARIES.items()
+)

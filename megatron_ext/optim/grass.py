@@ -1,0 +1,246 @@
+"""Grass's optimizer side: the subspace update, re-warm-up, state reset and reselection.
+
+What it does:
+    The optimizer (megatron-core's Adam(W), unchanged) steps each virtual parameter ``V``
+    (``megatron_ext.autograd.grass``), so its moments live in the ``r x n`` subspace and only
+    the selected rows move. :class:`GrassOptimizerHook` adapts that step to Grass:
+
+    * ``pre_step``: keep the fp32 ``V`` before the step;
+    * ``post_step``: scale the step taken by ``alpha * warm(t)`` — ``V <- V_0 + s (V_1 -
+      V_0)``, which is AdamW with learning rate ``s * lr`` (the moments do not depend on the
+      learning rate) — decay the fp32 ``base`` rows by the same ``s * lr * wd`` (so that the
+      selected rows ``base + P V`` follow decoupled weight decay exactly), write the rows into
+      the frozen weight and copy ``V`` to the model parameter;
+    * on a selection step (``t % K == 0``): all-reduce every layer's gradient sketch over the
+      data-parallel group in one buffer, choose the rows for steps ``t+1 .. t+K`` (identical
+      on every data-parallel rank), fold ``V`` into the weight, zero ``V`` and (by default)
+      the Adam moments of ``V``; the learning rate re-warms up over ``rewarmup`` steps from
+      there.
+
+    megatron-core requires one Adam step count shared by all parameters (its checkpoints
+    refuse anything else), so a reset zeroes the moments only; the bias correction of the
+    ``k`` steps since the reset is applied in ``post_step`` instead of the global step's:
+    the step is scaled by ``c = (1 - b1^t) / (1 - b1^k) * sqrt((1 - b2^k) / (1 - b2^t))``
+    (exact up to Adam's ``eps``; the decoupled decay term is kept unscaled).
+
+    Step 0 takes the first sketch, so the projected weights first move at step 1 (unless
+    the selection does not depend on the gradient: uniform sampling, or ``r`` covering the
+    whole dimension, which select before step 0).
+
+Constraints:
+    Pure torch; never imports Megatron. Not for the distributed optimizer (its ``V`` shards
+    are flat slices; refused by the method's validation).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List
+
+import torch
+
+from megatron_ext.autograd.grass import GrassLayer
+from megatron_ext.optim.hooks import OptimizerHook, OptimizerView
+
+__all__ = ["GrassOptimizerHook", "GrassSchedule"]
+
+
+class GrassSchedule:
+    """When Grass selects and how its learning rate re-warms up.
+
+    Args:
+        update_interval: ``K`` (0: select once, never again).
+        rewarmup: re-warm-up steps after each selection (0: none).
+        scale: ``alpha``.
+    """
+
+    def __init__(self, update_interval: int, rewarmup: int, scale: float):
+        self.update_interval = update_interval
+        self.rewarmup = rewarmup
+        self.scale = scale
+
+    def is_selection_step(self, step: int) -> bool:
+        """Whether the end of ``step`` chooses the rows of the next steps."""
+        if step == 0:
+            return True
+        return self.update_interval > 0 and step % self.update_interval == 0
+
+    def lr_scale(self, step: int, active_since: int) -> float:
+        """``alpha * warm``: the factor on the learning rate of the projected weights."""
+        if self.rewarmup <= 0:
+            return self.scale
+        return self.scale * min(1.0, (step - active_since + 1) / self.rewarmup)
+
+
+class GrassOptimizerHook(OptimizerHook):
+    """See module docstring.
+
+    Args:
+        layers: projected weights by FQN.
+        schedule: selection interval, re-warm-up and scale.
+        reduce_sketches: all-reduces one flat fp32 tensor over the data-parallel group in
+            place (summing; the ranking does not depend on the scale).
+        reset_state: zero ``V``'s Adam moments and step count at each new selection.
+        param_fqn: FQN of a layer's virtual parameter.
+    """
+
+    name = "grass"
+
+    def __init__(
+        self,
+        layers: Dict[str, GrassLayer],
+        schedule: GrassSchedule,
+        reduce_sketches: Callable[[torch.Tensor], None],
+        *,
+        reset_state: bool,
+        param_fqn: Callable[[str], str],
+    ):
+        self.layers = layers
+        self.schedule = schedule
+        self.reduce_sketches = reduce_sketches
+        self.reset_state = reset_state
+        self.param_fqn = param_fqn
+        self.active_since = 0
+        self.selections = 0
+        self.reset_at = 0
+        self._before: Dict[str, torch.Tensor] = {}
+        self._selecting = False
+
+    # -- selection ---------------------------------------------------------------------------
+
+    def initial_selection(self) -> None:
+        """Select before step 0 where no layer needs the gradient to do so."""
+        if all(not layer.needs_sketch for layer in self.layers.values()):
+            for layer in self.layers.values():
+                layer.reselect(0, layer.param.data)
+            self.selections = 1
+
+    def begin_step(self, step: int) -> None:
+        """Before the step's backward: start the sketches of a selection step."""
+        # A selection made before step 0 (initial_selection) serves until step K.
+        self._selecting = self.schedule.is_selection_step(step) and (
+            step > 0 or self.selections == 0
+        )
+        if self._selecting:
+            for layer in self.layers.values():
+                layer.start_sketch(step)
+
+    def _select(self, view: OptimizerView, step: int) -> None:
+        layers = [layer for layer in self.layers.values() if layer.sketching]
+        if layers:
+            parts = [
+                layer.sketch if layer.sketch is not None else layer.empty_sketch()
+                for layer in layers
+            ]
+            flat = torch.cat([p.reshape(-1) for p in parts])
+            self.reduce_sketches(flat)
+            offset = 0
+            for layer, part in zip(layers, parts):
+                layer.sketch = flat[offset : offset + part.numel()].view_as(part)
+                offset += part.numel()
+        for fqn, layer in self.layers.items():
+            state = view.param_state(self.param_fqn(fqn))
+            main = layer.param.data if state is None else state.main_param
+            layer.reselect(step, main)
+            if state is not None:
+                if main is not layer.param:
+                    layer.param.data.copy_(main)
+                if self.reset_state:
+                    _reset_moments(state.state)
+                    self.reset_at = state.adam_step or 0
+        self.active_since = step + 1
+        self.selections += 1
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def pre_step(self, view: OptimizerView) -> None:
+        self._before = {}
+        for fqn, layer in self.layers.items():
+            if layer.index is None:
+                continue
+            state = view.param_state(self.param_fqn(fqn))
+            if state is not None:
+                self._before[fqn] = state.main_param.detach().clone()
+
+    def post_step(self, view: OptimizerView, update_successful: bool) -> None:
+        step = view.step
+        s = self.schedule.lr_scale(step, self.active_since)
+        for fqn, layer in self.layers.items():
+            state = view.param_state(self.param_fqn(fqn))
+            if state is None or fqn not in self._before:
+                continue
+            main = state.main_param
+            before = self._before[fqn]
+            lr = float(state.group["lr"])
+            wd = float(state.group.get("weight_decay", 0.0))
+            decoupled = bool(wd) and state.decoupled_weight_decay
+            c = self._bias_correction(state) if update_successful else 1.0
+            with torch.no_grad():
+                if s * c != 1.0:
+                    main.sub_(before).mul_(s * c).add_(before)
+                if decoupled and c != 1.0:
+                    # keep the decay term -lr*wd*V0 at scale s (only Adam's part gets c)
+                    main.add_(before, alpha=s * lr * wd * (c - 1.0))
+                if update_successful and decoupled:
+                    layer.base.mul_(1.0 - s * lr * wd)
+                layer.write_rows(main)
+                if main is not layer.param:
+                    layer.param.data.copy_(main)
+        self._before = {}
+        if self._selecting:
+            self._select(view, step)
+            self._selecting = False
+
+    def _bias_correction(self, state: Any) -> float:
+        """``c`` of the module docstring: Adam's bias correction of the steps since the last
+        reset instead of the global step's."""
+        t = state.adam_step
+        if not self.reset_state or t is None or self.reset_at <= 0 or t <= self.reset_at:
+            return 1.0
+        k = t - self.reset_at
+        b1, b2 = state.group.get("betas", (0.9, 0.999))
+        return ((1 - b1**t) / (1 - b1**k)) * ((1 - b2**k) / (1 - b2**t)) ** 0.5
+
+    # -- state -------------------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {
+            "active_since": self.active_since,
+            "selections": self.selections,
+            "reset_at": self.reset_at,
+        }
+        for fqn, layer in self.layers.items():
+            for key, value in layer.state_dict().items():
+                out[f"{key}/{fqn}"] = value
+        return out
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        state = dict(state)
+        known = {"active_since", "selections", "reset_at"}
+        missing = known - set(state)
+        per_layer: Dict[str, Dict[str, Any]] = {fqn: {} for fqn in self.layers}
+        unexpected: List[str] = []
+        for key, value in state.items():
+            if key in known:
+                continue
+            kind, _, fqn = key.partition("/")
+            if fqn not in per_layer or kind not in ("index", "rho", "base"):
+                unexpected.append(key)
+            else:
+                per_layer[fqn][kind] = value
+        if missing or unexpected:
+            raise ValueError(
+                f"Grass state does not fit this model: missing {sorted(missing)}, "
+                f"unexpected {sorted(unexpected)[:5]}"
+            )
+        self.active_since = int(state["active_since"])
+        self.selections = int(state["selections"])
+        self.reset_at = int(state["reset_at"])
+        for fqn, layer in self.layers.items():
+            layer.load_state_dict(per_layer[fqn])
+
+
+def _reset_moments(state: Dict[str, Any]) -> None:
+    """Zero Adam's moments of one parameter (torch, TE and Apex use these keys)."""
+    for key in ("exp_avg", "exp_avg_sq"):
+        if key in state:
+            state[key].zero_()

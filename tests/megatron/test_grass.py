@@ -1,0 +1,226 @@
+"""Grass inside megatron-core on CPU/gloo, through the production driver.
+
+With every row selected (Top-r, r = the projected dimension, alpha 1, no re-warm-up, no
+reselection) Grass is dense training written differently, so it must reproduce stock
+megatron-core step for step at DP=2, DP=2 with overlapped reduction, TP=2 and PP=2: that
+checks the row-sparse backward (and its tensor-parallel communication), the virtual
+parameters' gradient path through DDP and the row write-back. With r smaller: the projected
+weights have no gradient buffer, optimizer state or main parameter (inspected), only the
+selected rows move, every data-parallel rank selects the same rows, the data-parallel
+gradient bytes shrink to r rows, and a resumed run is bit-exact across a reselection.
+"""
+
+import pytest
+
+from tests.helpers.dist import run_ranks
+from tests.helpers.mcore import (
+    build,
+    first_difference,
+    make_trainer,
+    optimizer_state,
+    params,
+    teardown,
+    train,
+)
+
+# hidden 64, ffn 256: every default layer projects a 64-wide dimension. (A smaller rank is
+# not dense training: the gradient norm that megatron clips by changes.)
+FULL = [
+    "--grass-method",
+    "topr",
+    "--grass-scale",
+    "1",
+    "--grass-rewarmup-steps",
+    "0",
+    "--grass-update-interval",
+    "0",
+]
+LAYOUTS = {
+    "dp2": [],
+    "dp2-overlap": ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"],
+    # column-parallel QKV and fc1 (columns of X), row-parallel fc2 (rows of dY): all 64 wide
+    "tp2": ["--tensor-model-parallel-size", "2", "--grass-layers", "linear_(qkv|fc1|fc2)$"],
+    # the row-parallel attention output at TP=2 is 64 x 32: its 32 columns
+    "tp2-proj": ["--tensor-model-parallel-size", "2", "--grass-layers", "linear_proj$"],
+    "pp2": ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"],
+}
+FULL_RANK = {"dp2": 64, "dp2-overlap": 64, "tp2": 64, "tp2-proj": 32, "pp2": 64}
+
+
+def _stock_vs_grass(rank, world, flags, steps):
+    trainer = make_trainer(flags)
+    build(trainer, stock=True)
+    stock = train(trainer, steps)
+    teardown(trainer)
+    build(trainer, stock=False)
+    grass = train(trainer, steps)
+    layers = trainer.runtime.components["linear"].optimizer_hooks[0].layers
+    teardown(trainer)
+    return {"stock": stock, "grass": grass, "layers": len(layers)}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_full_rank_top_r_reproduces_dense_training(layout):
+    flags = FULL + ["--grass-rank", str(FULL_RANK[layout])] + LAYOUTS[layout]
+    results = run_ranks(_stock_vs_grass, 2, flags, 5)
+    for out in results:
+        assert out["layers"] > 0
+        stock, grass = out["stock"], out["grass"]
+        if stock[0] is None:  # not the last pipeline stage
+            continue
+        for a, b in zip(stock, grass):
+            assert b == pytest.approx(a, rel=2e-5), (stock, grass)
+
+
+def _sparse_run(rank, world, flags, steps):
+    import torch
+
+    from megatron_ext.megatron.naming import global_param_names
+
+    trainer = make_trainer(flags)
+    build(trainer, stock=False)
+    hooks = trainer.runtime.components["linear"].optimizer_hooks
+    layers = hooks[0].layers if hooks else {}  # none: the dense baseline
+    chunk = trainer.model[0]
+    names = global_param_names(chunk)
+    buffered = {names[p] for buf in chunk.buffers for p in buf.params}
+    opt_fqns = set(optimizer_state(trainer))
+    frozen = {fqn: layer.weight for fqn, layer in layers.items()}
+    checks = {
+        "no_grad_buffer": all(f"{f}.weight" not in buffered for f in frozen),
+        "virtual_buffered": all(f"{f}.grass_weight" in buffered for f in frozen),
+        "no_optimizer_state": all(
+            not k.startswith(f"{f}.weight/") for f in frozen for k in opt_fqns
+        ),
+        "no_main_grad": all(not hasattr(w, "main_grad") for w in frozen.values()),
+        "grad_numel": sum(buf.grad_data.numel() for buf in chunk.buffers),
+        "trainable_numel": sum(p.numel() for p in chunk.parameters() if p.requires_grad),
+    }
+    before = {f: w.detach().clone() for f, w in frozen.items()}
+    gbs = trainer.sizes["gbs"]
+    iterator = trainer._iterator(trainer.train_ds, 0)
+    losses, traffic, moved, selections = [], [], [], []
+    for it in range(steps):
+        loss, _, ok = trainer.train_step(it, it * gbs, iterator)
+        step_traffic = trainer.runtime.end_step()
+        losses.append(loss)
+        traffic.append(step_traffic["dp-grad"].sent if "dp-grad" in step_traffic else 0)
+        # rows changed by this step, against the rows selected for it
+        changed = {}
+        for f, w in frozen.items():
+            layer = layers[f]
+            diff = (w.detach() - before[f]).abs()
+            diff = diff.sum(1) if layer.mode == "row" else diff.sum(0)
+            changed[f] = sorted(torch.nonzero(diff).flatten().tolist())
+            before[f] = w.detach().clone()
+        moved.append(changed)
+        selections.append({f: sorted(set(lay.index.tolist())) for f, lay in layers.items()})
+    teardown(trainer)
+    return {
+        "checks": checks,
+        "losses": losses,
+        "traffic": traffic,
+        "moved": moved,
+        "selections": selections,
+    }
+
+
+SPARSE = ["--grass-method", "topr", "--grass-rank", "8", "--grass-update-interval", "3"]
+SPARSE += ["--grass-rewarmup-steps", "2", "--grass-sketch-size", "16"]
+
+
+def test_sparse_rows_buffers_bytes_and_same_selection_dp2():
+    steps = 7
+    results = run_ranks(_sparse_run, 2, SPARSE, steps)
+    a, b = results
+    for out in results:
+        checks = out["checks"]
+        assert checks["no_grad_buffer"] and checks["virtual_buffered"], checks
+        assert checks["no_optimizer_state"] and checks["no_main_grad"], checks
+        # the gradient buffer holds exactly the trainable parameters (V, not W)
+        assert checks["grad_numel"] >= checks["trainable_numel"]
+        assert checks["grad_numel"] - checks["trainable_numel"] < 64 * 4  # bucket padding
+    assert a["selections"] == b["selections"], "data-parallel ranks selected different rows"
+    # step 0 sketches and selects; the projected weights first move at step 1
+    assert all(not rows for rows in a["moved"][0].values())
+    for step in range(1, steps):
+        sel = a["selections"][step - 1]  # selection made at the end of the previous step
+        for fqn, rows in a["moved"][step].items():
+            assert set(rows) <= set(sel[fqn]), (step, fqn, rows, sel[fqn])
+            assert rows, (step, fqn)
+    # reselection at steps 0, 3, 6: a new set of rows after step 3
+    assert a["selections"][2] == a["selections"][0]
+    assert a["selections"][3] != a["selections"][2]
+    # the selection step adds one sketch all-reduce; other steps move the same bytes
+    assert a["traffic"][1] == a["traffic"][2] == a["traffic"][4]
+    assert a["traffic"][3] > a["traffic"][2]
+    assert a["losses"][-1] < a["losses"][0]
+
+
+def test_dp_grad_bytes_shrink_to_selected_rows():
+    def run(flags):
+        results = run_ranks(_sparse_run, 2, flags, 3)
+        return results[0]
+
+    dense = run(["--grass-method", "none"])
+    sparse = run(SPARSE)
+    ratio = sparse["traffic"][1] / dense["traffic"][1]
+    trainable = sparse["checks"]["trainable_numel"] / dense["checks"]["trainable_numel"]
+    # wire bytes follow the trainable (reduced) numel: r rows instead of the whole weights
+    assert ratio == pytest.approx(trainable, rel=0.02)
+    assert ratio < 0.5
+
+
+def _resume(rank, world, flags, root):
+    from megatron_ext.megatron import checkpoint as ckpt
+
+    trainer = make_trainer(flags)
+    gbs = trainer.sizes["gbs"]
+    build(trainer, stock=False)
+    full = train(trainer, 6)
+    full_params, full_opt = params(trainer), optimizer_state(trainer)
+    teardown(trainer)
+
+    build(trainer, stock=False)
+    first = train(trainer, 4)
+    ckpt.save_checkpoint(
+        root,
+        4,
+        model_chunks=trainer.model,
+        optimizer=trainer.optimizer,
+        scheduler=trainer.scheduler,
+        runtime=trainer.runtime,
+        consumed_samples=4 * gbs,
+    )
+    teardown(trainer)
+    build(trainer, stock=False)
+    ckpt.load_checkpoint(
+        root,
+        model_chunks=trainer.model,
+        optimizer=trainer.optimizer,
+        scheduler=trainer.scheduler,
+        runtime=trainer.runtime,
+    )
+    second = train(trainer, 2, start=4)
+    out = {
+        "losses": (full, first + second),
+        "param_diff": first_difference(full_params, params(trainer)),
+        "opt_diff": first_difference(full_opt, optimizer_state(trainer)),
+    }
+    teardown(trainer)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2-bf16"])
+def test_resume_bit_exact_across_reselection(layout, tmp_path):
+    extra = {
+        "dp2": ["--grass-method", "norm2"],
+        "tp2-bf16": ["--grass-method", "topr", "--tensor-model-parallel-size", "2", "--bf16"],
+    }[layout]
+    flags = SPARSE[2:] + extra  # reselection at steps 0 and 3; the save after step 3
+    results = run_ranks(_resume, 2, flags, str(tmp_path / "ckpt"))
+    for out in results:
+        full, resumed = out["losses"]
+        assert full == resumed, out["losses"]
+        assert out["param_diff"] is None, out["param_diff"]
+        assert out["opt_diff"] is None, out["opt_diff"]

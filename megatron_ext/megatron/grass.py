@@ -25,7 +25,6 @@ Constraints:
 
 from __future__ import annotations
 
-import re
 from typing import Any, Callable, Dict, Sequence
 
 import torch
@@ -34,6 +33,7 @@ from megatron_ext.accounting import ProcessGroupTrafficMeter, collective_wire_by
 from megatron_ext.autograd.grass import GrassLayer, grass_linear, projected_dim
 from megatron_ext.autograd.linear import LinearHook
 from megatron_ext.config import ConfigError
+from megatron_ext.megatron.linear import compile_layers_pattern
 from megatron_ext.megatron.naming import global_module_names
 
 __all__ = ["VIRTUAL_PARAM", "add_virtual_params", "GrassLinearHook", "sketch_reducer"]
@@ -83,10 +83,7 @@ def add_virtual_params(
         set_tensor_model_parallel_attributes,
     )
 
-    try:
-        regex = re.compile(pattern)
-    except re.error as exc:
-        raise ConfigError("--grass-layers", f"invalid regular expression: {exc}") from exc
+    regex = compile_layers_pattern(pattern)
     layers: Dict[str, GrassLayer] = {}
     for chunk in model_chunks:
         for name, module in global_module_names(chunk):

@@ -67,6 +67,14 @@ def _make_forward_impl(hook: LinearHook, ctx: LinearContext):
     return _forward_impl
 
 
+def compile_layers_pattern(pattern: str) -> "re.Pattern[str]":
+    """``--grass-layers`` compiled; ConfigError naming the flag if it is not a regex."""
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise ConfigError("--grass-layers", f"invalid regular expression: {exc}") from exc
+
+
 def install_linear_hooks(
     model_chunks: Sequence[torch.nn.Module], hook: LinearHook, pattern: str
 ) -> LinearHooksHandle:
@@ -89,10 +97,7 @@ def install_linear_hooks(
         RowParallelLinear,
     )
 
-    try:
-        regex = re.compile(pattern)
-    except re.error as exc:
-        raise ConfigError("--grass-layers", f"invalid regular expression: {exc}") from exc
+    regex = compile_layers_pattern(pattern)
     handle = LinearHooksHandle()
     for chunk in model_chunks:
         for name, module in global_module_names(chunk):

@@ -167,7 +167,6 @@ class GrassLayer:
     sketching: bool = False
     sketch: Optional[torch.Tensor] = None
     omega: Optional[torch.Tensor] = None
-    _sketch_step: int = -1
 
     @property
     def size(self) -> int:
@@ -209,7 +208,7 @@ class GrassLayer:
         """Accumulate a sketch of this step's gradient (cleared by :meth:`reselect`)."""
         self.sketching = self.needs_sketch
         self.sketch = None
-        if self.sketching and self.sketch_size > 0 and self._sketch_step != step:
+        if self.sketching and self.sketch_size > 0:
             m, n = self.weight.shape
             other = n if self.mode == "row" else m
             gen = torch.Generator().manual_seed(

@@ -103,6 +103,34 @@ def optimizer_state(trainer) -> Dict[str, Any]:
     return out
 
 
+def save_checkpoint(trainer, root: str, iteration: int) -> None:
+    """Save model, optimizer, scheduler and megatron_ext state after ``iteration`` steps."""
+    from megatron_ext.megatron import checkpoint as ckpt
+
+    ckpt.save_checkpoint(
+        root,
+        iteration,
+        model_chunks=trainer.model,
+        optimizer=trainer.optimizer,
+        scheduler=trainer.scheduler,
+        runtime=trainer.runtime,
+        consumed_samples=iteration * trainer.sizes["gbs"],
+    )
+
+
+def load_checkpoint(trainer, root: str) -> Dict[str, Any]:
+    """Load the latest checkpoint under ``root`` into the built trainer."""
+    from megatron_ext.megatron import checkpoint as ckpt
+
+    return ckpt.load_checkpoint(
+        root,
+        model_chunks=trainer.model,
+        optimizer=trainer.optimizer,
+        scheduler=trainer.scheduler,
+        runtime=trainer.runtime,
+    )
+
+
 def teardown(trainer) -> None:
     """Remove the seams and drop model and optimizer before the next build."""
     trainer.runtime.remove()

@@ -8,10 +8,14 @@ rounding of uncompressed training, PP=2 x DP=2 keeps each replica's buffers for 
 samples, and checkpoints either restore the buffers bit-exactly or force first visits.
 """
 
-import pytest
-
 from tests.helpers.dist import run_ranks
-from tests.helpers.mcore import build, make_trainer, teardown, train
+from tests.helpers.mcore import (
+    build,
+    load_checkpoint,
+    make_trainer,
+    save_checkpoint,
+    teardown,
+)
 
 FIXED = ["--fixed-samples", "32", "--global-batch-size", "8"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
@@ -118,8 +122,6 @@ def test_directq_pp2_sends_quantized_activations_from_the_start():
 
 
 def _resume(rank, world, flags, root):
-    from megatron_ext.megatron import checkpoint as ckpt
-
     trainer = make_trainer(flags)
     gbs = trainer.sizes["gbs"]
 
@@ -138,24 +140,10 @@ def _resume(rank, world, flags, root):
     teardown(trainer)
     build(trainer, stock=False)
     first = run(0, 5)
-    ckpt.save_checkpoint(
-        root,
-        5,
-        model_chunks=trainer.model,
-        optimizer=trainer.optimizer,
-        scheduler=trainer.scheduler,
-        runtime=trainer.runtime,
-        consumed_samples=5 * gbs,
-    )
+    save_checkpoint(trainer, root, 5)
     teardown(trainer)
     build(trainer, stock=False)
-    ckpt.load_checkpoint(
-        root,
-        model_chunks=trainer.model,
-        optimizer=trainer.optimizer,
-        scheduler=trainer.scheduler,
-        runtime=trainer.runtime,
-    )
+    load_checkpoint(trainer, root)
     second = run(5, 3)
     sums = trainer.runtime.communicator.codec.checksums()
     teardown(trainer)

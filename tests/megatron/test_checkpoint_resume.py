@@ -15,9 +15,11 @@ from tests.helpers.dist import run_ranks
 from tests.helpers.mcore import (
     build,
     first_difference,
+    load_checkpoint,
     make_trainer,
     optimizer_state,
     params,
+    save_checkpoint,
     teardown,
     train,
 )
@@ -49,8 +51,6 @@ class _RankProbe:
 
 
 def _resume(rank, world, flags, root):
-    from megatron_ext.megatron import checkpoint as ckpt
-
     trainer = make_trainer(flags)
     gbs = trainer.sizes["gbs"]
 
@@ -76,25 +76,11 @@ def _resume(rank, world, flags, root):
         first += train(trainer, 1, start=it)
         probe.bump(rank)
     trainer.sync_params()
-    ckpt.save_checkpoint(
-        root,
-        3,
-        model_chunks=trainer.model,
-        optimizer=trainer.optimizer,
-        scheduler=trainer.scheduler,
-        runtime=trainer.runtime,
-        consumed_samples=3 * gbs,
-    )
+    save_checkpoint(trainer, root, 3)
     teardown(trainer)
 
     probe = fresh()
-    loaded = ckpt.load_checkpoint(
-        root,
-        model_chunks=trainer.model,
-        optimizer=trainer.optimizer,
-        scheduler=trainer.scheduler,
-        runtime=trainer.runtime,
-    )
+    loaded = load_checkpoint(trainer, root)
     assert loaded["iteration"] == 3 and loaded["consumed_samples"] == 3 * gbs
     second = []
     for it in range(3, 6):

@@ -16,9 +16,11 @@ from tests.helpers.dist import run_ranks
 from tests.helpers.mcore import (
     build,
     first_difference,
+    load_checkpoint,
     make_trainer,
     optimizer_state,
     params,
+    save_checkpoint,
     teardown,
     train,
 )
@@ -172,10 +174,7 @@ def test_dp_grad_bytes_shrink_to_selected_rows():
 
 
 def _resume(rank, world, flags, root):
-    from megatron_ext.megatron import checkpoint as ckpt
-
     trainer = make_trainer(flags)
-    gbs = trainer.sizes["gbs"]
     build(trainer, stock=False)
     full = train(trainer, 6)
     full_params, full_opt = params(trainer), optimizer_state(trainer)
@@ -183,24 +182,10 @@ def _resume(rank, world, flags, root):
 
     build(trainer, stock=False)
     first = train(trainer, 4)
-    ckpt.save_checkpoint(
-        root,
-        4,
-        model_chunks=trainer.model,
-        optimizer=trainer.optimizer,
-        scheduler=trainer.scheduler,
-        runtime=trainer.runtime,
-        consumed_samples=4 * gbs,
-    )
+    save_checkpoint(trainer, root, 4)
     teardown(trainer)
     build(trainer, stock=False)
-    ckpt.load_checkpoint(
-        root,
-        model_chunks=trainer.model,
-        optimizer=trainer.optimizer,
-        scheduler=trainer.scheduler,
-        runtime=trainer.runtime,
-    )
+    load_checkpoint(trainer, root)
     second = train(trainer, 2, start=4)
     out = {
         "losses": (full, first + second),

@@ -372,6 +372,8 @@ class Trainer:
                     seq_length=self.cfg.model.seq_length,
                 ),
             )
+            for line in self.runtime.descriptions():
+                print_rank_0(f"> megatron-ext: {line}")
 
     def sync_params(self) -> None:
         """Make every rank's model parameters current (the distributed optimizer with

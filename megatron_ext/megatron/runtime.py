@@ -235,6 +235,10 @@ class ExtRuntime(Runtime):
     def _optimizer_hooks(self) -> List[Any]:
         return [h for c in self.components.values() for h in c.optimizer_hooks]
 
+    def descriptions(self) -> List[str]:
+        """The methods' log lines about what they changed on this rank (installed runtime)."""
+        return [c.describe() for c in self.components.values() if c.describe is not None]
+
     def transform_model(self, model_chunks: Sequence[torch.nn.Module]) -> None:
         """Apply the methods' model transforms to the unwrapped chunks (before DDP)."""
         if self._installed:

@@ -107,17 +107,26 @@ def _build(ctx: MethodContext) -> Components:
     )
 
     def transform(model_chunks):
-        layers.update(
-            add_virtual_params(
-                model_chunks,
-                ctx.family_options.layers,
-                rank=opts.rank,
-                method=ctx.name,
-                sketch_size=opts.sketch_size,
-                seed=opts.seed,
-            )
+        new = add_virtual_params(
+            model_chunks,
+            ctx.family_options.layers,
+            rank=opts.rank,
+            method=ctx.name,
+            sketch_size=opts.sketch_size,
+            seed=opts.seed,
         )
-        hook.initial_selection()
+        layers.update(new)
+        hook.initial_selection(new)
+
+    def describe() -> str:
+        full = sum(layer.weight.numel() for layer in layers.values())
+        virtual = sum(layer.param.numel() for layer in layers.values())
+        return (
+            f"Grass ({ctx.name}, r={opts.rank}, K={opts.update_interval}): {len(layers)} "
+            f"projected weights frozen; their gradient and optimizer state live in "
+            f"{virtual / 1e6:.3f}M virtual-parameter elements instead of {full / 1e6:.3f}M "
+            f"(x{virtual / max(1, full):.3f}) on this rank"
+        )
 
     return Components(
         linear_hook=GrassLinearHook(layers),
@@ -125,6 +134,7 @@ def _build(ctx: MethodContext) -> Components:
         optimizer_hooks=[hook],
         model_transform=transform,
         on_step=hook.begin_step,
+        describe=describe,
     )
 
 

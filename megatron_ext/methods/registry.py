@@ -230,6 +230,10 @@ class Components:
     """Called with the 0-based iteration before each training step's forward and backward
     (not before evaluation)."""
 
+    describe: Optional[Callable[[], str]] = None
+    """One line for the log once installed: what the method changed on this rank (e.g.
+    Grass's parameter counts)."""
+
 
 @dataclass(frozen=True)
 class BenchContext:

@@ -34,7 +34,7 @@ Constraints:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -107,12 +107,20 @@ class GrassOptimizerHook(OptimizerHook):
 
     # -- selection ---------------------------------------------------------------------------
 
-    def initial_selection(self) -> None:
-        """Select before step 0 where no layer needs the gradient to do so."""
+    def initial_selection(self, new: Optional[Dict[str, GrassLayer]] = None) -> None:
+        """Select before step 0 where no layer needs the gradient to do so.
+
+        Args:
+            new: the layers added since the last call (default: all); Megatron-LM builds
+                the chunks of a virtual pipeline one at a time.
+        """
         if all(not layer.needs_sketch for layer in self.layers.values()):
-            for layer in self.layers.values():
+            for layer in (self.layers if new is None else new).values():
                 layer.reselect(0, layer.param.data)
             self.selections = 1
+        else:
+            # Step 0 then sketches and selects every layer (also any selected earlier).
+            self.selections = 0
 
     def begin_step(self, step: int) -> None:
         """Before the step's backward: start the sketches of a selection step."""

@@ -378,7 +378,14 @@ def test_run_file_format(tmp_path, monkeypatch):
 def test_shipped_run_files_parse_and_follow_the_naming(monkeypatch):
     from megatron_ext.megatron.lm.runfile import run_file_args
 
-    for name in ("DATA_PREFIX", "VOCAB_FILE", "MERGE_FILE", "RUN_DIR", "PRETRAINED"):
+    for name in (
+        "DATA_PREFIX",
+        "VOCAB_FILE",
+        "MERGE_FILE",
+        "RUN_DIR",
+        "PRETRAINED",
+        "TOKENIZER_MODEL",
+    ):
         monkeypatch.setenv(name, f"/{name.lower()}")
     monkeypatch.setenv("FIXED_SAMPLES", "2304")
     monkeypatch.setenv("TRAIN_ITERS", "720")
@@ -390,6 +397,10 @@ def test_shipped_run_files_parse_and_follow_the_naming(monkeypatch):
         "gpt_2.0b_radius_64gpu",
         "gpt_tiny_separate_cpu",
         "gpt2_1.5b_aqsgd_8gpu",
+        "llama_60m_grass_8gpu",
+        "llama_350m_grass_8gpu",
+        "llama_1b_grass_8gpu",
+        "llama_13b_grass_1gpu",
     } <= names
     for path in files:
         assert len(path.stem.split("_")) == 4, f"{path.name}: <model>_<size>_<algo>_<cluster>"
@@ -411,6 +422,25 @@ def test_shipped_run_files_parse_and_follow_the_naming(monkeypatch):
                         ("--load", "/pretrained")]:  # fmt: skip
         assert aqsgd[aqsgd.index(flag) + 1] == value, flag
     assert "--finetune" in aqsgd and "--lr-decay-style" in aqsgd
+    # Grass Table 2 / appendix I: seq 256, 1024 x 256 tokens a step, K=200, alpha 0.25,
+    # rank 128/128/256, Top-r with state reset for 60M/350M, NR sampling without for 1B.
+    monkeypatch.delenv("TRAIN_ITERS")
+    for size, steps, rank, method in [("60m", "3800", "128", "topr"),
+                                      ("350m", "20600", "128", "topr"),
+                                      ("1b", "33600", "256", "norm2-nr")]:  # fmt: skip
+        grass = run_file_args(str(REPO / f"configs/megatron_lm/llama_{size}_grass_8gpu.yaml"))
+        for flag, value in [("--seq-length", "256"), ("--global-batch-size", "1024"),
+                            ("--train-iters", steps), ("--grass-rank", rank),
+                            ("--grass-method", method), ("--grass-update-interval", "200"),
+                            ("--grass-scale", "0.25"), ("--grass-rewarmup-steps", "200"),
+                            ("--transformer-impl", "local"), ("--lr-warmup-iters", "1000")]:  # fmt: skip
+            assert grass[grass.index(flag) + 1] == value, (size, flag)
+        assert ("--no-grass-reset-state" in grass) == (size == "1b")
+        assert "--bf16" in grass and "--swiglu" in grass
+    memory = run_file_args(str(REPO / "configs/megatron_lm/llama_13b_grass_1gpu.yaml"))
+    for flag, value in [("--hidden-size", "5120"), ("--num-layers", "40"),
+                        ("--micro-batch-size", "1"), ("--grass-rank", "128")]:  # fmt: skip
+        assert memory[memory.index(flag) + 1] == value, flag
 
 
 @pytest.mark.parametrize(
@@ -421,6 +451,7 @@ def test_shipped_run_files_parse_and_follow_the_naming(monkeypatch):
         "scripts/reproduce/separate_gpt2_345m.sh",
         "scripts/reproduce/radius_gpt.sh",
         "scripts/reproduce/aqsgd_gpt2_1.5b.sh",
+        "scripts/reproduce/grass_llama.sh",
     ],
 )
 def test_launcher_scripts_parse(script):

@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Dict
 
 import pytest
 import torch
@@ -294,6 +295,115 @@ def test_aqsgd_without_fixed_samples_stops_naming_the_flag(lm_dir, tmp_path):
     assert run.returncode != 0
     assert "megatron-ext: error: --p2p-compression, --fixed-samples:" in run.stderr
     assert not iterations(run.stdout)
+
+
+# -- Grass: virtual parameters added before Megatron-LM wraps the model ------------------------
+
+# Every default layer of the tiny GPT (hidden 64, ffn 256) projects a 64-wide dimension.
+GRASS_FULL_RANK = dict(grass_method="topr", grass_rank="64", grass_scale="1",
+                       grass_rewarmup_steps="0", grass_update_interval="0")  # fmt: skip
+
+
+def _dp_grad_kb(run) -> Dict[int, float]:
+    return {it: _kb(r["bytes"], "dp-grad") for it, r in iterations(run.stdout).items()}
+
+
+def _bucket_elements(run) -> int:
+    import re
+
+    # 0.16 prints the buckets on every rank, 0.19 on one (the ranks hold the same).
+    found = dict(re.findall(r"Params for bucket (\d+) \((\d+) elements", run.stdout))
+    assert found, "Megatron-LM printed no DDP bucket"
+    return sum(map(int, found.values()))
+
+
+@pytest.fixture(scope="module")
+def dense_dp2(lm_dir, tmp_path_factory):
+    """DP=2 without compression: 4 iterations of stock Megatron-LM training (plus accounting)."""
+    root = tmp_path_factory.mktemp("dense_dp2")
+    return pretrain(
+        lm_dir / "pretrain_gpt.py", tiny_args(grad_compression="none"), cwd=root
+    ).check()
+
+
+def test_zero_touch_grass_full_rank_reproduces_dense_training(dense_dp2, lm_dir, tmp_path):
+    """All rows selected, alpha 1: Grass is dense training computed another way, so the
+    virtual parameters (made inside setup_model_and_optimizer, before Megatron-LM's DDP and
+    optimizer) must train exactly like the weights themselves."""
+    run = pretrain(
+        lm_dir / "pretrain_gpt.py",
+        tiny_args(grad_compression="none", **GRASS_FULL_RANK),
+        cwd=tmp_path,
+    ).check()
+    assert "linear hooks (--grass-method topr)" in run.stdout
+    assert "Grass (topr, r=64, K=0): 8 projected weights frozen" in run.stdout
+    dense, grass = iterations(dense_dp2.stdout), iterations(run.stdout)
+    assert sorted(grass) == [1, 2, 3, 4]
+    for it in grass:
+        for key in ("loss", "grad_norm"):
+            assert float(grass[it][key]) == pytest.approx(float(dense[it][key]), rel=2e-5), it
+    # Full rank: the same number of elements reduced (Grass's fp32 rows are not sent).
+    assert _dp_grad_kb(run) == _dp_grad_kb(dense_dp2)
+
+
+@pytest.fixture(scope="module")
+def grass_sparse(lm_dir, tmp_path_factory):
+    """r=8 of 64, reselected every 2 steps: 4 iterations, torch_dist checkpoints at 2 and 4."""
+    root = tmp_path_factory.mktemp("grass_sparse")
+    run = pretrain(
+        lm_dir / "pretrain_gpt.py",
+        tiny_args(grad_compression="none", grass_method="norm2", grass_rank="8",
+                  grass_update_interval="2", grass_rewarmup_steps="1",
+                  save=str(root / "ckpt"), save_interval="2"),
+        cwd=root,
+    ).check()  # fmt: skip
+    return root, run
+
+
+def test_zero_touch_grass_sends_the_selected_rows_only(grass_sparse, dense_dp2):
+    _, run = grass_sparse
+    # 2 layers x (QKV 192x8 + proj 8x64 + fc1 256x8 + fc2 8x256) = 12288 trainable elements
+    # instead of 98304; the rest of the model (embeddings, norms, biases) stays dense.
+    assert "8 projected weights frozen; their gradient and optimizer state live in 0.012M " in (
+        run.stdout
+    )
+    assert "instead of 0.098M (x0.125)" in run.stdout
+    # DDP's buckets (as Megatron-LM prints them) hold 98304 - 12288 elements fewer.
+    grass_numel, dense_numel = _bucket_elements(run), _bucket_elements(dense_dp2)
+    assert dense_numel - grass_numel == 98304 - 12288
+    grass, dense = _dp_grad_kb(run), _dp_grad_kb(dense_dp2)
+    # Iterations 2 and 4 take no sketch (selection steps are 0 and 2, 0-based).
+    for it in (2, 4):
+        assert grass[it] / dense[it] == pytest.approx(grass_numel / dense_numel, rel=5e-3), (
+            grass,
+            dense,
+        )
+    # Selection steps add one all-reduce of every layer's sketch.
+    assert grass[1] > grass[2] and grass[3] > grass[4]
+    losses = [float(r["loss"]) for r in iterations(run.stdout).values()]
+    assert all(0 < loss < 7.0 for loss in losses)
+
+
+def test_zero_touch_grass_resumes_exactly_across_a_reselection(grass_sparse, lm_dir, tmp_path):
+    root, full = grass_sparse
+    resumed = pretrain(
+        lm_dir / "pretrain_gpt.py",
+        tiny_args(grad_compression="none", grass_method="norm2", grass_rank="8",
+                  grass_update_interval="2", grass_rewarmup_steps="1",
+                  load=str(root / "ckpt"), ckpt_step="2"),
+        cwd=tmp_path,
+    ).check()  # fmt: skip
+    assert "loaded the state of 2 ranks" in resumed.stdout
+    assert "optimizer_hook.0.grass" in resumed.stdout
+    a, b = iterations(full.stdout), iterations(resumed.stdout)
+    # Iteration 3 reselects (sketch, all-reduce, new rows): exactly as uninterrupted.
+    assert (b[3]["loss"], b[3]["grad_norm"]) == (a[3]["loss"], a[3]["grad_norm"])
+    assert b[4]["grad_norm"] == a[4]["grad_norm"]
+    # The same sketch all-reduce and rows ("other": Megatron-LM's own small collectives,
+    # which differ on the first iterations after a start).
+    assert [_kb(b[i]["bytes"], "dp-grad") for i in (3, 4)] == [
+        _kb(a[i]["bytes"], "dp-grad") for i in (3, 4)
+    ]
 
 
 # -- patched checkout ---------------------------------------------------------------------------

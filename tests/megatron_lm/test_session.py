@@ -120,14 +120,19 @@ def test_aqsgd_needs_fixed_samples_in_megatron_lm_naming_the_flag():
     check_megatron_lm_args(_megatron_args(**fixed), cfg)
 
 
-def test_grass_is_refused_in_megatron_lm_naming_the_flag():
+@pytest.mark.parametrize("flag", ["use_cpu_initialization", "init_model_with_meta_device"])
+def test_grass_refuses_weights_off_the_gpu_while_the_model_is_built(monkeypatch, flag):
+    # Grass adds its parameters and rows inside the model provider, on the weights' device;
+    # on a GPU machine these flags leave the weights elsewhere until later.
     from megatron_ext.config import ext_config_from_flags
 
     cfg = ext_config_from_flags(["--grass-method", "topr"])
+    check_megatron_lm_args(_megatron_args(**{flag: True}), cfg)  # CPU execution: fine
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    check_megatron_lm_args(_megatron_args(), cfg)
     with pytest.raises(ConfigError) as info:
-        check_megatron_lm_args(_megatron_args(), cfg)
-    assert info.value.flags == ("--grass-method",)
-    assert "megatron-ext train" in str(info.value)
+        check_megatron_lm_args(_megatron_args(**{flag: True}), cfg)
+    assert info.value.flags == ("--grass-method", "--" + flag.replace("_", "-"))
 
 
 @pytest.mark.parametrize(

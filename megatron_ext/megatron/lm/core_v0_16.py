@@ -9,6 +9,9 @@ What it does:
       ``extra_args_provider`` pretrain_gpt passes;
     * ``initialize.validate_args``: after Megatron's checks, build and check megatron-ext's
       config (exit code 2 and a message naming the flag);
+    * ``training.setup_model_and_optimizer``: the model provider ``get_model`` calls per
+      chunk is followed by the methods' model transforms (Grass's virtual parameters),
+      before the chunk is moved, converted to fp16/bf16 and wrapped in DDP;
     * ``training.get_megatron_optimizer`` (and the muon variant): install every seam once
       the DDP chunks and the optimizer exist, before Megatron-LM loads a checkpoint;
     * ``training.train_step``: begin and end of an iteration (step, sample ids, bytes);
@@ -73,6 +76,7 @@ HOOK_TARGETS: Tuple[HookTarget, ...] = (
     HookTarget(
         "megatron.training.initialize", "validate_args", "validate_args", ("args", "defaults")
     ),
+    HookTarget(_TRAINING, "setup_model_and_optimizer", "setup_model", ("model_provider_func",)),
     HookTarget(_TRAINING, "get_megatron_optimizer", "build_optimizer", ("config", "model_chunks")),
     HookTarget(
         _TRAINING, "get_megatron_muon_optimizer", "build_optimizer", ("config", "model_chunks")

@@ -16,6 +16,11 @@ What it does:
       config container's model builder (``cfg_container.model`` set by
       ``pretrain_gpt.py``), not ``get_model``, then calls ``get_megatron_optimizer`` (there
       is no ``get_megatron_muon_optimizer`` any more: Muon goes through it too);
+    * the model: ``setup_model_and_optimizer`` gets the config container; megatron-ext adds
+      a hook to its model config's ``pre_wrap_hooks`` (run on the built chunks before they
+      are moved, converted to fp16/bf16 and wrapped in DDP) for the methods' model
+      transforms (Grass's virtual parameters); without a model config, the model provider
+      is wrapped as in 0.16;
     * the schedule: ``train_step(..., p2p_communicator=None)`` now passes the communicator
       ``pretrain()`` received (None from ``pretrain_gpt.py``) to the schedule; the schedule
       wrapper puts megatron-ext's communicator there (and in evaluation, which gets it the
@@ -66,6 +71,12 @@ HOOK_TARGETS: Tuple[HookTarget, ...] = (
         _ARGUMENTS, "parse_args", "parse_args", ("extra_args_provider", "ignore_unknown_args")
     ),
     HookTarget(_ARGUMENTS, "validate_args", "validate_args", ("args", "defaults")),
+    HookTarget(
+        _TRAINING,
+        "setup_model_and_optimizer",
+        "setup_model",
+        ("model_provider_func", "cfg_container"),
+    ),
     HookTarget(_TRAINING, "get_megatron_optimizer", "build_optimizer", ("config", "model_chunks")),
     HookTarget(_TRAINING, "train_step", "train_step", ("iteration", "p2p_communicator")),
     HookTarget(

@@ -41,6 +41,7 @@ __all__ = ["HookTarget", "MegatronLMHooks", "ROLES", "check_targets", "install_t
 ROLES = (
     "parse_args",
     "validate_args",
+    "setup_model",
     "build_optimizer",
     "train_step",
     "data_loader",
@@ -178,6 +179,25 @@ def _wrap(session: MegatronLMSession, target: HookTarget, original: Callable, si
             with session.clean_errors():
                 session.configure(bound(args, kwargs)["args"])
             return result
+
+    elif role == "setup_model":
+
+        def wrapper(*args, **kwargs):
+            arguments = bound(args, kwargs)
+            container = arguments.get("cfg_container")
+            model_cfg = getattr(container, "model", None)
+            with session.clean_errors():
+                if model_cfg is not None:
+                    # 0.19's model builder: Megatron-LM's own list of pre-wrap hooks.
+                    model_cfg.pre_wrap_hooks = [
+                        *model_cfg.pre_wrap_hooks,
+                        session.pre_wrap_hook(_args()),
+                    ]
+                elif arguments.get("model_provider_func") is not None:
+                    arguments["model_provider_func"] = session.model_provider(
+                        arguments["model_provider_func"], _args()
+                    )
+            return original(**arguments)
 
     elif role == "build_optimizer":
 

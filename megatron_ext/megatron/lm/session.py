@@ -8,6 +8,9 @@ What it does:
       :class:`~megatron_ext.config.ExtConfig` from the parsed args and check it against the
       parallel layout and the Megatron-LM options the hooks rely on (checkpoint format,
       CUDA graphs, FSDP, CPU execution needs);
+    * :meth:`~MegatronLMSession.model_provider` (0.16) / :meth:`~MegatronLMSession.pre_wrap_hook`
+      (0.19): build the methods and run their model transforms on each chunk Megatron-LM
+      builds, before it moves, converts and DDP-wraps it (Grass's virtual parameters);
     * :meth:`~MegatronLMSession.install_runtime`: once the DDP model chunks and the
       optimizer exist (before Megatron-LM loads a checkpoint), install every seam
       (:func:`megatron_ext.megatron.runtime.install`) and log once on rank 0 what was
@@ -122,12 +125,19 @@ def check_megatron_lm_args(args: Any, cfg: ExtConfig) -> None:
             flag, "megatron-ext hooks megatron-core's DistributedDataParallel, not FSDP"
         )
     if cfg.enabled("linear"):
-        raise ConfigError(
-            "--grass-method",
-            "Grass replaces the projected weights' gradients by virtual parameters before "
-            "megatron-core's DDP wraps the model; the Megatron-LM integration has no hook "
-            "there yet. Train Grass with the megatron-core driver (megatron-ext train)",
-        )
+        # The model transform runs inside get_model's model provider, before Megatron-LM
+        # moves the model to the GPU: rows Grass selects there must already be on it.
+        for flag, attr in (
+            ("--use-cpu-initialization", "use_cpu_initialization"),
+            ("--init-model-with-meta-device", "init_model_with_meta_device"),
+        ):
+            if getattr(args, attr, False) and torch.cuda.is_available():
+                raise ConfigError(
+                    ["--grass-method", flag],
+                    "Grass adds its virtual parameters and selected rows while the model is "
+                    "built, on the weights' device; with this flag the weights are not on "
+                    "the GPU yet. Drop the flag",
+                )
     fixed = getattr(args, "fixed_samples", None)
     if fixed is not None:
         if fixed <= 0:
@@ -191,6 +201,7 @@ class MegatronLMSession:
         self.cpu = cpu
         self.cfg: Optional[ExtConfig] = None
         self.runtime: Any = None
+        self._created: Any = None
         self.hook_names: List[str] = []
         self.python_shims: List[str] = []
         self.start_iteration: Optional[int] = None
@@ -236,11 +247,60 @@ class MegatronLMSession:
 
     # -- installation ------------------------------------------------------------------------
 
+    def _create_runtime(self, args: Any) -> Any:
+        """Build the selected methods (once per process; the process groups exist)."""
+        from megatron_ext.megatron.runtime import ExtRuntime
+
+        if self.cfg is None:
+            # validate_args was bypassed (e.g. --yaml-cfg goes through validate_yaml).
+            self.configure(args)
+        if self._created is None:
+            self._created = ExtRuntime.create(self.cfg, layout_from_args(args))
+        return self._created
+
+    def _check_one_model(self) -> None:
+        if self.runtime is not None:
+            raise ConfigError(
+                "--optimizer",
+                "megatron-ext hooks one model and optimizer per process; Megatron-LM built a "
+                "second model for training",
+            )
+
+    def model_provider(self, provider: Callable[..., Any], args: Any) -> Callable[..., Any]:
+        """``get_model``'s model provider, followed by the methods' model transforms.
+
+        Megatron-LM (0.16) calls it once per model chunk, before it moves the chunk to the GPU,
+        converts it to fp16/bf16 and wraps it in DDP: a method that changes parameters
+        (Grass's virtual parameters) does so before DDP and the optimizer allocate
+        gradient buffers and state for them, as in the megatron-core driver.
+        """
+        self._check_one_model()
+        runtime = self._create_runtime(args)
+
+        def build(*p_args: Any, **p_kwargs: Any) -> Any:
+            model = provider(*p_args, **p_kwargs)
+            with self.clean_errors():
+                runtime.transform_model([model])
+            return model
+
+        return build
+
+    def pre_wrap_hook(self, args: Any) -> Callable[[List[Any]], List[Any]]:
+        """A hook for 0.19's ``ModelConfig.pre_wrap_hooks``: the methods' model transforms
+        on the built chunks (all of this rank's), before Megatron-LM wraps them."""
+        self._check_one_model()
+        runtime = self._create_runtime(args)
+
+        def hook(model_chunks: List[Any]) -> List[Any]:
+            with self.clean_errors():
+                runtime.transform_model(list(model_chunks))
+            return model_chunks
+
+        return hook
+
     def install_runtime(self, model_chunks: List[Any], optimizer: Any, args: Any) -> None:
         """Install every seam on the model chunks and the optimizer (once per process)."""
         from megatron.core.utils import get_model_config
-
-        from megatron_ext.megatron.runtime import install
 
         if self.runtime is not None:
             raise ConfigError(
@@ -248,13 +308,9 @@ class MegatronLMSession:
                 "megatron-ext hooks one model and optimizer per process; Megatron-LM built a "
                 "second optimizer",
             )
-        if self.cfg is None:
-            # validate_args was bypassed (e.g. --yaml-cfg goes through validate_yaml).
-            self.configure(args)
-        self.runtime = install(
-            self.cfg,
-            model_chunks=list(model_chunks),
-            optimizer=optimizer,
+        self.runtime = self._create_runtime(args).install(
+            list(model_chunks),
+            optimizer,
             model_config=get_model_config(model_chunks[0]),
             transformer_impl=args.transformer_impl,
             samples=self._sample_space(args),
@@ -366,6 +422,8 @@ class MegatronLMSession:
             f"> megatron-ext: CPU execution {'on' if self.cpu else 'off'}; communication "
             f"report: {self.report_path(args) if cfg.comm.accounting else 'off'}"
         )
+        for line in rt.descriptions():
+            print_rank_0(f"> megatron-ext: {line}")
         if self.python_shims:
             need = ".".join(map(str, self.release.requires_python))
             print_rank_0(

@@ -68,11 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--family",
-        choices=("grad", "p2p"),
+        choices=("grad", "p2p", "linear"),
         default="grad",
         help="Which methods --methods names: data-parallel gradient compression (grad; "
         f"{method_choices('grad')}) or pipeline activation compression (p2p; "
-        f"{method_choices('p2p')}). Default grad.",
+        f"{method_choices('p2p')}) or the row-sparse linear backward (linear; "
+        f"{method_choices('linear')}). Default grad.",
     )
     p.add_argument(
         "--methods",
@@ -130,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     # SEPARATE's bytes, start step 30), then its own defaults.
     add_method_args(p, "grad")
     add_method_args(p, "p2p")
+    add_method_args(p, "linear")
     p.add_argument(
         "--out", default=None, help="Run directory (default runs/bench-convergence-<time>)."
     )
@@ -310,7 +312,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.quick:
         defaults = build_parser().parse_args([])
         if args.methods is None:
-            args.methods = "none,separate" if args.family == "grad" else "none,aqsgd"
+            args.methods = {"grad": "none,separate", "p2p": "none,aqsgd"}.get(
+                args.family, "none,topr"
+            )
         if args.iters == defaults.iters:
             args.iters = 20
         if args.lr_warmup_iters == defaults.lr_warmup_iters:

@@ -81,9 +81,9 @@ __all__ = [
 
 LAYOUTS = {
     # name: (nproc, pipeline-parallel size, method families it measures)
-    "dp2": (2, 1, ("grad",)),
+    "dp2": (2, 1, ("grad", "linear")),
     "pp2": (2, 2, ("p2p",)),
-    "pp2dp2": (4, 2, ("grad", "p2p")),
+    "pp2dp2": (4, 2, ("grad", "p2p", "linear")),
 }
 
 
@@ -104,12 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--family",
-        choices=("grad", "p2p"),
+        choices=("grad", "p2p", "linear"),
         default="grad",
         help="Which methods --methods names: data-parallel gradient compression (grad; "
         f"{method_choices('grad')}) or pipeline activation compression (p2p; "
-        f"{method_choices('p2p')}; runs in fixed-sample mode, see --fixed-samples). "
-        "Default grad.",
+        f"{method_choices('p2p')}; runs in fixed-sample mode, see --fixed-samples) or "
+        f"the row-sparse linear backward (linear; {method_choices('linear')}). Default grad.",
     )
     p.add_argument(
         "--methods",
@@ -183,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     # steps early: Radius's dense warm-up and PowerSGD's start after 2 steps.
     add_method_args(p, "grad")
     add_method_args(p, "p2p")
+    add_method_args(p, "linear")
     p.set_defaults(radius_dense_steps=2, powersgd_start_step=2)
     p.add_argument(
         "--out", default=None, help="Run directory (default runs/bench-step_time-<time>)."

@@ -163,7 +163,8 @@ METHODS = tuple(
             summary=f"Grass: {summary}, reselected every K steps",
             validate=_validate,
             bench_defaults=_bench_defaults,
-            bench_label=lambda o, name=name: f"grass-{name}-r{o.rank}",
+            bench_label=lambda o, name=name: f"grass-{name}-r{o.rank}"
+            + ("" if o.scale == GrassConfig.scale else f"-a{o.scale:g}"),
         )
     )
     for name, summary in _SUMMARIES.items()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import common, convergence, kernels, step_time
+from benchmarks import common, convergence, grass_throughput, kernels, step_time
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -200,6 +200,34 @@ def test_driver_flags_of_the_methods():
     gargs = convergence.build_parser().parse_args(["--extra-train-args=--separate-adaptive"])
     assert convergence.label("separate", gargs) == "g-separate-16"
     assert "--separate-adaptive" in convergence.train_command(gargs, "separate", "/tmp/x")
+
+
+def test_grass_runs_through_the_linear_family():
+    cargs = convergence.build_parser().parse_args(
+        ["--family", "linear", "--iters", "1000", "--grass-rank", "64", "--grass-scale", "1"]
+    )
+    flags = " ".join(convergence.method_flags("topr", cargs))
+    # Grass's benchmark defaults: four selections per run, a quarter of K re-warming up.
+    assert "--grass-method topr --grass-rank 64 --grass-update-interval 250" in flags
+    assert "--grass-scale 1.0 --grass-rewarmup-steps 62" in flags
+    assert convergence.label("topr", cargs) == "grass-topr-r64-a1"
+    assert convergence.method_flags("none", cargs) == ["--grass-method", "none"]
+    sargs = step_time.build_parser().parse_args(["--family", "linear"])
+    assert "topr" in step_time._layout_methods("dp2", sargs.family)
+    assert step_time._layout_methods("pp2", sargs.family) == ("none",)
+
+
+def test_grass_throughput_shapes_and_one_layer():
+    # llama-1b with SwiGLU: fc1 holds both halves (2 x 5461); no GQA, so QKV is 3 x 2048.
+    shapes = grass_throughput.layer_shapes(common.load_model_preset("llama-1b"))
+    assert shapes == [("linear_qkv", 6144, 2048), ("linear_proj", 2048, 2048),
+                      ("linear_fc1", 10922, 2048), ("linear_fc2", 2048, 5461)]  # fmt: skip
+    # llama-tiny: 2 query groups of 32 -> QKV 256 + 2 x 64.
+    tiny = grass_throughput.layer_shapes(common.load_model_preset("llama-tiny"))
+    assert tiny[0] == ("linear_qkv", 384, 256)
+    for rank in (0, 4):
+        t = grass_throughput.measure_layer(24, 16, tokens=32, rank=rank, repeats=1, device="cpu")
+        assert set(t) == {"forward_s", "backward_s", "step_s"} and min(t.values()) > 0
 
 
 def test_step_time_refuses_without_netbench(monkeypatch, capsys, tmp_path):

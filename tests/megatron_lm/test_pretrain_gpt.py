@@ -346,6 +346,26 @@ def test_zero_touch_grass_full_rank_reproduces_dense_training(dense_dp2, lm_dir,
     assert _dp_grad_kb(run) == _dp_grad_kb(dense_dp2)
 
 
+def test_zero_touch_grass_full_rank_with_activation_recomputation(lm_dir, tmp_path):
+    """Megatron-LM's full activation recomputation re-runs Grass's forward inside the
+    backward: still dense training, step for step."""
+    recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                 "--recompute-num-layers", "1"]  # fmt: skip
+    runs = [
+        pretrain(
+            lm_dir / "pretrain_gpt.py",
+            tiny_args(grad_compression="none", train_iters="3", **extra) + recompute,
+            cwd=tmp_path,
+        ).check()
+        for extra in ({}, GRASS_FULL_RANK)
+    ]
+    dense, grass = (iterations(r.stdout) for r in runs)
+    assert sorted(grass) == [1, 2, 3]
+    for it in grass:
+        for key in ("loss", "grad_norm"):
+            assert float(grass[it][key]) == pytest.approx(float(dense[it][key]), rel=2e-5), it
+
+
 @pytest.fixture(scope="module")
 def grass_sparse(lm_dir, tmp_path_factory):
     """r=8 of 64, reselected every 2 steps: 4 iterations, torch_dist checkpoints at 2 and 4."""

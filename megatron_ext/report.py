@@ -307,6 +307,10 @@ def _step_times_for(
     r = data.step_time.get((layout, method, bandwidth))
     if not r or not r.get("ok") or not r.get("step_s"):
         return None
+    if not r.get("num_compressed"):
+        # Every measured step was of one kind (``none``; Grass, whose reduced rows are its
+        # own dense count): the method's step is its time for every step of the curve.
+        return r["step_s"], r["step_s"], r["step_s"]
     base = _baseline(data, layout, bandwidth)
     own_dense = r.get("median_dense_s") if r.get("num_compressed") else None
     dense = own_dense or base or r["step_s"]

@@ -180,6 +180,20 @@ def test_wall_clock_axis_uses_dense_and_compressed_step_times():
     assert report.wall_clock_axis(curve, 1.0, 3.0) == pytest.approx([4.0, 6.0])
 
 
+def test_a_method_without_compressed_steps_costs_its_own_step():
+    # Grass reduces fewer rows but counts them as its own dense bytes: every step of its
+    # curve is "dense" and must cost Grass's measured step, not none's.
+    data = report.RunData()
+    data.step_time[("dp2", "none", "100mbit")] = {"ok": True, "step_s": 2.9, "num_compressed": 0}
+    data.step_time[("dp2", "topr", "100mbit")] = {"ok": True, "step_s": 2.2, "num_compressed": 0}
+    data.step_time[("dp2", "radius", "100mbit")] = {
+        "ok": True, "step_s": 1.0, "num_compressed": 8, "median_dense_s": 3.5
+    }  # fmt: skip
+    assert report._step_times_for(data, "topr", "100mbit") == (2.2, 2.2, 2.2)
+    assert report._step_times_for(data, "none", "100mbit") == (2.9, 2.9, 2.9)
+    assert report._step_times_for(data, "radius", "100mbit") == (1.0, 3.5, 2.9)
+
+
 def test_report_reads_a_plain_train_run(tmp_path):
     run = tmp_path / "gpt-tiny-dp2"
     run.mkdir()

@@ -304,6 +304,11 @@ GRASS_FULL_RANK = dict(grass_method="topr", grass_rank="64", grass_scale="1",
                        grass_rewarmup_steps="0", grass_update_interval="0")  # fmt: skip
 
 
+# r=8 of 64 (norm2 sampling), reselected every 2 steps.
+GRASS_SPARSE = dict(grad_compression="none", grass_method="norm2", grass_rank="8",
+                    grass_update_interval="2", grass_rewarmup_steps="1")  # fmt: skip
+
+
 def _dp_grad_kb(run) -> Dict[int, float]:
     return {it: _kb(r["bytes"], "dp-grad") for it, r in iterations(run.stdout).items()}
 
@@ -372,9 +377,7 @@ def grass_sparse(lm_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("grass_sparse")
     run = pretrain(
         lm_dir / "pretrain_gpt.py",
-        tiny_args(grad_compression="none", grass_method="norm2", grass_rank="8",
-                  grass_update_interval="2", grass_rewarmup_steps="1",
-                  save=str(root / "ckpt"), save_interval="2"),
+        tiny_args(save=str(root / "ckpt"), save_interval="2", **GRASS_SPARSE),
         cwd=root,
     ).check()  # fmt: skip
     return root, run
@@ -408,9 +411,7 @@ def test_zero_touch_grass_resumes_exactly_across_a_reselection(grass_sparse, lm_
     root, full = grass_sparse
     resumed = pretrain(
         lm_dir / "pretrain_gpt.py",
-        tiny_args(grad_compression="none", grass_method="norm2", grass_rank="8",
-                  grass_update_interval="2", grass_rewarmup_steps="1",
-                  load=str(root / "ckpt"), ckpt_step="2"),
+        tiny_args(load=str(root / "ckpt"), ckpt_step="2", **GRASS_SPARSE),
         cwd=tmp_path,
     ).check()  # fmt: skip
     assert "loaded the state of 2 ranks" in resumed.stdout

@@ -19,7 +19,9 @@ What it does:
 
     Categories: ``dp-grad`` (data-parallel gradients), ``dp-param`` (distributed-optimizer
     parameter all-gather), ``pp-act`` / ``pp-grad`` (pipeline activations / activation
-    gradients), ``tp`` (tensor parallelism) and ``other``.
+    gradients), ``subspace`` (Protocol Models' subspace updates: the boundary-gradient
+    accumulator reduced over data parallelism and the new basis sent to every stage),
+    ``tp`` (tensor parallelism) and ``other``.
 
 Convention for collectives (why a formula at all):
     A point-to-point transfer of N bytes sends N bytes and receives N bytes, exactly. For a
@@ -65,7 +67,15 @@ __all__ = [
     "format_bytes",
 ]
 
-CATEGORIES: Tuple[str, ...] = ("dp-grad", "dp-param", "pp-act", "pp-grad", "tp", "other")
+CATEGORIES: Tuple[str, ...] = (
+    "dp-grad",
+    "dp-param",
+    "pp-act",
+    "pp-grad",
+    "subspace",
+    "tp",
+    "other",
+)
 
 
 @dataclass

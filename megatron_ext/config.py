@@ -275,8 +275,8 @@ class CommAccountingConfig:
 
     accounting: bool = True
     """Count the bytes each rank sends and receives per step, by category (dp-grad, dp-param,
-    pp-act, pp-grad, tp, other), as sent and as they would be uncompressed; shown in the
-    iteration log line, written to TensorBoard and to the JSON report."""
+    pp-act, pp-grad, subspace, tp, other), as sent and as they would be uncompressed; shown in
+    the iteration log line, written to TensorBoard and to the JSON report."""
 
     report: Optional[str] = None
     """Path of the JSON communication report written at the end of the run (default: the

@@ -57,7 +57,7 @@ __all__ = [
 
 _PROG = "megatron-ext report"
 _BENCH_FILES = ("kernels.json", "step_time.json", "convergence.json")
-_CATEGORY_ORDER = ("dp-grad", "dp-param", "pp-act", "pp-grad", "tp", "other")
+_CATEGORY_ORDER = ("dp-grad", "dp-param", "pp-act", "pp-grad", "subspace", "tp", "other")
 _METHOD_COLORS = {"none": "black", "separate": "C0", "radius": "C1", "powersgd": "C2"}
 
 

@@ -232,6 +232,15 @@ class ExtRuntime(Runtime):
         """The gradient reducer of the ``grad`` family."""
         return self.components["grad"].reducer
 
+    @property
+    def pipeline_codec(self) -> Any:
+        """The codec of pipeline transfers: Protocol Models' when selected (it implies its
+        own), else the ``p2p`` family's."""
+        sub = self.components.get("subspace")
+        if sub is not None and sub.codec is not None:
+            return sub.codec
+        return self.components["p2p"].codec
+
     def _optimizer_hooks(self) -> List[Any]:
         return [h for c in self.components.values() for h in c.optimizer_hooks]
 
@@ -318,7 +327,7 @@ class ExtRuntime(Runtime):
             if layout.pipeline_model_parallel_size > 1:
                 from megatron_ext.megatron.p2p import ExtP2PCommunicator
 
-                codec = self.components["p2p"].codec
+                codec = self.pipeline_codec
                 self.communicator = ExtP2PCommunicator(
                     ps.get_pipeline_model_parallel_group(),
                     model_config,

@@ -13,5 +13,6 @@ BUILTIN = (
     "megatron_ext.methods.quantized",
     "megatron_ext.methods.aqsgd",
     "megatron_ext.methods.grass",
+    "megatron_ext.methods.protocol",
 )
 """Modules that register the built-in methods, in ``--help`` order."""

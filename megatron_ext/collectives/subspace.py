@@ -1,0 +1,133 @@
+"""Protocol Models' pipeline codec: ``k`` coordinates per token instead of ``d``, losslessly.
+
+What it does:
+    In a subspace-confined model (``megatron_ext.megatron.subspace``) the residual stream
+    at a stage boundary is ``X = T_fixed[tokens] + V`` with ``V`` in ``S = span(U)``.
+    :class:`SubspaceCodec` sends
+
+    * forward: ``C = (X - T_fixed[tokens]) U`` (``s x b x k``) and the token ids; the
+      receiver rebuilds ``X = C U^T + T_fixed[tokens]``;
+    * backward: ``G U``; the receiver uses ``G U U^T`` (every parameter upstream sees the
+      boundary only through ``S``, so no parameter gradient changes).
+
+    The last stage's backward sends also accumulate the Grassmann objective (``A += G^T G``,
+    :meth:`~megatron_ext.compressors.subspace.Subspace.accumulate`) when the subspace moves.
+
+Token ids on the wire:
+    megatron-core sends one tensor of one dtype per transfer, so the ids travel packed
+    behind ``C``: int32 ids reinterpreted (bit for bit) as the payload dtype, two elements
+    per id in bf16/fp16, one in fp32. The first stage takes them from its embedding (which
+    calls :meth:`SubspaceCodec.push_token_ids`); a middle stage keeps the ids of each
+    received microbatch until it sends that microbatch on. Both happen in microbatch order
+    in every megatron schedule that is not interleaved, so a FIFO matches them.
+
+Constraints:
+    torch only; never imports Megatron or torch.distributed. Not for the interleaved
+    schedule (refused by the method).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Deque, Optional, Tuple
+
+import torch
+
+from megatron_ext.collectives.p2p import P2PCodec, P2PContext
+from megatron_ext.compressors.subspace import Subspace
+
+__all__ = ["SubspaceCodec"]
+
+
+def _id_elems(dtype: torch.dtype) -> int:
+    size = torch.empty((), dtype=dtype).element_size()
+    if size not in (1, 2, 4):
+        raise ValueError(f"token ids cannot be packed into a {dtype} payload")
+    return 4 // size
+
+
+class SubspaceCodec(P2PCodec):
+    """See module docstring.
+
+    Args:
+        subspace: the run's shared subspace (``U``, ``T_fixed``, ``A``).
+        sends_forward: this stage sends activations on (not the last stage).
+        accumulate: accumulate the Grassmann objective from the gradients this stage sends
+            backward (the stage after the last compressed boundary, when ``U`` moves).
+    """
+
+    name = "protocol"
+
+    def __init__(self, subspace: Subspace, *, sends_forward: bool = True, accumulate: bool = False):
+        self.subspace = subspace
+        self.sends_forward = sends_forward
+        self.accumulate = accumulate
+        self._ids: Deque[torch.Tensor] = deque()
+        self.check_residual = False
+        """Measure ``|X - T_fixed - C U^T| / |X - T_fixed|`` of every forward send (tests)."""
+        self.max_residual = 0.0
+
+    # -- token ids -----------------------------------------------------------------------
+
+    def push_token_ids(self, ids: torch.Tensor) -> None:
+        """Token ids ``[s, b]`` of the next activation this stage will send (sequence-first,
+        this rank's sequence shard under sequence parallelism)."""
+        if self.sends_forward:
+            self._ids.append(ids)
+
+    def begin_step(self, sample_ids_fn: Optional[Any]) -> None:
+        self._ids.clear()
+
+    # -- the codec -----------------------------------------------------------------------
+
+    def payload_spec(
+        self, shape: Tuple[int, ...], dtype: torch.dtype, ctx: P2PContext
+    ) -> Tuple[Tuple[int, ...], torch.dtype]:
+        if shape[-1] != self.subspace.d:
+            raise ValueError(f"expected hidden size {self.subspace.d}, got shape {shape}")
+        tokens = int(torch.Size(shape[:-1]).numel())
+        numel = tokens * self.subspace.k
+        if ctx.direction == "forward":
+            numel += tokens * _id_elems(dtype)
+        return (numel,), dtype
+
+    def encode(self, tensor: torch.Tensor, ctx: P2PContext) -> torch.Tensor:
+        u = self.subspace.on(tensor.device).u
+        if ctx.direction == "backward":
+            g = tensor.reshape(-1, self.subspace.d).float()
+            if self.accumulate and not ctx.forward_only:
+                self.subspace.accumulate(g)
+            return (g @ u).to(tensor.dtype).reshape(-1)
+        if not self._ids:
+            raise RuntimeError(
+                "protocol codec: no token ids for the activation being sent (the embedding "
+                "or the previous stage did not provide them)"
+            )
+        ids = self._ids.popleft()
+        if tuple(ids.shape) != tuple(tensor.shape[:-1]):
+            raise RuntimeError(
+                f"protocol codec: token ids of shape {tuple(ids.shape)} for an activation of "
+                f"shape {tuple(tensor.shape)}"
+            )
+        fixed = self.subspace.fixed
+        v = tensor.float() - fixed[ids].float()
+        c = v @ u
+        if self.check_residual:
+            err = (v - c @ u.t()).norm() / v.norm().clamp_min(1e-30)
+            self.max_residual = max(self.max_residual, float(err))
+        packed = ids.to(torch.int32).contiguous().view(tensor.dtype).reshape(-1)
+        return torch.cat([c.to(tensor.dtype).reshape(-1), packed])
+
+    def decode(
+        self, payload: torch.Tensor, ctx: P2PContext, shape: Tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
+        u = self.subspace.on(payload.device).u
+        k = self.subspace.k
+        lead = tuple(shape[:-1])
+        tokens = int(torch.Size(lead).numel())
+        c = payload[: tokens * k].float().reshape(*lead, k)
+        if ctx.direction == "backward":
+            return (c @ u.t()).to(dtype)
+        ids = payload[tokens * k :].contiguous().view(torch.int32).reshape(lead).long()
+        self.push_token_ids(ids)
+        return (c @ u.t() + self.subspace.fixed[ids].float()).to(dtype)

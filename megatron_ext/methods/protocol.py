@@ -1,0 +1,198 @@
+"""Protocol Models (``--subspace-method protocol``): options, factory, registration.
+
+The algorithm is ``megatron_ext.compressors.subspace`` (``U``, ``T_fixed``, the Grassmann
+step), ``megatron_ext.collectives.subspace`` (the pipeline codec: ``k`` coordinates and the
+token id per token) and ``megatron_ext.optim.subspace`` (projected gradients, AdamW with a
+second moment constant along ``d``, re-projection, subspace updates);
+``megatron_ext.megatron.subspace`` confines the model's residual writers before DDP wraps it
+and exchanges the new ``U``. The method implies its own pipeline codec, so
+``--p2p-compression`` stays ``none``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict
+
+from megatron_ext.config import ConfigError, check_positive, flag_of
+from megatron_ext.methods.registry import (
+    Components,
+    Method,
+    MethodContext,
+    register,
+)
+
+__all__ = ["SubspaceConfig", "METHOD"]
+
+_FLAG = "--subspace-method"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SubspaceConfig:
+    """Protocol Models: a subspace-confined residual stream, k of d numbers per token."""
+
+    ARG_GROUP: ClassVar[str] = "megatron-ext: Protocol Models (--subspace-method protocol)"
+    ARG_PREFIX: ClassVar[str] = "subspace"
+
+    rank: int = 0
+    """k, the dimension of the shared subspace S (0: hidden size / compression rate)."""
+
+    compression_rate: float = 100.0
+    """d / k when --subspace-rank is 0 (paper: 100, e.g. 4096 -> 40; at least one
+    dimension)."""
+
+    seed: int = 0
+    """Seed of the initial basis U and of the frozen token embedding T_fixed (the same on
+    every stage and data-parallel replica)."""
+
+    update_interval: int = 0
+    """Every this many steps the subspace moves along the Grassmann manifold, from the
+    boundary gradients accumulated on the last stage (paper: about 500; 0 keeps the first
+    subspace, as the public code does; needs pipeline parallelism)."""
+
+    lr: float = 0.1
+    """Step size of the Grassmann update (on the objective normalized by its largest
+    eigenvalue: 0.5 is about one subspace-iteration step towards the gradients' top-k
+    directions)."""
+
+    uncompressed_last_layers: int = 1
+    """Transformer layers before the head left unconstrained (paper: the last one); they must
+    be on the last pipeline stage."""
+
+    reproject_interval: int = 100
+    """Every this many steps the constrained weights and their first moments are projected
+    onto S again, against rounding drift (0: never)."""
+
+    def __post_init__(self):
+        cls = type(self)
+        for name in ("rank", "seed", "update_interval", "uncompressed_last_layers"):
+            check_positive(cls, name, getattr(self, name), allow_zero=True)
+        check_positive(cls, "reproject_interval", self.reproject_interval, allow_zero=True)
+        if not self.compression_rate >= 1:
+            raise ConfigError(
+                flag_of(cls, "compression_rate"), f"must be >= 1, got {self.compression_rate!r}"
+            )
+        if not self.lr > 0:
+            raise ConfigError(flag_of(cls, "lr"), f"must be > 0, got {self.lr!r}")
+
+    def rank_for(self, hidden_size: int) -> int:
+        """k for a model of ``hidden_size``."""
+        if self.rank:
+            return self.rank
+        return max(1, round(hidden_size / self.compression_rate))
+
+
+def _validate(cfg: Any, layout: Any) -> None:
+    opts = cfg.options_for(SubspaceConfig)
+    if layout.use_distributed_optimizer:
+        raise ConfigError(
+            [_FLAG, "--use-distributed-optimizer"],
+            "the subspace optimizer averages Adam's second moment along each constrained "
+            "weight's hidden dimension and re-projects whole weights, which the distributed "
+            "optimizer splits into flat shards; use the regular optimizer",
+        )
+    if layout.virtual_pipeline_model_parallel_size is not None:
+        raise ConfigError(
+            [_FLAG, "--num-layers-per-virtual-pipeline-stage"],
+            "token ids travel with the microbatches in schedule order, which the interleaved "
+            "schedule does not determine; use the non-interleaved 1F1B schedule",
+        )
+    if cfg.enabled("p2p"):
+        raise ConfigError(
+            [_FLAG, "--p2p-compression"],
+            "Protocol Models already compresses the pipeline transfers with its own codec",
+        )
+    if cfg.enabled("linear"):
+        raise ConfigError(
+            [_FLAG, "--grass-method"],
+            "Grass freezes the projected weights and trains rows of them outside the "
+            "subspace; use one or the other",
+        )
+    if opts.update_interval and layout.pipeline_model_parallel_size == 1:
+        raise ConfigError(
+            ["--subspace-update-interval", "--pipeline-model-parallel-size"],
+            "the subspace moves along the gradients at a pipeline boundary; without pipeline "
+            "parallelism there is none (pass --subspace-update-interval 0)",
+        )
+
+
+def _build(ctx: MethodContext) -> Components:
+    import torch
+
+    from megatron_ext.collectives.subspace import SubspaceCodec
+    from megatron_ext.compressors.subspace import Subspace
+    from megatron_ext.megatron.subspace import basis_exchange, check_config, constrain_model
+    from megatron_ext.optim.subspace import SubspaceOptimizerHook
+
+    opts = ctx.options
+    pp = ctx.groups.pp
+    stage = torch.distributed.get_rank(pp) if pp is not None else 0
+    stages = torch.distributed.get_world_size(pp) if pp is not None else 1
+    last = stage == stages - 1
+    codec = SubspaceCodec(
+        None, sends_forward=not last, accumulate=last and opts.update_interval > 0
+    )
+    hook = SubspaceOptimizerHook(
+        None,
+        {},
+        update_interval=opts.update_interval,
+        reproject_interval=opts.reproject_interval,
+    )
+    state: Dict[str, Any] = {}
+    info: Dict[str, Any] = {}
+
+    def transform(model_chunks):
+        config = model_chunks[0].config
+        rank = opts.rank_for(config.hidden_size)
+        check_config(config, rank, opts.uncompressed_last_layers)
+        subspace = Subspace(config.hidden_size, rank, opts.seed)
+        constrained = constrain_model(
+            model_chunks,
+            subspace,
+            codec,
+            uncompressed_last_layers=opts.uncompressed_last_layers,
+        )
+        codec.subspace = hook.subspace = subspace
+        hook.constrained.update(constrained)
+        hook.update_basis = basis_exchange(
+            subspace,
+            opts.lr,
+            owner=last,
+            sequence_parallel=bool(config.sequence_parallel),
+            meter=ctx.meter,
+        )
+        state["subspace"] = subspace
+        info["constrained"] = len(constrained)
+
+    def describe() -> str:
+        sub = hook.subspace
+        return (
+            f"Protocol Models: residual stream in a {sub.k}-dimensional subspace of "
+            f"{sub.d} (x{sub.d / sub.k:.1f} on the pipeline wire), {info['constrained']} "
+            f"constrained parameters on this rank, subspace "
+            + (f"updated every {opts.update_interval} steps" if opts.update_interval else "fixed")
+        )
+
+    return Components(
+        codec=codec,
+        optimizer_hooks=[hook],
+        model_transform=transform,
+        state=state,
+        describe=describe,
+    )
+
+
+METHOD = register(
+    Method(
+        name="protocol",
+        family="subspace",
+        build=_build,
+        options=SubspaceConfig,
+        summary="residual stream confined to a shared k-dimensional subspace: k of d numbers "
+        "per token between pipeline stages, losslessly",
+        validate=_validate,
+        bench_label=lambda o: "protocol-"
+        + (f"k{o.rank}" if o.rank else f"x{o.compression_rate:g}")
+        + (f"-u{o.update_interval}" if o.update_interval else ""),
+    )
+)

@@ -1,0 +1,155 @@
+"""Protocol Models' optimizer side: constrained weights stay in the subspace ``S``.
+
+What it does:
+    :class:`SubspaceOptimizerHook` keeps every constrained parameter (the residual
+    stream's writers and ``T_S``; the dimension of size ``d`` given per parameter) in
+    ``S = span(U)`` through training:
+
+    * ``pre_step``: project the (data-parallel reduced) gradient onto ``S`` along ``d``,
+      so gradient clipping, Adam's first moment and every update see the projected
+      gradient; keep the fp32 parameter before the step.
+    * ``post_step``: the modified AdamW. Adam's second moment is made constant along ``d``:
+      megatron's optimizer (torch, TE or Apex Adam, unchanged) has just computed
+      ``v = b2 v_old + (1 - b2) g^2`` elementwise; with ``v_old`` constant along ``d`` the
+      mean of ``v`` along ``d`` is exactly ``b2 v_old + (1 - b2) mean_d(g^2)``, which is
+      stored back. The step is then redone from the saved parameter with that ``v``:
+      ``p = p_0 (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)``. Each column of the update is
+      the projected first moment scaled by one number, so it stays in ``S``; decoupled
+      weight decay scales the parameter and keeps ``S`` too.
+    * every ``reproject_interval`` steps: hard re-projection of the parameters and their
+      first moments (rounding drift);
+    * every ``update_interval`` steps: ``update_basis()`` (communication, in the adapter)
+      returns the new ``U`` from the Grassmann step, identical on every rank; parameters
+      and first moments are re-projected onto it. All ranks switch at the same step.
+
+Constraints:
+    Pure torch; never imports Megatron. Decoupled (AdamW-style) weight decay only; not for
+    the distributed optimizer (its flat shards cut a weight's ``d`` axis; refused by the
+    method).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+from megatron_ext.compressors.subspace import Subspace, project
+from megatron_ext.optim.hooks import OptimizerHook, OptimizerView
+
+__all__ = ["SubspaceOptimizerHook"]
+
+
+def _grad(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """The gradient megatron's optimizer will read: ``main_grad`` (DDP buffer) or ``grad``."""
+    g = getattr(param, "main_grad", None)
+    return param.grad if g is None else g
+
+
+class SubspaceOptimizerHook(OptimizerHook):
+    """See module docstring.
+
+    Args:
+        subspace: the run's subspace.
+        constrained: FQN -> the parameter's dimension of size ``d``.
+        update_interval: steps between Grassmann updates (0: fixed subspace).
+        reproject_interval: steps between hard re-projections (0: never).
+        update_basis: collective; returns the new ``U`` (every rank calls it at once).
+    """
+
+    name = "protocol"
+
+    def __init__(
+        self,
+        subspace: Subspace,
+        constrained: Dict[str, int],
+        *,
+        update_interval: int,
+        reproject_interval: int,
+        update_basis: Optional[Callable[[], torch.Tensor]] = None,
+    ):
+        self.subspace = subspace
+        self.constrained = constrained
+        self.update_interval = update_interval
+        self.reproject_interval = reproject_interval
+        self.update_basis = update_basis
+        self._before: Dict[str, torch.Tensor] = {}
+
+    # -- the step ------------------------------------------------------------------------
+
+    def pre_step(self, view: OptimizerView) -> None:
+        self._before = {}
+        for fqn, axis in self.constrained.items():
+            st = view.param_state(fqn)
+            if st is None:
+                continue
+            if st.param_range is not None:
+                raise RuntimeError(f"{fqn}: the subspace optimizer needs whole parameters")
+            if not st.decoupled_weight_decay and float(st.group.get("weight_decay", 0.0)):
+                raise RuntimeError(
+                    f"{fqn}: the subspace optimizer needs decoupled (AdamW) weight decay"
+                )
+            g = _grad(st.model_param)
+            if g is not None:
+                u = self.subspace.on(g.device).u
+                with torch.no_grad():
+                    g.copy_(project(g, u, axis))
+            self._before[fqn] = st.main_param.detach().clone()
+
+    def post_step(self, view: OptimizerView, update_successful: bool) -> None:
+        step = view.step
+        if update_successful:
+            for fqn, axis in self.constrained.items():
+                st = view.param_state(fqn)
+                if st is None or fqn not in self._before:
+                    continue
+                self._adamw(st, axis, self._before[fqn])
+        self._before = {}
+        if self.update_interval > 0 and (step + 1) % self.update_interval == 0:
+            if self.update_basis is None:
+                raise RuntimeError("subspace updates need an update_basis collective")
+            self.subspace.set_basis(self.update_basis())
+            self._reproject(view)
+        elif self.reproject_interval > 0 and (step + 1) % self.reproject_interval == 0:
+            self._reproject(view)
+
+    def _adamw(self, st: Any, axis: int, before: torch.Tensor) -> None:
+        """Redo Adam's step of one parameter with the second moment constant along ``d``."""
+        m = st.state.get("exp_avg")
+        v = st.state.get("exp_avg_sq")
+        t = st.adam_step
+        if m is None or v is None or t is None:
+            return
+        group = st.group
+        lr = float(group["lr"])
+        wd = float(group.get("weight_decay", 0.0))
+        b1, b2 = group.get("betas", (0.9, 0.999))
+        eps = float(group.get("eps", 1e-8))
+        if group.get("bias_correction", True):
+            bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
+        else:
+            bc1 = bc2 = 1.0
+        main = st.main_param
+        with torch.no_grad():
+            v.copy_(v.float().mean(dim=axis, keepdim=True).expand_as(v))
+            denom = (v.float() / bc2).sqrt_().add_(eps)
+            new = before.float() * (1.0 - lr * wd) - (lr / bc1) * m.float() / denom
+            main.copy_(new)
+            if main is not st.model_param:
+                st.model_param.data.copy_(main)
+
+    def _reproject(self, view: OptimizerView) -> None:
+        """Project every constrained parameter and its first moment onto the current S."""
+        with torch.no_grad():
+            for fqn, axis in self.constrained.items():
+                st = view.param_state(fqn)
+                if st is None:
+                    continue
+                main = st.main_param
+                u = self.subspace.on(main.device).u
+                main.copy_(project(main, u, axis))
+                if main is not st.model_param:
+                    st.model_param.data.copy_(main)
+                m = st.state.get("exp_avg")
+                if m is not None:
+                    m.copy_(project(m, u, axis))

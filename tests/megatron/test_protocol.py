@@ -1,0 +1,230 @@
+"""Protocol Models inside megatron-core's 1F1B pipeline on CPU/gloo, through the driver.
+
+The residual stream minus ``T_fixed[tokens]`` lies in ``S`` at every boundary; the codec is
+lossless (the same constrained model with dense pipeline transfers gets the same parameter
+gradients) for a GPT with tied embeddings, learned positions and biases and for a LLaMA-style
+model with untied head and RoPE, at PP=2, PP=4 and TP=2 x PP=2; the wire carries k of d
+numbers per token plus the ids; the modified AdamW keeps the constrained weights in ``S``
+without re-projection; Grassmann updates at PP=2 x DP=2 give every rank the same orthonormal
+``U`` and are counted; a resumed run is bit-exact across an update; bad settings stop before
+training naming the flag.
+"""
+
+import pytest
+
+from tests.helpers.dist import run_ranks
+from tests.helpers.mcore import (
+    build,
+    first_difference,
+    load_checkpoint,
+    make_trainer,
+    optimizer_state,
+    params,
+    save_checkpoint,
+    teardown,
+    train,
+)
+
+PP2 = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]
+PROTOCOL = ["--subspace-method", "protocol", "--subspace-rank", "8"]
+LLAMA = [
+    "--position-embedding-type",
+    "rope",
+    "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear",
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+]
+
+
+def _grads_with_and_without_codec(rank, world, flags):
+    """One step's (projected) gradients of every parameter with the protocol codec and with
+    dense pipeline transfers of the same constrained model."""
+    from megatron_ext.collectives.p2p import IdentityCodec
+
+    trainer = make_trainer(flags)
+    out = {}
+    for wire in ("protocol", "dense"):
+        build(trainer, stock=False)
+        runtime = trainer.runtime
+        hook = runtime.components["subspace"].optimizer_hooks[0]
+        codec = runtime.communicator.codec
+        codec.check_residual = True
+        if wire == "dense":
+            runtime.communicator.codec = IdentityCodec()
+        grads = {}
+        original = hook.pre_step
+
+        def pre_step(view, original=original, grads=grads):
+            original(view)
+            for fqn in view.fqns():
+                p = view.param_state(fqn).model_param
+                grads[fqn] = p.main_grad.detach().clone()
+
+        hook.pre_step = pre_step
+        train(trainer, 1)
+        out[wire] = {"grads": grads, "residual": codec.max_residual}
+        teardown(trainer)
+    diffs = {}
+    for fqn, g in out["protocol"]["grads"].items():
+        ref = out["dense"]["grads"][fqn]
+        diffs[fqn] = float((g - ref).norm() / ref.norm().clamp_min(1e-30))
+    return {"diffs": diffs, "residual": out["protocol"]["residual"], "n": len(diffs)}
+
+
+@pytest.mark.parametrize(
+    "layout",
+    ["gpt-pp2", "llama-pp2", "gpt-pp4", "llama-tp2-pp2"],
+)
+def test_codec_is_lossless_and_the_stream_stays_in_s(layout):
+    flags, world = {
+        "gpt-pp2": (PP2, 2),
+        "llama-pp2": (PP2 + LLAMA, 2),
+        "gpt-pp4": (["--pipeline-model-parallel-size", "4", "--num-layers", "4"], 4),
+        "llama-tp2-pp2": (PP2 + LLAMA + ["--tensor-model-parallel-size", "2"], 4),
+    }[layout]
+    results = run_ranks(_grads_with_and_without_codec, world, PROTOCOL + flags)
+    for out in results:
+        assert out["n"] > 0
+        bad = {k: v for k, v in out["diffs"].items() if not v < 1e-4}
+        assert not bad, bad
+        assert out["residual"] < 1e-5  # X - T_fixed[tokens] in S at the boundary it sends
+
+
+def _train_and_inspect(rank, world, flags, steps):
+    import torch
+
+    from megatron_ext.compressors.subspace import project
+    from megatron_ext.megatron.naming import global_param_names
+
+    trainer = make_trainer(flags)
+    build(trainer, stock=False)
+    runtime = trainer.runtime
+    hook = runtime.components["subspace"].optimizer_hooks[0]
+    sub = hook.subspace
+    u0 = sub.u.clone()
+    gbs = trainer.sizes["gbs"]
+    iterator = trainer._iterator(trainer.train_ds, 0)
+    losses, traffic = [], []
+    for it in range(steps):
+        loss, _, ok = trainer.train_step(it, it * gbs, iterator)
+        assert ok
+        traffic.append(runtime.end_step())
+        losses.append(loss)
+    drift = 0.0
+    for chunk in trainer.model:
+        for p, fqn in global_param_names(chunk).items():
+            if fqn in hook.constrained:
+                axis = hook.constrained[fqn]
+                off = (p.detach().float() - project(p.detach(), sub.u, axis).float()).norm()
+                drift = max(drift, float(off / p.detach().float().norm()))
+    everyone = [None] * world
+    torch.distributed.all_gather_object(everyone, sub.u.cpu())
+    orth = float((sub.u.t() @ sub.u - torch.eye(sub.k)).abs().max())
+    moved = float((sub.u - u0).abs().max())
+    teardown(trainer)
+    act = [(t["pp-act"].sent, t["pp-act"].dense_sent) for t in traffic if "pp-act" in t]
+    sub_bytes = [t["subspace"].sent if "subspace" in t else 0 for t in traffic]
+    return {
+        "losses": losses,
+        "drift": drift,
+        "us": everyone,
+        "orth": orth,
+        "moved": moved,
+        "act": act,
+        "subspace_bytes": sub_bytes,
+        "updates": sub.updates,
+    }
+
+
+def test_modified_adamw_keeps_constrained_weights_in_s_and_the_wire_is_k_of_d():
+    flags = PROTOCOL + PP2 + ["--subspace-reproject-interval", "0", "--lr", "1e-2"]
+    results = run_ranks(_train_and_inspect, 2, flags, 20)
+    for out in results:
+        assert out["drift"] < 1e-5, out["drift"]
+    first = results[0]
+    # 2 microbatches of 2 x 32 tokens a step: 8 of 64 fp32 coordinates + one int32 id each
+    tokens = 2 * 2 * 32
+    assert all(sent == tokens * (8 + 1) * 4 for sent, _ in first["act"])
+    assert all(dense == tokens * 64 * 4 for _, dense in first["act"])
+    losses = results[-1]["losses"]
+    assert losses[-1] < losses[0] - 0.3, losses
+
+
+def test_grassmann_updates_give_every_rank_the_same_u_pp2_dp2():
+    flags = PROTOCOL + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
+    flags += ["--subspace-update-interval", "3", "--subspace-lr", "0.5"]
+    results = run_ranks(_train_and_inspect, 4, flags, 7)
+    import torch
+
+    us = results[0]["us"]
+    assert all(torch.equal(u, us[0]) for u in us)
+    for out in results:
+        assert out["updates"] == 2 and out["orth"] < 1e-5 and out["moved"] > 1e-3
+        assert out["drift"] < 1e-5, out["drift"]
+        # bytes only on update steps (after steps 2 and 5)
+        assert [i for i, b in enumerate(out["subspace_bytes"]) if b] == [2, 5]
+    losses = [l for l in results[-1]["losses"] if l is not None]
+    assert len(losses) == 7 and all(l == l for l in losses)
+
+
+def _resume(rank, world, flags, root):
+    trainer = make_trainer(flags)
+    build(trainer, stock=False)
+    full = train(trainer, 6)
+    full_params, full_opt = params(trainer), optimizer_state(trainer)
+    teardown(trainer)
+
+    build(trainer, stock=False)
+    first = train(trainer, 4)
+    save_checkpoint(trainer, root, 4)
+    teardown(trainer)
+    build(trainer, stock=False)
+    load_checkpoint(trainer, root)
+    second = train(trainer, 2, start=4)
+    out = {
+        "losses": (full, first + second),
+        "param_diff": first_difference(full_params, params(trainer)),
+        "opt_diff": first_difference(full_opt, optimizer_state(trainer)),
+        "updates": trainer.runtime.components["subspace"].optimizer_hooks[0].subspace.updates,
+    }
+    teardown(trainer)
+    return out
+
+
+def test_resume_bit_exact_across_a_subspace_update(tmp_path):
+    # updates after steps 2 and 5: the saved A holds step 3's gradients, the resumed run
+    # must take the second update from them exactly
+    flags = PROTOCOL + PP2 + ["--subspace-update-interval", "3", "--subspace-lr", "0.5"]
+    results = run_ranks(_resume, 2, flags, str(tmp_path / "ckpt"))
+    for out in results:
+        full, resumed = out["losses"]
+        assert full == resumed, out["losses"]
+        assert out["param_diff"] is None, out["param_diff"]
+        assert out["opt_diff"] is None, out["opt_diff"]
+        assert out["updates"] == 2
+
+
+def _build_error(rank, world, flags):
+    from megatron_ext.config import ConfigError
+
+    trainer = make_trainer(flags)
+    try:
+        build(trainer, stock=False)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--hidden-dropout", "0.1"], "--hidden-dropout"),
+        (["--subspace-rank", "64"], "--subspace-rank"),
+        (["--subspace-uncompressed-last-layers", "2"], "--subspace-uncompressed-last-layers"),
+    ],
+)
+def test_bad_settings_stop_before_training_naming_the_flag(extra, flag):
+    results = run_ranks(_build_error, 2, PROTOCOL + PP2 + extra)
+    assert all(r is not None and flag in r for r in results), results

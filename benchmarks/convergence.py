@@ -68,12 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--family",
-        choices=("grad", "p2p", "linear"),
+        choices=("grad", "p2p", "linear", "subspace"),
         default="grad",
         help="Which methods --methods names: data-parallel gradient compression (grad; "
         f"{method_choices('grad')}) or pipeline activation compression (p2p; "
         f"{method_choices('p2p')}) or the row-sparse linear backward (linear; "
-        f"{method_choices('linear')}). Default grad.",
+        f"{method_choices('linear')}) or the subspace-confined residual stream (subspace; "
+        f"{method_choices('subspace')}; needs pipeline stages). Default grad.",
     )
     p.add_argument(
         "--methods",
@@ -84,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--pipeline-model-parallel-size",
         type=int,
         default=1,
-        help="Pipeline stages (the p2p family needs 2 or more; default 1).",
+        help="Pipeline stages (the p2p and subspace families need 2 or more; default 1).",
     )
     p.add_argument(
         "--fixed-samples",
@@ -132,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_method_args(p, "grad")
     add_method_args(p, "p2p")
     add_method_args(p, "linear")
+    add_method_args(p, "subspace")
     p.add_argument(
         "--out", default=None, help="Run directory (default runs/bench-convergence-<time>)."
     )
@@ -312,9 +314,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.quick:
         defaults = build_parser().parse_args([])
         if args.methods is None:
-            args.methods = {"grad": "none,separate", "p2p": "none,aqsgd"}.get(
-                args.family, "none,topr"
-            )
+            args.methods = {
+                "grad": "none,separate",
+                "p2p": "none,aqsgd",
+                "subspace": "none,protocol",
+            }.get(args.family, "none,topr")
         if args.iters == defaults.iters:
             args.iters = 20
         if args.lr_warmup_iters == defaults.lr_warmup_iters:

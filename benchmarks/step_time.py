@@ -82,8 +82,8 @@ __all__ = [
 LAYOUTS = {
     # name: (nproc, pipeline-parallel size, method families it measures)
     "dp2": (2, 1, ("grad", "linear")),
-    "pp2": (2, 2, ("p2p",)),
-    "pp2dp2": (4, 2, ("grad", "p2p", "linear")),
+    "pp2": (2, 2, ("p2p", "subspace")),
+    "pp2dp2": (4, 2, ("grad", "p2p", "linear", "subspace")),
 }
 
 
@@ -104,12 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--family",
-        choices=("grad", "p2p", "linear"),
+        choices=("grad", "p2p", "linear", "subspace"),
         default="grad",
         help="Which methods --methods names: data-parallel gradient compression (grad; "
         f"{method_choices('grad')}) or pipeline activation compression (p2p; "
         f"{method_choices('p2p')}; runs in fixed-sample mode, see --fixed-samples) or "
-        f"the row-sparse linear backward (linear; {method_choices('linear')}). Default grad.",
+        f"the row-sparse linear backward (linear; {method_choices('linear')}) or the "
+        f"subspace-confined residual stream (subspace; {method_choices('subspace')}; "
+        "pipeline layouts). Default grad.",
     )
     p.add_argument(
         "--methods",
@@ -184,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_method_args(p, "grad")
     add_method_args(p, "p2p")
     add_method_args(p, "linear")
+    add_method_args(p, "subspace")
     p.set_defaults(radius_dense_steps=2, powersgd_start_step=2)
     p.add_argument(
         "--out", default=None, help="Run directory (default runs/bench-step_time-<time>)."
@@ -498,7 +501,7 @@ def run_one(
     result["method_options"] = MethodSettings(args, args.family).options(method)
     log_path = os.path.join(run_dir, "log.jsonl")
     if os.path.exists(log_path):
-        category = "pp-act" if args.family == "p2p" else "dp-grad"
+        category = "pp-act" if args.family in ("p2p", "subspace") else "dp-grad"
         result.update(summarize_run(read_jsonl(log_path), args.skip, category))
     nb_path = os.path.join(run_dir, "netbench.json")
     if os.path.exists(nb_path):

@@ -501,3 +501,77 @@ def test_bad_flag_stops_before_training(lm_dir, tmp_path):
         "block size 256" in run.stderr
     )
     assert not iterations(run.stdout)
+
+
+# -- Protocol Models: the residual stream confined before Megatron-LM wraps the model ----------
+
+PROTOCOL = dict(grad_compression="none", subspace_method="protocol", subspace_rank="8",
+                subspace_update_interval="2", subspace_lr="0.5")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def protocol_pp2(lm_dir, tmp_path_factory):
+    """PP=2 Protocol Models, 4 iterations with subspace updates after iterations 2 and 4,
+    saving a torch_dist checkpoint at iteration 2."""
+    root = tmp_path_factory.mktemp("protocol_pp2")
+    run = pretrain(
+        lm_dir / "pretrain_gpt.py",
+        tiny_args(**PROTOCOL, save=str(root / "ckpt"), save_interval="2")
+        + ["--pipeline-model-parallel-size", "2"],
+        cwd=root,
+    ).check()
+    return root, run
+
+
+def test_zero_touch_protocol_pp2_sends_k_of_d_and_moves_the_subspace(protocol_pp2):
+    _, run = protocol_pp2
+    assert "P2P ExtP2PCommunicator (--subspace-method protocol)" in run.stdout
+    assert "Protocol Models: residual stream in a 8-dimensional subspace of 64" in run.stdout
+    iters = iterations(run.stdout)
+    assert sorted(iters) == [1, 2, 3, 4]
+    dense = 131.072  # fp32 [64, 2, 64] x 4 microbatches, KB
+    tokens = 64 * 2 * 4
+    for it, record in iters.items():
+        field = record["bytes"]
+        # 8 of 64 coordinates per token (fp32) plus the int32 token id, forward; 8 backward
+        assert _kb(field, "pp-act") == pytest.approx(tokens * 9 * 4 / 1e3, rel=1e-3), field
+        assert _kb(field, "pp-grad") == pytest.approx(tokens * 8 * 4 / 1e3, rel=1e-3), field
+        assert f"(dense {dense:.2f} KB" in field, field
+        # the new basis goes down the pipeline after iterations 2 and 4 only
+        assert ("subspace" in field) == (it in (2, 4)), field
+    losses = [float(r["loss"]) for r in iters.values()]
+    assert all(0 < loss < 7.0 for loss in losses), iters
+
+
+def test_zero_touch_protocol_resumes_exactly_across_an_update(protocol_pp2, lm_dir, tmp_path):
+    root, run = protocol_pp2
+    resumed = pretrain(
+        lm_dir / "pretrain_gpt.py",
+        tiny_args(**PROTOCOL, load=str(root / "ckpt"), ckpt_step="2")
+        + ["--pipeline-model-parallel-size", "2"],
+        cwd=tmp_path,
+    ).check()
+    assert "loaded the state of 2 ranks" in resumed.stdout
+    full, again = iterations(run.stdout), iterations(resumed.stdout)
+    assert sorted(again) == [3, 4]
+    # Iteration 3 starts from the basis, weights and moments the update after iteration 2
+    # re-projected, all restored from the checkpoint.
+    assert (again[3]["loss"], again[3]["grad_norm"]) == (full[3]["loss"], full[3]["grad_norm"])
+    # Iteration 4: Megatron prints the mean of iterations 3 and 4 here (see module docstring).
+    assert again[4]["grad_norm"] == full[4]["grad_norm"]
+    mean = (float(full[3]["loss"]) + float(full[4]["loss"])) / 2
+    assert abs(float(again[4]["loss"]) - mean) <= 1e-6 * mean
+    assert [_kb(again[i]["bytes"], "subspace") for i in (4,)] == [
+        _kb(full[i]["bytes"], "subspace") for i in (4,)
+    ]
+
+
+def test_protocol_with_hidden_dropout_stops_naming_the_flag(lm_dir, tmp_path):
+    run = pretrain(
+        lm_dir / "pretrain_gpt.py",
+        tiny_args(**PROTOCOL, hidden_dropout="0.1") + ["--pipeline-model-parallel-size", "2"],
+        cwd=tmp_path,
+    )
+    assert run.returncode != 0
+    assert "--subspace-method, --hidden-dropout:" in run.stderr + run.stdout
+    assert not iterations(run.stdout)

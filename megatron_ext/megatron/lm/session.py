@@ -402,9 +402,12 @@ class MegatronLMSession:
             f"grad reducer {type(rt.reducer).__name__} (--grad-compression {cfg.method('grad')})"
         ]
         if rt.communicator is not None:
-            seams.append(
-                f"P2P {type(rt.communicator).__name__} (--p2p-compression {cfg.method('p2p')})"
+            selector = (
+                f"--subspace-method {cfg.method('subspace')}"
+                if cfg.enabled("subspace")
+                else f"--p2p-compression {cfg.method('p2p')}"
             )
+            seams.append(f"P2P {type(rt.communicator).__name__} ({selector})")
         if rt.linear_handle is not None:
             seams.append(f"linear hooks (--grass-method {cfg.method('linear')})")
         seams.append("optimizer-step hooks")

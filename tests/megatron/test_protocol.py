@@ -5,8 +5,8 @@ lossless (the same constrained model with dense pipeline transfers gets the same
 gradients) for a GPT with tied embeddings, learned positions and biases and for a LLaMA-style
 model with untied head and RoPE, at PP=2, PP=4 and TP=2 x PP=2; the wire carries k of d
 numbers per token plus the ids; the modified AdamW keeps the constrained weights in ``S``
-without re-projection; Grassmann updates at PP=2 x DP=2 give every rank the same orthonormal
-``U`` and are counted; a resumed run is bit-exact across an update; bad settings stop before
+without re-projection; Grassmann updates at PP=2 x DP=2 (with and without PowerSGD on the
+data-parallel gradients) give every rank the same orthonormal ``U`` and are counted; a resumed run is bit-exact across an update; bad settings stop before
 training naming the flag.
 """
 
@@ -152,9 +152,15 @@ def test_modified_adamw_keeps_constrained_weights_in_s_and_the_wire_is_k_of_d():
     assert losses[-1] < losses[0] - 0.3, losses
 
 
-def test_grassmann_updates_give_every_rank_the_same_u_pp2_dp2():
+@pytest.mark.parametrize("dp_compression", ["none", "powersgd"])
+def test_grassmann_updates_give_every_rank_the_same_u_pp2_dp2(dp_compression):
+    """Also with a compressed data-parallel reduction (Node0 pairs the method with
+    PowerSGD): the decompressed gradients leave S, the projection brings them back."""
     flags = PROTOCOL + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
     flags += ["--subspace-update-interval", "3", "--subspace-lr", "0.5"]
+    flags += ["--grad-compression", dp_compression]
+    if dp_compression == "powersgd":
+        flags += ["--powersgd-start-step", "0"]
     results = run_ranks(_train_and_inspect, 4, flags, 7)
     import torch
 

@@ -401,6 +401,9 @@ def test_shipped_run_files_parse_and_follow_the_naming(monkeypatch):
         "llama_350m_grass_8gpu",
         "llama_1b_grass_8gpu",
         "llama_13b_grass_1gpu",
+        "llama_2b_protocol_8gpu",
+        "llama_640m_protocol_8gpu",
+        "llama_8b_protocol_64gpu",
     } <= names
     for path in files:
         assert len(path.stem.split("_")) == 4, f"{path.name}: <model>_<size>_<algo>_<cluster>"
@@ -441,6 +444,16 @@ def test_shipped_run_files_parse_and_follow_the_naming(monkeypatch):
     for flag, value in [("--hidden-size", "5120"), ("--num-layers", "40"),
                         ("--micro-batch-size", "1"), ("--grass-rank", "128")]:  # fmt: skip
         assert memory[memory.index(flag) + 1] == value, flag
+    # Protocol Models: one layer a stage for 2B (8) and 8B (32), k = 40 of 4096; 640M k = 15.
+    for size, layers, stages, rank in [("2b_protocol_8gpu", "8", "8", "40"),
+                                       ("640m_protocol_8gpu", "16", "8", "15"),
+                                       ("8b_protocol_64gpu", "32", "32", "40")]:  # fmt: skip
+        proto = run_file_args(str(REPO / f"configs/megatron_lm/llama_{size}.yaml"))
+        for flag, value in [("--num-layers", layers), ("--pipeline-model-parallel-size", stages),
+                            ("--subspace-method", "protocol"), ("--subspace-rank", rank),
+                            ("--subspace-update-interval", "500"), ("--hidden-dropout", "0"),
+                            ("--subspace-uncompressed-last-layers", "1")]:  # fmt: skip
+            assert proto[proto.index(flag) + 1] == value, (size, flag)
 
 
 @pytest.mark.parametrize(
@@ -452,6 +465,7 @@ def test_shipped_run_files_parse_and_follow_the_naming(monkeypatch):
         "scripts/reproduce/radius_gpt.sh",
         "scripts/reproduce/aqsgd_gpt2_1.5b.sh",
         "scripts/reproduce/grass_llama.sh",
+        "scripts/reproduce/protocol_models.sh",
     ],
 )
 def test_launcher_scripts_parse(script):

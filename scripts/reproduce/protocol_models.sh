@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Protocol Models paper: the 8-layer 2B base model over 8 pipeline stages, the 640M
+# compute-optimal run, or the LLaMA 8B run over 32 stages, each with 100x compressed
+# pipeline activations and gradients (configs/megatron_lm/llama_{2b,640m}_protocol_8gpu.yaml
+# and llama_8b_protocol_64gpu.yaml hold the settings and their sources).
+#
+# Usage:
+#   MEGATRON_LM_DIR=/path/to/Megatron-LM DATA_PREFIX=/data/c4_text_document \
+#   VOCAB_FILE=/data/gpt2-vocab.json MERGE_FILE=/data/gpt2-merges.txt \
+#   scripts/reproduce/protocol_models.sh 2b [more flags...]
+#   (8b: TOKENIZER_MODEL instead of VOCAB_FILE / MERGE_FILE, and NNODES=8 NODE_RANK=...)
+#
+# Environment: RUNS ("protocol none" for 2b, "protocol" otherwise; 'none' is the
+# uncompressed baseline with the same settings), RUNS_DIR (runs/protocol_<size>), and
+# everything scripts/pretrain_gpt_ext.sh reads (GPUS_PER_NODE, NNODES, ...).
+set -euo pipefail
+
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+SIZE=${1:?usage: protocol_models.sh 2b|640m|8b [more flags...]}
+shift
+case "$SIZE" in
+    2b) DEFAULT_RUNS="protocol none"; CONFIG_FILE=llama_2b_protocol_8gpu.yaml ;;
+    640m) DEFAULT_RUNS="protocol"; CONFIG_FILE=llama_640m_protocol_8gpu.yaml ;;
+    8b) DEFAULT_RUNS="protocol"; CONFIG_FILE=llama_8b_protocol_64gpu.yaml ;;
+    *) echo "protocol_models.sh: size must be 2b, 640m or 8b, got '$SIZE'" >&2; exit 2 ;;
+esac
+: "${DATA_PREFIX:?set DATA_PREFIX to the data in the Megatron indexed format (..._text_document)}"
+if [ "$SIZE" = 8b ]; then
+    : "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to the LLaMA-3 tokenizer (HuggingFace name or path)}"
+    export TOKENIZER_MODEL
+else
+    : "${VOCAB_FILE:?set VOCAB_FILE to the GPT-2 BPE vocabulary (gpt2-vocab.json)}"
+    : "${MERGE_FILE:?set MERGE_FILE to the GPT-2 BPE merges (gpt2-merges.txt)}"
+    export VOCAB_FILE MERGE_FILE
+fi
+RUNS=${RUNS:-$DEFAULT_RUNS}
+RUNS_DIR=${RUNS_DIR:-$ROOT/runs/protocol_$SIZE}
+export CONFIG=${CONFIG:-$ROOT/configs/megatron_lm/$CONFIG_FILE}
+export GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+export DATA_PREFIX
+
+for run in $RUNS; do
+    case "$run" in
+        none) RUN_FLAGS=(--subspace-method none) ;;
+        protocol) RUN_FLAGS=() ;;
+        *) echo "protocol_models.sh: RUNS holds 'protocol' and/or 'none', got '$run'" >&2; exit 2 ;;
+    esac
+    export RUN_DIR="$RUNS_DIR/$run"
+    mkdir -p "$RUN_DIR"
+    echo "== Protocol Models $SIZE: $run -> $RUN_DIR"
+    "$ROOT/scripts/pretrain_gpt_ext.sh" "${RUN_FLAGS[@]}" "$@" 2>&1 | tee "$RUN_DIR/train.log"
+done

@@ -217,6 +217,22 @@ def test_grass_runs_through_the_linear_family():
     assert step_time._layout_methods("pp2", sargs.family) == ("none",)
 
 
+def test_protocol_runs_through_the_subspace_family():
+    cargs = convergence.build_parser().parse_args(
+        ["--family", "subspace", "--pipeline-model-parallel-size", "2",
+         "--subspace-update-interval", "100", "--subspace-lr", "0.1"]
+    )  # fmt: skip
+    flags = " ".join(convergence.method_flags("protocol", cargs))
+    assert "--subspace-method protocol" in flags and "--subspace-update-interval 100" in flags
+    assert convergence.label("protocol", cargs) == "protocol-x100-u100"
+    kargs = convergence.build_parser().parse_args(["--family", "subspace", "--subspace-rank", "32"])
+    assert convergence.label("protocol", kargs) == "protocol-k32"
+    assert convergence.method_flags("none", cargs) == ["--subspace-method", "none"]
+    sargs = step_time.build_parser().parse_args(["--family", "subspace"])
+    assert step_time._layout_methods("pp2", sargs.family) == ("none", "protocol")
+    assert step_time._layout_methods("dp2", sargs.family) == ("none",)
+
+
 def test_grass_throughput_shapes_and_one_layer():
     # llama-1b with SwiGLU: fc1 holds both halves (2 x 5461); no GQA, so QKV is 3 x 2048.
     shapes = grass_throughput.layer_shapes(common.load_model_preset("llama-1b"))

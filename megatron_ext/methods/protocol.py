@@ -173,11 +173,21 @@ def _build(ctx: MethodContext) -> Components:
             + (f"updated every {opts.update_interval} steps" if opts.update_interval else "fixed")
         )
 
+    def on_install() -> None:
+        # The model was projected in its own dtype; a bf16 model rounds it out of S by its
+        # precision, and megatron's fp32 main parameters copied that. Project those once
+        # (a checkpoint loaded afterwards overwrites them with what it holds).
+        from megatron_ext.megatron.optimizer import MegatronOptimizerView
+
+        view = MegatronOptimizerView(ctx.handles.optimizer, ctx.handles.model_chunks, ctx.clock)
+        hook.reproject(view)
+
     return Components(
         codec=codec,
         optimizer_hooks=[hook],
         model_transform=transform,
         state=state,
+        on_install=on_install,
         describe=describe,
     )
 

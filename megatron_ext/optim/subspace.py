@@ -8,7 +8,9 @@ What it does:
     * ``pre_step``: project the (data-parallel reduced) gradient onto ``S`` along ``d``,
       so gradient clipping, Adam's first moment and every update see the projected
       gradient; keep the fp32 parameter before the step.
-    * ``post_step``: the modified AdamW. Adam's second moment is made constant along ``d``:
+    * ``post_step``: the modified AdamW. The fp32 first moment is projected (a bf16
+      gradient buffer rounds the projected gradient out of ``S`` by its precision), and
+      Adam's second moment is made constant along ``d``:
       megatron's optimizer (torch, TE or Apex Adam, unchanged) has just computed
       ``v = b2 v_old + (1 - b2) g^2`` elementwise; with ``v_old`` constant along ``d`` the
       mean of ``v`` along ``d`` is exactly ``b2 v_old + (1 - b2) mean_d(g^2)``, which is
@@ -109,9 +111,9 @@ class SubspaceOptimizerHook(OptimizerHook):
             if self.update_basis is None:
                 raise RuntimeError("subspace updates need an update_basis collective")
             self.subspace.set_basis(self.update_basis())
-            self._reproject(view)
+            self.reproject(view)
         elif self.reproject_interval > 0 and (step + 1) % self.reproject_interval == 0:
-            self._reproject(view)
+            self.reproject(view)
 
     def _adamw(self, st: Any, axis: int, before: torch.Tensor) -> None:
         """Redo Adam's step of one parameter with the second moment constant along ``d``."""
@@ -130,7 +132,11 @@ class SubspaceOptimizerHook(OptimizerHook):
         else:
             bc1 = bc2 = 1.0
         main = st.main_param
+        u = self.subspace.on(main.device).u
         with torch.no_grad():
+            # The gradient was projected in its own dtype; a bf16 gradient buffer rounds it
+            # out of S again. Projecting the fp32 first moment keeps every update in S.
+            m.copy_(project(m, u, axis))
             v.copy_(v.float().mean(dim=axis, keepdim=True).expand_as(v))
             denom = (v.float() / bc2).sqrt_().add_(eps)
             new = before.float() * (1.0 - lr * wd) - (lr / bc1) * m.float() / denom
@@ -138,7 +144,7 @@ class SubspaceOptimizerHook(OptimizerHook):
             if main is not st.model_param:
                 st.model_param.data.copy_(main)
 
-    def _reproject(self, view: OptimizerView) -> None:
+    def reproject(self, view: OptimizerView) -> None:
         """Project every constrained parameter and its first moment onto the current S."""
         with torch.no_grad():
             for fqn, axis in self.constrained.items():

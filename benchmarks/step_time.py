@@ -2,7 +2,8 @@
 
 What it does:
     For every layout (``dp2``: 2 data-parallel ranks; ``pp2``: 2 pipeline stages;
-    ``pp2dp2``: both, 4 processes, only when asked), every bandwidth (``unshaped``, and tc
+    ``pp4``: 4 stages; ``pp2dp2``: both; the 4-process layouts only when asked), every
+    bandwidth (``unshaped``, and tc
     rates such as ``1gbit``, ``100mbit``, ``10mbit``) and every method (``none``,
     ``separate``, ``radius``, ``powersgd``) it runs the training driver
     (``python -m megatron_ext.train --cpu --model gpt-tiny ...``, one thread per rank)
@@ -21,9 +22,10 @@ What it does:
     Method settings (defaults): SEPARATE ratio 16, block 256; Radius density 0.4 with 2
     dense steps and reselection every 50 steps, so iteration 3 is a (dense) reselection
     step and the rest are sparse; PowerSGD at the rank that sends about the bytes of
-    SEPARATE-16 on gpt-tiny (14), starting at step 2. Pipeline layouts have no compression
-    method yet (only ``none``): ``pp2`` shows what the pipeline traffic costs; ``pp2dp2``
-    accepts the gradient methods (they compress its data-parallel gradients).
+    SEPARATE-16 on gpt-tiny (14), starting at step 2. Pipeline layouts measure the pipeline
+    families (``--family p2p``: AQ-SGD, DirectQ; ``--family subspace``: Protocol Models);
+    ``pp2dp2`` also accepts the gradient methods (they compress its data-parallel
+    gradients).
 
 Usage:
     python benchmarks/step_time.py                                  # dp2 + pp2, all methods
@@ -83,6 +85,7 @@ LAYOUTS = {
     # name: (nproc, pipeline-parallel size, method families it measures)
     "dp2": (2, 1, ("grad", "linear")),
     "pp2": (2, 2, ("p2p", "subspace")),
+    "pp4": (4, 4, ("p2p", "subspace")),
     "pp2dp2": (4, 2, ("grad", "p2p", "linear", "subspace")),
 }
 
@@ -140,8 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--layouts",
         default="dp2,pp2",
-        help="dp2 (DP=2), pp2 (PP=2, only 'none'), pp2dp2 (4 processes; slow on 2 cores). "
-        "Default dp2,pp2.",
+        help="dp2 (DP=2), pp2 (PP=2), pp4 (PP=4), pp2dp2 (the 4-process layouts are slow on 2 "
+        "cores). Default dp2,pp2.",
     )
     p.add_argument("--iters", type=int, default=12, help="Training iterations per run (12).")
     p.add_argument(

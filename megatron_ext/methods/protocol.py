@@ -38,8 +38,8 @@ class SubspaceConfig:
     """k, the dimension of the shared subspace S (0: hidden size / compression rate)."""
 
     compression_rate: float = 100.0
-    """d / k when --subspace-rank is 0 (paper: 100, e.g. 4096 -> 40; at least one
-    dimension)."""
+    """d / k when --subspace-rank is 0 (paper: 100; 4096 -> 41, Node0 sets k = 40; at least
+    one dimension)."""
 
     seed: int = 0
     """Seed of the initial basis U and of the frozen token embedding T_fixed (the same on

@@ -71,7 +71,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_VERSION = 1
 """Version of the JSON layout written by :func:`make_report`."""
 
-BENCHMARKS = ("kernels", "step_time", "convergence", "grass_memory", "grass_throughput")
+BENCHMARKS = (
+    "kernels",
+    "step_time",
+    "convergence",
+    "grass_memory",
+    "grass_throughput",
+    "subspace_overhead",
+)
 """Names a report's ``benchmark`` field may take; also the JSON file names (``<name>.json``)."""
 
 _REQUIRED = {"benchmark": str, "schema_version": int, "environment": dict, "settings": dict}

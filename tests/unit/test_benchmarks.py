@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import common, convergence, grass_throughput, kernels, step_time
+from benchmarks import (
+    common,
+    convergence,
+    grass_throughput,
+    kernels,
+    step_time,
+    subspace_overhead,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -231,6 +238,17 @@ def test_protocol_runs_through_the_subspace_family():
     sargs = step_time.build_parser().parse_args(["--family", "subspace"])
     assert step_time._layout_methods("pp2", sargs.family) == ("none", "protocol")
     assert step_time._layout_methods("dp2", sargs.family) == ("none",)
+
+
+def test_subspace_overhead_times_every_operation(tmp_path):
+    argv = ["--hidden-size", "32", "--rank", "4", "--ffn-hidden-size", "64", "--tokens", "16",
+            "--vocab-size", "50", "--repeats", "1", "--out", str(tmp_path)]  # fmt: skip
+    assert subspace_overhead.main(argv) == 0
+    report = json.loads((tmp_path / "subspace_overhead.json").read_text())
+    common.validate_report(report)
+    names = [r["operation"] for r in report["results"]]
+    assert len(names) == 8 and "Grassmann update (d x d)" in names
+    assert all(r["s"] > 0 for r in report["results"])
 
 
 def test_grass_throughput_shapes_and_one_layer():

@@ -137,10 +137,10 @@ class SubspaceOptimizerHook(OptimizerHook):
             # The gradient was projected in its own dtype; a bf16 gradient buffer rounds it
             # out of S again. Projecting the fp32 first moment keeps every update in S.
             m.copy_(project(m, u, axis))
-            v.copy_(v.float().mean(dim=axis, keepdim=True).expand_as(v))
-            denom = (v.float() / bc2).sqrt_().add_(eps)
-            new = before.float() * (1.0 - lr * wd) - (lr / bc1) * m.float() / denom
-            main.copy_(new)
+            v_d = v.float().mean(dim=axis, keepdim=True)  # one value per column / row
+            v.copy_(v_d.expand_as(v))
+            denom = (v_d / bc2).sqrt_().add_(eps)
+            main.copy_(before).mul_(1.0 - lr * wd).addcdiv_(m, denom, value=-lr / bc1)
             if main is not st.model_param:
                 st.model_param.data.copy_(main)
 

@@ -139,10 +139,30 @@ def _add_bench(data: RunData, report: Dict[str, Any], source: str) -> None:
             data.kernels[key] = r
         elif kind == "step_time":
             data.step_time[(r["layout"], r["method"], r["bandwidth"])] = r
+            label = _bench_label(data.settings[kind].get("family"), r)
+            if label != r["method"]:
+                data.step_time[(r["layout"], label, r["bandwidth"])] = r
             if r["bandwidth"] not in data.bandwidth_order:
                 data.bandwidth_order.append(r["bandwidth"])
         elif kind == "convergence":
             data.convergence[r.get("label") or r["method"]] = r
+
+
+def _bench_label(family: Optional[str], r: Dict[str, Any]) -> str:
+    """The configured method's label of a benchmark record (``protocol-k32``), from its
+    recorded options; the method name where it cannot be derived."""
+    if r.get("label"):
+        return r["label"]
+    opts = r.get("method_options")
+    try:
+        from megatron_ext.methods import registry
+
+        method = registry.get(family or "grad", r["method"])
+        if method.options is None or not opts:
+            return r["method"]
+        return method.label(method.options(**opts))
+    except (KeyError, TypeError, ValueError):
+        return r["method"]
 
 
 def is_compressed(sent: float, dense: float) -> bool:
@@ -294,17 +314,36 @@ def _baseline(data: RunData, layout: str, bandwidth: str) -> Optional[float]:
     return r.get("step_s") if r and r.get("ok") else None
 
 
+def _step_record(
+    data: RunData, method: str, bandwidth: str, layout: str, label: Optional[str]
+) -> Optional[Dict[str, Any]]:
+    """The step-time record of a run: its exact label, else the longest measured label it
+    extends (``protocol-k32`` for ``protocol-k32-u100``), else its method name."""
+    if label:
+        if (layout, label, bandwidth) in data.step_time:
+            return data.step_time[(layout, label, bandwidth)]
+        prefixes = [
+            m
+            for (lay, m, bw) in data.step_time
+            if lay == layout and bw == bandwidth and label.startswith(m + "-")
+        ]
+        if prefixes:
+            return data.step_time[(layout, max(prefixes, key=len), bandwidth)]
+    return data.step_time.get((layout, method, bandwidth))
+
+
 def _step_times_for(
-    data: RunData, method: str, bandwidth: str, layout: str = "dp2"
+    data: RunData, method: str, bandwidth: str, layout: str = "dp2", label: Optional[str] = None
 ) -> Optional[Tuple[float, float, float]]:
-    """Step times of ``method`` at ``bandwidth``: (compressed, later dense, warm-up dense).
+    """Step times of ``method`` (configured as ``label``) at ``bandwidth``: (compressed,
+    later dense, warm-up dense).
 
     *compressed*: the method's median step; *later dense*: its measured dense steps
     (Radius reselection: dense reduction plus the top-k selection), else ``none``'s step;
     *warm-up dense*: ``none``'s step (a dense warm-up step is a plain dense step), else the
     method's own dense steps. ``None`` when the method was not measured there.
     """
-    r = data.step_time.get((layout, method, bandwidth))
+    r = _step_record(data, method, bandwidth, layout, label)
     if not r or not r.get("ok") or not r.get("step_s"):
         return None
     if not r.get("num_compressed"):
@@ -435,7 +474,7 @@ def _plot_loss_vs_time(data: RunData, path: str, window: int) -> Optional[str]:
     bws = [
         bw
         for bw in data.bandwidth_order
-        if any(_step_times_for(data, r["method"], bw, layout) for r in runs)
+        if any(_step_times_for(data, r["method"], bw, layout, r.get("label")) for r in runs)
     ]
     if not runs or not bws:
         return None
@@ -446,7 +485,7 @@ def _plot_loss_vs_time(data: RunData, path: str, window: int) -> Optional[str]:
     for k, bw in enumerate(bws):
         ax = axes[k // ncols][k % ncols]
         for i, r in enumerate(runs):
-            times = _step_times_for(data, r["method"], bw, layout)
+            times = _step_times_for(data, r["method"], bw, layout, r.get("label"))
             if times is None:
                 continue
             x = wall_clock_axis(r["curve"], *times)
@@ -702,8 +741,12 @@ def _step_time_md(data: RunData) -> List[str]:
     layouts = sorted({k[0] for k in data.step_time})
     for layout in layouts:
         methods = []
-        for (lay, m, _), _r in data.step_time.items():
-            if lay == layout and m not in methods:
+        for (lay, m, _), r in data.step_time.items():
+            # a record kept under its label too is listed once, by label
+            labelled = m == r["method"] and any(
+                k[0] == lay and k[1] != m and v is r for k, v in data.step_time.items()
+            )
+            if lay == layout and m not in methods and not labelled:
                 methods.append(m)
         rows = []
         for m in methods:
@@ -764,7 +807,7 @@ def _step_time_md(data: RunData) -> List[str]:
         row = [r["label"]]
         any_cell = False
         for bw in bws:
-            times = _step_times_for(data, r["method"], bw, layout)
+            times = _step_times_for(data, r["method"], bw, layout, r.get("label"))
             none_times = _step_times_for(data, "none", bw, layout)
             if times is None:
                 row.append("-")
@@ -848,7 +891,7 @@ def _time_to_loss_md(data: RunData, runs: List[Dict[str, Any]], bws: List[str]) 
         hit = next((i for i, v in enumerate(curve) if v is not None and v <= target), None)
         row = [r["label"], "-" if hit is None else str(r["curve"]["iteration"][hit])]
         for bw in bws:
-            times = _step_times_for(data, r["method"], bw, layout)
+            times = _step_times_for(data, r["method"], bw, layout, r.get("label"))
             if times is None or hit is None:
                 row.append("-")
                 continue

@@ -256,3 +256,20 @@ def test_bytes_of_convergence_runs_are_means_with_dense_steps(tmp_path):
     assert "| radius-0.4 | 27.56 | 59.09 | x2.1 |" in md
     assert "dense ones (warm-up, reselections) included" in md
     assert "dense reductions excluded" not in md
+
+
+def test_step_times_follow_the_configured_method_label():
+    """Two configurations of one method measured apart: each convergence run takes its own
+    (a Grassmann variant the fixed-subspace run it extends), not the last one loaded."""
+    data = report.RunData()
+    opts = {"compression_rate": 100.0, "seed": 0, "update_interval": 0, "lr": 0.1,
+            "uncompressed_last_layers": 1, "reproject_interval": 100}  # fmt: skip
+    for rank, step in ((0, 0.5), (32, 0.6)):
+        rec = {"layout": "pp2", "method": "protocol", "bandwidth": "10mbit", "ok": True,
+               "step_s": step, "num_compressed": 0, "method_options": {**opts, "rank": rank}}  # fmt: skip
+        report._add_bench(data, {"benchmark": "step_time", "settings": {"family": "subspace"},
+                                 "results": [rec]}, "x")  # fmt: skip
+    times = lambda label: report._step_times_for(data, "protocol", "10mbit", "pp2", label)[0]
+    assert times("protocol-x100") == 0.5 and times("protocol-k32") == 0.6
+    assert times("protocol-x100-u100") == 0.5 and times("protocol-k32-u100") == 0.6
+    assert "| protocol |" not in "\n".join(report._step_time_md(data))

@@ -148,3 +148,36 @@ def first_difference(a: Dict[str, Any], b: Dict[str, Any]) -> Optional[str]:
             diff = (a[k].float() - b[k].float()).abs().max().item()
             return f"{k} differs (max abs diff {diff:.3e})"
     return None
+
+
+def resume_matches_uninterrupted(
+    rank: int, world: int, flags: Sequence[str], root: str, steps: int = 6, save_at: int = 4
+) -> Dict[str, Any]:
+    """Train ``steps`` iterations uninterrupted, then again with a checkpoint after
+    ``save_at`` and a rebuilt, reloaded trainer for the rest (a rank of ``run_ranks``).
+
+    Returns the two loss lists (``losses``), the first parameter / optimizer-state difference
+    at the end (None when bitwise equal) and the megatron_ext runtime's ``components`` of
+    the resumed run (for method-specific checks).
+    """
+    trainer = make_trainer(flags)
+    build(trainer, stock=False)
+    full = train(trainer, steps)
+    full_params, full_opt = params(trainer), optimizer_state(trainer)
+    teardown(trainer)
+
+    build(trainer, stock=False)
+    first = train(trainer, save_at)
+    save_checkpoint(trainer, root, save_at)
+    teardown(trainer)
+    build(trainer, stock=False)
+    load_checkpoint(trainer, root)
+    second = train(trainer, steps - save_at, start=save_at)
+    out = {
+        "losses": (full, first + second),
+        "param_diff": first_difference(full_params, params(trainer)),
+        "opt_diff": first_difference(full_opt, optimizer_state(trainer)),
+        "components": trainer.runtime.components,
+    }
+    teardown(trainer)
+    return out

@@ -15,12 +15,8 @@ import pytest
 from tests.helpers.dist import run_ranks
 from tests.helpers.mcore import (
     build,
-    first_difference,
-    load_checkpoint,
     make_trainer,
-    optimizer_state,
-    params,
-    save_checkpoint,
+    resume_matches_uninterrupted,
     teardown,
     train,
 )
@@ -176,26 +172,8 @@ def test_grassmann_updates_give_every_rank_the_same_u_pp2_dp2(dp_compression):
 
 
 def _resume(rank, world, flags, root):
-    trainer = make_trainer(flags)
-    build(trainer, stock=False)
-    full = train(trainer, 6)
-    full_params, full_opt = params(trainer), optimizer_state(trainer)
-    teardown(trainer)
-
-    build(trainer, stock=False)
-    first = train(trainer, 4)
-    save_checkpoint(trainer, root, 4)
-    teardown(trainer)
-    build(trainer, stock=False)
-    load_checkpoint(trainer, root)
-    second = train(trainer, 2, start=4)
-    out = {
-        "losses": (full, first + second),
-        "param_diff": first_difference(full_params, params(trainer)),
-        "opt_diff": first_difference(full_opt, optimizer_state(trainer)),
-        "updates": trainer.runtime.components["subspace"].optimizer_hooks[0].subspace.updates,
-    }
-    teardown(trainer)
+    out = resume_matches_uninterrupted(rank, world, flags, root)
+    out["updates"] = out.pop("components")["subspace"].optimizer_hooks[0].subspace.updates
     return out
 
 

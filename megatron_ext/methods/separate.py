@@ -37,10 +37,12 @@ class SeparateConfig:
     ef_beta: Optional[float] = None
     """Moving-average factor of the error feedback, e <- (1-beta) e + beta (h - local
     estimate of h), reset to zero every --separate-reset-interval steps; 0 disables it.
-    Default 1/ratio. The paper's 0.95 diverges with an unbiased projection: the local
-    estimate misses h by about sqrt(ratio) |h|, so the recursion grows unless beta <
-    2/ratio (measured, gpt-tiny ratio 16, 300 steps: 0.95 -> NaN at step ~40, 0.1 -> loss
-    6.19, 1/16 -> 6.06, 0 -> 6.21; dense 5.52). Values >= 2/ratio are refused."""
+    Default 1/ratio. The paper writes the same average as e <- b e + (1-b)(h - estimate),
+    so its b is 1 - beta here: the default is the paper's b = 1 - 1/ratio (0.94 at ratio
+    16, beside its 0.95). Bounded only for beta < 2/ratio, the paper's b > 1 - 2/ratio (its
+    b < 0.80 diverging at ratio 16; measured, gpt-tiny ratio 16, 300 steps: beta 0.95 (b
+    0.05) -> NaN at step ~40, 0.1 -> loss 6.19, 1/16 -> 6.06, 0 -> 6.21; dense 5.52).
+    Values >= 2/ratio are refused."""
 
     reset_interval: int = 128
     """Reset the error-feedback buffer to zero every this many steps (paper: 128)."""
@@ -81,7 +83,8 @@ class SeparateConfig:
                     [flag_of(cls, "ef_beta"), flag_of(cls, "ratio")],
                     f"beta {self.ef_beta} >= 2/ratio = {2.0 / self.ratio:.4g}: the error "
                     "feedback of an unbiased projection grows without bound (it diverged "
-                    "to NaN in our runs); use a smaller beta, e.g. the default 1/ratio",
+                    "to NaN in our runs); use a smaller beta, e.g. the default 1/ratio. This "
+                    "flag is the paper's 1 - beta: its beta 0.95 is --separate-ef-beta 0.05",
                 )
         if self.adaptive:
             if not (1 <= self.min_ratio <= self.ratio <= self.max_ratio):

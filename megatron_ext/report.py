@@ -138,10 +138,8 @@ def _add_bench(data: RunData, report: Dict[str, Any], source: str) -> None:
             key += (r.get("block_size"),)
             data.kernels[key] = r
         elif kind == "step_time":
-            data.step_time[(r["layout"], r["method"], r["bandwidth"])] = r
             label = _bench_label(data.settings[kind].get("family"), r)
-            if label != r["method"]:
-                data.step_time[(r["layout"], label, r["bandwidth"])] = r
+            data.step_time[(r["layout"], label, r["bandwidth"])] = r
             if r["bandwidth"] not in data.bandwidth_order:
                 data.bandwidth_order.append(r["bandwidth"])
         elif kind == "convergence":
@@ -310,7 +308,7 @@ def _layout_words(layout: str) -> str:
 
 
 def _baseline(data: RunData, layout: str, bandwidth: str) -> Optional[float]:
-    r = data.step_time.get((layout, "none", bandwidth))
+    r = _step_record(data, "none", bandwidth, layout, None)
     return r.get("step_s") if r and r.get("ok") else None
 
 
@@ -318,18 +316,17 @@ def _step_record(
     data: RunData, method: str, bandwidth: str, layout: str, label: Optional[str]
 ) -> Optional[Dict[str, Any]]:
     """The step-time record of a run: its exact label, else the longest measured label it
-    extends (``protocol-k32`` for ``protocol-k32-u100``), else its method name."""
-    if label:
-        if (layout, label, bandwidth) in data.step_time:
-            return data.step_time[(layout, label, bandwidth)]
-        prefixes = [
-            m
-            for (lay, m, bw) in data.step_time
-            if lay == layout and bw == bandwidth and label.startswith(m + "-")
-        ]
-        if prefixes:
-            return data.step_time[(layout, max(prefixes, key=len), bandwidth)]
-    return data.step_time.get((layout, method, bandwidth))
+    extends (``protocol-k32`` for ``protocol-k32-u100``), else the last record of its
+    method (records are keyed by label)."""
+    label = label or method
+    if (layout, label, bandwidth) in data.step_time:
+        return data.step_time[(layout, label, bandwidth)]
+    here = {m: r for (lay, m, bw), r in data.step_time.items() if (lay, bw) == (layout, bandwidth)}
+    prefixes = [m for m in here if label.startswith(m + "-")]
+    if prefixes:
+        return here[max(prefixes, key=len)]
+    same = [r for r in here.values() if r["method"] == method]
+    return same[-1] if same else None
 
 
 def _step_times_for(
@@ -741,12 +738,8 @@ def _step_time_md(data: RunData) -> List[str]:
     layouts = sorted({k[0] for k in data.step_time})
     for layout in layouts:
         methods = []
-        for (lay, m, _), r in data.step_time.items():
-            # a record kept under its label too is listed once, by label
-            labelled = m == r["method"] and any(
-                k[0] == lay and k[1] != m and v is r for k, v in data.step_time.items()
-            )
-            if lay == layout and m not in methods and not labelled:
+        for lay, m, _ in data.step_time:
+            if lay == layout and m not in methods:
                 methods.append(m)
         rows = []
         for m in methods:

@@ -170,7 +170,8 @@ def constrain_model(
     *,
     uncompressed_last_layers: int,
 ) -> Dict[str, int]:
-    """Confine the chunks' residual writers to ``S`` (module docstring).
+    """Confine the chunks' residual writers to ``S`` (module docstring). The caller has
+    checked the model config with :func:`check_config` (before building ``subspace``).
 
     Returns:
         Global FQN of every constrained parameter -> its dimension of size ``d``.
@@ -183,7 +184,6 @@ def constrain_model(
     constrained: Dict[str, int] = {}
     for chunk in model_chunks:
         config = chunk.config
-        check_config(config, subspace.k, uncompressed_last_layers)
         if config.hidden_size != subspace.d:
             raise ValueError(f"hidden size {config.hidden_size} != subspace's {subspace.d}")
         names = global_param_names(chunk)

@@ -139,7 +139,6 @@ def _build(ctx: MethodContext) -> Components:
         reproject_interval=opts.reproject_interval,
     )
     state: Dict[str, Any] = {}
-    info: Dict[str, Any] = {}
 
     def transform(model_chunks):
         config = model_chunks[0].config
@@ -162,14 +161,13 @@ def _build(ctx: MethodContext) -> Components:
             meter=ctx.meter,
         )
         state["subspace"] = subspace
-        info["constrained"] = len(constrained)
 
     def describe() -> str:
         sub = hook.subspace
         return (
             f"Protocol Models: residual stream in a {sub.k}-dimensional subspace of "
-            f"{sub.d} (x{sub.d / sub.k:.1f} on the pipeline wire), {info['constrained']} "
-            f"constrained parameters on this rank, subspace "
+            f"{sub.d} ({sub.k} of {sub.d} numbers per token between stages, plus its id), "
+            f"{len(hook.constrained)} constrained parameters on this rank, subspace "
             + (f"updated every {opts.update_interval} steps" if opts.update_interval else "fixed")
         )
 

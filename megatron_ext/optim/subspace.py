@@ -121,6 +121,8 @@ class SubspaceOptimizerHook(OptimizerHook):
         v = st.state.get("exp_avg_sq")
         t = st.adam_step
         if m is None or v is None or t is None:
+            # No Adam moments (megatron's SGD): its step of the projected gradient, with
+            # momentum of projected gradients, already stays in S.
             return
         group = st.group
         lr = float(group["lr"])

@@ -181,3 +181,12 @@ def resume_matches_uninterrupted(
     }
     teardown(trainer)
     return out
+
+
+def assert_resumed_exactly(out: Dict[str, Any]) -> None:
+    """The losses, parameters and optimizer state of :func:`resume_matches_uninterrupted`
+    agree bit for bit."""
+    full, resumed = out["losses"]
+    assert full == resumed, out["losses"]
+    assert out["param_diff"] is None, out["param_diff"]
+    assert out["opt_diff"] is None, out["opt_diff"]

@@ -78,6 +78,7 @@ BENCHMARKS = (
     "grass_memory",
     "grass_throughput",
     "subspace_overhead",
+    "frontier",
 )
 """Names a report's ``benchmark`` field may take; also the JSON file names (``<name>.json``)."""
 

@@ -16,6 +16,11 @@ What it does:
     * ``bytes_per_step.png``: bytes per step (all ranks) by category, stacked, as sent
       and as they would be uncompressed, per layout and method;
     * ``kernels.png``: compression kernel ns/element against tensor size (log-log);
+    * from ``benchmarks/frontier.py`` (``frontier.json``): ``frontier.png`` (final loss
+      against DP bytes per step, one point per setting, the Pareto front),
+      ``loss_vs_measured_time.png`` (loss against *measured* training time of the runs
+      inside netbench), the measured time-to-target table and the front page (which
+      setting at which bandwidth); see ``megatron_ext/report_frontier.py``;
     * ``report.md``: tables of final loss and gap to ``none``, step time per bandwidth and
       speed-up over ``none``, bytes per step and compression ratio, kernel costs, and the
       environment the numbers were measured in.
@@ -41,6 +46,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from megatron_ext import report_frontier
+
 __all__ = [
     "build_parser",
     "main",
@@ -56,7 +63,7 @@ __all__ = [
 ]
 
 _PROG = "megatron-ext report"
-_BENCH_FILES = ("kernels.json", "step_time.json", "convergence.json")
+_BENCH_FILES = ("kernels.json", "step_time.json", "convergence.json", "frontier.json")
 _CATEGORY_ORDER = ("dp-grad", "dp-param", "pp-act", "pp-grad", "subspace", "tp", "other")
 _METHOD_COLORS = {"none": "black", "separate": "C0", "radius": "C1", "powersgd": "C2"}
 
@@ -72,6 +79,7 @@ class RunData:
     kernels: Dict[Tuple, Dict[str, Any]] = field(default_factory=dict)
     step_time: Dict[Tuple[str, str, str], Dict[str, Any]] = field(default_factory=dict)
     convergence: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    frontier: Dict[Tuple[int, str, Optional[str]], Dict[str, Any]] = field(default_factory=dict)
     environments: List[Tuple[str, Dict[str, Any]]] = field(default_factory=list)
     settings: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     sources: List[str] = field(default_factory=list)
@@ -79,7 +87,7 @@ class RunData:
 
     def empty(self) -> bool:
         """Whether nothing plottable was read."""
-        return not (self.kernels or self.step_time or self.convergence)
+        return not (self.kernels or self.step_time or self.convergence or self.frontier)
 
 
 # -- reading -------------------------------------------------------------------------------
@@ -144,6 +152,8 @@ def _add_bench(data: RunData, report: Dict[str, Any], source: str) -> None:
                 data.bandwidth_order.append(r["bandwidth"])
         elif kind == "convergence":
             data.convergence[r.get("label") or r["method"]] = r
+        elif kind == "frontier":
+            data.frontier[(r["tokens_per_step"], r["label"], r.get("bandwidth"))] = r
 
 
 def _bench_label(family: Optional[str], r: Dict[str, Any]) -> str:
@@ -1065,18 +1075,31 @@ def write_report(data: RunData, out_dir: str, *, window: int = 10) -> Dict[str, 
         path = fn(data, os.path.join(out_dir, f"{name}.png"), *extra)
         if path:
             written[name] = path
+    frontier = list(data.frontier.values())
+    for name, fn in (
+        ("frontier", report_frontier.plot_frontier),
+        ("loss_vs_measured_time", report_frontier.plot_loss_vs_wallclock),
+    ):
+        path = fn(frontier, os.path.join(out_dir, f"{name}.png")) if frontier else None
+        if path:
+            written[name] = path
     md = ["# megatron-ext performance report", ""]
     md.append("Sources: " + ", ".join(f"`{s}`" for s in data.sources))
     md.append("")
+    md += report_frontier.front_page_md(frontier)
     captions = {
         "loss_vs_step": "Loss against step",
         "loss_vs_time": "Loss against wall-clock time (derived from measured step times)",
         "bytes_per_step": "Bytes per step by category",
         "kernels": "Compression kernel cost per element",
+        "frontier": "Final loss against DP bytes per step (one point per setting)",
+        "loss_vs_measured_time": "Loss against measured training time (runs inside netbench)",
     }
     for name in written:
         md.append(f"![{captions[name]}]({name}.png)")
         md.append("")
+    md += report_frontier.frontier_md(frontier)
+    md += report_frontier.time_to_target_md(frontier)
     md += _convergence_md(data)
     md += _step_time_md(data)
     md += _bytes_md(data)

@@ -78,6 +78,8 @@ class _Segment:
     pack_offsets: List[int]
     numel: int
     rows: int
+    block: int
+    key: str  # what the projection is keyed by: the bucket, or the parameter (blocks=layer)
     error: torch.Tensor  # [rows, block] fp32, zero past numel
     work: torch.Tensor  # [rows, block] fp32
 
@@ -107,6 +109,8 @@ class _SeparateReduction(CompressedReduction):
         super().__init__(spec)
         self.cfg = cfg
         self.block = cfg.block_size
+        self.per_layer = getattr(cfg, "blocks", "bucket") == "layer"
+        self._omega_cache: Dict[Tuple[str, int, int, int], torch.Tensor] = {}
         self.ratio: Dict[str, int] = {}
         self.beta_scale: Dict[str, float] = {}
         for split in self.splits:
@@ -120,17 +124,25 @@ class _SeparateReduction(CompressedReduction):
         self, split: Any, residuals: Optional[Dict[str, torch.Tensor]] = None
     ) -> List[_Segment]:
         device = split.view.grad.device
-        by_setting: Dict[Tuple[int, float], List[ParamSlice]] = {}
+        by_setting: Dict[Tuple[str, int, float], List[ParamSlice]] = {}
         for s in split.matrices:
             ratio = self.ratio[s.fqn]
-            by_setting.setdefault((ratio, self.beta_scale[s.fqn] / ratio), []).append(s)
+            # blocks=layer: one segment per weight matrix, rows = the matrix's rows.
+            owner = s.fqn if self.per_layer else ""
+            by_setting.setdefault((owner, ratio, self.beta_scale[s.fqn] / ratio), []).append(s)
         segments = []
-        for i, ((ratio, beta), slices) in enumerate(sorted(by_setting.items())):
+        for i, ((owner, ratio, beta), slices) in enumerate(sorted(by_setting.items())):
+            block = slices[0].shape[-1] if owner else self.block
+            if block % ratio:
+                raise ValueError(
+                    f"--separate-ratio {ratio} must divide the row length {block} of {owner} "
+                    "(--separate-blocks layer projects each weight matrix row by row)"
+                )
             offsets, total = [], 0
             for s in slices:
                 offsets.append(total)
                 total += s.numel
-            rows = math.ceil(total / self.block)
+            rows = math.ceil(total / block)
             seg = _Segment(
                 index=i,
                 ratio=ratio,
@@ -139,8 +151,10 @@ class _SeparateReduction(CompressedReduction):
                 pack_offsets=offsets,
                 numel=total,
                 rows=rows,
-                error=torch.zeros(rows, self.block, dtype=torch.float32, device=device),
-                work=torch.zeros(rows, self.block, dtype=torch.float32, device=device),
+                block=block,
+                key=owner,
+                error=torch.zeros(rows, block, dtype=torch.float32, device=device),
+                work=torch.zeros(rows, block, dtype=torch.float32, device=device),
             )
             if residuals:
                 flat = seg.error.view(-1)
@@ -151,14 +165,28 @@ class _SeparateReduction(CompressedReduction):
         return segments
 
     def _omega(self, key: str, seg: _Segment, step: int) -> torch.Tensor:
-        return projection_block(
-            self.cfg.seed,
-            step,
-            f"{key}#{seg.index}/r{seg.ratio}",
-            self.block,
-            self.block // seg.ratio,
-            device=self.spec.buckets[0].grad.device,
-        )
+        """The segment's projection at ``step``: drawn afresh every ``refresh_interval``
+        steps (0: at every error reset), keyed by the bucket or, with blocks=layer, by the
+        parameter name."""
+        every = getattr(self.cfg, "refresh_interval", 1) or self.cfg.reset_interval
+        draw = step // every
+        name = seg.key or f"{key}#{seg.index}"
+        cache_key = (name, seg.ratio, seg.block, draw)
+        omega = self._omega_cache.get(cache_key)
+        if omega is None:
+            omega = projection_block(
+                self.cfg.seed,
+                draw,
+                f"{name}/r{seg.ratio}",
+                seg.block,
+                seg.block // seg.ratio,
+                device=self.spec.buckets[0].grad.device,
+            )
+            if every > 1:  # keep only the current draw of each segment
+                for stale in [k for k in self._omega_cache if k[:3] == cache_key[:3]]:
+                    del self._omega_cache[stale]
+                self._omega_cache[cache_key] = omega
+        return omega
 
     def _check_projections_agree(self) -> None:
         """One cheap all-reduce: every rank must generate bit-identical projections."""
@@ -234,7 +262,7 @@ class _SeparateReduction(CompressedReduction):
         lo, hi = split.view.region(reduce_scatter)
         offset = 0
         for seg, omega in zip(segments, omegas):
-            k = self.block // seg.ratio
+            k = seg.block // seg.ratio
             p = payload[offset : offset + seg.rows * k].view(seg.rows, k)
             offset += seg.rows * k
             # Pack-space interval of this segment that falls inside [lo, hi).
@@ -246,9 +274,9 @@ class _SeparateReduction(CompressedReduction):
                     last = off + (b - s.start)
             if first is None:
                 continue
-            r0, r1 = first // self.block, math.ceil(last / self.block)
+            r0, r1 = first // seg.block, math.ceil(last / seg.block)
             recon = reconstruct(p[r0:r1], omega).view(-1)
-            base = r0 * self.block
+            base = r0 * seg.block
             for s, off in zip(seg.slices, seg.pack_offsets):
                 a, b = max(s.start, lo), min(s.end, hi)
                 if a < b:
@@ -271,7 +299,7 @@ class _SeparateReduction(CompressedReduction):
         changed = False
         allowed = [r for r in range(1, self.block + 1) if self.block % r == 0]
         for seg, omega in zip(segments, omegas):
-            k = self.block // seg.ratio
+            k = seg.block // seg.ratio
             p = payload[offset : offset + seg.rows * k].view(seg.rows, k)
             offset += seg.rows * k
             estimate = reconstruct(p, omega).view(-1)

@@ -7,10 +7,10 @@ its options (``--separate-*``), what it builds (a gradient reducer) and its benc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
-from megatron_ext.config import ConfigError, check_positive, flag_of
+from megatron_ext.config import ConfigError, arg, check_positive, flag_of
 from megatron_ext.methods.registry import Components, Method, MethodContext, register
 
 __all__ = ["SeparateConfig", "METHOD"]
@@ -47,6 +47,20 @@ class SeparateConfig:
     reset_interval: int = 128
     """Reset the error-feedback buffer to zero every this many steps (paper: 128)."""
 
+    refresh_interval: int = 1
+    """Steps one random projection is used for: 1 draws a fresh one every step (the
+    paper's Algorithm 1, "generate fresh i.i.d. common random Gaussian vectors"); N reuses
+    each draw for N steps; 0 reuses it until the next error reset (a reading of the
+    paper's Algorithm 2, which keeps a buffer of random variables). Measured in
+    docs/methods-notes.md."""
+
+    blocks: str = field(default="bucket", metadata=arg(choices=("bucket", "layer")))
+    """How gradients are cut into projected rows: bucket views each flat gradient bucket as
+    rows of --separate-block-size entries sharing one projection (rows may span two
+    parameters); layer projects every weight matrix on its own, row by row (rows = the
+    matrix's rows, block = its row length, one projection per parameter name: the paper's
+    per-layer hooks). The ratio must divide every row length."""
+
     seed: int = 42
     """Seed of the common random projections (derived with the step and the bucket name, so
     every rank builds the same matrix without communicating and a restart reproduces it)."""
@@ -70,6 +84,13 @@ class SeparateConfig:
         cls = type(self)
         for name in ("ratio", "block_size", "reset_interval", "adapt_interval"):
             check_positive(cls, name, getattr(self, name))
+        check_positive(cls, "refresh_interval", self.refresh_interval, allow_zero=True)
+        if self.adaptive and self.blocks == "layer":
+            raise ConfigError(
+                [flag_of(cls, "adaptive"), flag_of(cls, "blocks")],
+                "G-SEPARATE adapts ratios within --separate-block-size blocks; use "
+                "--separate-blocks bucket with --separate-adaptive",
+            )
         if self.block_size % self.ratio:
             raise ConfigError(
                 [flag_of(cls, "ratio"), flag_of(cls, "block_size")],
@@ -111,7 +132,12 @@ def _build(ctx: MethodContext) -> Components:
 
 
 def _label(options: SeparateConfig) -> str:
-    return f"{'g-' if options.adaptive else ''}separate-{options.ratio}"
+    label = f"{'g-' if options.adaptive else ''}separate-{options.ratio}"
+    if options.blocks != "bucket":
+        label += f"-{options.blocks}"
+    if options.refresh_interval != 1:
+        label += f"-refresh{options.refresh_interval or 'reset'}"
+    return label
 
 
 METHOD = register(

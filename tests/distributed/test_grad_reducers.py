@@ -128,6 +128,99 @@ def test_separate_compresses_agrees_across_ranks_and_matches_reference():
     assert out["dense"] == 3 * (1120 + PAD) * 4
 
 
+def _reference(mean, blocks, step, refresh=1):
+    """SEPARATE's estimate of ``mean`` with no error feedback, built from the math module."""
+    import torch
+
+    from megatron_ext.compressors.separate import projection_block, reconstruct
+
+    slices, _ = _layout()
+    mats = [s for s in slices if len(s.shape) == 2]
+    out = mean.clone()
+    if blocks == "layer":  # each matrix by its own rows, keyed by its name
+        for s in mats:
+            c = s.shape[-1]
+            omega = projection_block(42, step // refresh, f"{s.fqn}/r8", c, c // 8)
+            m = mean[s.start : s.end].view(-1, c)
+            out[s.start : s.end] = reconstruct(m @ omega, omega).view(-1)
+        return out
+    packed = torch.cat([mean[s.start : s.end] for s in mats]).view(-1, 64)
+    omega = projection_block(42, step // refresh, "w1..ln#0/r8", 64, 8)
+    est, pos = reconstruct(packed @ omega, omega).view(-1), 0
+    for s in mats:
+        out[s.start : s.end] = est[pos : pos + s.end - s.start]
+        pos += s.end - s.start
+    return out
+
+
+@pytest.mark.parametrize("blocks,refresh", [("layer", 1), ("bucket", 2), ("bucket", 0)])
+def test_separate_readings_match_their_reference(blocks, refresh):
+    """--separate-blocks layer projects each matrix row by row with its own projection;
+    --separate-refresh-interval N reuses a draw for N steps (0: until the error reset)."""
+    import torch
+
+    kw = {"ratio": 8, "block_size": 64, "reset_interval": 1, "blocks": blocks}
+    kw["refresh_interval"] = refresh
+    results = run_ranks(_run, 2, "separate", kw, False, False, 4)
+    every = refresh or 1  # reset_interval 1: refresh 0 draws afresh every step
+    for step in range(4):
+        a, b = results[0]["outs"][step], results[1]["outs"][step]
+        assert torch.equal(a, b)
+        want = _reference(_dense_mean(step, 2), blocks, step, every)
+        live = sum(s.end - s.start for s in _layout()[0])
+        assert torch.allclose(a[:live], want[:live], atol=1e-5), step
+    # Same bytes in every reading: 1024 matrix entries / 8 plus 96 dense floats a step.
+    assert results[0]["sent"] == 4 * (1024 // 8 + 96) * 4
+
+
+def test_separate_refresh_interval_reuses_then_redraws():
+    import torch
+
+    kw = {"ratio": 8, "block_size": 64, "reset_interval": 1, "refresh_interval": 2}
+    outs = run_ranks(_run, 2, "separate", kw, False, False, 4)[0]["outs"]
+    # Steps 0 and 1 share a projection, step 2 draws a new one: the estimate of a fixed
+    # vector differs from step 1 to step 2 only.
+    fixed = _dense_mean(0, 2)
+    est = [_reference(fixed, "bucket", s, 2) for s in range(4)]
+    assert torch.equal(est[0], est[1]) and not torch.equal(est[1], est[2])
+    want = _reference(_dense_mean(2, 2), "bucket", 2, 2)
+    assert torch.allclose(outs[2][:1120], want[:1120], atol=1e-5)
+
+
+def _bind_layer(rank, world, ratio):
+    import torch
+    import torch.distributed as dist
+
+    from tests.helpers.reducers import bind, make_reducer
+
+    dist.init_process_group("gloo")
+    slices, n = _layout()
+    try:
+        bind(
+            make_reducer("separate", ratio=ratio, block_size=64, blocks="layer"),
+            torch.zeros(n),
+            slices,
+            key="w1..ln",
+        )
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_separate_layer_blocks_refuse_a_ratio_not_dividing_a_row():
+    # w2's rows hold 32 entries: ratio 64 divides the block size 64 but not them.
+    message = run_ranks(_bind_layer, 2, 64)[0]
+    assert message and "--separate-ratio 64" in message and "w2" in message
+
+
+def test_separate_layer_blocks_refuse_g_separate():
+    from megatron_ext.config import ConfigError
+    from megatron_ext.methods.separate import SeparateConfig
+
+    with pytest.raises(ConfigError, match="--separate-adaptive.*--separate-blocks"):
+        SeparateConfig(adaptive=True, blocks="layer")
+
+
 def test_separate_shard_reconstruction_equals_full():
     import torch
 

@@ -139,3 +139,17 @@ def test_frontier_and_time_tables_and_plots(tmp_path):
     assert rf.plot_frontier(records, str(tmp_path / "f.png"))
     assert rf.plot_loss_vs_wallclock(records, str(tmp_path / "t.png"))
     assert not math.isnan(rf.dp_bytes(records[2]))
+
+
+def test_the_report_reads_frontier_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks import common
+    from megatron_ext import report
+
+    rep = common.make_report("frontier", {}, _records(), {"device": "cpu"})
+    common.write_report(rep, str(tmp_path / "run"))
+    assert report.main([str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert md.index("## Which method at which bandwidth") < md.index("## Quality against bytes")
+    assert (tmp_path / "out" / "frontier.png").exists()
+    assert (tmp_path / "out" / "loss_vs_measured_time.png").exists()

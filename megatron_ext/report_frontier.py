@@ -328,8 +328,11 @@ def front_page_md(
             dense = final.get("none")
             if dense and dense["reached"]:
                 speed = f"{dense['seconds'] / reached[best]['seconds']:.1f}x"
-            elif dense:
+            elif dense and dense["seconds"] >= reached[best]["seconds"]:
                 speed = f"> {dense['seconds'] / reached[best]['seconds']:.1f}x"
+            elif dense:
+                # Stopped before the pick got there: no bound on the speed-up.
+                speed = f"none stopped at {dense['seconds']:.0f} s, unreached"
             else:
                 speed = "-"
             rows.append([bw, tokens, best, f"{reached[best]['seconds']:.0f} s", speed])

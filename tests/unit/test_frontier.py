@@ -125,6 +125,11 @@ def test_front_page_picks_by_measured_time_and_by_bytes_within_two_percent():
     # 30 s, did not: a lower bound on the speed-up.
     assert "| 100mbit | 1024 | powersgd-r14 |" in md
     assert "> " in md.split("powersgd-r14")[1].split("\n")[0]
+    # A dense run stopped before the pick got there bounds nothing: said, not a ratio < 1.
+    records = _records()
+    records[1]["curve"]["step_time_s"] = [0.1] * 10
+    md_short = "\n".join(rf.front_page_md(records))
+    assert "none stopped at 1 s, unreached" in md_short
     # Fewest bytes within 2%: PowerSGD (gap ~0.2%), not SEPARATE (gap ~7%) nor the control.
     assert "| 1024 | powersgd-r14 |" in md and "15.0x" in md
 

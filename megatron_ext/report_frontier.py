@@ -402,6 +402,8 @@ def plot_frontier(records: Sequence[Dict[str, Any]], path: str) -> Optional[str]
     if not batches:
         return None
     plt = _pyplot()
+    from matplotlib.ticker import NullFormatter
+
     fig, axes = plt.subplots(len(batches), 2, figsize=(12, 4.2 * len(batches)), squeeze=False)
     for row, tokens in enumerate(batches):
         points = _loss_points(records, tokens)
@@ -443,6 +445,7 @@ def plot_frontier(records: Sequence[Dict[str, Any]], path: str) -> Optional[str]
                     label="Pareto front",
                 )
             ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())  # label the decades only
             ax.set_xlabel("DP gradient MB per step (all ranks)")
             ax.set_ylabel("final training loss" if col == 0 else "held-out loss")
             ax.set_title(f"{tokens} tokens/step, {next(iter(points.values()))['iters']} steps")

@@ -19,6 +19,8 @@ run() { python benchmarks/frontier.py "$@"; }
 run "${B8[@]}" --out "$OUT/b8" --points separate:ratio=2,4,8,32 powersgd:approx_rank=7,55 \
     radius:density=0.1,0.2 linear/topr:rank=64 \
     separate:ratio=16:blocks=layer separate:ratio=16:refresh_interval=0
+# Radius at the top of the density range; Grass top-r at other ranks.
+run "${B8[@]}" --out "$OUT/b8-extra" --points radius:density=0.6 linear/topr:rank=32,128
 # The spread of SEPARATE-16 over projection seeds (how far apart two readings must be).
 run "${B8[@]}" --out "$OUT/b8-seeds" --points separate:ratio=16:seed=7,99 \
     separate:ratio=16:blocks=layer:seed=7
@@ -44,6 +46,6 @@ run "${B32[@]}" --out "$OUT/b32" --points none separate:ratio=16 powersgd:approx
 # PowerSGD at 4,096 tokens: a lower rank, and rank 14 dense for 10% of the steps (not 30).
 run "${B32[@]}" --out "$OUT/b32-powersgd" --points powersgd:approx_rank=7 \
     powersgd:approx_rank=14:start_step=15
-megatron-ext report "$OUT"/b8 "$OUT"/b8-seeds "$OUT"/ttt-1gbit "$OUT"/ttt-100mbit \
-    "$OUT"/ttt-100mbit-none "$OUT"/ttt-10mbit "$OUT"/ttt-10mbit-none "$OUT"/b32 \
-    "$OUT"/b32-powersgd --out "$OUT/report"
+megatron-ext report "$OUT"/b8 "$OUT"/b8-extra "$OUT"/b8-seeds "$OUT"/ttt-1gbit \
+    "$OUT"/ttt-100mbit "$OUT"/ttt-100mbit-none "$OUT"/ttt-10mbit "$OUT"/ttt-10mbit-none \
+    "$OUT"/b32 "$OUT"/b32-powersgd --out "$OUT/report"

@@ -153,7 +153,12 @@ def _add_bench(data: RunData, report: Dict[str, Any], source: str) -> None:
         elif kind == "convergence":
             data.convergence[r.get("label") or r["method"]] = r
         elif kind == "frontier":
-            data.frontier[(r["tokens_per_step"], r["label"], r.get("bandwidth"))] = r
+            key = (r["tokens_per_step"], r["label"], r.get("bandwidth"))
+            old = data.frontier.get(key)
+            # A run stopped by its time limit never replaces a complete run of the same
+            # setting, whatever the order of the inputs; otherwise later inputs win.
+            if not (old and r.get("truncated") and not old.get("truncated")):
+                data.frontier[key] = r
 
 
 def _bench_label(family: Optional[str], r: Dict[str, Any]) -> str:

@@ -158,3 +158,20 @@ def test_the_report_reads_frontier_json(tmp_path):
     assert md.index("## Which method at which bandwidth") < md.index("## Quality against bytes")
     assert (tmp_path / "out" / "frontier.png").exists()
     assert (tmp_path / "out" / "loss_vs_measured_time.png").exists()
+
+
+def test_a_stopped_run_never_replaces_a_complete_one_of_the_same_setting(tmp_path):
+    from benchmarks import common
+    from megatron_ext import report
+
+    loss = [10.0 - 0.1 * i for i in range(40)]
+    complete = _run("none", loss, 3.0, sent=6e7, bw="100mbit")
+    stopped = _run("none", loss[:10], 3.0, sent=6e7, bw="100mbit", truncated=True, ok=False)
+    paths = []
+    for name, rec in (("a", complete), ("b", stopped), ("c", complete)):
+        common.write_report(common.make_report("frontier", {}, [rec], {}), str(tmp_path / name))
+        paths.append(str(tmp_path / name / "frontier.json"))
+    for order in (paths[:2], paths[1:]):
+        data = report.load_runs(order)
+        (kept,) = data.frontier.values()
+        assert not kept.get("truncated") and kept["iters"] == 40, order

@@ -33,6 +33,22 @@ Contract (what a bound reduction must guarantee):
     * Every transfer is recorded in ``spec.meter`` (category ``dp-grad``) with its dense
       equivalent, and issued inside ``ProcessGroupTrafficMeter.tagged("dp-grad")``.
     * State (residuals, counters) is keyed by parameter FQN, never by bucket index.
+    * **A step is a transaction.** ``launch`` and ``wait`` only *stage* the state a step
+      computes (new residuals, warm starts, selections); :meth:`GradReducer.end_step`, called
+      once the optimizer has decided (megatron's ``update_successful``), commits it when the
+      update was applied and drops it when the step was skipped (an fp16 overflow), so a
+      skipped step leaves every residual as it was before the step. ``end_step`` also
+      rescales loss-scaled state (residuals are in the units of the loss-scaled gradient)
+      when the loss scale changes. A ``launch`` with a step still staged drops it (megatron
+      may replay a step's backward before its optimizer step).
+    * **Non-finite inputs reach every rank.** A compressed reduction appends one flag to its
+      payload: whether this rank's input (gradient plus residual) holds a NaN or Inf. After
+      the collective every rank knows whether any rank's did, and makes its applied gradient
+      non-finite if so (:meth:`CompressedReduction.poison`), so megatron's loss scaler skips
+      the step on every rank even when the compressed values themselves stayed finite (a
+      Radius entry waiting in the residual). No host synchronization: the flag stays on the
+      device; :meth:`GradReducer.nonfinite` gives it to the optimizer hook, which stops
+      training when no loss scaler can skip the step.
 
 Constraints:
     torch.distributed only; never imports Megatron.
@@ -52,6 +68,7 @@ from megatron_ext.accounting import (
     ProcessGroupTrafficMeter,
     collective_wire_bytes,
 )
+from megatron_ext.optim.hooks import OptimizerHook, OptimizerView
 
 __all__ = [
     "ParamSlice",
@@ -64,6 +81,7 @@ __all__ = [
     "DenseGradReducer",
     "shard_bounds",
     "all_gather_flat",
+    "ReducerStepHook",
 ]
 
 
@@ -241,12 +259,33 @@ class BoundReduction(abc.ABC):
             A handle with ``wait()``, or None if the reduction already finished.
         """
 
+    #: Device flag of the last launch: > 0 when a rank's input was not finite (None: no
+    #: compressed launch yet, or a dense one megatron's own checks cover).
+    nonfinite: Optional[torch.Tensor] = None
+
+    def end_step(self, applied: bool, rescale: Optional[torch.Tensor] = None) -> None:
+        """Close the step: commit the staged state if ``applied``, else drop it.
+
+        Args:
+            applied: the optimizer applied this step's gradient (megatron's
+                ``update_successful``).
+            rescale: new loss scale over the scale this step's gradients carry (a 0-d
+                device tensor; None when there is no loss scaling). Loss-scaled state is
+                multiplied by it so that it stays in the units of the next gradient.
+        """
+
     def state_dict(self) -> Dict[str, Any]:
         """Rank-local state of this group's parameters, keyed by role and FQN."""
         return {}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore the keys of :meth:`state_dict` (the reducer checks the key set)."""
+
+
+def scale_state(tensor: Optional[torch.Tensor], rescale: Optional[torch.Tensor]) -> None:
+    """Multiply loss-scaled state by ``rescale`` in place (nothing without loss scaling)."""
+    if tensor is not None and rescale is not None:
+        tensor.mul_(rescale.to(tensor.dtype))
 
 
 @dataclass
@@ -292,6 +331,34 @@ class CompressedReduction(BoundReduction):
         for s in split.dense:
             split.view.grad[s.start : s.end].copy_(flat[pos : pos + s.numel])
             pos += s.numel
+
+    # -- non-finite inputs ------------------------------------------------------------------
+
+    @staticmethod
+    def input_flag(device: torch.device, *tensors: torch.Tensor) -> torch.Tensor:
+        """``[1]`` fp32 on the device: 1 if any of ``tensors`` (this rank's input to the
+        compressor: gradient plus residual) holds a NaN or Inf, else 0. Appended to the
+        payload, it is summed by the collective, so every rank learns whether any rank's
+        input was not finite (no extra collective, no host synchronization)."""
+        bad = [torch.isfinite(t).logical_not().any() for t in tensors if t.numel()]
+        if not bad:
+            return torch.zeros(1, dtype=torch.float32, device=device)
+        flag = torch.stack(bad).any() if len(bad) > 1 else bad[0]
+        return flag.to(torch.float32).reshape(1)
+
+    def poison(self, view: BucketView, flag: torch.Tensor, reduce_scatter: bool) -> None:
+        """Make the applied gradient non-finite when ``flag`` (the reduced input flags) says
+        some rank's input was: megatron's loss scaler then skips the step on every rank, and
+        without loss scaling :class:`ReducerStepHook` stops training. Device-side only."""
+        flag = flag.reshape(1)
+        self.nonfinite = flag if self.nonfinite is None else torch.maximum(self.nonfinite, flag)
+        lo, hi = view.region(reduce_scatter)
+        if hi <= lo:
+            return
+        inf = torch.full_like(flag, float("inf"))
+        view.grad[lo : lo + 1].add_(
+            torch.where(flag > 0, inf, torch.zeros_like(flag)).to(view.grad.dtype)
+        )
 
     # -- collectives -----------------------------------------------------------------------
 
@@ -365,6 +432,21 @@ class GradReducer(abc.ABC):
     def _bind(self, spec: BucketGroupSpec) -> BoundReduction:
         """The bound reduction of ``spec``."""
 
+    def end_step(self, applied: bool, rescale: Optional[torch.Tensor] = None) -> None:
+        """Commit (``applied``) or drop every bound group's staged state; see
+        :meth:`BoundReduction.end_step`."""
+        for bound in self.bound:
+            bound.end_step(applied, rescale)
+            bound.nonfinite = None
+
+    def nonfinite(self) -> Optional[torch.Tensor]:
+        """Device flag of the step: > 0 when some rank's input to a compressed reduction
+        held a NaN or Inf (None when no compressed reduction ran)."""
+        flags = [b.nonfinite for b in self.bound if b.nonfinite is not None]
+        if not flags:
+            return None
+        return torch.stack([f.reshape(()) for f in flags]).amax()
+
     def state_dict(self) -> Dict[str, Any]:
         """Rank-local state of every bound group (tensors and primitives only)."""
         out: Dict[str, Any] = {}
@@ -434,3 +516,42 @@ class DenseGradReducer(GradReducer):
 
     def _bind(self, spec: BucketGroupSpec) -> BoundReduction:
         return _DenseReduction(spec)
+
+
+class ReducerStepHook(OptimizerHook):
+    """Ties a reducer's step transaction to the optimizer step (installed with every reducer).
+
+    ``pre_step`` reads the loss scale the step's gradients carry; without loss scaling it
+    stops training when a rank's input was not finite (the one host synchronization, at the
+    optimizer step, where megatron synchronizes for the gradient norm anyway): nothing
+    could skip the step, and the gradient must not be applied. ``post_step`` commits or
+    drops the reducer's staged state and rescales it by the loss scale's change.
+    """
+
+    name = "grad_reducer_step"
+
+    def __init__(self, reducer: GradReducer):
+        self.reducer = reducer
+        self._scale: Optional[torch.Tensor] = None
+
+    def pre_step(self, view: OptimizerView) -> None:
+        scale = view.loss_scale()
+        self._scale = None if scale is None else scale.detach().clone()
+        if scale is None:
+            flag = self.reducer.nonfinite()
+            if flag is not None and bool(flag > 0):
+                self.reducer.end_step(applied=False)
+                raise RuntimeError(
+                    f"megatron-ext: found NaN or Inf in the gradient rebuilt by the "
+                    f"'{self.reducer.name}' reduction (a rank's local gradient plus its "
+                    f"error-feedback residual) at iteration {view.step + 1}; without loss "
+                    "scaling the step cannot be skipped, so training stops before applying it"
+                )
+
+    def post_step(self, view: OptimizerView, update_successful: bool) -> None:
+        rescale = None
+        if self._scale is not None:
+            new = view.loss_scale()
+            if new is not None:
+                rescale = (new.detach().float() / self._scale.float()).reshape(())
+        self.reducer.end_step(bool(update_successful), rescale)

@@ -41,6 +41,7 @@ from megatron_ext.collectives.grad_reducer import (
     GradReducer,
     ParamSlice,
     _DenseReduction,
+    scale_state,
 )
 from megatron_ext.compressors.lowrank import compressible, initial_q, orthogonalize
 
@@ -81,6 +82,7 @@ class _PowerSGDReduction(CompressedReduction):
         self.cfg = cfg
         super().__init__(spec)
         self._dense = _DenseReduction(spec)
+        self._staged: Optional[list] = None
         self.matrices: List[List[_Matrix]] = []
         for split in self.splits:
             device = split.view.grad.device
@@ -101,21 +103,24 @@ class _PowerSGDReduction(CompressedReduction):
         )
 
     def launch(self, step: int, force_all_reduce: bool = False) -> Optional[Any]:
+        self._staged = None  # a replayed step starts again from the committed state
         if step < self.cfg.start_step:
             return self._dense.launch(step, force_all_reduce)
+        reduce_scatter = self.spec.distributed_optimizer and not force_all_reduce
         works, pending = [], []
+        self._staged = []
         for split, mats in zip(self.splits, self.matrices):
             grad = split.view.grad
-            ms, ps = [], []
+            ms, ps, qs = [], [], []
             for mat in mats:
                 m = grad[mat.slice.start : mat.slice.end].view(mat.rows, mat.cols).float()
                 if mat.error is not None:
                     m = m + mat.error
                 if self.cfg.warm_start:
                     # PyTorch re-orthogonalizes the previous step's (all-reduced) Q.
-                    mat.q = orthogonalize(mat.q)
+                    q = orthogonalize(mat.q)
                 else:
-                    mat.q = initial_q(
+                    q = initial_q(
                         self.cfg.seed,
                         mat.slice.fqn,
                         step,
@@ -124,15 +129,17 @@ class _PowerSGDReduction(CompressedReduction):
                         grad.device,
                     )
                 ms.append(m)
-                ps.append(m @ mat.q)
-            payload = torch.cat([p.reshape(-1) for p in ps] + self.pack_dense(split))
+                ps.append(m @ q)
+            flag = self.input_flag(grad.device, *ms, *[grad[s.start : s.end] for s in split.dense])
+            payload = torch.cat([p.reshape(-1) for p in ps] + self.pack_dense(split) + [flag])
             dense = self.dense_wire_bytes(split.view, force_all_reduce)
             works.append(self.all_reduce(payload, dense=dense))
             pending.append((split, mats, ms, payload))
 
         def then():
             for split, mats, ms, payload in pending:
-                self._second_round(split, mats, ms, payload)
+                self._second_round(split, mats, ms, payload[:-1])
+                self.poison(split.view, payload[-1:], reduce_scatter)
 
         return self.finish(works, then)
 
@@ -161,10 +168,22 @@ class _PowerSGDReduction(CompressedReduction):
             q = q_payload[offset : offset + mat.cols * r].view(mat.cols, r)
             offset += mat.cols * r
             approx = p @ q.t()
-            if mat.error is not None:
-                mat.error.copy_(m - share * approx)
+            # Staged until end_step: the new error (in m's own buffer, a fresh tensor when
+            # error feedback is on) and the warm start.
+            error = m.sub_(share * approx) if mat.error is not None else None
             grad[mat.slice.start : mat.slice.end].view(mat.rows, mat.cols).copy_(approx)
-            mat.q = q.clone()
+            self._staged.append((mat, error, q.clone()))
+
+    def end_step(self, applied: bool, rescale: Optional[torch.Tensor] = None) -> None:
+        staged, self._staged = self._staged, None
+        if staged is not None and applied:
+            for mat, error, q in staged:
+                if error is not None:
+                    mat.error = error
+                mat.q = q
+        for mats in self.matrices:
+            for mat in mats:
+                scale_state(mat.error, rescale)
 
     def state_dict(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {}
@@ -176,8 +195,11 @@ class _PowerSGDReduction(CompressedReduction):
         return out
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        for mats in self.matrices:
+        for split, mats in zip(self.splits, self.matrices):
+            device = split.view.grad.device
             for mat in mats:
-                mat.q = state[f"q/{mat.slice.fqn}"].clone()
+                # A checkpoint may be loaded onto the CPU (map_location="cpu"): the warm start
+                # belongs on the gradient's device.
+                mat.q = state[f"q/{mat.slice.fqn}"].to(device=device, dtype=torch.float32).clone()
                 if mat.error is not None:
                     mat.error.copy_(state[f"error/{mat.slice.fqn}"])

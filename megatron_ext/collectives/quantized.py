@@ -45,6 +45,7 @@ from megatron_ext.collectives.grad_reducer import (
     GradReducer,
     ParamSlice,
     all_gather_flat,
+    scale_state,
 )
 from megatron_ext.compressors.quantize import (
     Quantized,
@@ -90,12 +91,16 @@ class _Partitioned:
         self.block = block
 
     def spread(self, flat: torch.Tensor) -> torch.Tensor:
-        """``[W, padded]`` fp32: partition ``j`` in row ``j`` (zeros past the bucket)."""
+        """``[W, padded]`` fp32: partition ``j`` in row ``j`` (zeros past the bucket).
+
+        A fixed number of device ops whatever ``W`` (no loop over ranks)."""
         out = torch.zeros(self.size, self.padded, dtype=torch.float32, device=flat.device)
-        for j in range(self.size):
-            lo, hi = j * self.part, min((j + 1) * self.part, self.n)
-            if lo < hi:
-                out[j, : hi - lo] = flat[lo:hi]
+        if self.part == self.padded:
+            out.view(-1)[: self.n].copy_(flat)
+        else:
+            chunks = torch.zeros(self.size * self.part, dtype=torch.float32, device=flat.device)
+            chunks[: self.n].copy_(flat)
+            out[:, : self.part].copy_(chunks.view(self.size, self.part))
         return out
 
     def gather(self, parts: torch.Tensor) -> torch.Tensor:
@@ -117,11 +122,23 @@ class _QuantizedReduction(CompressedReduction):
         self.server_error = [
             torch.zeros(p.padded, dtype=torch.float32, device=device) for p in self.layouts
         ]
+        # New errors of the step in flight, committed by end_step: ("worker"|"server", i).
+        self._staged: Dict[Tuple[str, int], torch.Tensor] = {}
 
     def compresses(self, s: ParamSlice) -> bool:
         return True  # the whole flat bucket, vectors included
 
     # -- quantized partitions on the wire -------------------------------------------------
+    #
+    # Every rank's partitions are packed, sent, unpacked and dequantized as one batch of
+    # ``W`` rows: the device ops per bucket do not grow with the data-parallel size.
+
+    def _code_width(self, layout: _Partitioned) -> int:
+        """Codes per partition as packed: ``padded``, rounded up to whole groups of 8 below
+        8 bits (what :func:`pack_bits` does to a single partition)."""
+        if self.cfg.bits == 8:
+            return layout.padded
+        return -(-layout.padded // 8) * 8
 
     def _partition_nbytes(self, layout: _Partitioned) -> int:
         return packed_nbytes(layout.padded, self.cfg.bits) + 2 * layout.rows
@@ -136,25 +153,41 @@ class _QuantizedReduction(CompressedReduction):
             stochastic=self.cfg.rounding == "stochastic",
         )
 
-    def _pack(self, q: Quantized, index: Tuple[int, ...] = ()) -> torch.Tensor:
-        codes, scales = (q.codes[index], q.scales[index]) if index else (q.codes, q.scales)
-        return torch.cat(
-            [pack_bits(codes, self.cfg.bits), scales.contiguous().view(torch.uint8).reshape(-1)]
-        )
+    def _pack_rows(self, q: Quantized, layout: _Partitioned, extra=None) -> torch.Tensor:
+        """``[W', nbytes]`` uint8: each partition's packed codes then its fp16 scales (and
+        ``extra`` bytes per row, if given), for ``q`` of ``W'`` partitions."""
+        codes = q.codes.reshape(-1, layout.padded)
+        width = self._code_width(layout)
+        if width != layout.padded:
+            codes = torch.nn.functional.pad(codes, (0, width - layout.padded))
+        count = codes.shape[0]
+        parts = [
+            pack_bits(codes, self.cfg.bits).view(count, -1),
+            q.scales.contiguous().view(torch.uint8).reshape(count, -1),
+        ]
+        if extra is not None:
+            parts.append(extra)
+        return torch.cat(parts, dim=1)
 
-    def _unpack(self, payload: torch.Tensor, layout: _Partitioned) -> torch.Tensor:
-        """Dequantized ``[padded]`` fp32 of one partition's bytes."""
+    def _unpack_rows(self, payload: torch.Tensor, layout: _Partitioned) -> torch.Tensor:
+        """Dequantized ``[W', padded]`` fp32 of ``[W', nbytes]`` partition bytes."""
+        count = payload.shape[0]
         ncodes = packed_nbytes(layout.padded, self.cfg.bits)
-        codes = unpack_bits(payload[:ncodes], self.cfg.bits, layout.padded)
-        scales = payload[ncodes:].clone().view(torch.float16).view(layout.rows, 1)
+        width = self._code_width(layout)
+        codes = unpack_bits(payload[:, :ncodes].reshape(-1), self.cfg.bits, count * width)
+        codes = codes.view(count, width)[:, : layout.padded]
+        scales = payload[:, ncodes : ncodes + 2 * layout.rows].contiguous().view(torch.float16)
         q = Quantized(
-            codes=codes.view(layout.rows, layout.block), scales=scales, bits=self.cfg.bits
+            codes=codes.reshape(count, layout.rows, layout.block),
+            scales=scales.reshape(count, layout.rows, 1),
+            bits=self.cfg.bits,
         )
-        return dequantize(q).reshape(-1)
+        return dequantize(q).reshape(count, layout.padded)
 
     # -- the reduction --------------------------------------------------------------------
 
     def launch(self, step: int, force_all_reduce: bool = False) -> Optional[Any]:
+        self._staged = {}  # a replayed step starts again from the committed state
         spec = self.spec
         reduce_scatter = spec.distributed_optimizer and not force_all_reduce
         works, pending = [], []
@@ -164,8 +197,11 @@ class _QuantizedReduction(CompressedReduction):
                 h += self.worker_error[i]
             q = self._quantize_rows(h, layout)
             if self.cfg.error_feedback:
-                self.worker_error[i] = h - dequantize(q).reshape(h.shape)
-            send = torch.cat([self._pack(q, (j,)) for j in range(layout.size)])
+                self._staged[("worker", i)] = h - dequantize(q).reshape(h.shape)
+            # This rank's input flag rides along with every partition (4 bytes each).
+            flag = self.input_flag(h.device, h).expand(layout.size).contiguous()
+            send = self._pack_rows(q, layout, flag.view(torch.uint8).view(layout.size, 4))
+            send = send.reshape(-1)
             recv = torch.empty_like(send)
             with ProcessGroupTrafficMeter.tagged("dp-grad"):
                 work = torch.distributed.all_to_all_single(
@@ -184,10 +220,9 @@ class _QuantizedReduction(CompressedReduction):
     def _finish(self, i, view: BucketView, layout: _Partitioned, recv, reduce_scatter) -> None:
         spec = self.spec
         nbytes = self._partition_nbytes(layout)
-        copies = torch.stack(
-            [self._unpack(recv[j * nbytes : (j + 1) * nbytes], layout) for j in range(layout.size)]
-        )
-        r = copies.sum(dim=0)
+        rows = recv.view(layout.size, nbytes + 4)
+        flag = rows[:, nbytes:].contiguous().view(torch.float32).sum().reshape(1)
+        r = self._unpack_rows(rows[:, :nbytes], layout).sum(dim=0)
         if spec.op != torch.distributed.ReduceOp.SUM:
             r /= layout.size
         me = spec.group_rank
@@ -195,24 +230,29 @@ class _QuantizedReduction(CompressedReduction):
         if reduce_scatter:
             # Only this rank's shard is needed: the exact reduction of the workers' codes.
             view.grad[lo:hi].copy_(r[: hi - lo])
+            self.poison(view, flag, reduce_scatter)
             return
         s = r + self.server_error[i] if self.cfg.error_feedback else r
         q = self._quantize_rows(s, layout)
         if self.cfg.error_feedback:
-            self.server_error[i] = s - dequantize(q).reshape(-1)
-        mine = self._pack(q)
+            self._staged[("server", i)] = s - dequantize(q).reshape(-1)
+        mine = self._pack_rows(q, layout).reshape(-1)
         gathered = torch.empty(layout.size * nbytes, dtype=torch.uint8, device=mine.device)
         with ProcessGroupTrafficMeter.tagged("dp-grad"):
             all_gather_flat(gathered, mine, spec.group)
         # Dense equivalent recorded with the all-to-all.
         self.record("all_gather", gathered, 0)
-        parts = torch.stack(
-            [
-                self._unpack(gathered[j * nbytes : (j + 1) * nbytes], layout)
-                for j in range(layout.size)
-            ]
-        )
+        parts = self._unpack_rows(gathered.view(layout.size, nbytes), layout)
         view.grad.copy_(layout.gather(parts).to(view.grad.dtype))
+        self.poison(view, flag, reduce_scatter)
+
+    def end_step(self, applied: bool, rescale: Optional[torch.Tensor] = None) -> None:
+        staged, self._staged = self._staged, {}
+        if applied:
+            for (kind, i), error in staged.items():
+                (self.worker_error if kind == "worker" else self.server_error)[i] = error
+        for error in self.worker_error + self.server_error:
+            scale_state(error, rescale)
 
     # -- state ----------------------------------------------------------------------------
 

@@ -49,9 +49,13 @@ from megatron_ext.collectives.grad_reducer import (
     _DenseReduction,
     _Split,
     all_gather_flat,
+    scale_state,
 )
 from megatron_ext.compressors.topk import adamw_corrected_gradient, topk_mask
+from megatron_ext.logging import get_logger, log_rank_0
 from megatron_ext.optim.hooks import OptimizerHook, OptimizerView
+
+logger = get_logger(__name__)
 
 __all__ = ["RadiusReducer", "RadiusOptimizerHook"]
 
@@ -87,30 +91,47 @@ class RadiusReducer(GradReducer):
         self.selections = 0
         self.mask_version = 0
 
-    def phase(self, step: int) -> str:
-        """'dense' before the sparse phase, 'select' on reselection steps, else 'sparse'."""
+    def due(self, step: int) -> int:
+        """Selections due by ``step`` (one at the sparse phase's start and every ``T``)."""
         start = self.cfg.dense_steps
-        if step < start:
+        return 0 if step < start else (step - start) // self.cfg.interval + 1
+
+    def phase(self, step: int) -> str:
+        """'dense' before the sparse phase, 'select' while a selection is due, else 'sparse'.
+
+        A selection is due on every reselection step and stays due until one is made: a
+        selection step whose optimizer step is skipped (an fp16 overflow) or that finds the
+        optimizer without moments yet is followed by another dense selection step."""
+        if step < self.cfg.dense_steps:
             return "dense"
-        if (step - start) % self.cfg.interval == 0:
+        if self.selections < self.due(step):
             return "select"
         return "sparse"
 
     def _bind(self, spec: BucketGroupSpec) -> BoundReduction:
         return _RadiusReduction(self, spec)
 
-    def set_masks(self, masks: Dict[str, torch.Tensor]) -> None:
-        """Replace the selected entries of the given weights (bool, flattened)."""
+    def set_masks(self, masks: Dict[str, torch.Tensor], step: int) -> None:
+        """Replace the selected entries of the given weights (bool, flattened): the
+        selection due at ``step`` is made."""
         self.masks.update(masks)
         self.mask_version += 1
+        self.selections = self.due(step)
 
-    def select(self, view: OptimizerView) -> None:
-        """Choose each weight's top-k entries from the AdamW-corrected gradient."""
+    def select(self, view: OptimizerView) -> bool:
+        """Choose each weight's top-k entries from the AdamW-corrected gradient.
+
+        Returns:
+            False (and nothing changes) when the optimizer has no moments yet for some
+            weight of this rank: the selection stays due.
+        """
+        if not all(bound.has_moments(view) for bound in self.bound):
+            return False
         new_masks: Dict[str, torch.Tensor] = {}
         for bound in self.bound:
             new_masks.update(bound.select(view))
-        self.set_masks(new_masks)
-        self.selections += 1
+        self.set_masks(new_masks, view.step)
+        return True
 
     def state_dict(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {"selections": self.selections}
@@ -154,16 +175,44 @@ class _RadiusReduction(CompressedReduction):
         ]
         self._index: List[Optional[_Index]] = [None] * len(self.splits)
         self._index_key: List[Any] = [None] * len(self.splits)
+        # The step in flight: "select" (residuals to zero) or the new residuals.
+        self._staged: Any = None
 
     def launch(self, step: int, force_all_reduce: bool = False) -> Optional[Any]:
+        self._staged = None  # a replayed step starts again from the committed state
         phase = self.reducer.phase(step)
         if phase == "sparse":
             return self._launch_sparse(force_all_reduce)
         if phase == "select":
+            # The residuals travel with this dense step; they are zeroed when it is applied.
             for split, residual in zip(self.splits, self.residuals):
                 split.view.grad.add_(residual.to(split.view.grad.dtype))
-                residual.zero_()
+            grads = [split.view.grad for split in self.splits]
+            # Dense: a non-finite value reaches every rank through the collective itself;
+            # the flag only lets the optimizer hook stop a run without loss scaling.
+            self.nonfinite = self.input_flag(grads[0].device, *grads)
+            self._staged = "select"
         return self._dense.launch(step, force_all_reduce)
+
+    def end_step(self, applied: bool, rescale: Optional[torch.Tensor] = None) -> None:
+        staged, self._staged = self._staged, None
+        if applied and staged == "select":
+            for residual in self.residuals:
+                residual.zero_()
+        elif applied and staged is not None:
+            self.residuals = staged
+        for residual in self.residuals:
+            scale_state(residual, rescale)
+
+    def has_moments(self, view: OptimizerView) -> bool:
+        """Whether the optimizer holds moments for every weight of this group on this rank
+        (a rank without any part of a weight under the distributed optimizer counts)."""
+        for split in self.splits:
+            for s in split.matrices:
+                st = view.param_state(s.fqn)
+                if st is not None and "exp_avg" not in st.state:
+                    return False
+        return True
 
     def _ensure_index(self, i: int, reduce_scatter: bool) -> _Index:
         key = (self.reducer.mask_version, reduce_scatter)
@@ -207,38 +256,50 @@ class _RadiusReduction(CompressedReduction):
         spec = self.spec
         reduce_scatter = spec.distributed_optimizer and not force_all_reduce
         kind = "reduce_scatter" if reduce_scatter else "all_reduce"
-        works, pending = [], []
+        works, pending, staged = [], [], []
         for i, (split, residual) in enumerate(zip(self.splits, self.residuals)):
             idx = self._ensure_index(i, reduce_scatter)
             grad = split.view.grad
-            # Unselected entries wait in the residual until the next selection step.
-            residual.add_(grad.float() * idx.unselected)
+            # Unselected entries wait in the residual until the next selection step (the
+            # new residual is staged: end_step keeps it only if the step is applied).
+            new_residual = residual + grad.float() * idx.unselected
+            staged.append(new_residual)
+            # The flag of this rank's input (gradient and residual) rides in the payload.
+            flag = self.input_flag(grad.device, grad, new_residual)
             with ProcessGroupTrafficMeter.tagged("dp-grad"):
                 if reduce_scatter:
-                    payload = grad.index_select(0, idx.padded_index).float()
-                    payload.mul_(idx.padded_valid)
+                    values = grad.index_select(0, idx.padded_index).float()
+                    values.mul_(idx.padded_valid)
+                    # One flag slot after each rank's group: each rank receives the sum.
+                    size = spec.group_size
+                    payload = torch.cat(
+                        [values.view(size, -1), flag.expand(size).reshape(size, 1)], dim=1
+                    ).reshape(-1)
                     out = torch.empty(
-                        payload.numel() // spec.group_size, dtype=payload.dtype, device=grad.device
+                        payload.numel() // size, dtype=payload.dtype, device=grad.device
                     )
                     work = torch.distributed.reduce_scatter_tensor(
                         out, payload, op=spec.op, group=spec.group, async_op=spec.async_op
                     )
                 else:
-                    payload = out = grad.index_select(0, idx.index).float()
+                    payload = out = torch.cat([grad.index_select(0, idx.index).float(), flag])
                     work = torch.distributed.all_reduce(
                         payload, op=spec.op, group=spec.group, async_op=spec.async_op
                     )
             self.record(kind, payload, self.dense_wire_bytes(split.view, force_all_reduce))
             works.append(work)
-            pending.append((grad, idx, out))
+            pending.append((split.view, idx, out))
+        self._staged = staged
 
         def then():
-            for grad, idx, out in pending:
+            for view, idx, out in pending:
+                grad = view.grad
                 grad.masked_fill_(idx.unselected, 0.0)
                 if reduce_scatter:
                     grad.index_copy_(0, idx.shard_index, out[: idx.shard_count].to(grad.dtype))
                 else:
-                    grad.index_copy_(0, idx.index, out.to(grad.dtype))
+                    grad.index_copy_(0, idx.index, out[:-1].to(grad.dtype))
+                self.poison(view, out[-1:], reduce_scatter)
 
         return self.finish(works, then)
 
@@ -342,7 +403,22 @@ class RadiusOptimizerHook(OptimizerHook):
 
     def __init__(self, reducer: RadiusReducer):
         self.reducer = reducer
+        self._postponed = -1
 
     def post_step(self, view: OptimizerView, update_successful: bool) -> None:
-        if self.reducer.phase(view.step) == "select":
-            self.reducer.select(view)
+        # Only after an applied step: a skipped one (fp16 overflow) leaves the moments as
+        # they were, possibly not yet allocated; the selection then stays due.
+        if self.reducer.phase(view.step) != "select":
+            return
+        if update_successful and self.reducer.select(view):
+            return
+        due = self.reducer.due(view.step)
+        if self._postponed != due:  # one line per postponed selection, not per step
+            self._postponed = due
+            log_rank_0(
+                logger,
+                20,
+                f"megatron_ext: Radius selection due at iteration {view.step + 1} postponed "
+                "(optimizer step skipped or no Adam moments yet); each next step reselects "
+                "until one is applied",
+            )

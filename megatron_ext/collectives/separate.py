@@ -56,12 +56,12 @@ from megatron_ext.collectives.grad_reducer import (
     CompressedReduction,
     GradReducer,
     ParamSlice,
+    scale_state,
 )
 from megatron_ext.compressors.separate import (
     projection_block,
     random_projection_cosine,
     reconstruct,
-    update_error,
 )
 
 __all__ = ["SeparateReducer"]
@@ -81,7 +81,6 @@ class _Segment:
     block: int
     key: str  # what the projection is keyed by: the bucket, or the parameter (blocks=layer)
     error: torch.Tensor  # [rows, block] fp32, zero past numel
-    work: torch.Tensor  # [rows, block] fp32
 
 
 class SeparateReducer(GradReducer):
@@ -108,6 +107,7 @@ class _SeparateReduction(CompressedReduction):
     def __init__(self, cfg: Any, spec: BucketGroupSpec):
         super().__init__(spec)
         self.cfg = cfg
+        self._staged: Optional[Tuple[list, list]] = None
         self.block = cfg.block_size
         self.per_layer = getattr(cfg, "blocks", "bucket") == "layer"
         self._omega_cache: Dict[Tuple[str, int, int, int], torch.Tensor] = {}
@@ -154,7 +154,6 @@ class _SeparateReduction(CompressedReduction):
                 block=block,
                 key=owner,
                 error=torch.zeros(rows, block, dtype=torch.float32, device=device),
-                work=torch.zeros(rows, block, dtype=torch.float32, device=device),
             )
             if residuals:
                 flat = seg.error.view(-1)
@@ -215,46 +214,67 @@ class _SeparateReduction(CompressedReduction):
         return self.cfg.adaptive and step > 0 and step % self.cfg.adapt_interval == 0
 
     def launch(self, step: int, force_all_reduce: bool = False) -> Optional[Any]:
+        self._staged = None  # a replayed step starts again from the committed state
         reset = step % self.cfg.reset_interval == 0
         adapt = self._is_adapt_step(step)
         reduce_scatter = self.spec.distributed_optimizer and not force_all_reduce
-        works, pending = [], []
+        works, pending, staged = [], [], []
         for index, (split, segments) in enumerate(zip(self.splits, self.segments)):
             grad = split.view.grad
-            payloads, omegas, dense_h = [], [], []
+            payloads, omegas, dense_h, inputs = [], [], [], []
             for seg in segments:
-                flat = seg.work.view(-1)
+                # h = g + e in a buffer that lives until end_step (it then holds the local
+                # residual h - H_hat_local); the error itself changes only at end_step.
+                h = torch.zeros(seg.rows, seg.block, dtype=torch.float32, device=grad.device)
+                flat = h.view(-1)
                 for s, off in zip(seg.slices, seg.pack_offsets):
                     flat[off : off + s.numel].copy_(grad[s.start : s.end])
-                h = seg.work.add_(seg.error)
+                h.add_(seg.error)
                 omega = self._omega(split.view.key, seg, step)
                 p = h @ omega
                 if adapt:
                     dense_h.append(h.reshape(-1)[: seg.numel].clone())
+                inputs.append(h)
                 if reset or seg.beta == 0.0:
-                    seg.error.zero_()
+                    staged.append((seg, None))
                 else:
-                    update_error(seg.error, h, reconstruct(p, omega), seg.beta, reset=False)
-                    seg.error.view(-1)[seg.numel :].zero_()
+                    staged.append((seg, h.sub_(reconstruct(p, omega))))
                 payloads.append(p.reshape(-1))
                 omegas.append(omega)
-            payloads += self.pack_dense(split)
+            flag = self.input_flag(
+                grad.device, *inputs, *[grad[s.start : s.end] for s in split.dense]
+            )
+            payloads += self.pack_dense(split) + [flag]
             dense = self.dense_wire_bytes(split.view, force_all_reduce)
-            if payloads:
-                payload = torch.cat(payloads)
-                works.append(self.all_reduce(payload, dense=dense))
-            else:  # a bucket without parameters: nothing travels
-                payload = grad.new_zeros(0, dtype=torch.float32)
-                self.record("all_reduce", payload, dense)
+            payload = torch.cat(payloads)
+            works.append(self.all_reduce(payload, dense=dense))
             pending.append((index, payload, omegas, dense_h))
+        self._staged = (staged, pending if adapt else [])
 
         def then():
             for index, payload, omegas, dense_h in pending:
-                self._decompress(index, payload, omegas, reduce_scatter)
-                if adapt:
-                    self._adapt(index, payload, omegas, dense_h)
+                self._decompress(index, payload[:-1], omegas, reduce_scatter)
+                self.poison(self.splits[index].view, payload[-1:], reduce_scatter)
 
         return self.finish(works, then)
+
+    def end_step(self, applied: bool, rescale: Optional[torch.Tensor] = None) -> None:
+        staged, self._staged = self._staged, None
+        if staged is not None and applied:
+            errors, adapting = staged
+            for seg, local_residual in errors:
+                if local_residual is None:  # an error reset (or beta 0)
+                    seg.error.zero_()
+                    continue
+                # update_error's e <- (1 - beta) e + beta (h - H_hat_local), with the
+                # difference computed at launch.
+                seg.error.mul_(1.0 - seg.beta).add_(local_residual, alpha=seg.beta)
+                seg.error.view(-1)[seg.numel :].zero_()
+            for index, payload, omegas, dense_h in adapting:
+                self._adapt(index, payload, omegas, dense_h)
+        for segments in self.segments:
+            for seg in segments:
+                scale_state(seg.error, rescale)
 
     def _decompress(self, index: int, payload, omegas, reduce_scatter: bool) -> None:
         split, segments = self.splits[index], self.segments[index]

@@ -61,6 +61,7 @@ class MegatronOptimizerView(OptimizerView):
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
         self._clock = clock
+        self._leaves = _leaf_optimizers(optimizer)
         self._by_fqn: Dict[str, tuple] = {}
         names: Dict[Any, str] = {}
         for chunk in model_chunks:
@@ -131,6 +132,14 @@ class MegatronOptimizerView(OptimizerView):
     @property
     def step(self) -> int:
         return self._clock.step
+
+    def loss_scale(self) -> Optional[torch.Tensor]:
+        # Every leaf of a ChainedOptimizer shares one grad scaler (megatron builds one).
+        for leaf in self._leaves:
+            scaler = getattr(leaf, "grad_scaler", None)
+            if scaler is not None:
+                return scaler.scale
+        return None
 
 
 @dataclass

@@ -287,6 +287,7 @@ class ExtRuntime(Runtime):
 
         from megatron_ext.megatron.ddp import install_grad_sync
         from megatron_ext.megatron.linear import install_linear_hooks
+        from megatron_ext.collectives.grad_reducer import ReducerStepHook
         from megatron_ext.megatron.optimizer import install_optimizer_hooks
 
         needs_transform = [
@@ -342,8 +343,12 @@ class ExtRuntime(Runtime):
                 self.linear_handle = install_linear_hooks(
                     model_chunks, linear.linear_hook, linear.linear_layers
                 )
+            # The reducer's step transaction (commit or drop its staged state once megatron
+            # has decided whether the step is applied) runs first, around every other hook;
+            # it holds no state, so the checkpointed hook names below stay as they were.
+            step_hooks = [] if self.reducer.name == "none" else [ReducerStepHook(self.reducer)]
             self.optimizer_handle = install_optimizer_hooks(
-                optimizer, model_chunks, hooks, clock=self.clock
+                optimizer, model_chunks, step_hooks + hooks, clock=self.clock
             )
             for i, hook in enumerate(hooks):
                 self.state.register(f"optimizer_hook.{i}.{hook.name}", hook)

@@ -76,6 +76,12 @@ class OptimizerView(abc.ABC):
     def step(self) -> int:
         """Training iteration being stepped."""
 
+    def loss_scale(self) -> Optional[torch.Tensor]:
+        """The optimizer's current loss scale (a device tensor) when it scales the loss
+        (fp16), None otherwise. Under loss scaling the optimizer skips a step whose gradient
+        is not finite instead of applying it."""
+        return None
+
 
 class OptimizerHook:
     """Runs around the optimizer step (override what you need)."""

@@ -51,7 +51,12 @@ def _select_radius(reducer, slices, step):
 
     gen = torch.Generator().manual_seed(step)
     reducer.set_masks(
-        {s.fqn: topk_mask(torch.randn(s.numel, generator=gen), 0.25) for s in slices if s.is_matrix}
+        {
+            s.fqn: topk_mask(torch.randn(s.numel, generator=gen), 0.25)
+            for s in slices
+            if s.is_matrix
+        },
+        step,
     )
 
 

@@ -124,7 +124,7 @@ def test_separate_compresses_agrees_across_ranks_and_matches_reference():
                 assert torch.allclose(a[s.start : s.end], mean[s.start : s.end], atol=1e-6)
     # Bytes: (2*512/8 projections + 96 dense) floats all-reduced vs the 1144-float bucket.
     out = results[0]
-    assert out["sent"] == 3 * (2 * 512 // 8 + 96) * 4
+    assert out["sent"] == 3 * (2 * 512 // 8 + 96 + 1) * 4
     assert out["dense"] == 3 * (1120 + PAD) * 4
 
 
@@ -169,8 +169,9 @@ def test_separate_readings_match_their_reference(blocks, refresh):
         want = _reference(_dense_mean(step, 2), blocks, step, every)
         live = sum(s.end - s.start for s in _layout()[0])
         assert torch.allclose(a[:live], want[:live], atol=1e-5), step
-    # Same bytes in every reading: 1024 matrix entries / 8 plus 96 dense floats a step.
-    assert results[0]["sent"] == 4 * (1024 // 8 + 96) * 4
+    # Same bytes in every reading: 1024 matrix entries / 8 plus 96 dense floats a step, plus
+    # the non-finite flag.
+    assert results[0]["sent"] == 4 * (1024 // 8 + 96 + 1) * 4
 
 
 def test_separate_refresh_interval_reuses_then_redraws():
@@ -345,9 +346,10 @@ def test_radius_sparse_steps_send_only_selected_entries_and_keep_the_rest():
             total = sum(a["outs"][t][s.start : s.end] for t in (2, 3, 4))
             want = sum(_dense_mean(t, 2)[s.start : s.end] for t in (2, 3, 4))
             assert torch.allclose(total, want, atol=1e-5)
-    # Bytes on sparse steps: 2 x 128 selected + 96 dense floats instead of the bucket.
+    # Bytes on sparse steps: 2 x 128 selected + 96 dense floats (+ the non-finite flag)
+    # instead of the bucket.
     dense_steps = 3 * (1120 + PAD) * 4
-    sparse_steps = 3 * (256 + 96) * 4
+    sparse_steps = 3 * (256 + 96 + 1) * 4
     assert a["sent"] == dense_steps + sparse_steps
 
 
@@ -390,9 +392,10 @@ def test_powersgd_agrees_across_ranks_and_counts_two_rounds():
     a, b = run_ranks(_run, 2, "powersgd", kw, False, True, 3)
     for step in range(3):
         assert torch.equal(a["outs"][step], b["outs"][step])
-    # Step 0 dense; steps 1-2: P (8x2 + 16x2) + dense 96, then Q (64x2 + 32x2).
+    # Step 0 dense; steps 1-2: P (8x2 + 16x2) + dense 96 + the non-finite flag, then Q
+    # (64x2 + 32x2).
     dense = (1120 + PAD) * 4
-    per_step = (48 + 96) * 4 + (192) * 4
+    per_step = (48 + 96 + 1) * 4 + (192) * 4
     assert a["sent"] == dense + 2 * per_step
     assert {k.split("/")[0] for k in a["state"]} == {"q", "error"}
 

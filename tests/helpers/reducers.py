@@ -94,8 +94,10 @@ def bind(
     return reducer.bind(spec)
 
 
-def reduce(bound, step: int, force_all_reduce: bool = False) -> None:
-    """Launch and finish one reduction."""
+def reduce(bound, step: int, force_all_reduce: bool = False, applied: bool = True) -> None:
+    """Launch and finish one reduction, then close the step as the optimizer hook does
+    (``applied``: the optimizer took the step; False: it skipped it, an fp16 overflow)."""
     handle = bound.launch(step, force_all_reduce)
     if handle is not None:
         handle.wait()
+    bound.end_step(applied)

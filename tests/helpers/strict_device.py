@@ -18,7 +18,9 @@ What it does:
       - ``data-dependent-shape``: ``nonzero``, boolean-mask indexing, ``masked_select``,
         ``unique``, ``repeat_interleave`` without ``output_size`` (each a sync on CUDA);
       - ``h2d-copy``: a host-to-device copy (``.to(device)``, ``copy_`` from a CPU
-        tensor, ``torch.tensor(..., device=...)``, Python lists used as indices);
+        tensor, ``torch.tensor(..., device=...)``, ``new_tensor``, Python lists used as
+        indices; the last three are copied below the dispatcher, so the mode wraps their
+        Python entry points while it is active);
       - ``collective-cpu``: a collective on a CPU tensor (NCCL only takes device tensors);
       - ``collective-unsupported``: a dtype or reduction NCCL does not support (see
         :func:`nccl_unsupported`).
@@ -149,7 +151,10 @@ _DATA_DEPENDENT = {
     "unique_dim_consecutive",
 }
 
-_REDUCE_NAMES = {int(getattr(dist.ReduceOp, n)): n for n in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM")}
+_REDUCE_NAMES = {
+    int(getattr(dist.ReduceOp, n)): n
+    for n in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM")
+}
 
 # torch dtypes ProcessGroupNCCL maps to an NCCL type (ProcessGroupNCCL.cpp, ``ncclDataType``);
 # bool travels as uint8, fp8 types only without a reduction.
@@ -312,6 +317,84 @@ class StrictDeviceMode(TorchDispatchMode):
         self._current = StepRecord("setup", sync_ok=True)
         self.steps.append(self._current)
 
+    # -- host data that never reaches the dispatcher ---------------------------------------
+
+    def __enter__(self):
+        self._patches = self._patch_host_data()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            for owner, name, orig in reversed(self._patches):
+                setattr(owner, name, orig)
+
+    def _patch_host_data(self) -> List[Tuple[Any, str, Any]]:
+        """``torch.tensor(data, device=...)``, ``as_tensor``, ``new_tensor`` and Python
+        sequences used as indices build their tensor on the host and copy it to the device
+        below the dispatcher (torch excludes dispatch modes there), so the mode would not
+        see those host-to-device copies: wrap the Python entry points while it is active."""
+        mode = self
+        patches = []
+
+        def patch(owner, name, make):
+            orig = getattr(owner, name)
+            patches.append((owner, name, orig))
+            setattr(owner, name, make(orig))
+
+        def host_sequence(idx) -> bool:
+            items = idx if isinstance(idx, tuple) else (idx,)
+            return isinstance(idx, list) or any(
+                isinstance(i, list) or type(i).__module__ == "numpy" and hasattr(i, "shape")
+                for i in items
+            )
+
+        def factory(orig, name):
+            def wrapped(data, *args, **kwargs):
+                device = kwargs.get("device")
+                if (
+                    device is not None
+                    and torch.device(device).type == DEVICE.type
+                    and not isinstance(data, torch.Tensor)
+                ):
+                    mode._find("h2d-copy", f"torch.{name}", "host data built on the device")
+                return orig(data, *args, **kwargs)
+
+            return wrapped
+
+        def new_tensor(orig):
+            def wrapped(self_, data, *args, **kwargs):
+                device = kwargs.get("device", self_.device)
+                if torch.device(device).type == DEVICE.type and not _is_dev(data):
+                    mode._find("h2d-copy", "Tensor.new_tensor", "host data built on the device")
+                return orig(self_, data, *args, **kwargs)
+
+            return wrapped
+
+        def getitem(orig):
+            def wrapped(self_, idx):
+                if _is_dev(self_) and host_sequence(idx):
+                    mode._find("h2d-copy", "Tensor.__getitem__", "Python sequence as index")
+                return orig(self_, idx)
+
+            return wrapped
+
+        def setitem(orig):
+            def wrapped(self_, idx, value):
+                if _is_dev(self_) and host_sequence(idx):
+                    mode._find("h2d-copy", "Tensor.__setitem__", "Python sequence as index")
+                return orig(self_, idx, value)
+
+            return wrapped
+
+        patch(torch, "tensor", lambda o: factory(o, "tensor"))
+        patch(torch, "as_tensor", lambda o: factory(o, "as_tensor"))
+        patch(torch.Tensor, "new_tensor", new_tensor)
+        patch(torch.Tensor, "__getitem__", getitem)
+        patch(torch.Tensor, "__setitem__", setitem)
+        return patches
+
     # -- steps -----------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -428,9 +511,7 @@ class StrictDeviceMode(TorchDispatchMode):
                     f"{', '.join(_desc(t) for t in cpu[:3])} with {_desc(dev[0])}",
                 )
             if any(_is_cpu(t) for t in flat):
-                args, kwargs = tree_map(
-                    lambda a: a.to(DEVICE) if _is_cpu(a) else a, (args, kwargs)
-                )
+                args, kwargs = tree_map(lambda a: a.to(DEVICE) if _is_cpu(a) else a, (args, kwargs))
         out = func(*args, **kwargs)
         self._count(func, out=out)
         return out

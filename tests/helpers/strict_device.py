@@ -621,12 +621,15 @@ def run_ranks(world_size: int, body: Callable[[int, StrictDeviceMode], Any]) -> 
         raise RuntimeError("strict-device runs need this process without a process group")
     runs = []
     for rank in range(world_size):
+        # init_process_group chains a rank-prefixing sys.excepthook; do not let them pile up.
+        excepthook = sys.excepthook
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
         try:
             with StrictDeviceMode() as mode:
                 result = body(rank, mode)
         finally:
             dist.destroy_process_group()
+            sys.excepthook = excepthook
         runs.append(RankRun(rank, world_size, mode, result))
     return runs
 

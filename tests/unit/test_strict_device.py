@@ -154,14 +154,26 @@ def _phase(method, kw, step):
     return "steady"
 
 
-def _dp_body(method, kw, steps, *, params=PARAMS, reduce_scatter=False, resume_from=None):
-    """A rank's run: bind one bucket on the device, then ``steps`` launch/wait steps."""
+def _dp_body(
+    method,
+    kw,
+    steps,
+    *,
+    params=PARAMS,
+    reduce_scatter=False,
+    resume_from=None,
+    op=None,
+    dtype=torch.float32,
+):
+    """A rank's run: bind one bucket (``dtype``, reduced with ``op``) on the device, then
+    ``steps`` launch/wait steps; dense steps before a method's start are checked like the
+    others, selection steps are declared."""
 
     def body(rank, mode):
         from tests.helpers.reducers import bind, make_reducer, param_slices
 
         slices, n = param_slices(params)
-        grad = torch.zeros(n + PAD, device=DEVICE)
+        grad = torch.zeros(n + PAD, dtype=dtype, device=DEVICE)
         reducer = make_reducer(method, **kw)
         bound = bind(
             reducer,
@@ -170,6 +182,7 @@ def _dp_body(method, kw, steps, *, params=PARAMS, reduce_scatter=False, resume_f
             key="bucket",
             async_op=True,
             distributed_optimizer=reduce_scatter,
+            op=op,
         )
         first = 0
         if resume_from is not None:
@@ -179,7 +192,7 @@ def _dp_body(method, kw, steps, *, params=PARAMS, reduce_scatter=False, resume_f
         for step in range(first, first + steps):
             name = _phase(method, kw, step)
             grad[:n].normal_()  # megatron's backward (outside the step's own ops)
-            with mode.step(name, sync_ok=name != "steady"):
+            with mode.step(name, sync_ok=name == "select"):
                 handle = bound.launch(step)
                 if handle is not None:
                     handle.wait()
@@ -222,15 +235,28 @@ def test_dp_reducer_steady_step_stays_on_device(method, reduce_scatter):
         _assert_clean(run.mode.steps, f"{method} rank {run.rank}")
 
 
-@pytest.mark.parametrize("reduce_scatter", [False, True], ids=["all_reduce", "reduce_scatter"])
+_LAYOUTS = {
+    "all_reduce": dict(world=2),
+    "reduce_scatter": dict(world=2, reduce_scatter=True),
+    # megatron's average_in_collective with bf16 gradient buffers, 4 shards of unequal
+    # selected counts (Radius pads them)
+    "reduce_scatter-avg-bf16-4ranks": dict(
+        world=4, reduce_scatter=True, op=dist.ReduceOp.AVG, dtype=torch.bfloat16
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
 @pytest.mark.parametrize("method", list(DP_METHODS))
-def test_dp_reducer_collectives_agree_across_ranks_and_suit_nccl(method, reduce_scatter):
-    runs = _dp_runs(method, reduce_scatter=reduce_scatter)
+def test_dp_reducer_collectives_agree_across_ranks_and_suit_nccl(method, layout):
+    runs = _dp_runs(method, **_LAYOUTS[layout])
     assert not compare_ranks(runs)
+    world = _LAYOUTS[layout]["world"]
     for run in runs:
         bad = [f for f in run.mode.findings if f.kind.startswith("collective")]
         assert not bad, format_findings(bad)
-        assert all(c.group_size == 2 for s in run.mode.steps for c in s.collectives)
+        assert all(c.group_size == world for s in run.mode.steps for c in s.collectives)
+        assert all(s.collectives for s in run.mode.steps if s.name != "setup")
 
 
 _DP_RESUME_FINDINGS = {

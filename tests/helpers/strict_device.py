@@ -61,7 +61,7 @@ import contextlib
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -453,6 +453,7 @@ class StrictDeviceMode(TorchDispatchMode):
             return self._made_up_data_dependent(func, name, args, kwargs)
         if name == "repeat_interleave" and dev and kwargs.get("output_size") is None:
             self._find("data-dependent-shape", func, "repeat_interleave without output_size")
+            kwargs["output_size"] = max(1, dev[0].numel())  # made up
         if name in ("index", "index_put", "index_put_", "_index_put_impl_") and dev:
             masks = [
                 i

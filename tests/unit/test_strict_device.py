@@ -70,6 +70,7 @@ def test_mode_catches_each_class_on_a_deliberately_bad_step():
         with mode.step("selection", sync_ok=True) as declared:
             x.sum().item()
             x.copy_(torch.ones(8))
+            x + torch.ones(8)  # declared steps may sync, never mix devices
         with mode.step("good") as good:
             y = x * 2 + torch.tensor(2.0)  # a 0-dim CPU operand is fine (CUDA allows it)
             dist.all_reduce(y)
@@ -90,12 +91,35 @@ def test_mode_catches_each_class_on_a_deliberately_bad_step():
     ops = {f.op for f in bad.findings}
     assert {"Tensor.__getitem__", "torch.tensor", "aten._to_copy.default"} <= ops
     assert all(f.where.startswith("tests/unit/test_strict_device.py") for f in bad.findings)
-    assert declared.findings and not declared.violations
+    assert {f.kind for f in declared.findings if f.declared} == {"host-sync", "h2d-copy"}
+    assert [f.kind for f in declared.violations] == ["cpu-tensor"]
     assert not good.findings
     assert good.device_ops == ["aten.mul.Tensor", "aten.add.Tensor"]
     assert len(good.collectives) == 1 and good.collectives[0].reduce_op == "SUM"
     problems = compare_ranks(runs)
     assert len(problems) == 1 and "step 1 (bad)" in problems[0]
+
+
+@pytest.mark.parametrize(
+    "dtype, reduce_op, refused",
+    [
+        (torch.float64, "SUM", False),
+        (torch.bfloat16, "AVG", False),
+        (torch.uint8, None, False),  # all-gather / all-to-all of packed codes
+        (torch.bool, "SUM", False),  # travels as uint8, reduced with max
+        (torch.bool, "AVG", True),
+        (torch.int32, "AVG", True),
+        (torch.int16, "SUM", True),
+        (torch.int16, None, True),
+        (torch.float32, "BAND", True),
+        (torch.int64, "PREMUL_SUM", True),
+        (torch.float16, "PREMUL_SUM", False),
+    ],
+)
+def test_nccl_support_rules(dtype, reduce_op, refused):
+    from tests.helpers.strict_device import nccl_unsupported
+
+    assert bool(nccl_unsupported(dtype, reduce_op)) == refused
 
 
 # -- data-parallel reducers: GradReducer.bind(BucketGroupSpec), launch(step), wait ----------

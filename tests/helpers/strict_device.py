@@ -37,7 +37,12 @@ What it does:
 
     :func:`run_ranks` runs "ranks" one after another in this process on torch's fake process
     group (``torch.testing._internal.distributed.fake_pg``: collectives return at once and
-    move no data), each with its own inputs and objects.
+    move no data), each with its own inputs and objects. ``torch.distributed`` calls reach
+    the mode as c10d ops (``c10d.allreduce_``, ``c10d._allgather_base_``,
+    ``c10d.alltoall_base_``, ``c10d._reduce_scatter_base_``, ``c10d.broadcast_``, ...) whose
+    process group and ``ReduceOp`` arrive as script objects; the few without a Meta kernel
+    (``allreduce_coalesced_``, used by megatron's coalescing manager) run the fake group on
+    host stand-ins of the same shapes.
 
 What it proves, and what only a GPU can:
     It proves, on a CPU machine, that a steady-state step keeps every tensor on the device,

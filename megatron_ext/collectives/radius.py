@@ -117,6 +117,16 @@ class RadiusReducer(GradReducer):
         self.masks.update(masks)
         self.mask_version += 1
         self.selections = self.due(step)
+        self._prepare_indices()
+
+    def _prepare_indices(self) -> None:
+        """Build every group's send index now, in the selection step (it takes a host
+        synchronization: ``nonzero`` has a data-dependent size), so that sparse steps run
+        without one."""
+        if all(s.fqn in self.masks for b in self.bound for sp in b.splits for s in sp.matrices):
+            for bound in self.bound:
+                for i in range(len(bound.splits)):
+                    bound._ensure_index(i, bound.spec.distributed_optimizer)
 
     def select(self, view: OptimizerView) -> bool:
         """Choose each weight's top-k entries from the AdamW-corrected gradient.
@@ -157,8 +167,15 @@ class RadiusReducer(GradReducer):
         self.selections = int(state["selections"])
         for bound in self.bound:
             bound.load_state_dict(state)
-        self.masks = {k[len("mask/") :]: v.clone() for k, v in state.items() if k in mask_keys}
+        device = self.bound[0].splits[0].view.grad.device if self.bound else None
+        # A checkpoint may be loaded onto the CPU: the masks belong on the gradient's device.
+        self.masks = {
+            k[len("mask/") :]: v.to(device=device).clone()
+            for k, v in state.items()
+            if k in mask_keys
+        }
         self.mask_version += 1
+        self._prepare_indices()
 
 
 class _RadiusReduction(CompressedReduction):

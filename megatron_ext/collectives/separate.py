@@ -227,8 +227,11 @@ class _SeparateReduction(CompressedReduction):
                 # residual h - H_hat_local); the error itself changes only at end_step.
                 h = torch.zeros(seg.rows, seg.block, dtype=torch.float32, device=grad.device)
                 flat = h.view(-1)
-                for s, off in zip(seg.slices, seg.pack_offsets):
-                    flat[off : off + s.numel].copy_(grad[s.start : s.end])
+                # One fused copy for the segment's matrices (not one launch per parameter).
+                torch._foreach_copy_(
+                    [flat[off : off + s.numel] for s, off in zip(seg.slices, seg.pack_offsets)],
+                    [grad[s.start : s.end] for s in seg.slices],
+                )
                 h.add_(seg.error)
                 omega = self._omega(split.view.key, seg, step)
                 p = h @ omega
@@ -297,11 +300,14 @@ class _SeparateReduction(CompressedReduction):
             r0, r1 = first // seg.block, math.ceil(last / seg.block)
             recon = reconstruct(p[r0:r1], omega).view(-1)
             base = r0 * seg.block
+            dst, src = [], []
             for s, off in zip(seg.slices, seg.pack_offsets):
                 a, b = max(s.start, lo), min(s.end, hi)
                 if a < b:
-                    src = off + (a - s.start) - base
-                    grad[a:b].copy_(recon[src : src + (b - a)])
+                    at = off + (a - s.start) - base
+                    dst.append(grad[a:b])
+                    src.append(recon[at : at + (b - a)])
+            torch._foreach_copy_(dst, src)  # one fused copy back into the bucket
         self.unpack_dense(split, payload[offset:])
 
     # -- G-SEPARATE ------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 
+from typing import Optional
+
 import torch
 
 __all__ = ["stable_seed", "seeded_generator"]
@@ -29,5 +31,24 @@ def stable_seed(*parts: object) -> int:
 def seeded_generator(*parts: object) -> torch.Generator:
     """A CPU generator seeded with :func:`stable_seed` of ``parts``."""
     gen = torch.Generator(device="cpu")
+    gen.manual_seed(stable_seed(*parts))
+    return gen
+
+
+def device_generator(device: Optional[torch.device], *parts: object) -> Optional[torch.Generator]:
+    """A generator on ``device`` seeded with :func:`stable_seed` of ``parts``, so draws are
+    made where they are used (a CUDA draw with a CPU generator raises; a CPU draw copied to
+    the device costs a host-to-device copy and a synchronization each time).
+
+    Ranks on the same kind of device draw the same numbers (CUDA's Philox is counter based);
+    a CPU draw and a CUDA draw differ. On CPU this is :func:`seeded_generator`. ``meta``
+    tensors hold no values: None (nothing to seed).
+    """
+    device = torch.device(device or "cpu")
+    if device.type == "cpu":
+        return seeded_generator(*parts)
+    if device.type == "meta":
+        return None
+    gen = torch.Generator(device=device)
     gen.manual_seed(stable_seed(*parts))
     return gen

@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from megatron_ext.compressors.seeding import seeded_generator
+from megatron_ext.compressors.seeding import device_generator
 
 __all__ = [
     "projection_block",
@@ -58,7 +58,10 @@ def projection_block(
         key: stable name of what is projected (bucket and segment).
         block_size: ``c``.
         num_projections: ``k = c / ratio``.
-        device: where the result goes (generated on CPU for cross-device determinism).
+        device: where the block is drawn and orthonormalized (a generator on that device:
+            no host-to-device copy per step). Ranks on the same kind of device draw the same
+            block; a CPU block and a CUDA block differ (the reducer checks at install that
+            the ranks agree).
         dtype: result dtype.
         orthonormal: orthonormalize the Gaussian columns (QR) and scale them by
             ``sqrt(k)``; otherwise plain i.i.d. N(0, 1) entries.
@@ -66,14 +69,17 @@ def projection_block(
     Returns:
         ``Omega`` with ``E[Omega Omega^T] = k I``.
     """
-    gen = seeded_generator("separate", seed, step, key, block_size, num_projections)
-    omega = torch.randn(block_size, num_projections, generator=gen, dtype=torch.float64)
+    device = torch.device(device or "cpu")
+    gen = device_generator(device, "separate", seed, step, key, block_size, num_projections)
+    omega = torch.randn(
+        block_size, num_projections, generator=gen, dtype=torch.float64, device=device
+    )
     if orthonormal:
         # Orthonormal columns scaled by sqrt(c): Omega Omega^T / k = (c/k) Q Q^T. Still
         # unbiased (E[Q Q^T] = k/c I), exact at ratio 1, and its variance is (ratio - 1)
         # |h|^2 instead of the Gaussian's (c + 1) / k |h|^2. QR in float64 (a c x k matrix).
         omega = torch.linalg.qr(omega, mode="reduced")[0] * math.sqrt(block_size)
-    return omega.to(device=device or "cpu", dtype=dtype)
+    return omega.to(dtype=dtype)
 
 
 def project(h: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:

@@ -222,6 +222,8 @@ def _dp_body(
                     handle.wait()
                 if name == "select":
                     reducer.select(_radius_view(slices, step))
+                # The optimizer hook's commit of the step's staged state is part of it.
+                reducer.end_step(True)
         return _to_cpu(reducer.state_dict())
 
     return body
@@ -233,14 +235,15 @@ def _dp_runs(method, world=2, **kwargs):
 
 
 _DP_STEADY_FINDINGS = {
-    "separate": "SEPARATE draws each step's projection on the CPU (float64 randn + QR in "
-    "compressors/separate.py projection_block) and copies it to the device (h2d-copy)",
+    # Fixed: SEPARATE drew each step's projection on the CPU (float64 randn + QR in
+    # compressors/separate.py projection_block) and copied it to the device (h2d-copy); it
+    # now draws and orthonormalizes it on the device with a device generator.
+    "separate": None,
     "powersgd": None,
     "quantized": None,
-    "radius": "Radius builds its send index lazily in the first sparse step after a "
-    "selection (torch.nonzero in collectives/radius.py _ensure_index; with the distributed "
-    "optimizer also boolean-mask indexing per owner shard): data-dependent shapes (host "
-    "syncs) inside the step's reduction, not in the declared selection step",
+    # Fixed: Radius built its send index lazily in the first sparse step after a selection
+    # (torch.nonzero, boolean masks per owner shard): now built in the selection step.
+    "radius": None,
 }
 
 
@@ -285,14 +288,13 @@ def test_dp_reducer_collectives_agree_across_ranks_and_suit_nccl(method, layout)
 
 _DP_RESUME_FINDINGS = {
     "separate": _DP_STEADY_FINDINGS["separate"],
-    "powersgd": "PowerSGD keeps the warm-start q as loaded: after a CPU-mapped checkpoint "
-    "q stays on the CPU and meets the device gradient (cpu-tensor in aten.mm, "
-    "collectives/powersgd.py launch; load_state_dict clones state['q/...'] as is)",
+    # Fixed: PowerSGD's load_state_dict moves the warm start q to the gradient's device (it
+    # stayed on the CPU after a CPU-mapped checkpoint and met the device gradient in aten.mm).
+    "powersgd": None,
     "quantized": None,
-    "radius": "Radius keeps the masks as loaded: after a CPU-mapped checkpoint the first "
-    "sparse step copies CPU masks into device buffers (h2d-copy, collectives/radius.py "
-    "_ensure_index; RadiusReducer.load_state_dict clones them as is), besides the lazy "
-    "torch.nonzero of " + "_ensure_index",
+    # Fixed: Radius kept CPU-loaded masks on the CPU and copied them into device buffers
+    # in the first sparse step; load_state_dict moves them and builds the index.
+    "radius": None,
 }
 
 
@@ -314,11 +316,9 @@ def _steady_ops(runs):
     return len([s for s in runs[0].mode.steps if s.name == "steady"][-1].device_ops)
 
 
-_DP_SIZE_FINDINGS = {
-    "quantized": "the quantized exchange loops over peers in Python (_Partitioned.spread, "
-    "_pack and _unpack per partition in collectives/quantized.py): device ops per bucket "
-    "grow with the DP size (101 at DP 2, 155 at DP 4, 263 at DP 8: 27 per peer)",
-}
+# Fixed: the quantized exchange looped over peers in Python (101 device ops at DP 2, 155 at
+# DP 4, 263 at DP 8); it now packs, unpacks and dequantizes every peer's partition as one batch.
+_DP_SIZE_FINDINGS: dict = {}
 
 
 @pytest.mark.parametrize(
@@ -348,11 +348,8 @@ def test_powersgd_device_ops_are_batched_by_shape():
     assert ops[2] == ops[6], ops
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="SEPARATE packs and unpacks each weight with its own copy_ (2 device ops per "
-    "parameter: 12 ops at 2 matrices, 20 at 6; collectives/separate.py launch/_decompress)",
-)
+# Fixed: SEPARATE packed and unpacked each weight with its own copy_ (12 ops at 2 matrices,
+# 20 at 6); one fused _foreach_copy_ each way now.
 def test_separate_device_ops_per_bucket_do_not_grow_with_parameters():
     kw, steps, _ = DP_METHODS["separate"]
     ops = {

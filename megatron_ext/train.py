@@ -526,7 +526,7 @@ class Trainer:
             loss, grad_norm, ok = self.train_step(iteration, consumed, data_iterator)
             if ok:
                 self.param_gather.step_succeeded()
-            traffic = self.runtime.end_step()
+            traffic = self.runtime.end_step(update_successful=ok)
             iteration += 1
             consumed += gbs
             log.add_step(time.time() - t0, loss, traffic)

@@ -455,9 +455,15 @@ class MegatronLMSession:
         self._step = step
         self._sample_ids_fn = self._sample_ids(args)
 
-    def end_train_step(self) -> None:
-        """After ``train_step``: close the step's byte accounting."""
-        for category, traffic in self.runtime.end_step().items():
+    def end_train_step(self, update_successful: bool = True) -> None:
+        """After ``train_step``: close the step's byte accounting and per-step state.
+
+        Args:
+            update_successful: whether Megatron-LM took the optimizer step (not
+                ``skipped_iter``; the same on every rank).
+        """
+        totals = self.runtime.end_step(update_successful=update_successful)
+        for category, traffic in totals.items():
             self.interval.setdefault(category, Traffic()).add(traffic)
         self.interval_steps += 1
         self.last_iteration = (self._step or 0) + 1

@@ -47,8 +47,9 @@ Constraints:
     set-up, to agree across ranks whether the buffers fit; never Megatron). Slot indices
     and visit flags live on the host (payload sizes must be known before a receive is
     posted); device tensors are indexed with device copies of them, and the steady-state
-    step synchronizes with the device once, at the commit. Needs the non-interleaved schedule and sample ids (the P2P seam refuses
-    otherwise) and fixed-sample mode (refused at install, naming ``--fixed-samples``).
+    step synchronizes with the device once, at the commit. Needs the non-interleaved
+    schedule and sample ids (the P2P seam refuses otherwise) and fixed-sample mode (refused
+    at install, naming ``--fixed-samples``).
 """
 
 from __future__ import annotations

@@ -115,6 +115,22 @@ def check_megatron_lm_args(args: Any, cfg: ExtConfig) -> None:
             ["--cuda-graph-impl", "--cuda-graph-scope"],
             "a full-iteration CUDA graph replays the step without megatron-ext's per-step hooks",
         )
+    if cfg.enabled("linear") and args.cuda_graph_impl != "none":
+        raise ConfigError(
+            ["--cuda-graph-impl", "--grass-method"],
+            f"Grass cannot run inside CUDA graphs (--cuda-graph-impl {args.cuda_graph_impl}): "
+            "it copies its row selection through the host while the layers run, which graph "
+            "capture forbids, and a replayed graph would never see a new selection. Use "
+            "--cuda-graph-impl none",
+        )
+    from megatron_ext.megatron.lm.requirements import check_local_spec_kernels
+
+    check_local_spec_kernels(
+        transformer_impl=args.transformer_impl,
+        half=bool(args.fp16 or args.bf16),
+        masked_softmax_fusion=bool(args.masked_softmax_fusion),
+        gradient_accumulation_fusion=bool(args.gradient_accumulation_fusion),
+    )
     if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
         flag = (
             "--use-torch-fsdp2"

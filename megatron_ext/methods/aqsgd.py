@@ -45,9 +45,9 @@ class AQSGDConfig:
     (unbiased inside the representable range)."""
 
     buffer: str = field(default="device", metadata=arg(choices=("device", "host", "disk")))
-    """Where the per-sample activation buffers live: device memory, pinned host memory
-    (read ahead of the microbatch that needs them) or a memory-mapped file per rank and
-    boundary side under --aqsgd-buffer-dir."""
+    """Where the per-sample activation buffers live: device memory, host memory (read
+    ahead of the microbatch that needs them, through pinned staging memory) or a
+    memory-mapped file per rank and boundary side under --aqsgd-buffer-dir."""
 
     buffer_dir: Optional[str] = None
     """Directory of the memory-mapped buffer files (--aqsgd-buffer disk)."""

@@ -2,6 +2,7 @@
 
 Through the production driver with a tiny GPT in fixed-sample mode (32 samples, 4 steps an
 epoch): both sides of every pipeline boundary hold bit-identical buffers after training
+(and a step the runtime is told was skipped changes neither)
 (checksums exchanged across ranks), first-epoch activations travel in full precision and
 later ones as packed low-bit deltas of the expected size, 8-bit AQ-SGD stays within
 rounding of uncompressed training, PP=2 x DP=2 keeps each replica's buffers for its own
@@ -32,7 +33,7 @@ def _main_numel(optimizer):
     return sum(p.numel() for o in opts for g in o.optimizer.param_groups for p in g["params"])
 
 
-def _run(rank, world, flags, steps, stock=False):
+def _run(rank, world, flags, steps, stock=False, skipped_step=False):
     import torch
 
     from megatron_ext.megatron.memory import pending_optimizer_state_nbytes
@@ -52,13 +53,25 @@ def _run(rank, world, flags, steps, stock=False):
             act.append((traffic["pp-act"].sent, traffic["pp-act"].dense_sent))
     codec = None if stock else runtime.communicator.codec
     sums = codec.checksums() if hasattr(codec, "checksums") else {}
+    unchanged = None
+    if skipped_step:
+        # One more step that the runtime is told was skipped: nothing of it is committed.
+        trainer.train_step(steps, steps * gbs, iterator)
+        runtime.end_step(update_successful=False)
+        unchanged = codec.checksums() == sums
     ps = trainer.ps
     mine = (ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(), sums)
     everyone = [None] * world
     torch.distributed.all_gather_object(everyone, mine)
     pending += (pending_optimizer_state_nbytes(trainer.optimizer),)
     teardown(trainer)
-    return {"losses": losses, "act": act, "sums": everyone, "pending": pending}
+    return {
+        "losses": losses,
+        "act": act,
+        "sums": everyone,
+        "pending": pending,
+        "unchanged": unchanged,
+    }
 
 
 def _boundaries_identical(sums):
@@ -73,7 +86,9 @@ def _boundaries_identical(sums):
 
 
 def test_aqsgd_pp2_buffers_identical_and_deltas_low_bit():
-    results = run_ranks(_run, 2, PP2 + FIXED + ["--p2p-compression", "aqsgd"], STEPS)
+    flags = PP2 + FIXED + ["--p2p-compression", "aqsgd"]
+    results = run_ranks(_run, 2, flags, STEPS, False, True)
+    assert all(r["unchanged"] for r in results)  # the skipped 13th step left no trace
     assert _boundaries_identical(results[0]["sums"]) == 1
     sent = results[0]["act"]  # stage 0 sends the activations
     raw = 8 * 32 * 64 * 4  # 8 samples a step of seq 32 x hidden 64 in fp32

@@ -139,7 +139,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> DriverConfig:
     defaults.update(run_defaults)
     parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
-    return DriverConfig(
+    cfg = DriverConfig(
         model=config_from_args(ModelArgs, args),
         parallel=config_from_args(ParallelArgs, args),
         training=config_from_args(TrainingArgs, args),
@@ -149,6 +149,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> DriverConfig:
         ext=ext_config_from_args(args),
         model_preset=model_name,
         config_file=run_file,
+    )
+    _check_kernels(cfg)
+    return cfg
+
+
+def _check_kernels(cfg: DriverConfig) -> None:
+    """Refuse fused kernels of the local spec whose Apex extensions are not installed (the
+    driver never fuses gradient accumulation, and never fuses on CPU)."""
+    from megatron_ext.megatron.lm.requirements import check_local_spec_kernels
+
+    check_local_spec_kernels(
+        transformer_impl=cfg.model.transformer_impl,
+        half=cfg.training.bf16,
+        masked_softmax_fusion=cfg.model.masked_softmax_fusion and not cfg.training.cpu,
+        gradient_accumulation_fusion=False,
     )
 
 
@@ -526,7 +541,7 @@ class Trainer:
             loss, grad_norm, ok = self.train_step(iteration, consumed, data_iterator)
             if ok:
                 self.param_gather.step_succeeded()
-            traffic = self.runtime.end_step()
+            traffic = self.runtime.end_step(update_successful=ok)
             iteration += 1
             consumed += gbs
             log.add_step(time.time() - t0, loss, traffic)

@@ -102,6 +102,11 @@ class ModelArgs:
     """Layer implementation: megatron-core's local spec (every megatron_ext feature) or
     Transformer Engine (GPU with TE installed; only DP/PP compression)."""
 
+    masked_softmax_fusion: bool = True
+    """Fused scale-mask-softmax of the local spec's attention with --bf16 on a GPU (Apex's
+    scaled_masked_softmax_cuda extension; a run without it is refused before start-up:
+    pass --no-masked-softmax-fusion). CPU runs never fuse."""
+
     def __post_init__(self):
         cls = type(self)
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):

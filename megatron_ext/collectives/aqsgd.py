@@ -2,12 +2,15 @@
 
 What it does (aq-sgd.txt Algorithm 1; methods.md section 4):
     Both sides of a pipeline boundary keep ``m(xi)``, the last activation of training
-    sample ``xi`` they agreed on, in :class:`SampleBuffers` (device memory, pinned host
-    memory or a memory-mapped file), one row ``[seq, hidden]`` per sample this data-parallel
-    rank owns (fixed-sample mode: sample ``i`` always on rank ``i % dp``, slot ``i // dp``).
+    sample ``xi`` they agreed on, in :class:`SampleBuffers` (device memory, host memory
+    read through pinned staging, or a memory-mapped file), one row per sample this
+    data-parallel rank owns (fixed-sample mode: sample ``i`` always on rank ``i % dp``, slot
+    ``i // dp``) holding this rank's tokens of it (:func:`local_rows`: the sequence divided
+    by the context-parallel size, and by the tensor-parallel size with sequence
+    parallelism) by the hidden size.
 
     * Forward, first visit of a sample: its activation travels in full precision and both
-      sides store it (rounded to the buffer dtype).
+      sides store it (in the buffer dtype: by default the activations' own).
     * Forward, later visits: the sender quantizes ``delta = a - m`` to ``fw`` bits (fp16
       max-abs scale per hidden channel over the sequence, or per token), both sides set
       ``m <- m + dequantize(codes)``; the receiver computes with that value. Sender and
@@ -26,7 +29,11 @@ What it does (aq-sgd.txt Algorithm 1; methods.md section 4):
 
     Buffer updates and visit flags are staged during a step and committed by
     :meth:`AQSGDCodec.end_step`, so a step that Megatron replays (its rerun state machine)
-    never applies a delta twice.
+    never applies a delta twice, and a step whose optimizer update Megatron skipped is not
+    committed at all. A sample whose value is non-finite (an inf or NaN activation) is
+    never written, and a finite value beyond an explicitly chosen narrower buffer dtype
+    (a bf16 70000 in fp16 buffers) is stored clamped to that dtype's range, never as inf.
+    Both sides decide this from the same value, so their buffers stay bit-identical.
 
 Checkpoints:
     Default: the buffers are not saved; the state records that they must be rebuilt, and a
@@ -36,9 +43,13 @@ Checkpoints:
     bytes`` per boundary).
 
 Constraints:
-    torch only (no torch.distributed besides reading this rank's pipeline position, never
-    Megatron). Needs the non-interleaved schedule and sample ids (the P2P seam refuses
-    otherwise) and fixed-sample mode (refused at install, naming ``--fixed-samples``).
+    torch only (torch.distributed only to read this rank's pipeline position and, once at
+    set-up, to agree across ranks whether the buffers fit; never Megatron). Slot indices
+    and visit flags live on the host (payload sizes must be known before a receive is
+    posted); device tensors are indexed with device copies of them, and the steady-state
+    step synchronizes with the device once, at the commit. Needs the non-interleaved
+    schedule and sample ids (the P2P seam refuses otherwise) and fixed-sample mode (refused
+    at install, naming ``--fixed-samples``).
 """
 
 from __future__ import annotations
@@ -46,6 +57,8 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import shutil
+import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -65,9 +78,18 @@ from megatron_ext.compressors.quantize import (
 from megatron_ext.compressors.seeding import seeded_generator
 from megatron_ext.config import ConfigError
 
-__all__ = ["SampleBuffers", "AQSGDCodec", "DirectQCodec", "buffer_nbytes", "format_bytes"]
+__all__ = [
+    "SampleBuffers",
+    "AQSGDCodec",
+    "DirectQCodec",
+    "buffer_nbytes",
+    "format_bytes",
+    "local_rows",
+    "resolve_buffer_dtype",
+]
 
 _DTYPES = {"fp16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16}
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 def format_bytes(n: float) -> str:
@@ -84,15 +106,30 @@ def buffer_nbytes(num_slots: int, rows: int, cols: int, dtype: torch.dtype) -> i
     return num_slots * rows * cols * torch.tensor([], dtype=dtype).element_size()
 
 
+def _key(slots: torch.Tensor) -> bytes:
+    """A prefetch key of host slot indices (no device synchronization)."""
+    return slots.numpy().tobytes()
+
+
 class SampleBuffers:
     """``m(xi)`` of one side of one boundary: ``[num_slots, rows, cols]`` plus visit flags.
+
+    The visit flags and the slot indices that callers pass live on the host: the payload
+    size of a transfer depends on them and must be known before the receive is posted.
+    Device buffers are indexed with a copy of the slots on their device (one small
+    host-to-device copy per access, no device-to-host synchronization). Host and disk
+    buffers gather the rows into a pinned staging tensor (two of them, used in turn, each
+    reused only once the copy out of it has completed) and copy that to the device
+    asynchronously: indexing a host tensor returns pageable memory, whose
+    ``non_blocking`` copy would be synchronous.
 
     Args:
         num_slots: samples this rank owns.
         rows: sequence length (of this rank's shard).
         cols: hidden size.
         dtype: storage dtype.
-        where: "device", "host" (pinned when CUDA exists) or "disk" (memory-mapped file).
+        where: "device", "host" (pageable; staged through pinned memory when CUDA exists)
+            or "disk" (memory-mapped file).
         device: where rows are used.
         path: the file of "disk" buffers.
     """
@@ -108,17 +145,15 @@ class SampleBuffers:
         path: Optional[str] = None,
     ):
         self.num_slots, self.rows, self.cols, self.dtype = num_slots, rows, cols, dtype
-        self.where, self.device, self.path = where, device, path
+        self.where, self.device, self.path = where, torch.device(device), path
         self.visited = torch.zeros(num_slots, dtype=torch.bool)
         self.row_bytes = rows * cols * torch.tensor([], dtype=dtype).element_size()
         self._memmap = None
         self._data: Optional[torch.Tensor] = None
         if where == "device":
-            self._data = torch.zeros(num_slots, rows, cols, dtype=dtype, device=device)
+            self._data = torch.zeros(num_slots, rows, cols, dtype=dtype, device=self.device)
         elif where == "host":
-            self._data = torch.zeros(
-                num_slots, rows, cols, dtype=dtype, pin_memory=torch.cuda.is_available()
-            )
+            self._data = torch.zeros(num_slots, rows, cols, dtype=dtype)
         elif where == "disk":
             self._memmap = np.memmap(
                 path, mode="w+", dtype=np.uint8, shape=(num_slots, self.row_bytes)
@@ -126,47 +161,91 @@ class SampleBuffers:
         else:
             raise ValueError(f"unknown buffer place {where!r}")
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._prefetched: Dict[Tuple[int, ...], concurrent.futures.Future] = {}
+        self._prefetched: Dict[bytes, concurrent.futures.Future] = {}
+        # Host and disk buffers read into one of two pinned tensors (a CUDA device only);
+        # the event says when the copy out of it is done and it may be refilled.
+        self._staging: List[Optional[torch.Tensor]] = [None, None]
+        self._staging_done: List[Optional[Any]] = [None, None]
+        self._turn = 0
+        self._lock = threading.Lock()
 
     @property
     def nbytes(self) -> int:
         """Bytes of the stored rows."""
         return self.num_slots * self.row_bytes
 
-    def _load(self, slots: Tuple[int, ...]) -> torch.Tensor:
-        index = list(slots)
+    def _staging_rows(self, k: int) -> Tuple[torch.Tensor, int]:
+        """A pinned ``[k, rows, cols]`` view whose previous copy to the device is done."""
+        turn = self._turn
+        self._turn ^= 1
+        done = self._staging_done[turn]
+        if done is not None:
+            done.synchronize()
+        buf = self._staging[turn]
+        if buf is None or buf.shape[0] < k:
+            buf = torch.empty(k, self.rows, self.cols, dtype=self.dtype, pin_memory=True)
+            self._staging[turn] = buf
+        return buf[:k], turn
+
+    def _load(self, slots: torch.Tensor) -> Tuple[torch.Tensor, Optional[Any]]:
+        """Rows of host / disk ``slots`` (host int64) on the device, and the CUDA event
+        that completes their copy (None on the CPU)."""
+        k = slots.numel()
         if self._memmap is not None:
-            raw = torch.from_numpy(np.ascontiguousarray(self._memmap[index]))
-            rows = raw.view(self.dtype).view(len(index), self.rows, self.cols)
+            raw = torch.from_numpy(self._memmap[slots.numpy()])
+            rows = raw.view(self.dtype).view(k, self.rows, self.cols)
         else:
-            rows = self._data[index]
-        return rows.to(self.device, non_blocking=True)
+            rows = None
+        if self.device.type != "cuda":
+            if rows is None:
+                rows = self._data.index_select(0, slots)
+            return rows.to(self.device), None
+        # The prefetch thread's current device is not this rank's: name it. The lock
+        # keeps the prefetch thread and a direct read from taking the same staging tensor.
+        with self._lock, torch.cuda.device(self.device):
+            staging, turn = self._staging_rows(k)
+            if rows is not None:
+                staging.copy_(rows)
+            else:
+                torch.index_select(self._data, 0, slots, out=staging)
+            out = staging.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+        self._staging_done[turn] = done
+        return out, done
 
     def prefetch(self, slots: torch.Tensor) -> None:
-        """Start reading ``slots`` in the background (host and disk buffers)."""
+        """Start reading ``slots`` (host int64) in the background (host and disk buffers)."""
         if self.where == "device":
             return
-        key = tuple(int(s) for s in slots)
+        key = _key(slots)
         if key in self._prefetched:
             return
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-        self._prefetched[key] = self._executor.submit(self._load, key)
+        self._prefetched[key] = self._executor.submit(self._load, slots.clone())
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
-        """Rows of ``slots`` on the device, ``[k, rows, cols]`` (a prefetched read if any)."""
-        key = tuple(int(s) for s in slots)
-        future = self._prefetched.pop(key, None)
-        return future.result() if future is not None else self._load(key)
+        """Rows of ``slots`` (host int64) on the device, ``[k, rows, cols]`` (a prefetched
+        read if any)."""
+        if self.where == "device":
+            return self._data.index_select(0, slots.to(self.device, non_blocking=True))
+        future = self._prefetched.pop(_key(slots), None)
+        rows, done = future.result() if future is not None else self._load(slots)
+        if done is not None:
+            # The copy ran on the reading thread's stream; order this stream after it.
+            torch.cuda.current_stream(self.device).wait_event(done)
+        return rows
 
     def write(self, slots: torch.Tensor, values: torch.Tensor) -> None:
-        """Store ``values`` (``[k, rows, cols]``, the storage dtype) at ``slots``."""
-        index = [int(s) for s in slots]
+        """Store ``values`` (``[k, rows, cols]``, the storage dtype) at ``slots`` (host
+        int64, distinct)."""
         if self._memmap is not None:
-            raw = values.detach().to("cpu").contiguous().view(torch.uint8).reshape(len(index), -1)
-            self._memmap[index] = raw.numpy()
+            raw = values.detach().to("cpu").contiguous().view(torch.uint8)
+            self._memmap[slots.numpy()] = raw.reshape(slots.numel(), -1).numpy()
         else:
-            self._data[index] = values.to(self._data.device)
+            index = slots.to(self._data.device, non_blocking=True)
+            self._data.index_copy_(0, index, values.detach().to(self._data.device))
 
     def checksum(self) -> float:
         """Sum of the stored values and visit flags (for the bit-identity tests)."""
@@ -194,6 +273,10 @@ class SampleBuffers:
         self.write(torch.arange(self.num_slots), rows.to(self.dtype))
         self.visited.copy_(visited)
 
+    def drop_prefetched(self) -> None:
+        """Forget reads not consumed yet (the rows may change at a commit)."""
+        self._prefetched.clear()
+
     def reset(self) -> None:
         """Forget every sample: the next visit of each is a full-precision first visit."""
         self.visited.zero_()
@@ -202,10 +285,19 @@ class SampleBuffers:
 
 @dataclass
 class _Staged:
-    """A step's pending update of one buffer."""
+    """A step's pending update of one buffer (one microbatch)."""
 
     slots: torch.Tensor
+    """Host int64 slots."""
+
     values: torch.Tensor
+    """``[k, rows, cols]`` in the buffer dtype (clamped to its range), on the device."""
+
+    finite: torch.Tensor
+    """Device bool ``[k]``: the sample's value was finite (only those are written)."""
+
+    clamped: torch.Tensor
+    """Device bool ``[k]``: the value was clamped to the buffer dtype's range."""
 
 
 def _segment_nbytes(rows: int, cols: int, bits: int, granularity: str) -> int:
@@ -216,6 +308,79 @@ def _segment_nbytes(rows: int, cols: int, bits: int, granularity: str) -> int:
     return packed_nbytes(rows * cols, bits) + 2 * scales
 
 
+def local_rows(seq_length: int, config: Any) -> int:
+    """Tokens of one sample that cross a pipeline boundary on this rank: megatron-core's
+    P2P tensor is ``[seq / context-parallel size (/ tensor-parallel size with sequence
+    parallelism), micro batch, hidden]`` (``schedules.get_tensor_shapes``), and with
+    context parallelism every rank always holds the same positions of a sample.
+
+    Args:
+        seq_length: tokens per sample (``--seq-length``).
+        config: the model's ``TransformerConfig`` (read: ``context_parallel_size``,
+            ``tensor_model_parallel_size``, ``sequence_parallel``).
+
+    Raises:
+        ConfigError: the sequence does not split evenly.
+    """
+    cp = getattr(config, "context_parallel_size", 1) or 1
+    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
+    if seq_length % cp:
+        raise ConfigError(
+            ["--seq-length", "--context-parallel-size"],
+            f"aqsgd keeps per-rank shards of each sample; {seq_length} tokens do not split "
+            f"over {cp} context-parallel ranks",
+        )
+    rows = seq_length // cp
+    if getattr(config, "sequence_parallel", False):
+        if rows % tp:
+            raise ConfigError(
+                ["--seq-length", "--sequence-parallel"],
+                f"{rows} tokens per context-parallel rank do not split over {tp} "
+                "tensor-parallel ranks",
+            )
+        rows //= tp  # the local shard of the sequence
+    return rows
+
+
+def resolve_buffer_dtype(name: str, activation_dtype: torch.dtype) -> torch.dtype:
+    """The storage dtype of ``--aqsgd-buffer-dtype name`` for activations of
+    ``activation_dtype``: 'auto' stores them in their own dtype (no value of the run is
+    out of range or rounded on its first visit)."""
+    if name == "auto":
+        return activation_dtype
+    return _DTYPES[name]
+
+
+def _agree_on_fit(problem: Optional[Tuple[List[str], str]], group: Any) -> None:
+    """One decision for every rank of ``group``: raise on all if the buffers do not fit
+    on one (a MIN all-reduce of the fit flag, then the reasons gathered for the message)."""
+    if group is None or not torch.distributed.is_initialized():
+        if problem is not None:
+            raise ConfigError(*problem)
+        return
+    backend = str(torch.distributed.get_backend(group))
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else "cpu"
+    fits = torch.tensor([0 if problem else 1], dtype=torch.int32, device=device)
+    torch.distributed.all_reduce(fits, op=torch.distributed.ReduceOp.MIN, group=group)
+    if int(fits[0]) == 1:  # once, at start-up
+        return
+    reasons: List[Any] = [None] * torch.distributed.get_world_size(group)
+    rank = torch.distributed.get_rank()
+    torch.distributed.all_gather_object(reasons, (rank, problem), group=group)
+    flags: List[str] = []
+    lines = []
+    for r, reason in reasons:
+        if reason is None:
+            continue
+        flags += [f for f in reason[0] if f not in flags]
+        lines.append(f"rank {r}: {reason[1]}")
+    raise ConfigError(
+        flags,
+        f"the AQ-SGD buffers do not fit on {len(lines)} rank(s), so every rank stops: "
+        + "; ".join(lines),
+    )
+
+
 class _QuantizingCodec(P2PCodec):
     """What AQ-SGD and DirectQ share: options, generators, gradient quantization."""
 
@@ -224,11 +389,16 @@ class _QuantizingCodec(P2PCodec):
         self.ctx = ctx
         self.stage = 0
 
-    def _generator(self, ctx: P2PContext, direction: str) -> Optional[torch.Generator]:
+    def _generator(
+        self, ctx: P2PContext, direction: str, device: torch.device
+    ) -> Optional[torch.Generator]:
+        """Stochastic rounding's generator, on the device of the tensor it rounds (CUDA
+        kernels refuse CPU generators); seeded from (seed, step, microbatch, direction,
+        stage) whatever the call order."""
         if self.cfg.rounding != "stochastic":
             return None
         return seeded_generator(
-            "aqsgd", self.cfg.seed, ctx.step, ctx.microbatch, direction, self.stage
+            "aqsgd", self.cfg.seed, ctx.step, ctx.microbatch, direction, self.stage, device=device
         )
 
     def _quantize(self, x: torch.Tensor, bits: int, gen) -> Quantized:
@@ -273,7 +443,7 @@ class _QuantizingCodec(P2PCodec):
         return (b * _segment_nbytes(s, h, self.cfg.bw_bits, self.cfg.granularity),), torch.uint8
 
     def _encode_grad(self, g: torch.Tensor, ctx: P2PContext) -> torch.Tensor:
-        gen = self._generator(ctx, "backward")
+        gen = self._generator(ctx, "backward", g.device)
         return self._pack_samples(self._quantize(g.transpose(0, 1), self.cfg.bw_bits, gen))
 
     def _decode_grad(self, payload, shape, dtype) -> torch.Tensor:
@@ -308,7 +478,7 @@ class DirectQCodec(_QuantizingCodec):
             return self._encode_grad(tensor, ctx)
         if ctx.forward_only:
             return tensor
-        gen = self._generator(ctx, "forward")
+        gen = self._generator(ctx, "forward", tensor.device)
         return self._pack_samples(self._quantize(tensor.transpose(0, 1), self.cfg.fw_bits, gen))
 
     def decode(self, payload, ctx, shape, dtype):
@@ -337,12 +507,20 @@ class AQSGDCodec(_QuantizingCodec):
         self.send: Optional[SampleBuffers] = None
         self.recv: Optional[SampleBuffers] = None
         self._staged: Dict[str, List[_Staged]] = {"send": [], "recv": []}
+        self._warned = {"nonfinite": False, "range": False}
         self.samples = None
+        self.buffer_dtype: Optional[torch.dtype] = None
 
     # -- allocation -----------------------------------------------------------------------
 
-    def setup(self) -> None:
-        """Size, check and allocate the buffers (called when the runtime installs)."""
+    def setup(self, reserve_nbytes: int = 0) -> None:
+        """Size, check and allocate the buffers (called when the runtime installs, on
+        every rank: the fit decision is collective).
+
+        Args:
+            reserve_nbytes: device memory still to be taken before training settles (the
+                optimizer state that is allocated lazily at the first step).
+        """
         from megatron_ext.logging import print_rank_0
 
         handles = self.ctx.handles
@@ -355,13 +533,11 @@ class AQSGDCodec(_QuantizingCodec):
             )
         config = handles.model_config
         pp = self.ctx.groups.pp
-        rows = samples.seq_length
-        tp = getattr(config, "tensor_model_parallel_size", 1)
-        if getattr(config, "sequence_parallel", False):
-            rows //= tp  # the local shard of the sequence
+        rows = local_rows(samples.seq_length, config)
         device = torch.device(
             f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         )
+        activation_dtype = getattr(config, "pipeline_dtype", None) or torch.float32
         sides, per_side = self.allocate(
             samples,
             rows,
@@ -370,14 +546,18 @@ class AQSGDCodec(_QuantizingCodec):
             num_stages=torch.distributed.get_world_size(pp),
             device=device,
             file_tag=f"rank{torch.distributed.get_rank():05d}",
+            activation_dtype=activation_dtype,
+            reserve_nbytes=reserve_nbytes,
+            group=torch.distributed.group.WORLD,
         )
-        itemsize = torch.tensor([], dtype=_DTYPES[self.cfg.buffer_dtype]).element_size()
+        itemsize = torch.tensor([], dtype=self.buffer_dtype).element_size()
         print_rank_0(
             f"> aqsgd: buffers of {samples.num_slots} samples x {rows} tokens x "
-            f"{config.hidden_size} x {itemsize} B = {format_bytes(per_side)} per boundary side "
-            f"per rank ({', '.join(sides)} on stage {self.stage}) in {self.cfg.buffer} memory; "
-            f"forward {self.cfg.fw_bits} bits, backward {self.cfg.bw_bits} bits, scales per "
-            f"{self.cfg.granularity}, {self.cfg.rounding} rounding"
+            f"{config.hidden_size} x {itemsize} B ({_NAMES[self.buffer_dtype]}) = "
+            f"{format_bytes(per_side)} per boundary side per rank ({', '.join(sides)} on "
+            f"stage {self.stage}) in {self.cfg.buffer} memory; forward {self.cfg.fw_bits} "
+            f"bits, backward {self.cfg.bw_bits} bits, scales per {self.cfg.granularity}, "
+            f"{self.cfg.rounding} rounding"
         )
 
     def allocate(
@@ -390,52 +570,80 @@ class AQSGDCodec(_QuantizingCodec):
         num_stages: int,
         device: torch.device,
         file_tag: str = "rank00000",
+        activation_dtype: torch.dtype = torch.float32,
+        reserve_nbytes: int = 0,
+        group: Any = None,
     ) -> Tuple[List[str], int]:
         """Check and allocate this stage's buffers; returns the sides and bytes per side.
 
         A stage keeps a "send" buffer unless it is the last and a "recv" buffer unless it
         is the first (the forward activations of the boundaries it touches).
+
+        Args:
+            samples: the :class:`~megatron_ext.methods.registry.SampleSpace` of training.
+            rows: tokens per sample on this rank (:func:`local_rows`).
+            cols: hidden size.
+            stage: this rank's pipeline stage.
+            num_stages: pipeline stages.
+            device: where the activations live.
+            file_tag: names this rank's files of disk buffers.
+            activation_dtype: dtype of the activations sent (the buffer dtype of
+                ``--aqsgd-buffer-dtype auto``).
+            reserve_nbytes: memory of the device still to be taken by training (the
+                optimizer state allocated at the first step).
+            group: process group of every rank that allocates (None: decide alone).
+                Every rank of it must call this: the buffers fit everywhere or every rank
+                raises the same :class:`ConfigError`, so no rank is left waiting in a
+                collective for ranks that stopped.
         """
         self.samples = samples
         self.stage = stage
-        dtype = _DTYPES[self.cfg.buffer_dtype]
+        self.buffer_dtype = resolve_buffer_dtype(self.cfg.buffer_dtype, activation_dtype)
         where = self.cfg.buffer
         sides = []
         if stage < num_stages - 1:
             sides.append("send")
         if stage > 0:
             sides.append("recv")
-        per_side = buffer_nbytes(samples.num_slots, rows, cols, dtype)
-        self._check_fits(per_side * len(sides), where)
+        per_side = buffer_nbytes(samples.num_slots, rows, cols, self.buffer_dtype)
+        problem = self._check_fits(per_side * len(sides), where, reserve_nbytes)
+        _agree_on_fit(problem, group)
         for side in sides:
             path = None
             if where == "disk":
                 path = os.path.join(self.cfg.buffer_dir, f"aqsgd-{file_tag}-{side}.bin")
             setattr(
-                self, side, SampleBuffers(samples.num_slots, rows, cols, dtype, where, device, path)
+                self,
+                side,
+                SampleBuffers(
+                    samples.num_slots, rows, cols, self.buffer_dtype, where, device, path
+                ),
             )
         return sides, per_side
 
-    def _check_fits(self, nbytes: int, where: str) -> None:
+    def _check_fits(
+        self, nbytes: int, where: str, reserve_nbytes: int = 0
+    ) -> Optional[Tuple[List[str], str]]:
+        """This rank's reason the buffers cannot be allocated (flags, message), or None."""
         flag = ["--aqsgd-buffer", "--fixed-samples"]
         if where == "disk":
             directory = self.cfg.buffer_dir
             if not directory:
-                raise ConfigError("--aqsgd-buffer-dir", "disk buffers need a directory")
+                return ["--aqsgd-buffer-dir"], "disk buffers need a directory"
             try:
                 os.makedirs(directory, exist_ok=True)
             except OSError as err:
-                raise ConfigError("--aqsgd-buffer-dir", f"cannot create {directory}: {err}")
+                return ["--aqsgd-buffer-dir"], f"cannot create {directory}: {err}"
             if not os.access(directory, os.W_OK):
-                raise ConfigError("--aqsgd-buffer-dir", f"{directory} is not writable")
+                return ["--aqsgd-buffer-dir"], f"{directory} is not writable"
             free = shutil.disk_usage(directory).free
             if nbytes > free:
-                raise ConfigError(
+                return (
                     flag + ["--aqsgd-buffer-dir"],
                     f"the buffers need {format_bytes(nbytes)} but {directory} has "
                     f"{format_bytes(free)} free",
                 )
-            return
+            return None
         if where == "device" and torch.cuda.is_available():
             free, _ = torch.cuda.mem_get_info()
             place = "GPU memory"
@@ -444,14 +652,24 @@ class AQSGDCodec(_QuantizingCodec):
 
             free = psutil.virtual_memory().available
             place = "host memory"
-        # Keep room for training itself: the buffers may take at most half of what is free.
-        if nbytes > free // 2:
-            raise ConfigError(
+        # The optimizer state still to come lives next to device buffers (GPU memory, or
+        # host memory on a CPU run); it is taken first. Keep room for training itself:
+        # the buffers may take at most half of what is left.
+        reserve = reserve_nbytes if where == "device" else 0
+        if nbytes > max(free - reserve, 0) // 2:
+            pending = (
+                f", {format_bytes(reserve)} of which the optimizer state allocated at the "
+                "first step will take"
+                if reserve
+                else ""
+            )
+            return (
                 flag,
                 f"the buffers need {format_bytes(nbytes)} but only {format_bytes(free)} of "
-                f"{place} is free (at most half may go to buffers); use --aqsgd-buffer host "
-                "or disk, or fewer --fixed-samples",
+                f"{place} is free{pending} (at most half of the rest may go to buffers); use "
+                "--aqsgd-buffer host or disk, or fewer --fixed-samples",
             )
+        return None
 
     # -- the wire -------------------------------------------------------------------------
 
@@ -462,16 +680,26 @@ class AQSGDCodec(_QuantizingCodec):
             raise RuntimeError("AQ-SGD buffers are not set up (runtime not installed?)")
         return buffers
 
-    def _visited(self, buffers: SampleBuffers, ctx: P2PContext) -> torch.Tensor:
+    def _slots(self, ctx: P2PContext) -> torch.Tensor:
+        """This rank's buffer slots of the transfer's samples (host int64)."""
         if ctx.sample_ids is None:
             raise RuntimeError("AQ-SGD needs the sample ids of every microbatch")
-        return buffers.visited[self.samples.slots(ctx.sample_ids)]
+        return self.samples.slots(ctx.sample_ids).cpu()
 
     def _forward_nbytes(self, shape, dtype, visited: torch.Tensor) -> int:
         s, b, h = shape
         raw = s * h * torch.tensor([], dtype=dtype).element_size()
         delta = _segment_nbytes(s, h, self.cfg.fw_bits, self.cfg.granularity)
-        return sum(delta if v else raw for v in visited.tolist())
+        revisits = int(visited.sum())  # host flags: no device synchronization
+        return revisits * delta + (visited.numel() - revisits) * raw
+
+    def _check_rows(self, buffers: SampleBuffers, s: int, h: int) -> None:
+        if (s, h) != (buffers.rows, buffers.cols):
+            raise RuntimeError(
+                f"AQ-SGD buffers hold [{buffers.rows}, {buffers.cols}] per sample but the "
+                f"pipeline sends [{s}, {h}] (sequence / --context-parallel-size / "
+                "tensor-parallel size with --sequence-parallel, by hidden size)"
+            )
 
     def payload_spec(self, shape, dtype, ctx):
         if ctx.direction == "backward":
@@ -479,8 +707,22 @@ class AQSGDCodec(_QuantizingCodec):
         if ctx.forward_only:
             return tuple(shape), dtype
         # Called by the receiving side; the sender's visit flags are the same.
-        visited = self._visited(self._side(ctx, sending=False), ctx)
+        buffers = self._side(ctx, sending=False)
+        visited = buffers.visited[self._slots(ctx)]
         return (self._forward_nbytes(shape, dtype, visited),), torch.uint8
+
+    def _stage(self, side: str, slots: torch.Tensor, value: torch.Tensor) -> None:
+        """Stage ``value`` (fp32 ``[k, rows, cols]``, what both sides agree on) for
+        :meth:`end_step`: samples with a non-finite value are marked to be skipped, finite
+        values beyond the buffer dtype's range are clamped to it (never stored as inf)."""
+        buffers = getattr(self, side)
+        finite = torch.isfinite(value).flatten(1).all(dim=1)
+        clamped = torch.zeros_like(finite)
+        if buffers.dtype != torch.float32:
+            top = torch.finfo(buffers.dtype).max
+            clamped = (value.abs() > top).flatten(1).any(dim=1) & finite
+            value = value.clamp(-top, top)
+        self._staged[side].append(_Staged(slots, value.to(buffers.dtype), finite, clamped))
 
     def encode(self, tensor, ctx):
         if ctx.direction == "backward":
@@ -488,24 +730,27 @@ class AQSGDCodec(_QuantizingCodec):
         if ctx.forward_only:
             return tensor
         buffers = self._side(ctx, sending=True)
-        slots = self.samples.slots(ctx.sample_ids)
+        slots = self._slots(ctx)
         visited = buffers.visited[slots]
         first, revisit = (~visited).nonzero().view(-1), visited.nonzero().view(-1)
         x = tensor.detach().transpose(0, 1)  # [b, s, h]
-        new = torch.empty(x.shape, dtype=buffers.dtype, device=x.device)
+        self._check_rows(buffers, x.shape[1], x.shape[2])
+        value = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         parts: List[torch.Tensor] = []
         # Payload: the first visits' raw activations, then the revisits' quantized deltas.
         if first.numel():
-            parts.append(self._raw(x[first]))
-            new[first] = x[first].to(buffers.dtype)
+            index = first.to(x.device, non_blocking=True)
+            rows = x.index_select(0, index)
+            parts.append(self._raw(rows))
+            value.index_copy_(0, index, rows.float())
         if revisit.numel():
+            index = revisit.to(x.device, non_blocking=True)
             m = buffers.read(slots[revisit]).float()
-            q = self._quantize(
-                x[revisit].float() - m, self.cfg.fw_bits, self._generator(ctx, "forward")
-            )
+            gen = self._generator(ctx, "forward", x.device)
+            q = self._quantize(x.index_select(0, index).float() - m, self.cfg.fw_bits, gen)
             parts.append(self._pack_samples(q))
-            new[revisit] = (m + dequantize(q)).to(buffers.dtype)
-        self._staged["send"].append(_Staged(slots, new))
+            value.index_copy_(0, index, m + dequantize(q))
+        self._stage("send", slots, value)
         self._prefetch_next(buffers, ctx)
         return torch.cat(parts)
 
@@ -515,26 +760,27 @@ class AQSGDCodec(_QuantizingCodec):
         if ctx.forward_only:
             return payload
         buffers = self._side(ctx, sending=False)
-        slots = self.samples.slots(ctx.sample_ids)
+        slots = self._slots(ctx)
         visited = buffers.visited[slots]
         first, revisit = (~visited).nonzero().view(-1), visited.nonzero().view(-1)
         s, b, h = shape
+        self._check_rows(buffers, s, h)
         out = torch.empty(b, s, h, dtype=dtype, device=payload.device)
-        new = torch.empty(b, s, h, dtype=buffers.dtype, device=payload.device)
+        value = torch.empty(b, s, h, dtype=torch.float32, device=payload.device)
         offset = 0
         if first.numel():
+            index = first.to(payload.device, non_blocking=True)
             offset = first.numel() * s * h * torch.tensor([], dtype=dtype).element_size()
             x = self._from_raw(payload[:offset], (first.numel(), s, h), dtype)
-            out[first] = x
-            new[first] = x.to(buffers.dtype)
+            out.index_copy_(0, index, x)
+            value.index_copy_(0, index, x.float())
         if revisit.numel():
+            index = revisit.to(payload.device, non_blocking=True)
             m = buffers.read(slots[revisit]).float()
-            value = m + self._unpack_samples(
-                payload[offset:], revisit.numel(), s, h, self.cfg.fw_bits
-            )
-            out[revisit] = value.to(dtype)
-            new[revisit] = value.to(buffers.dtype)
-        self._staged["recv"].append(_Staged(slots, new))
+            v = m + self._unpack_samples(payload[offset:], revisit.numel(), s, h, self.cfg.fw_bits)
+            out.index_copy_(0, index, v.to(dtype))
+            value.index_copy_(0, index, v)
+        self._stage("recv", slots, value)
         self._prefetch_next(buffers, ctx)
         return out.transpose(0, 1)
 
@@ -544,7 +790,7 @@ class AQSGDCodec(_QuantizingCodec):
             return
         nxt = ctx.microbatch + 1
         if nxt < self.samples.num_microbatches and self._next_ids is not None:
-            slots = self.samples.slots(self._next_ids(nxt))
+            slots = self.samples.slots(self._next_ids(nxt)).cpu()
             buffers.prefetch(slots[buffers.visited[slots]])
 
     _next_ids = None
@@ -557,17 +803,63 @@ class AQSGDCodec(_QuantizingCodec):
             return
         for buffers in (self.send, self.recv):
             if buffers is not None and buffers.where != "device":
-                slots = self.samples.slots(sample_ids_fn(0))
+                slots = self.samples.slots(sample_ids_fn(0)).cpu()
                 buffers.prefetch(slots[buffers.visited[slots]])
 
-    def end_step(self) -> None:
-        """Commit the step's buffer updates and visit flags."""
+    def end_step(self, commit: bool = True) -> None:
+        """Commit the step's buffer updates and visit flags, or drop them.
+
+        Args:
+            commit: False when the optimizer step was not taken (Megatron skipped it:
+                non-finite gradients, fp16 loss-scale overflow): the buffers stay as they
+                were before the step. Every rank gets the same answer from Megatron, so
+                both sides of a boundary drop the same updates.
+
+        Samples whose value was non-finite on arrival are never written (both sides saw
+        the same value, so both skip them; a first visit stays unvisited and is sent in
+        full precision again next time). One device-to-host copy of the per-sample flags
+        per step.
+        """
+        staged = [(side, st) for side in ("send", "recv") for st in self._staged[side]]
         for side in ("send", "recv"):
-            buffers = getattr(self, side)
-            for staged in self._staged[side]:
-                buffers.write(staged.slots, staged.values)
-                buffers.visited[staged.slots] = True
             self._staged[side].clear()
+            if getattr(self, side) is not None:
+                getattr(self, side).drop_prefetched()  # read before this commit: stale
+        if not commit or not staged:
+            return
+        finite = torch.cat([st.finite for _, st in staged])
+        clamped = torch.cat([st.clamped for _, st in staged])
+        flags = torch.stack([finite, clamped]).cpu()
+        finite, clamped = flags[0], flags[1]
+        offset = 0
+        for side, st in staged:
+            buffers = getattr(self, side)
+            k = st.slots.numel()
+            keep = finite[offset : offset + k]
+            offset += k
+            if bool(keep.all()):
+                buffers.write(st.slots, st.values)
+            elif bool(keep.any()):
+                rows = keep.nonzero().view(-1)
+                buffers.write(
+                    st.slots[rows], st.values.index_select(0, rows.to(st.values.device))
+                )
+            buffers.visited[st.slots[keep]] = True
+        skipped, over = int((~finite).sum()), int(clamped.sum())
+        if skipped and not self._warned["nonfinite"]:
+            self._warned["nonfinite"] = True
+            warnings.warn(
+                f"aqsgd: {skipped} sample(s) arrived with non-finite activations; their "
+                "buffers were left as before the step (warned once)"
+            )
+        if over and not self._warned["range"]:
+            self._warned["range"] = True
+            warnings.warn(
+                f"aqsgd: {over} sample(s) hold activations beyond the range of the "
+                f"{_NAMES[self.buffer_dtype]} buffers; they were stored clamped to it (the "
+                "values sent were exact; later deltas carry the difference). Use "
+                "--aqsgd-buffer-dtype matching the training dtype (warned once)"
+            )
 
     # -- state ----------------------------------------------------------------------------
 

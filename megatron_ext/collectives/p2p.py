@@ -82,8 +82,9 @@ class P2PCodec(abc.ABC):
         """A training iteration starts; ``sample_ids_fn(microbatch)`` gives the sample ids of
         each of its microbatches (default: nothing)."""
 
-    def end_step(self) -> None:
-        """The training iteration is over (commit per-step state; default: nothing)."""
+    def end_step(self, commit: bool = True) -> None:
+        """The training iteration is over: commit per-step state, or drop it when
+        ``commit`` is False (the optimizer step was skipped); default: nothing."""
 
     def state_dict(self) -> Dict[str, Any]:
         """Rank-local state (tensors and primitives only)."""

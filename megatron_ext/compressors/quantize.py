@@ -25,7 +25,9 @@ What it does:
 Constraints:
     Pure torch; no torch.distributed, no Megatron. Deterministic given the input (and the
     generator for stochastic rounding): sender and receiver that dequantize the same codes
-    get bit-identical results.
+    get bit-identical results. A generator must live on the device of the tensor it
+    rounds (torch draws CUDA noise from CUDA generators only); a mismatch is refused with a
+    ``ValueError`` naming both devices instead of failing inside ``torch.rand``.
 """
 
 from __future__ import annotations
@@ -96,9 +98,18 @@ def quantize(
         bits: bits per code (1-8; one is the sign).
         granularity: "channel" or "token".
         stochastic: stochastic rounding (unbiased) instead of nearest.
-        generator: random source of stochastic rounding.
+        generator: random source of stochastic rounding, on ``x``'s device (None: torch's
+            default generator of that device).
+
+    Raises:
+        ValueError: ``generator`` lives on another device type than ``x``.
     """
     _check_bits(bits)
+    if stochastic and generator is not None and generator.device.type != x.device.type:
+        raise ValueError(
+            f"stochastic rounding of a tensor on {x.device} needs a generator on that device, "
+            f"got one on {generator.device}"
+        )
     xf = x.float()
     if granularity == "channel":
         scale = xf.abs().amax(dim=-2, keepdim=True)

@@ -2,10 +2,14 @@
 
 What it does:
     :func:`stable_seed` hashes any printable parts (a method name, the user's seed, the
-    step, a parameter FQN) into a 63-bit seed; :func:`seeded_generator` returns a CPU
-    ``torch.Generator`` seeded with it. Methods draw their common random matrices (SEPARATE's
-    projections, PowerSGD's initial ``Q``) from such generators on the CPU and then move
-    them, so the values do not depend on the device, the process or ``PYTHONHASHSEED``.
+    step, a parameter FQN) into a 63-bit seed; :func:`seeded_generator` returns a
+    ``torch.Generator`` seeded with it (on the CPU unless a device is given). Methods draw
+    their common random matrices (SEPARATE's projections, PowerSGD's initial ``Q``) from CPU
+    generators and then move them, so the values do not depend on the device, the process
+    or ``PYTHONHASHSEED``. Noise that only one side draws and that is as large as an
+    activation (AQ-SGD's stochastic rounding) comes from a generator on the tensor's own
+    device instead: CUDA kernels accept CUDA generators only, and drawing on the CPU would
+    cost a host-to-device copy of the whole tensor.
 
 Constraints:
     Pure Python/torch; no torch.distributed, no Megatron.
@@ -28,9 +32,11 @@ def stable_seed(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256(blob).digest()[:8], "little") & ((1 << 63) - 1)
 
 
-def seeded_generator(*parts: object) -> torch.Generator:
-    """A CPU generator seeded with :func:`stable_seed` of ``parts``."""
-    gen = torch.Generator(device="cpu")
+def seeded_generator(*parts: object, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on ``device`` (default the CPU) seeded with :func:`stable_seed` of
+    ``parts``. The same parts give the same draws on one device type; CPU and CUDA
+    generators give different draws."""
+    gen = torch.Generator(device=device)
     gen.manual_seed(stable_seed(*parts))
     return gen
 

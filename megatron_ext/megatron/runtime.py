@@ -148,8 +148,9 @@ class Runtime:
     ) -> None:
         """Call before each ``forward_backward_func`` of training (or evaluation)."""
 
-    def end_step(self) -> Dict[str, Traffic]:
-        """Close the iteration: this rank's bytes by category."""
+    def end_step(self, update_successful: bool = True) -> Dict[str, Traffic]:
+        """Close the iteration: this rank's bytes by category (``update_successful``: the
+        optimizer step was taken)."""
         return {}
 
     def forward_backward_kwargs(self) -> Dict[str, Any]:
@@ -384,16 +385,22 @@ class ExtRuntime(Runtime):
                 step, sample_ids_fn=sample_ids_fn, forward_only=forward_only
             )
 
-    def end_step(self) -> Dict[str, Traffic]:
+    def end_step(self, update_successful: bool = True) -> Dict[str, Traffic]:
         """Close the iteration: returns this rank's bytes by category.
 
         Seam categories (dp-grad, pp-act, pp-grad) come from the seams; the rest from the
         process-group meter's untagged transfers.
+
+        Args:
+            update_successful: whether the optimizer step was taken (megatron-core's
+                ``optimizer.step()`` result, the same on every rank); per-step codec state
+                of a skipped step is dropped.
         """
         if self.communicator is not None:
             # Per-step state of the codec (AQ-SGD's buffer updates) is committed here, so
-            # a step that megatron replays never applies its updates twice.
-            self.communicator.codec.end_step()
+            # a step that megatron replays never applies its updates twice, and dropped
+            # when the step was skipped (the buffers stay as before it).
+            self.communicator.codec.end_step(commit=update_successful)
         if self.pg_meter is not None:
             untagged, tagged = self.pg_meter.end_step()
             self.last_pg_tagged = tagged

@@ -138,7 +138,7 @@ def transformer_config(model: Any, training: Any, *, tp: int, pp: int) -> Any:
         # accumulates into main_grad itself where a method needs it.
         gradient_accumulation_fusion=False,
         bias_dropout_fusion=not training.cpu,
-        masked_softmax_fusion=not training.cpu,
+        masked_softmax_fusion=m.masked_softmax_fusion and not training.cpu,
         apply_rope_fusion=False,
         persist_layer_norm=not training.cpu,
         use_cpu_initialization=False,

@@ -45,15 +45,23 @@ class AQSGDConfig:
     (unbiased inside the representable range)."""
 
     buffer: str = field(default="device", metadata=arg(choices=("device", "host", "disk")))
-    """Where the per-sample activation buffers live: device memory, pinned host memory
-    (read ahead of the microbatch that needs them) or a memory-mapped file per rank and
-    boundary side under --aqsgd-buffer-dir."""
+    """Where the per-sample activation buffers live: device memory, host memory (read
+    ahead of the microbatch that needs them, through pinned staging memory) or a
+    memory-mapped file per rank and boundary side under --aqsgd-buffer-dir."""
 
     buffer_dir: Optional[str] = None
     """Directory of the memory-mapped buffer files (--aqsgd-buffer disk)."""
 
-    buffer_dtype: str = field(default="fp16", metadata=arg(choices=("fp16", "bf16", "fp32")))
-    """Storage dtype of the buffers (the public code stores fp16)."""
+    buffer_dtype: str = field(
+        default="auto", metadata=arg(choices=("auto", "fp16", "bf16", "fp32"))
+    )
+    """Storage dtype of the buffers. 'auto' (default): the dtype of the activations sent
+    (bf16 runs: bf16, fp16 runs: fp16, fp32 runs: fp32), so a first visit is stored
+    exactly and no activation is out of the buffer's range. The public code stores fp16:
+    half the memory of fp32 buffers in an fp32 run, but a bf16 or fp32 activation beyond
+    65504 does not fit fp16; such values are stored clamped to the range (with a warning
+    once; the values sent stay exact and later deltas carry the difference), never as
+    inf."""
 
     checkpoint_buffers: bool = False
     """Save the buffers and visit flags in checkpoints, so a resumed run continues
@@ -85,7 +93,15 @@ def _build_aqsgd(ctx: MethodContext) -> Components:
     from megatron_ext.collectives.aqsgd import AQSGDCodec
 
     codec = AQSGDCodec(ctx.options, ctx)
-    return Components(codec=codec, on_install=codec.setup)
+
+    def setup():
+        from megatron_ext.megatron.memory import pending_optimizer_state_nbytes
+
+        # Adam's moments (and a precision-aware optimizer's fp32 master weights) appear at
+        # the first step, after the buffers: the fit check keeps room for them.
+        codec.setup(reserve_nbytes=pending_optimizer_state_nbytes(ctx.handles.optimizer))
+
+    return Components(codec=codec, on_install=setup)
 
 
 def _build_directq(ctx: MethodContext) -> Components:

@@ -2,10 +2,15 @@
 
 Through the production driver with a tiny GPT in fixed-sample mode (32 samples, 4 steps an
 epoch): both sides of every pipeline boundary hold bit-identical buffers after training
+(and a step the runtime is told was skipped changes neither)
 (checksums exchanged across ranks), first-epoch activations travel in full precision and
 later ones as packed low-bit deltas of the expected size, 8-bit AQ-SGD stays within
 rounding of uncompressed training, PP=2 x DP=2 keeps each replica's buffers for its own
 samples, and checkpoints either restore the buffers bit-exactly or force first visits.
+The fit check's reserve for optimizer state still to come is measured on megatron-core's
+optimizer (Adam's two fp32 moments per main parameter before the first step, nothing
+after), and the buffers' tokens per sample follow megatron-core's P2P shape under
+context and sequence parallelism.
 """
 
 from tests.helpers.dist import run_ranks
@@ -22,11 +27,20 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
 STEPS = 12  # three epochs of the 32 fixed samples
 
 
-def _run(rank, world, flags, steps, stock=False):
+def _main_numel(optimizer):
+    """Elements of the parameters megatron's optimizer steps (its fp32 main copies)."""
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return sum(p.numel() for o in opts for g in o.optimizer.param_groups for p in g["params"])
+
+
+def _run(rank, world, flags, steps, stock=False, skipped_step=False):
     import torch
+
+    from megatron_ext.megatron.memory import pending_optimizer_state_nbytes
 
     trainer = make_trainer(flags)
     build(trainer, stock=stock)
+    pending = (pending_optimizer_state_nbytes(trainer.optimizer), _main_numel(trainer.optimizer))
     runtime = trainer.runtime
     gbs = trainer.sizes["gbs"]
     iterator = trainer._iterator(trainer.train_ds, 0)
@@ -39,12 +53,25 @@ def _run(rank, world, flags, steps, stock=False):
             act.append((traffic["pp-act"].sent, traffic["pp-act"].dense_sent))
     codec = None if stock else runtime.communicator.codec
     sums = codec.checksums() if hasattr(codec, "checksums") else {}
+    unchanged = None
+    if skipped_step:
+        # One more step that the runtime is told was skipped: nothing of it is committed.
+        trainer.train_step(steps, steps * gbs, iterator)
+        runtime.end_step(update_successful=False)
+        unchanged = codec.checksums() == sums
     ps = trainer.ps
     mine = (ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(), sums)
     everyone = [None] * world
     torch.distributed.all_gather_object(everyone, mine)
+    pending += (pending_optimizer_state_nbytes(trainer.optimizer),)
     teardown(trainer)
-    return {"losses": losses, "act": act, "sums": everyone}
+    return {
+        "losses": losses,
+        "act": act,
+        "sums": everyone,
+        "pending": pending,
+        "unchanged": unchanged,
+    }
 
 
 def _boundaries_identical(sums):
@@ -59,7 +86,9 @@ def _boundaries_identical(sums):
 
 
 def test_aqsgd_pp2_buffers_identical_and_deltas_low_bit():
-    results = run_ranks(_run, 2, PP2 + FIXED + ["--p2p-compression", "aqsgd"], STEPS)
+    flags = PP2 + FIXED + ["--p2p-compression", "aqsgd"]
+    results = run_ranks(_run, 2, flags, STEPS, False, True)
+    assert all(r["unchanged"] for r in results)  # the skipped 13th step left no trace
     assert _boundaries_identical(results[0]["sums"]) == 1
     sent = results[0]["act"]  # stage 0 sends the activations
     raw = 8 * 32 * 64 * 4  # 8 samples a step of seq 32 x hidden 64 in fp32
@@ -69,6 +98,9 @@ def test_aqsgd_pp2_buffers_identical_and_deltas_low_bit():
     assert all(d == raw for _, d in sent)
     losses = [l for l in results[-1]["losses"] if l is not None]
     assert len(losses) == STEPS and losses[-1] < losses[0]
+    for r in results:  # Adam: two fp32 moments per main parameter, allocated at step 1
+        before, numel, after = r["pending"]
+        assert numel > 0 and before == 8 * numel and after == 0, r["pending"]
 
 
 def test_aqsgd_8_bits_within_rounding_of_uncompressed():
@@ -100,7 +132,9 @@ def test_aqsgd_pp4_every_boundary_stays_identical():
 
 def test_aqsgd_tp2_pp2_bf16_keeps_boundaries_identical():
     """Tensor parallelism without sequence parallelism: each TP rank holds and sends the
-    replicated activation; bf16 activations, fp16 buffers."""
+    replicated activation; bf16 activations, bf16 buffers (the default: the activations'
+    dtype); the bf16 optimizer's fp32 main parameters exist already, only Adam's moments
+    are pending before the first step."""
     flags = PP2 + FIXED + ["--tensor-model-parallel-size", "2", "--bf16"]
     flags += ["--p2p-compression", "aqsgd", "--aqsgd-fw-bits", "4", "--aqsgd-bw-bits", "6"]
     results = run_ranks(_run, 4, flags, 6)
@@ -113,6 +147,9 @@ def test_aqsgd_tp2_pp2_bf16_keeps_boundaries_identical():
     assert all(len(v) == 2 and v[0] == v[1] for v in by_stage.values()), by_stage
     raw = 8 * 32 * 64 * 2  # bf16 first visits
     assert [s for s, _ in results[0]["act"][:4]] == [raw] * 4
+    for r in results:
+        before, numel, after = r["pending"]
+        assert before == 8 * numel and after == 0, r["pending"]
     assert all(s < raw / 3 for s, _ in results[0]["act"][4:])
 
 
@@ -165,3 +202,45 @@ def test_resume_by_default_rebuilds_the_buffers_with_first_visits(tmp_path):
     # precision after the resume (the buffers were not saved, so they are rebuilt).
     assert all(sent < raw for _, sent in out["full"][5:8])
     assert [sent for _, sent in out["resumed"][5:8]] == [raw] * 3
+
+
+def test_buffer_rows_follow_megatron_cores_p2p_shape():
+    """With context parallelism each rank sends seq / cp tokens of a sample (and / tp with
+    sequence parallelism): the buffers hold that shard, as megatron-core's
+    ``get_tensor_shapes`` computes it (context parallelism itself needs Transformer
+    Engine's attention, so it cannot train on CPU here)."""
+    import inspect
+
+    import pytest
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_ext.collectives.aqsgd import local_rows
+    from megatron_ext.config import ConfigError
+
+    class _Group:
+        def __init__(self, n):
+            self.n = n
+
+        def size(self):
+            return self.n
+
+    for cp, tp, sp in ((1, 1, False), (2, 1, False), (4, 2, True), (2, 2, False)):
+        config = TransformerConfig(
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            context_parallel_size=cp,
+            tensor_model_parallel_size=tp,
+            sequence_parallel=sp,
+        )
+        kwargs = dict(seq_length=256, micro_batch_size=2, config=config)
+        kwargs.update(tp_group=_Group(tp), cp_group=_Group(cp), decoder_seq_length=None)
+        names = inspect.signature(schedules.get_tensor_shapes).parameters
+        (shape,) = schedules.get_tensor_shapes(**{k: v for k, v in kwargs.items() if k in names})
+        assert local_rows(256, config) == shape[0], (cp, tp, sp)
+    odd = TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, context_parallel_size=3
+    )
+    with pytest.raises(ConfigError, match="--context-parallel-size"):
+        local_rows(256, odd)

@@ -16,7 +16,8 @@ off), 2 processes:
 * zero-touch PP=2 through ``scripts/pretrain_gpt_ext.sh`` and the run file: pipeline bytes;
 * patched (``megatron-ext patch`` on a copy, then ``torchrun pretrain_gpt.py``): DP=2 and
   PP=2;
-* a bad megatron-ext flag stops before training, naming the flag.
+* a bad megatron-ext flag stops before training, naming the flag; so does ``--fp16`` on the
+  local layer spec when Apex's fused softmax extension is missing.
 
 Megatron-LM does not reset its loss accumulator on the first logged iteration, so with
 ``--log-interval 1`` the second iteration after a (re)start prints the mean of the first
@@ -501,6 +502,25 @@ def test_bad_flag_stops_before_training(lm_dir, tmp_path):
         "block size 256" in run.stderr
     )
     assert not iterations(run.stdout)
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("scaled_masked_softmax_cuda") is not None,
+    reason="Apex's fused softmax extension is installed here",
+)
+def test_fp16_on_the_local_spec_without_apex_stops_before_training(lm_dir, tmp_path):
+    # Megatron-LM's default masked_softmax_fusion imports Apex's scaled_masked_softmax_cuda
+    # at the first fp16 forward; megatron-ext refuses before the model is built instead.
+    run = pretrain(lm_dir / "pretrain_gpt.py", tiny_args() + ["--fp16"], cwd=tmp_path, nproc=1)
+    assert run.returncode != 0
+    assert (
+        "megatron-ext: error: --no-masked-softmax-fusion, --transformer-impl: the local layer "
+        "spec's fused kernels come from Apex's CUDA extensions" in run.stderr
+    ), run.output[-3000:]
+    # Refused before the model exists: no import error (torchrun still prints its own
+    # traceback about the child's exit code 2).
+    assert "No module named" not in run.output and not iterations(run.stdout)
+    assert "exitcode: 2" in run.output
 
 
 # -- Protocol Models: the residual stream confined before Megatron-LM wraps the model ----------

@@ -84,6 +84,12 @@ def _megatron_args(**overrides):
         use_torch_fsdp2=False,
         use_megatron_fsdp=False,
         dataloader_type="single",
+        # Megatron-LM's defaults, on the local spec in fp32 (no fused softmax then).
+        transformer_impl="local",
+        fp16=False,
+        bf16=False,
+        masked_softmax_fusion=True,
+        gradient_accumulation_fusion=False,
     )
     return argparse.Namespace(**{**base, **overrides})
 
@@ -105,6 +111,62 @@ def test_megatron_lm_options_the_hooks_cannot_serve_are_refused(overrides, flag)
     with pytest.raises(ConfigError) as info:
         check_megatron_lm_args(_megatron_args(**overrides), ExtConfig())
     assert info.value.flags[0] == flag
+
+
+def _apex_missing(*modules):
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is None for m in modules)
+
+
+@pytest.mark.skipif(
+    not _apex_missing("scaled_masked_softmax_cuda", "fused_weight_gradient_mlp_cuda"),
+    reason="Apex's CUDA extensions are installed here",
+)
+@pytest.mark.parametrize(
+    "overrides, flags",
+    [
+        ({"bf16": True}, ("--no-masked-softmax-fusion", "--transformer-impl")),
+        ({"fp16": True}, ("--no-masked-softmax-fusion", "--transformer-impl")),
+        (
+            {"gradient_accumulation_fusion": True},
+            ("--no-gradient-accumulation-fusion", "--transformer-impl"),
+        ),
+        (
+            {"bf16": True, "gradient_accumulation_fusion": True},
+            (
+                "--no-masked-softmax-fusion",
+                "--no-gradient-accumulation-fusion",
+                "--transformer-impl",
+            ),
+        ),
+    ],
+)
+def test_local_spec_without_apex_is_refused_naming_the_flags(overrides, flags):
+    """The local spec's fused softmax (fp16/bf16) and fused wgrad accumulation import
+    Apex's extensions after start-up; without them the run is refused up front."""
+    with pytest.raises(ConfigError) as info:
+        check_megatron_lm_args(_megatron_args(**overrides), ExtConfig())
+    assert info.value.flags == flags
+    assert "not importable" in str(info.value)
+    # The flags named, or Transformer Engine's layers, avoid the extensions.
+    off = {"masked_softmax_fusion": False, "gradient_accumulation_fusion": False}
+    check_megatron_lm_args(_megatron_args(**{**overrides, **off}), ExtConfig())
+    te = {**overrides, "transformer_impl": "transformer_engine"}
+    check_megatron_lm_args(_megatron_args(**te), ExtConfig())
+
+
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+def test_grass_refuses_cuda_graphs(impl):
+    from megatron_ext.config import ext_config_from_flags
+
+    cfg = ext_config_from_flags(["--grass-method", "topr"])
+    check_megatron_lm_args(_megatron_args(), cfg)
+    graphs = {"cuda_graph_impl": impl, "cuda_graph_scope": ["CudaGraphScope.attn"]}
+    with pytest.raises(ConfigError) as info:
+        check_megatron_lm_args(_megatron_args(**graphs), cfg)
+    assert info.value.flags == ("--cuda-graph-impl", "--grass-method")
+    check_megatron_lm_args(_megatron_args(**graphs), ExtConfig())  # without Grass: fine
 
 
 def test_aqsgd_needs_fixed_samples_in_megatron_lm_naming_the_flag():

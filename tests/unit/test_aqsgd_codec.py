@@ -6,14 +6,21 @@ What AQ-SGD promises, checked here: a first visit travels in full precision; bot
 stay bit-identical after every step; later visits send packed low-bit deltas whose error
 shrinks as activations settle; 8-bit deltas stay within rounding of the true activations;
 gradients are quantized with no buffer; a checkpoint either saves the buffers or forces
-full-precision first visits again.
+full-precision first visits again. Robustness: stochastic rounding draws on the tensor's
+device; device buffers are indexed only with indices on their device; a value that does
+not fit the buffer dtype is clamped, a non-finite one never stored, a skipped step never
+committed; buffers hold this rank's context-parallel shard of the sequence; the buffers
+default to the activations' dtype.
 """
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
+from megatron_ext.collectives import aqsgd as aqsgd_module
 from megatron_ext.collectives.aqsgd import AQSGDCodec, DirectQCodec, SampleBuffers
 from megatron_ext.collectives.p2p import P2PContext
+from megatron_ext.config import ConfigError
 from megatron_ext.compressors.quantize import packed_nbytes
 from megatron_ext.methods.aqsgd import AQSGDConfig
 from megatron_ext.methods.registry import SampleSpace
@@ -33,15 +40,20 @@ def _samples():
     )
 
 
-def _pair(tmp_path=None, **options):
+def _pair(tmp_path=None, *, device="cpu", activation_dtype=torch.float32, **options):
     cfg = AQSGDConfig(**options)
     sender, receiver = AQSGDCodec(cfg, None), AQSGDCodec(cfg, None)
-    sender.allocate(
-        _samples(), SEQ, HIDDEN, stage=0, num_stages=2, device=torch.device("cpu"), file_tag="a"
-    )
-    receiver.allocate(
-        _samples(), SEQ, HIDDEN, stage=1, num_stages=2, device=torch.device("cpu"), file_tag="b"
-    )
+    for codec, stage, tag in ((sender, 0, "a"), (receiver, 1, "b")):
+        codec.allocate(
+            _samples(),
+            SEQ,
+            HIDDEN,
+            stage=stage,
+            num_stages=2,
+            device=torch.device(device),
+            file_tag=tag,
+            activation_dtype=activation_dtype,
+        )
     return sender, receiver
 
 
@@ -213,3 +225,183 @@ def test_directq_quantizes_the_activations_themselves():
     out = codec.decode(payload, ctx, tuple(x.shape), x.dtype)
     # Two bits of the activation itself: a coarse copy (the baseline that diverges).
     assert 0.05 < (out - x).abs().mean() < 1.0
+
+
+# -- robustness ------------------------------------------------------------------------------
+
+
+def test_stochastic_rounding_draws_on_the_tensors_device(monkeypatch):
+    """CUDA kernels take CUDA generators only: the codec seeds one on the tensor's device."""
+    devices = []
+    real = aqsgd_module.seeded_generator
+
+    def record(*parts, device=None):
+        devices.append(device)
+        return real(*parts, device=device)
+
+    monkeypatch.setattr(aqsgd_module, "seeded_generator", record)
+    sender, receiver = _pair(rounding="stochastic")
+    _epochs(sender, receiver, epochs=2)
+    g = torch.randn(SEQ, MBS, HIDDEN)
+    receiver.encode(g, P2PContext("backward", 0, torch.tensor([0, 1]), 0, False))
+    DirectQCodec(AQSGDConfig(rounding="stochastic"), None).encode(
+        g, P2PContext("forward", 0, None, 0, False)
+    )
+    # Forward deltas of the second epoch, the gradient and DirectQ's activation.
+    assert len(devices) == NUM // MBS + 2
+    assert all(d == g.device for d in devices), devices
+
+
+class _DeviceIndexing(TorchFunctionMode):
+    """Fails any indexing of a tensor on ``device`` with a host tensor or a Python list (an
+    implicit synchronous host-to-device copy per access on a GPU)."""
+
+    _OPS = {
+        torch.Tensor.__getitem__,
+        torch.Tensor.__setitem__,
+        torch.Tensor.index_select,
+        torch.index_select,
+        torch.Tensor.index_copy_,
+        torch.Tensor.index_put_,
+    }
+
+    def __init__(self, device):
+        super().__init__()
+        self.device = torch.device(device)
+        self.indexed = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._OPS and isinstance(args[0], torch.Tensor):
+            if args[0].device == self.device:
+                self.indexed += 1
+                for a in list(args[1:]) + list(kwargs.values()):
+                    items = a if isinstance(a, (tuple, list)) else (a,)
+                    for i in items:
+                        if isinstance(i, list) or (
+                            isinstance(i, torch.Tensor)
+                            and i.dtype in (torch.int64, torch.bool)
+                            and i.device != self.device
+                        ):
+                            raise AssertionError(f"{func.__name__}: index on {i!r:.40}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_device_buffers_are_indexed_with_indices_on_their_device():
+    """The steady state on a device (meta here: every host read of it raises) indexes
+    activations and buffers with device indices only."""
+    sender, receiver = _pair(device="meta")
+    for codec, side in ((sender, "send"), (receiver, "recv")):
+        getattr(codec, side).visited[:] = True  # later visits: buffers read and written
+    ids = torch.tensor([3, 8])
+    x = torch.empty(SEQ, MBS, HIDDEN, device="meta")
+    ctx = P2PContext("forward", 0, ids, 5, False)
+    mode = _DeviceIndexing("meta")
+    with mode:
+        shape, _ = receiver.payload_spec(tuple(x.shape), x.dtype, ctx)
+        payload = sender.encode(x, ctx)
+        receiver.decode(payload, ctx, tuple(x.shape), x.dtype)
+        sender.send.write(torch.tensor([1, 2]), torch.empty(2, SEQ, HIDDEN, device="meta"))
+    assert mode.indexed >= 6 and tuple(payload.shape) == tuple(shape)
+
+
+def _spike(ids, value):
+    """bf16 activations [seq, mbs, hidden], ``value`` at one element of each sample."""
+    x = _activation(ids, 0, lambda s: 0.0).to(torch.bfloat16)
+    x[3, :, 5] = value
+    return x
+
+
+def _send(sender, receiver, x, ids, step):
+    ctx = P2PContext("forward", 0, ids, step, False)
+    receiver.payload_spec(tuple(x.shape), x.dtype, ctx)
+    out = receiver.decode(sender.encode(x, ctx), ctx, tuple(x.shape), x.dtype)
+    sender.end_step(), receiver.end_step()
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:aqsgd")
+def test_out_of_range_and_non_finite_activations_never_stored_as_inf():
+    """Issue 26: a bf16 70000 in fp16 buffers is clamped (the value delivered stays right),
+    an inf activation is never written, and both sides stay bit-identical."""
+    sender, receiver = _pair(buffer_dtype="fp16")
+    big, bad = torch.tensor([2]), torch.tensor([9])
+    with pytest.warns(UserWarning, match="beyond the range of the fp16 buffers"):
+        _send(sender, receiver, _spike(big, 70000.0), big, 0)
+    _send(sender, receiver, _spike(bad, float("inf")), bad, 0)
+    for step in (1, 2):  # later visits of the big sample: deltas against the clamped row
+        out = _send(sender, receiver, _spike(big, 70000.0), big, step)
+        assert torch.isfinite(out).all() and abs(float(out[3, 0, 5]) - 70000.0) < 1000.0
+        out = _send(sender, receiver, _spike(bad, float("nan")), bad, step)
+    for codec, side in ((sender, "send"), (receiver, "recv")):
+        rows = getattr(codec, side).contents()
+        assert torch.isfinite(rows).all()
+        assert float(rows[2, 3, 5]) == torch.finfo(torch.float16).max
+        visited = getattr(codec, side).visited
+        assert bool(visited[2]) and not bool(visited[9])  # never a stored non-finite row
+    assert torch.equal(sender.send.contents(), receiver.recv.contents())
+    assert torch.equal(sender.send.visited, receiver.recv.visited)
+
+
+def test_buffers_default_to_the_activation_dtype():
+    sender, receiver = _pair(activation_dtype=torch.bfloat16)
+    assert sender.send.dtype == receiver.recv.dtype == torch.bfloat16
+    sender, _ = _pair(activation_dtype=torch.float32, buffer_dtype="fp16")
+    assert sender.send.dtype == torch.float16  # an explicit choice stays
+
+
+def test_a_skipped_step_is_not_committed():
+    sender, receiver = _pair()
+    _epochs(sender, receiver, epochs=1)
+    before = sender.send.contents(), sender.send.visited.clone()
+    ids = torch.tensor([0, 1])
+    ctx = P2PContext("forward", 0, ids, 7, False)
+    x = _activation(ids, 7, lambda s: 1.0)
+    receiver.decode(sender.encode(x, ctx), ctx, tuple(x.shape), x.dtype)
+    sender.end_step(commit=False), receiver.end_step(commit=False)
+    assert torch.equal(sender.send.contents(), before[0])
+    assert torch.equal(sender.send.visited, before[1])
+    assert torch.equal(receiver.recv.contents(), before[0])
+
+
+def test_buffers_hold_this_ranks_context_parallel_shard():
+    """Megatron sends [seq / cp, mbs, hidden] per rank; the buffers must hold that shard
+    (a full-sequence buffer is refused at the first transfer, naming the flag)."""
+    cfg = AQSGDConfig()
+    codec = AQSGDCodec(cfg, None)
+    codec.allocate(_samples(), SEQ, HIDDEN, stage=0, num_stages=2, device=torch.device("cpu"))
+    ids = torch.tensor([0, 1])
+    shard = torch.randn(SEQ // 2, MBS, HIDDEN)
+    with pytest.raises(RuntimeError, match="--context-parallel-size"):
+        codec.encode(shard, P2PContext("forward", 0, ids, 0, False))
+    sender = AQSGDCodec(cfg, None)
+    sender.allocate(
+        _samples(), SEQ // 2, HIDDEN, stage=0, num_stages=2, device=torch.device("cpu")
+    )
+    sender.encode(shard, P2PContext("forward", 0, ids, 0, False))
+    sender.end_step()
+    assert bool(sender.send.visited[ids].all())
+
+
+def test_the_fit_check_keeps_room_for_optimizer_state_to_come():
+    import psutil
+
+    codec = AQSGDCodec(AQSGDConfig(), None)
+    free = psutil.virtual_memory().available
+    # A quarter of the free memory fits alone (half may go to buffers), not once the
+    # optimizer state still to come takes three quarters first (nothing is allocated).
+    assert codec._check_fits(free // 4, "device") is None
+    flags, message = codec._check_fits(free // 4, "device", reserve_nbytes=3 * free // 4)
+    assert "optimizer state" in message and "--aqsgd-buffer" in flags
+    # Host buffers do not share memory with the device's optimizer state.
+    assert codec._check_fits(free // 4, "host", reserve_nbytes=3 * free // 4) is None
+    with pytest.raises(ConfigError, match="optimizer state"):
+        codec.allocate(
+            _samples(),
+            SEQ,
+            HIDDEN,
+            stage=1,
+            num_stages=2,
+            device=torch.device("cpu"),
+            reserve_nbytes=2 * free,
+        )

@@ -138,3 +138,21 @@ def test_main_without_cuda_and_without_cpu_flag_explains(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert main(["--train-iters", "20"]) == 2
     assert "--cpu" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("scaled_masked_softmax_cuda") is not None,
+    reason="Apex's fused softmax extension is installed here",
+)
+def test_local_spec_bf16_without_apex_softmax_is_refused_before_start_up():
+    """The local spec fuses the masked softmax of bf16 attention through Apex's extension,
+    imported at the first forward; without it the driver refuses at parse time."""
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--bf16"])
+    assert exc.value.flags == ("--no-masked-softmax-fusion", "--transformer-impl")
+    assert "scaled_masked_softmax_cuda" in str(exc.value)
+    cfg = parse_args(["--bf16", "--no-masked-softmax-fusion"])
+    assert cfg.model.masked_softmax_fusion is False
+    parse_args(["--bf16", "--cpu"])  # CPU runs never fuse
+    parse_args(["--bf16", "--transformer-impl", "transformer_engine"])
+    parse_args([])  # fp32 attention takes the unfused softmax

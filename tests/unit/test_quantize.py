@@ -72,3 +72,12 @@ def test_stochastic_rounding_is_unbiased_inside_the_grid():
 def test_zero_input_stays_zero():
     q = quantize(torch.zeros(2, 4, 4), 3)
     assert torch.equal(dequantize(q), torch.zeros(2, 4, 4))
+
+
+def test_stochastic_rounding_refuses_a_generator_on_another_device():
+    # A CPU generator for a tensor elsewhere (meta here; CUDA in practice, where
+    # torch.rand raises "Expected a 'cuda' device type for generator" deep inside).
+    x = torch.empty(2, 8, 4, device="meta")
+    with pytest.raises(ValueError, match="needs a generator on that device"):
+        quantize(x, 4, stochastic=True, generator=torch.Generator())
+    quantize(x, 4, stochastic=True)  # the device's default generator

@@ -212,7 +212,9 @@ def _wrap(session: MegatronLMSession, target: HookTarget, original: Callable, si
         def wrapper(*args, **kwargs):
             session.begin_train_step(bound(args, kwargs)["iteration"], _args())
             result = original(*args, **kwargs)
-            session.end_train_step()
+            # train_step returns (loss dict, skipped_iter, ...) in 0.16 and 0.19:
+            # skipped_iter is 1 (or True, for a rerun) when the optimizer step was not taken.
+            session.end_train_step(update_successful=not result[1])
             return result
 
     elif role == "data_loader":

@@ -19,6 +19,15 @@ What it does:
     * both: ``pybind11`` when ``megatron.core`` comes from a checkout whose dataset helpers
       (``megatron/core/datasets/helpers_cpp``) are not built yet (the wheel ships them).
 
+    :func:`check_local_spec_kernels` checks the Apex CUDA extensions megatron-core's *local*
+    layer spec loads under Megatron-LM's defaults (the spec Grass and Protocol Models
+    force, and the driver's default): ``masked_softmax_fusion`` with fp16/bf16 imports
+    ``scaled_masked_softmax_cuda`` / ``scaled_upper_triang_masked_softmax_cuda`` at the
+    first forward, ``gradient_accumulation_fusion`` needs ``fused_weight_gradient_mlp_cuda``
+    when the layers are built. On a Transformer-Engine-only install the user would learn it
+    after a full start-up, from a traceback; the driver and the Megatron-LM session call
+    it with the parsed flags before anything is built and name the flags that avoid it.
+
     ``psutil`` (torch_dist checkpoint saves) and ``pyyaml`` are megatron-ext requirements
     anyway. :func:`missing_requirements` names what is not importable (``find_spec``: nothing
     is imported); ``python -m megatron_ext.megatron.lm.requirements CHECKOUT [--cpu]
@@ -43,7 +52,14 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["Requirement", "REQUIREMENTS", "missing_requirements", "main"]
+__all__ = [
+    "Requirement",
+    "REQUIREMENTS",
+    "LOCAL_SPEC_KERNELS",
+    "missing_requirements",
+    "check_local_spec_kernels",
+    "main",
+]
 
 
 @dataclass(frozen=True)
@@ -91,6 +107,59 @@ REQUIREMENTS: Dict[str, Tuple[Requirement, ...]] = {
         ),
     ),
 }
+
+
+LOCAL_SPEC_KERNELS: Dict[str, Tuple[str, ...]] = {
+    "--no-masked-softmax-fusion": (
+        "scaled_masked_softmax_cuda",
+        "scaled_upper_triang_masked_softmax_cuda",
+    ),
+    "--no-gradient-accumulation-fusion": ("fused_weight_gradient_mlp_cuda",),
+}
+"""The flag that turns each fused path off -> the Apex extension modules it imports."""
+
+
+def check_local_spec_kernels(
+    *,
+    transformer_impl: str,
+    half: bool,
+    masked_softmax_fusion: bool,
+    gradient_accumulation_fusion: bool,
+) -> None:
+    """Refuse a local-spec run whose fused kernels need Apex extensions that are absent.
+
+    Args:
+        transformer_impl: ``--transformer-impl`` ('local' is checked).
+        half: fp16 or bf16 activations (only those take the fused softmax).
+        masked_softmax_fusion: Megatron's ``masked_softmax_fusion``.
+        gradient_accumulation_fusion: Megatron's ``gradient_accumulation_fusion``.
+
+    Raises:
+        ConfigError: naming ``--no-masked-softmax-fusion`` /
+            ``--no-gradient-accumulation-fusion`` and ``--transformer-impl``.
+    """
+    from megatron_ext.config import ConfigError
+
+    if transformer_impl != "local":
+        return
+    wanted = {
+        "--no-masked-softmax-fusion": masked_softmax_fusion and half,
+        "--no-gradient-accumulation-fusion": gradient_accumulation_fusion,
+    }
+    flags, lines = [], []
+    for flag, modules in LOCAL_SPEC_KERNELS.items():
+        missing = [m for m in modules if wanted[flag] and importlib.util.find_spec(m) is None]
+        if missing:
+            flags.append(flag)
+            lines.append(f"{flag} ({', '.join(missing)} not importable)")
+    if flags:
+        raise ConfigError(
+            flags + ["--transformer-impl"],
+            "the local layer spec's fused kernels come from Apex's CUDA extensions, which "
+            "are not installed here; pass " + " and ".join(lines) + ", or use "
+            "--transformer-impl transformer_engine where the methods allow it (Grass and "
+            "Protocol Models need the local spec)",
+        )
 
 
 def _helpers_built(checkout: str) -> bool:

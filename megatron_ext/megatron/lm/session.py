@@ -115,6 +115,22 @@ def check_megatron_lm_args(args: Any, cfg: ExtConfig) -> None:
             ["--cuda-graph-impl", "--cuda-graph-scope"],
             "a full-iteration CUDA graph replays the step without megatron-ext's per-step hooks",
         )
+    if cfg.enabled("linear") and args.cuda_graph_impl != "none":
+        raise ConfigError(
+            ["--cuda-graph-impl", "--grass-method"],
+            f"Grass cannot run inside CUDA graphs (--cuda-graph-impl {args.cuda_graph_impl}): "
+            "it copies its row selection through the host while the layers run, which graph "
+            "capture forbids, and a replayed graph would never see a new selection. Use "
+            "--cuda-graph-impl none",
+        )
+    from megatron_ext.megatron.lm.requirements import check_local_spec_kernels
+
+    check_local_spec_kernels(
+        transformer_impl=args.transformer_impl,
+        half=bool(args.fp16 or args.bf16),
+        masked_softmax_fusion=bool(args.masked_softmax_fusion),
+        gradient_accumulation_fusion=bool(args.gradient_accumulation_fusion),
+    )
     if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
         flag = (
             "--use-torch-fsdp2"
@@ -455,9 +471,15 @@ class MegatronLMSession:
         self._step = step
         self._sample_ids_fn = self._sample_ids(args)
 
-    def end_train_step(self) -> None:
-        """After ``train_step``: close the step's byte accounting."""
-        for category, traffic in self.runtime.end_step().items():
+    def end_train_step(self, update_successful: bool = True) -> None:
+        """After ``train_step``: close the step's byte accounting and per-step state.
+
+        Args:
+            update_successful: whether Megatron-LM took the optimizer step (not
+                ``skipped_iter``; the same on every rank).
+        """
+        totals = self.runtime.end_step(update_successful=update_successful)
+        for category, traffic in totals.items():
             self.interval.setdefault(category, Traffic()).add(traffic)
         self.interval_steps += 1
         self.last_iteration = (self._step or 0) + 1

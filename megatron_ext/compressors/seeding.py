@@ -47,14 +47,10 @@ def device_generator(device: Optional[torch.device], *parts: object) -> Optional
     the device costs a host-to-device copy and a synchronization each time).
 
     Ranks on the same kind of device draw the same numbers (CUDA's Philox is counter based);
-    a CPU draw and a CUDA draw differ. On CPU this is :func:`seeded_generator`. ``meta``
+    a CPU draw and a CUDA draw differ. ``meta``
     tensors hold no values: None (nothing to seed).
     """
     device = torch.device(device or "cpu")
-    if device.type == "cpu":
-        return seeded_generator(*parts)
     if device.type == "meta":
         return None
-    gen = torch.Generator(device=device)
-    gen.manual_seed(stable_seed(*parts))
-    return gen
+    return seeded_generator(*parts, device=device)

@@ -75,7 +75,7 @@ from megatron_ext.compressors.quantize import (
     scale_shape,
     unpack_bits,
 )
-from megatron_ext.compressors.seeding import seeded_generator
+from megatron_ext.compressors.seeding import device_generator
 from megatron_ext.config import ConfigError
 
 __all__ = [
@@ -397,8 +397,8 @@ class _QuantizingCodec(P2PCodec):
         stage) whatever the call order."""
         if self.cfg.rounding != "stochastic":
             return None
-        return seeded_generator(
-            "aqsgd", self.cfg.seed, ctx.step, ctx.microbatch, direction, self.stage, device=device
+        return device_generator(
+            device, "aqsgd", self.cfg.seed, ctx.step, ctx.microbatch, direction, self.stage
         )
 
     def _quantize(self, x: torch.Tensor, bits: int, gen) -> Quantized:

@@ -233,13 +233,13 @@ def test_directq_quantizes_the_activations_themselves():
 def test_stochastic_rounding_draws_on_the_tensors_device(monkeypatch):
     """CUDA kernels take CUDA generators only: the codec seeds one on the tensor's device."""
     devices = []
-    real = aqsgd_module.seeded_generator
+    real = aqsgd_module.device_generator
 
-    def record(*parts, device=None):
+    def record(device, *parts):
         devices.append(device)
-        return real(*parts, device=device)
+        return real(device, *parts)
 
-    monkeypatch.setattr(aqsgd_module, "seeded_generator", record)
+    monkeypatch.setattr(aqsgd_module, "device_generator", record)
     sender, receiver = _pair(rounding="stochastic")
     _epochs(sender, receiver, epochs=2)
     g = torch.randn(SEQ, MBS, HIDDEN)

@@ -169,6 +169,27 @@ def test_grass_refuses_cuda_graphs(impl):
     check_megatron_lm_args(_megatron_args(**graphs), ExtConfig())  # without Grass: fine
 
 
+@pytest.mark.parametrize(
+    "attr, flag",
+    [
+        ("use_precision_aware_optimizer", "--use-precision-aware-optimizer"),
+        ("optimizer_cpu_offload", "--optimizer-cpu-offload"),
+    ],
+)
+def test_radius_refuses_optimizers_that_hide_its_moments(attr, flag):
+    """Radius selects from the fp32 Adam moments and master weights; TE's precision-aware
+    FusedAdam keeps scaled low-precision moments, and the CPU offload wrapper hides the
+    AdamW mode (weight decay was dropped from the selection)."""
+    from megatron_ext.config import ext_config_from_flags
+
+    cfg = ext_config_from_flags(["--grad-compression", "radius"])
+    check_megatron_lm_args(_megatron_args(), cfg)
+    with pytest.raises(ConfigError) as info:
+        check_megatron_lm_args(_megatron_args(**{attr: True}), cfg)
+    assert info.value.flags == ("--grad-compression", flag)
+    check_megatron_lm_args(_megatron_args(**{attr: True}), ExtConfig())  # other methods: fine
+
+
 def test_aqsgd_needs_fixed_samples_in_megatron_lm_naming_the_flag():
     from megatron_ext.config import ext_config_from_flags
 

@@ -123,6 +123,23 @@ def check_megatron_lm_args(args: Any, cfg: ExtConfig) -> None:
             "capture forbids, and a replayed graph would never see a new selection. Use "
             "--cuda-graph-impl none",
         )
+    if cfg.method("grad") == "radius":
+        # Radius ranks entries by AdamW's update from the optimizer's moments and fp32 master
+        # weights. TE's precision-aware FusedAdam keeps scaled low-precision moments (read
+        # through get_unscaled_state) and the master inside the optimizer, and the CPU
+        # offload wrapper hides the AdamW mode: the selection would be silently wrong.
+        for flag, attr in (
+            ("--use-precision-aware-optimizer", "use_precision_aware_optimizer"),
+            ("--optimizer-cpu-offload", "optimizer_cpu_offload"),
+        ):
+            if getattr(args, attr, False):
+                raise ConfigError(
+                    ["--grad-compression", flag],
+                    "Radius reads the fp32 Adam moments and master weights of megatron's "
+                    "optimizer to choose its entries; with this flag they are kept elsewhere "
+                    "(scaled low-precision moments, or on the host behind a wrapper), so the "
+                    "selection would be wrong. Drop the flag or choose another method",
+                )
     from megatron_ext.megatron.lm.requirements import check_local_spec_kernels
 
     check_local_spec_kernels(

@@ -21,6 +21,10 @@ What it does:
     overlaps the backward pass and the rest runs when megatron waits on the handle. With
     the distributed optimizer the full ``M_hat`` is written (a superset of the shard).
 
+    Matrices of one shape are compressed as one batch (PyTorch's
+    ``batch_tensors_with_same_shape``): a batched matmul and a batched QR per shape, so the
+    device ops per bucket do not grow with the number of layers.
+
 State (rank-local, keyed by FQN): ``error/<fqn>`` and ``q/<fqn>`` (the warm start).
 
 Constraints:
@@ -49,12 +53,16 @@ __all__ = ["PowerSGDReducer"]
 
 
 @dataclass
-class _Matrix:
-    slice: ParamSlice
+class _Shape:
+    """The bucket's weight matrices of one shape, compressed as one batch (as PyTorch's hook
+    does with ``batch_tensors_with_same_shape``): one batched matmul and one batched QR per
+    shape instead of per matrix."""
+
+    slices: List[ParamSlice]
     rows: int
     cols: int
-    q: torch.Tensor
-    error: Optional[torch.Tensor]
+    q: torch.Tensor  # [B, cols, r]: the warm start
+    error: Optional[torch.Tensor]  # [B, rows, cols] fp32 with error feedback
 
 
 class PowerSGDReducer(GradReducer):
@@ -83,16 +91,21 @@ class _PowerSGDReduction(CompressedReduction):
         super().__init__(spec)
         self._dense = _DenseReduction(spec)
         self._staged: Optional[list] = None
-        self.matrices: List[List[_Matrix]] = []
+        self.shapes: List[List[_Shape]] = []
+        r = cfg.approx_rank
         for split in self.splits:
             device = split.view.grad.device
-            mats = []
+            by_shape: Dict[tuple, List[ParamSlice]] = {}
             for s in split.matrices:
-                rows, cols = s.shape[0], s.numel // s.shape[0]
-                error = torch.zeros(rows, cols, device=device) if cfg.error_feedback else None
-                q = initial_q(cfg.seed, s.fqn, 0, cols, cfg.approx_rank, device)
-                mats.append(_Matrix(slice=s, rows=rows, cols=cols, q=q, error=error))
-            self.matrices.append(mats)
+                by_shape.setdefault((s.shape[0], s.numel // s.shape[0]), []).append(s)
+            groups = []
+            for (rows, cols), slices in by_shape.items():
+                error = None
+                if cfg.error_feedback:
+                    error = torch.zeros(len(slices), rows, cols, device=device)
+                q = torch.stack([initial_q(cfg.seed, s.fqn, 0, cols, r, device) for s in slices])
+                groups.append(_Shape(slices=slices, rows=rows, cols=cols, q=q, error=error))
+            self.shapes.append(groups)
 
     def compresses(self, s: ParamSlice) -> bool:
         if not s.is_matrix:
@@ -109,53 +122,62 @@ class _PowerSGDReduction(CompressedReduction):
         reduce_scatter = self.spec.distributed_optimizer and not force_all_reduce
         works, pending = [], []
         self._staged = []
-        for split, mats in zip(self.splits, self.matrices):
+        for split, groups in zip(self.splits, self.shapes):
             grad = split.view.grad
-            ms, ps, qs = [], [], []
-            for mat in mats:
-                m = grad[mat.slice.start : mat.slice.end].view(mat.rows, mat.cols).float()
-                if mat.error is not None:
-                    m = m + mat.error
+            ms, ps = [], []
+            for group in groups:
+                # [B, rows, cols] fp32, a fresh tensor (it becomes the new error in place).
+                m = torch.stack(
+                    [grad[s.start : s.end].view(group.rows, group.cols) for s in group.slices]
+                ).float()
+                if group.error is not None:
+                    m.add_(group.error)
                 if self.cfg.warm_start:
                     # PyTorch re-orthogonalizes the previous step's (all-reduced) Q.
-                    q = orthogonalize(mat.q)
+                    q = orthogonalize(group.q)
                 else:
-                    q = initial_q(
-                        self.cfg.seed,
-                        mat.slice.fqn,
-                        step,
-                        mat.cols,
-                        self.cfg.approx_rank,
-                        grad.device,
+                    q = torch.stack(
+                        [
+                            initial_q(
+                                self.cfg.seed,
+                                s.fqn,
+                                step,
+                                group.cols,
+                                self.cfg.approx_rank,
+                                grad.device,
+                            )
+                            for s in group.slices
+                        ]
                     )
                 ms.append(m)
-                ps.append(m @ q)
+                ps.append(torch.bmm(m, q))
             flag = self.input_flag(grad.device, *ms, *[grad[s.start : s.end] for s in split.dense])
             payload = torch.cat([p.reshape(-1) for p in ps] + self.pack_dense(split) + [flag])
             dense = self.dense_wire_bytes(split.view, force_all_reduce)
             works.append(self.all_reduce(payload, dense=dense))
-            pending.append((split, mats, ms, payload))
+            pending.append((split, groups, ms, payload))
 
         def then():
-            for split, mats, ms, payload in pending:
-                self._second_round(split, mats, ms, payload[:-1])
+            for split, groups, ms, payload in pending:
+                self._second_round(split, groups, ms, payload[:-1])
                 self.poison(split.view, payload[-1:], reduce_scatter)
 
         return self.finish(works, then)
 
-    def _second_round(self, split, mats: List[_Matrix], ms, payload) -> None:
+    def _second_round(self, split, groups: List[_Shape], ms, payload) -> None:
         grad = split.view.grad
         r = self.cfg.approx_rank
         offset = 0
         ps = []
-        for mat in mats:
-            p = payload[offset : offset + mat.rows * r].view(mat.rows, r)
-            offset += mat.rows * r
+        for group in groups:
+            count = len(group.slices) * group.rows * r
+            p = payload[offset : offset + count].view(len(group.slices), group.rows, r)
+            offset += count
             ps.append(orthogonalize(p))
         self.unpack_dense(split, payload[offset:])
-        if not mats:
+        if not groups:
             return
-        q_payload = torch.cat([(m.t() @ p).reshape(-1) for m, p in zip(ms, ps)])
+        q_payload = torch.cat([torch.bmm(m.transpose(1, 2), p).reshape(-1) for m, p in zip(ms, ps)])
         # The dense equivalent was recorded with the first round.
         self.all_reduce(q_payload, dense=0, async_op=False)
         # ``approx`` is in the units of the reduction's result: the sum of the ranks' shares
@@ -164,42 +186,53 @@ class _PowerSGDReduction(CompressedReduction):
         # (SUM) or average (AVG) to the global residual ``reduce(m) - approx``.
         share = self.spec.share
         offset = 0
-        for mat, m, p in zip(mats, ms, ps):
-            q = q_payload[offset : offset + mat.cols * r].view(mat.cols, r)
-            offset += mat.cols * r
-            approx = p @ q.t()
-            # Staged until end_step: the new error (in m's own buffer, a fresh tensor when
-            # error feedback is on) and the warm start.
-            error = m.sub_(share * approx) if mat.error is not None else None
-            grad[mat.slice.start : mat.slice.end].view(mat.rows, mat.cols).copy_(approx)
-            self._staged.append((mat, error, q.clone()))
+        dst, src = [], []
+        for group, m, p in zip(groups, ms, ps):
+            count = len(group.slices) * group.cols * r
+            q = q_payload[offset : offset + count].view(len(group.slices), group.cols, r)
+            offset += count
+            approx = torch.bmm(p, q.transpose(1, 2))
+            # Staged until end_step: the new error (in m's own buffer) and the warm start.
+            error = m.sub_(share * approx) if group.error is not None else None
+            for s, a in zip(group.slices, approx.unbind(0)):
+                dst.append(grad[s.start : s.end].view(group.rows, group.cols))
+                src.append(a)
+            self._staged.append((group, error, q.clone()))
+        torch._foreach_copy_(dst, src)  # one fused copy of every approximation
 
     def end_step(self, applied: bool, rescale: Optional[torch.Tensor] = None) -> None:
         staged, self._staged = self._staged, None
         if staged is not None and applied:
-            for mat, error, q in staged:
+            for group, error, q in staged:
                 if error is not None:
-                    mat.error = error
-                mat.q = q
-        for mats in self.matrices:
-            for mat in mats:
-                scale_state(mat.error, rescale)
+                    group.error = error
+                group.q = q
+        for groups in self.shapes:
+            for group in groups:
+                scale_state(group.error, rescale)
 
     def state_dict(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {}
-        for mats in self.matrices:
-            for mat in mats:
-                out[f"q/{mat.slice.fqn}"] = mat.q.clone()
-                if mat.error is not None:
-                    out[f"error/{mat.slice.fqn}"] = mat.error.clone()
+        for groups in self.shapes:
+            for group in groups:
+                for i, s in enumerate(group.slices):
+                    out[f"q/{s.fqn}"] = group.q[i].clone()
+                    if group.error is not None:
+                        out[f"error/{s.fqn}"] = group.error[i].clone()
         return out
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        for split, mats in zip(self.splits, self.matrices):
+        for split, groups in zip(self.splits, self.shapes):
             device = split.view.grad.device
-            for mat in mats:
-                # A checkpoint may be loaded onto the CPU (map_location="cpu"): the warm start
-                # belongs on the gradient's device.
-                mat.q = state[f"q/{mat.slice.fqn}"].to(device=device, dtype=torch.float32).clone()
-                if mat.error is not None:
-                    mat.error.copy_(state[f"error/{mat.slice.fqn}"])
+            for group in groups:
+                # A checkpoint may be loaded onto the CPU (map_location="cpu"): the warm
+                # start belongs on the gradient's device.
+                group.q = torch.stack(
+                    [
+                        state[f"q/{s.fqn}"].to(device=device, dtype=torch.float32)
+                        for s in group.slices
+                    ]
+                )
+                if group.error is not None:
+                    for i, s in enumerate(group.slices):
+                        group.error[i].copy_(state[f"error/{s.fqn}"])

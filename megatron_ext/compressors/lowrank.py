@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from megatron_ext.compressors.seeding import seeded_generator
+from megatron_ext.compressors.seeding import device_generator
 
 __all__ = ["orthogonalize", "initial_q", "compressible", "equal_bytes_rank"]
 
@@ -37,9 +37,12 @@ def initial_q(
     seed: int, fqn: str, step: int, cols: int, approx_rank: int, device: Optional[torch.device]
 ) -> torch.Tensor:
     """The random orthonormal ``Q`` (``cols x approx_rank``) of parameter ``fqn`` at ``step``."""
-    gen = seeded_generator("powersgd", seed, fqn, step)
-    q = torch.randn(cols, approx_rank, generator=gen)
-    return orthogonalize(q).to(device)
+    # Drawn and orthonormalized on ``device`` (no host-to-device copy when Q is drawn
+    # afresh every step, as without warm start); identical to a CPU draw on the CPU.
+    device = torch.device(device or "cpu")
+    gen = device_generator(device, "powersgd", seed, fqn, step)
+    q = torch.randn(cols, approx_rank, generator=gen, device=device)
+    return orthogonalize(q)
 
 
 def compressible(rows: int, cols: int, approx_rank: int, min_compression_rate: float) -> bool:

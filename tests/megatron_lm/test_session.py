@@ -169,6 +169,17 @@ def test_grass_refuses_cuda_graphs(impl):
     check_megatron_lm_args(_megatron_args(**graphs), ExtConfig())  # without Grass: fine
 
 
+def test_tp_comm_overlap_needs_accounting_off():
+    """TE userbuffer traffic bypasses torch.distributed: the byte report cannot include it."""
+    from megatron_ext.config import ext_config_from_flags
+
+    with pytest.raises(ConfigError) as info:
+        check_megatron_lm_args(_megatron_args(tp_comm_overlap=True), ExtConfig())
+    assert info.value.flags == ("--tp-comm-overlap", "--no-comm-accounting")
+    quiet = ext_config_from_flags(["--no-comm-accounting"])
+    check_megatron_lm_args(_megatron_args(tp_comm_overlap=True), quiet)
+
+
 @pytest.mark.parametrize(
     "attr, flag",
     [

@@ -123,6 +123,15 @@ def check_megatron_lm_args(args: Any, cfg: ExtConfig) -> None:
             "capture forbids, and a replayed graph would never see a new selection. Use "
             "--cuda-graph-impl none",
         )
+    if getattr(args, "tp_comm_overlap", False) and cfg.comm.accounting:
+        # TE's userbuffers move tensor-parallel activations outside torch.distributed, where
+        # the byte meter cannot see them: the report would silently miss that traffic.
+        raise ConfigError(
+            ["--tp-comm-overlap", "--no-comm-accounting"],
+            "Transformer Engine's userbuffer communication bypasses torch.distributed, so "
+            "megatron-ext cannot count its bytes; run with --no-comm-accounting, or without "
+            "--tp-comm-overlap to measure",
+        )
     if cfg.method("grad") == "radius":
         # Radius ranks entries by AdamW's update from the optimizer's moments and fp32 master
         # weights. TE's precision-aware FusedAdam keeps scaled low-precision moments (read

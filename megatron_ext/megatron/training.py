@@ -372,7 +372,11 @@ def gpt_forward_step(batch: Optional[Dict[str, Any]], model: Any, *, cpu: bool):
 
     def get(key, wanted):
         value = batch[key] if (batch is not None and wanted) else None
-        return value.cuda() if (value is not None and not cpu) else value
+        if value is None or cpu:
+            return value
+        # Pinned, then an asynchronous copy: a pageable .cuda() blocks the host each
+        # microbatch (the caching host allocator keeps the pinned block until the copy ran).
+        return value.pin_memory().cuda(non_blocking=True)
 
     tokens = get("tokens", first)
     position_ids = get("position_ids", first)

@@ -211,6 +211,9 @@ class GrassLayer:
     method: str
     sketch_size: int
     seed: int
+    # The selection, on the weight's device (set_selection / load_state_dict): the r
+    # indices, their scales, the sorted unique rows, the slots of each unique row
+    # (_slot_table) and the rows' fp32 values at selection time.
     index: Optional[torch.Tensor] = None
     rho: Optional[torch.Tensor] = None
     unique: Optional[torch.Tensor] = None

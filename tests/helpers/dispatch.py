@@ -53,8 +53,8 @@ class OpRecord:
     """Sorted device types of its tensor arguments and outputs."""
     accumulate: bool
     """``index_put`` / ``put``: the ``accumulate`` argument (False for other ops)."""
-    fresh_numels: Tuple[int, ...]
-    """Element counts of the outputs that are new allocations."""
+    fresh: Tuple[Tuple[int, torch.dtype], ...]
+    """Element count and dtype of each output that is a new allocation."""
 
 
 def _storage(t: torch.Tensor) -> Any:
@@ -78,7 +78,9 @@ class OpRecorder(TorchDispatchMode):
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         storages = {_storage(t) for t in ins} - {None}
         fresh = tuple(
-            t.numel() for t in outs if _storage(t) is None or _storage(t) not in storages
+            (t.numel(), t.dtype)
+            for t in outs
+            if _storage(t) is None or _storage(t) not in storages
         )
         devices = tuple(sorted({t.device.type for t in ins + outs}))
         name = func.overloadpacket.__name__
@@ -115,6 +117,9 @@ class OpRecorder(TorchDispatchMode):
             found.append(op.name)
         return found
 
-    def fresh_allocations(self, min_numel: int) -> List[str]:
-        """Ops that allocated an output of at least ``min_numel`` elements."""
-        return [op.name for op in self.ops if any(n >= min_numel for n in op.fresh_numels)]
+    def fresh_allocations(self, min_numel: int) -> List[Tuple[str, torch.dtype]]:
+        """``(op, dtype)`` of each output of at least ``min_numel`` elements that an op
+        allocated."""
+        return [
+            (op.name, dtype) for op in self.ops for n, dtype in op.fresh if n >= min_numel
+        ]

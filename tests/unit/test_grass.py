@@ -305,7 +305,10 @@ def test_steady_state_stays_on_the_device_with_no_host_sync(shape):
     # uniform: selected from the CPU generator before step 0, with repeated rows
     layer = GrassLayer("w", weight, v, mode, r, "uniform", 0, seed=3)
     hook = GrassOptimizerHook(
-        {"w": layer}, GrassSchedule(5, 0, 0.5), lambda flat: None, reset_state=False,
+        {"w": layer},
+        GrassSchedule(5, 0, 0.5),
+        lambda flat: None,
+        reset_state=False,
         param_fqn=lambda f: "v",
     )
     hook.initial_selection()
@@ -400,9 +403,7 @@ def _grass_run(steps, *, nan_step=None, skip_step=None, selection_steps=None):
             opt.step()
         hook.post_step(view, step != skip_step)
         index = None if layer.index is None else layer.index.tolist()
-        history.append(
-            {"index": index, "weight": layer.weight.clone(), "pending": hook.pending}
-        )
+        history.append({"index": index, "weight": layer.weight.clone(), "pending": hook.pending})
     return history
 
 

@@ -31,6 +31,22 @@ Shapes:
     input ``[..., n]``, weight ``[m, n]``, output ``[..., m]``; tokens = product of the
     leading dimensions.
 
+On a GPU:
+    A selection (``index``, ``rho``, the unique rows, the slot table and ``base``) lives on
+    the weight's device, moved there once when it is made or loaded. A selection step
+    (every ``K`` steps) works on the host: the norms go to the CPU for the sampling, and
+    the seeded sketch matrix comes from a CPU generator (the same bits on every rank and
+    device). Every other step does no host<->device copy and no host synchronization
+    (no ``.item()``, ``.tolist()`` or boolean-mask indexing) in the forward, the backward
+    and the optimizer's row write.
+
+    Duplicate rows (sampling with replacement) are summed deterministically: no
+    ``index_add_``, which accumulates with atomics on CUDA (a summation order that changes
+    from run to run, so data-parallel replicas would drift apart by an ulp a step). The
+    slots of each unique row are listed once per selection in a table and added by
+    gathers in slot order (:meth:`GrassLayer.current_rows`): the same order as the CPU's
+    sequential ``index_add_``, so the result is bit-identical to it.
+
 Constraints:
     Pure torch; never imports Megatron. Tensor-parallel communication of megatron's
     column- and row-parallel layers is re-done here (sequence-parallel gather and
@@ -98,6 +114,11 @@ def select(
     Returns:
         ``(index, rho)``: int64 ``[r]`` and fp32 ``[r]`` on the CPU. Top-r and the ``-nr``
         methods give distinct indices in increasing order.
+
+    Raises:
+        ValueError: ``norms_sq`` holds an inf or NaN (a descending sort puts NaN first, and
+            the sampling rules have no distribution to draw from); the caller postpones the
+            selection instead (:class:`megatron_ext.optim.grass.GrassOptimizerHook`).
     """
     if method not in SELECTION_METHODS:
         raise ValueError(f"unknown Grass selection method {method!r}")
@@ -109,14 +130,23 @@ def select(
             index = torch.randint(size, (rank,), generator=generator)
             return index, torch.full((rank,), math.sqrt(size / rank))
         return torch.arange(size), ones
-    scores = norms_sq.detach().to("cpu", torch.float64).clamp_min(0)
+    # A selection step: the norms come to the host (a synchronization every K steps).
+    scores = norms_sq.detach().to("cpu", torch.float64)
+    if not bool(torch.isfinite(scores).all()):
+        raise ValueError("Grass selection from norms that are not finite (inf or NaN)")
+    scores = scores.clamp_min(0)
     if method == "topr":
         # Stable order: ties go to the lower index on every rank alike.
         order = torch.sort(scores, descending=True, stable=True).indices[:rank]
         return torch.sort(order).values, ones
     q = scores.sqrt() if method.startswith("norm-") or method == "norm" else scores
     total = q.sum()
-    if not torch.isfinite(total) or total <= 0:
+    if not torch.isfinite(total):
+        # finite norms whose sum overflows fp64 cannot happen from fp32 sketches
+        raise ValueError("Grass selection: the sum of the norms is not finite")
+    if total <= 0:
+        # An all-zero gradient (a layer no token reached) prefers no row: uniform, as the
+        # floor below gives any zero row.
         q = torch.ones(size, dtype=torch.float64)
     else:
         # A zero-norm row keeps a tiny probability, so that sampling r distinct rows
@@ -134,6 +164,28 @@ def select(
 
 def _stable_hash(text: str) -> int:
     return zlib.crc32(text.encode())
+
+
+def _slot_table(inverse: torch.Tensor, num_unique: int) -> torch.Tensor:
+    """The slots of each unique row, for a deterministic sum of duplicate rows.
+
+    Args:
+        inverse: int64 ``[r]`` (CPU): the unique row of each of the ``r`` slots.
+        num_unique: ``u``.
+
+    Returns:
+        int64 ``[u, c]`` (CPU), ``c`` the largest multiplicity: row ``j`` lists its slots in
+        increasing order, padded with ``r`` (a zero row appended to the slots' values).
+    """
+    r = inverse.numel()
+    order = torch.sort(inverse, stable=True).indices  # slots grouped by row, in slot order
+    counts = torch.bincount(inverse, minlength=num_unique)
+    width = max(1, int(counts.max())) if r else 1
+    starts = torch.cumsum(counts, 0) - counts
+    column = torch.arange(width)
+    position = (starts[:, None] + column[None, :]).clamp_max(max(r - 1, 0))
+    valid = column[None, :] < counts[:, None]
+    return torch.where(valid, order[position], torch.full_like(position, r))
 
 
 @dataclass
@@ -159,10 +211,13 @@ class GrassLayer:
     method: str
     sketch_size: int
     seed: int
+    # The selection, on the weight's device (set_selection / load_state_dict): the r
+    # indices, their scales, the sorted unique rows, the slots of each unique row
+    # (_slot_table) and the rows' fp32 values at selection time.
     index: Optional[torch.Tensor] = None
     rho: Optional[torch.Tensor] = None
     unique: Optional[torch.Tensor] = None
-    inverse: Optional[torch.Tensor] = None
+    slots: Optional[torch.Tensor] = None
     base: Optional[torch.Tensor] = None
     sketching: bool = False
     sketch: Optional[torch.Tensor] = None
@@ -188,20 +243,20 @@ class GrassLayer:
             self._add_sketch(dy, x)
         if self.index is None:
             return None
-        index = self.index.to(dy.device)
-        rho = self.rho.to(device=dy.device, dtype=dy.dtype)
+        # index and rho are on the weight's device already (no copy); the cast is on-device
+        rho = self.rho.to(dy.dtype)
         if self.mode == "row":
-            return (dy.index_select(1, index) * rho).t().matmul(x)
-        return dy.t().matmul(x.index_select(1, index) * rho)
+            return (dy.index_select(1, self.index) * rho).t().matmul(x)
+        return dy.t().matmul(x.index_select(1, self.index) * rho)
 
     def _add_sketch(self, dy: torch.Tensor, x: torch.Tensor) -> None:
         dy32, x32 = dy.float(), x.float()
         if self.sketch_size == 0:
             part = dy32.t().matmul(x32)
         elif self.mode == "row":
-            part = dy32.t().matmul(x32.matmul(self.omega.to(x32.device)))
+            part = dy32.t().matmul(x32.matmul(self.omega))
         else:
-            part = self.omega.to(dy32.device).t().matmul(dy32.t()).matmul(x32)
+            part = self.omega.t().matmul(dy32.t()).matmul(x32)
         self.sketch = part if self.sketch is None else self.sketch.add_(part)
 
     def start_sketch(self, step: int) -> None:
@@ -214,6 +269,8 @@ class GrassLayer:
             gen = torch.Generator().manual_seed(
                 (self.seed * 1_000_003 + step * 7919 + _stable_hash(self.fqn)) % (2**63)
             )
+            # A selection step: drawn on the CPU (the same bits on every rank and device)
+            # and copied to the device once for the step's microbatches.
             self.omega = torch.randn(other, self.sketch_size, generator=gen).to(self.weight.device)
             self._sketch_step = step
 
@@ -240,11 +297,21 @@ class GrassLayer:
         return torch.float64 if self.weight.dtype == torch.float64 else torch.float32
 
     def current_rows(self, v: torch.Tensor) -> torch.Tensor:
-        """fp32 values of the selected unique rows: ``base + P V`` (duplicates summed)."""
+        """fp32 values of the selected unique rows: ``base + P V`` (duplicates summed).
+
+        Deterministic on every device (module doc): ``delta[j]`` adds the scaled rows of
+        row ``j``'s slots by one gather per multiplicity, in slot order, instead of an
+        atomic ``index_add_``.
+        """
         dtype = self.base.dtype
-        delta = torch.zeros_like(self.base)
-        scaled = self._rows(v).to(dtype) * self.rho.to(v.device, dtype)[:, None]
-        delta.index_add_(0, self.inverse.to(v.device), scaled)
+        scaled = self._rows(v).to(dtype) * self.rho.to(dtype)[:, None]
+        if self.slots.shape[1] == 1:  # distinct rows: a permutation of the slots
+            delta = scaled.index_select(0, self.slots[:, 0])
+        else:
+            padded = torch.cat([scaled, scaled.new_zeros(1, scaled.shape[1])])
+            delta = torch.zeros_like(self.base)
+            for column in self.slots.unbind(1):
+                delta.add_(padded.index_select(0, column))
         return self.base + delta
 
     def write_rows(self, v: torch.Tensor) -> None:
@@ -253,36 +320,53 @@ class GrassLayer:
             return
         rows = self.current_rows(v).to(self.weight.dtype)
         with torch.no_grad():
-            self._rows(self.weight).index_copy_(0, self.unique.to(rows.device), rows)
+            # distinct indices: index_copy_ is deterministic
+            self._rows(self.weight).index_copy_(0, self.unique, rows)
 
     def set_selection(self, index: torch.Tensor, rho: torch.Tensor, v: torch.Tensor) -> None:
         """Adopt a new selection: fold ``V`` into the weight, take the new rows' fp32 values
         as ``base`` (rows kept from the old selection keep their fp32 values) and zero ``V``.
+
+        ``index`` and ``rho`` come from :func:`select` (CPU); they are moved to the weight's
+        device here, once per selection.
         """
         device = self.weight.device
-        old = {}
+        index = index.detach().to("cpu", torch.int64)
+        unique, inverse = torch.unique(index, sorted=True, return_inverse=True)
+        slots = _slot_table(inverse, unique.numel())
+        unique = unique.to(device)
+        old_unique, values = None, None
         if self.index is not None:
             values = self.current_rows(v)
             self.write_rows(v)
-            old = {int(u): i for i, u in enumerate(self.unique.tolist())}
-        unique, inverse = torch.unique(index, sorted=True, return_inverse=True)
-        base = self._rows(self.weight).index_select(0, unique.to(device)).to(self.master_dtype)
-        keep = [(j, old[u]) for j, u in enumerate(unique.tolist()) if u in old]
-        if keep:
-            dst = torch.tensor([j for j, _ in keep], device=device)
-            src = torch.tensor([i for _, i in keep], device=device)
-            base.index_copy_(0, dst, values.index_select(0, src))
-        self.index, self.rho = index.cpu(), rho.cpu().float()
-        self.unique, self.inverse, self.base = unique.cpu(), inverse.cpu(), base
+            old_unique = self.unique
+        base = self._rows(self.weight).index_select(0, unique).to(self.master_dtype)
+        if old_unique is not None:
+            # Find each new row among the old (sorted) ones on the device.
+            pos = torch.searchsorted(old_unique, unique).clamp_max(old_unique.numel() - 1)
+            kept = old_unique.index_select(0, pos).eq(unique)
+            base = torch.where(kept[:, None], values.index_select(0, pos), base)
+        self.index = index.to(device)
+        self.rho = rho.detach().to(device, torch.float32)
+        self.unique, self.slots, self.base = unique, slots.to(device), base
         with torch.no_grad():
             v.zero_()
 
-    def reselect(self, step: int, v: torch.Tensor) -> None:
-        """Choose the next selection (from the reduced sketch where one was taken)."""
+    def reselect(self, step: int, v: torch.Tensor, norms: Optional[torch.Tensor] = None) -> None:
+        """Choose the next selection (from the reduced sketch where one was taken).
+
+        Args:
+            step: the selection step (seeds the sampling).
+            v: the virtual parameter's fp32 values (folded into the weight, then zeroed).
+            norms: :meth:`sketch_norms`, if the caller has them already.
+        """
         gen = torch.Generator().manual_seed(
             (self.seed * 1_000_033 + step * 104_729 + _stable_hash(self.fqn)) % (2**63)
         )
-        norms = self.sketch_norms() if self.sketching else None
+        if not self.sketching:
+            norms = None
+        elif norms is None:
+            norms = self.sketch_norms()
         index, rho = select(norms, self.size, self.rank, self.method, gen)
         self.set_selection(index, rho, v)
         self.sketching, self.sketch, self.omega = False, None, None
@@ -294,23 +378,27 @@ class GrassLayer:
         if self.index is None:
             return {}
         return {
-            "index": self.index.clone(),
-            "rho": self.rho.clone(),
+            "index": self.index.detach().cpu().clone(),
+            "rho": self.rho.detach().cpu().clone(),
             "base": self.base.detach().cpu().clone(),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the weight and ``V`` come from the model checkpoint)."""
         if not state:
-            self.index = self.rho = self.unique = self.inverse = self.base = None
+            self.index = self.rho = self.unique = self.slots = self.base = None
             return
-        index = state["index"].long()
+        index = state["index"].to("cpu", torch.int64)
         unique, inverse = torch.unique(index, sorted=True, return_inverse=True)
         if state["base"].shape != (unique.numel(), self._rows(self.weight).shape[1]):
             raise ValueError(f"Grass state of {self.fqn} does not fit its weight")
-        self.index, self.rho = index, state["rho"].float()
-        self.unique, self.inverse = unique, inverse
-        self.base = state["base"].to(self.weight.device, self.master_dtype)
+        # moved to the weight's device once, here
+        device = self.weight.device
+        self.index = index.to(device)
+        self.rho = state["rho"].to(device, torch.float32)
+        self.unique = unique.to(device)
+        self.slots = _slot_table(inverse, unique.numel()).to(device)
+        self.base = state["base"].to(device, self.master_dtype)
         self.sketching, self.sketch, self.omega = False, None, None
 
 

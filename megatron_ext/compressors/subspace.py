@@ -13,7 +13,11 @@ What it does:
     with the symmetric accumulation of the gradients themselves, which is what we keep.)
 
     :func:`project` maps a tensor onto ``S`` along its ``d`` axis (``U U^T W`` for a
-    writer's ``d x n`` weight, ``W U U^T`` for an embedding's ``vocab x d`` table).
+    writer's ``d x n`` weight, ``W U U^T`` for an embedding's ``vocab x d`` table);
+    :func:`coordinates` gives the ``k`` coordinates (``U^T W``, ``W U``) and
+    :func:`from_coordinates` writes a tensor back from them in place, so that the optimizer
+    keeps ``k / d`` of a weight instead of a copy of it (the ``vocab x d`` embedding
+    included) and projects in place.
 
     :func:`grassmann_step` moves ``U`` along the Grassmann manifold to reduce
     ``f(U) = tr(A) - tr(U^T A U)``, the boundary-gradient energy the subspace misses:
@@ -26,8 +30,13 @@ What it does:
 
 Why seeds:
     Every stage and data-parallel replica must hold the same ``U`` and ``T_fixed`` without
-    sending them: both are generated on the CPU from ``--subspace-seed`` (``T_fixed`` with a
-    derived seed), so any rank reproduces them bit-identically; only updated ``U`` travel.
+    sending them: both are generated from ``--subspace-seed`` (``T_fixed`` with a derived
+    seed), so any rank reproduces them bit-identically; only updated ``U`` travel. ``U``
+    (``d x k``) comes from the CPU generator. ``T_fixed`` (``vocab x d``: 1 GiB in bf16 at
+    128k x 4096) is drawn directly on the model's device in the model's dtype, by that
+    device's generator (Philox on CUDA), so no fp32 or host copy of it is ever made; ranks
+    agree as long as they build their models on the same kind of device, which megatron's
+    ``--use-cpu-initialization`` (one flag for every rank) ensures.
 
 Constraints:
     Pure torch; never imports Megatron or torch.distributed.
@@ -44,6 +53,9 @@ __all__ = [
     "orthonormal_basis",
     "fixed_embedding",
     "project",
+    "project_",
+    "coordinates",
+    "from_coordinates",
     "residual_energy",
     "grassmann_step",
 ]
@@ -60,10 +72,20 @@ def orthonormal_basis(d: int, k: int, seed: int) -> torch.Tensor:
     return q.to(torch.float32).contiguous()
 
 
-def fixed_embedding(rows: int, d: int, std: float, seed: int) -> torch.Tensor:
-    """The frozen token embedding ``T_fixed``: ``rows x d`` Gaussian of ``std`` (fp32, CPU)."""
-    gen = torch.Generator().manual_seed(seed + _FIXED_SEED_OFFSET)
-    return torch.randn(rows, d, generator=gen, dtype=torch.float32).mul_(std)
+def fixed_embedding(
+    rows: int,
+    d: int,
+    std: float,
+    seed: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: Any = "cpu",
+) -> torch.Tensor:
+    """The frozen token embedding ``T_fixed``: ``rows x d`` Gaussian of ``std``, drawn in
+    ``dtype`` on ``device`` by that device's generator (module docstring)."""
+    gen = torch.Generator(device=device).manual_seed(seed + _FIXED_SEED_OFFSET)
+    out = torch.randn(rows, d, generator=gen, dtype=dtype, device=device)
+    return out.mul_(std)
 
 
 def project(t: torch.Tensor, u: torch.Tensor, axis: int) -> torch.Tensor:
@@ -72,6 +94,42 @@ def project(t: torch.Tensor, u: torch.Tensor, axis: int) -> torch.Tensor:
     x = t.float().movedim(axis, -1)
     x = (x @ u) @ u.t()
     return x.movedim(-1, axis).to(t.dtype)
+
+
+def coordinates(t: torch.Tensor, u: torch.Tensor, axis: int) -> torch.Tensor:
+    """The coordinates of ``t`` in ``span(u)`` along ``axis`` (fp32): ``t U`` when ``axis``
+    is the last dimension (``vocab x d`` -> ``vocab x k``; a bias ``d`` -> ``k``), ``U^T t``
+    when it is the first (``d x n`` -> ``k x n``)."""
+    x = t.float()
+    if axis == t.dim() - 1:
+        return x @ u
+    if axis == 0:
+        return u.t() @ x
+    raise ValueError(f"the subspace axis must be the first or last dimension, got {axis}")
+
+
+def from_coordinates(c: torch.Tensor, u: torch.Tensor, axis: int, out: torch.Tensor) -> None:
+    """Write the tensor with coordinates ``c`` (:func:`coordinates`) into ``out`` in place:
+    ``C U^T`` or ``U C``. An fp32 ``out`` takes the product directly (no temporary of its
+    size); another dtype takes it through one fp32 temporary."""
+    if out.dim() == 1:  # a bias: U c (matmul's out= would reshape a vector-matrix product)
+        a, b = u, c
+    elif axis == out.dim() - 1:
+        a, b = c, u.t()
+    elif axis == 0:
+        a, b = u, c
+    else:
+        raise ValueError(f"the subspace axis must be the first or last dimension, got {axis}")
+    if out.dtype == torch.float32 and out.is_contiguous():
+        torch.matmul(a, b, out=out)
+    else:
+        out.copy_(a @ b)
+
+
+def project_(t: torch.Tensor, u: torch.Tensor, axis: int) -> torch.Tensor:
+    """:func:`project` in place (through the ``k`` coordinates); returns ``t``."""
+    from_coordinates(coordinates(t, u, axis), u, axis, t)
+    return t
 
 
 def residual_energy(a: torch.Tensor, u: torch.Tensor) -> float:
@@ -147,9 +205,7 @@ class Subspace:
     def make_fixed(self, rows: int, std: float, dtype: torch.dtype, device: Any) -> torch.Tensor:
         """Create (once) and return ``T_fixed`` of ``rows`` rows in ``dtype`` on ``device``."""
         if self.fixed is None:
-            self.fixed = fixed_embedding(rows, self.d, std, self.seed).to(
-                device=device, dtype=dtype
-            )
+            self.fixed = fixed_embedding(rows, self.d, std, self.seed, dtype=dtype, device=device)
         elif self.fixed.shape[0] != rows:
             raise ValueError(f"T_fixed has {self.fixed.shape[0]} rows, asked for {rows}")
         return self.fixed

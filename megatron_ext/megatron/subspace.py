@@ -11,9 +11,9 @@ What it does:
     * the token embedding becomes ``T_fixed + T_S``: megatron-core's ``word_embeddings``
       table is ``T_S`` (projected, constrained along its hidden dimension) and the embedding
       module's output gets ``T_fixed[tokens]`` added (a frozen Gaussian of
-      ``--init-method-std``, generated from ``--subspace-seed`` on every stage, never
-      checkpointed); learned position embeddings are projected and constrained too (RoPE
-      needs nothing);
+      ``--init-method-std``, generated from ``--subspace-seed`` on every stage, on the
+      model's device in its dtype, never checkpointed); learned position embeddings are
+      projected and constrained too (RoPE needs nothing);
     * with tied embeddings the LM head is ``T_fixed + T_S`` (the output layer's weight
       argument gets this tensor-parallel rank's vocabulary rows of ``T_fixed`` added);
       megatron-core's copy of ``T_S`` on the last stage is constrained like the first
@@ -22,6 +22,10 @@ What it does:
 
     The last ``--subspace-uncompressed-last-layers`` layers stay unconstrained; they must
     lie on the last pipeline stage, so every stage boundary stays inside ``S``.
+
+    :func:`check_fixed_agrees` checks once, at install, that every rank drew the same
+    ``T_fixed`` (it is drawn on the model's device by that device's generator, never sent):
+    a checksum of its bits, all-reduced as a minimum and a maximum.
 
     :func:`basis_exchange` is the Grassmann update's communication: on the last stage ``A``
     is summed over data parallelism (and over tensor parallelism under sequence
@@ -48,7 +52,7 @@ from megatron_ext.compressors.subspace import Subspace, grassmann_step, project
 from megatron_ext.config import ConfigError
 from megatron_ext.megatron.naming import global_param_names
 
-__all__ = ["check_config", "constrain_model", "basis_exchange", "WRITERS"]
+__all__ = ["check_config", "constrain_model", "check_fixed_agrees", "basis_exchange", "WRITERS"]
 
 WRITERS = ("self_attention.linear_proj", "mlp.linear_fc2")
 """The residual stream's writers inside a transformer layer (module paths)."""
@@ -231,6 +235,30 @@ def constrain_model(
                 param.copy_(project(param, subspace.u, axis))
                 constrained[names[param]] = axis
     return constrained
+
+
+def check_fixed_agrees(subspace: Subspace, group: Any = None) -> None:
+    """Raise unless every rank of ``group`` (default: all) holds the same ``T_fixed`` bits.
+
+    One int64 checksum (the sum of the bit patterns, with no temporary of the table's size)
+    and two one-element all-reduces, once at install.
+
+    Raises:
+        RuntimeError: the ranks drew different tables (models built on different kinds of
+            device, whose generators differ).
+    """
+    fixed = subspace.fixed
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[fixed.element_size()]
+    checksum = fixed.view(bits).sum(dtype=torch.int64).reshape(1)
+    low, high = checksum.clone(), checksum.clone()
+    torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN, group=group)
+    torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX, group=group)
+    if not torch.equal(low, high):
+        raise RuntimeError(
+            f"{_FLAG}: the ranks drew different frozen token embeddings T_fixed (checksums "
+            f"{int(low)} .. {int(high)}); it is drawn on each model's device, so every rank "
+            "must build its model on the same kind of device (--use-cpu-initialization)"
+        )
 
 
 def basis_exchange(

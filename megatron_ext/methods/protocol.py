@@ -121,7 +121,12 @@ def _build(ctx: MethodContext) -> Components:
 
     from megatron_ext.collectives.subspace import SubspaceCodec
     from megatron_ext.compressors.subspace import Subspace
-    from megatron_ext.megatron.subspace import basis_exchange, check_config, constrain_model
+    from megatron_ext.megatron.subspace import (
+        basis_exchange,
+        check_config,
+        check_fixed_agrees,
+        constrain_model,
+    )
     from megatron_ext.optim.subspace import SubspaceOptimizerHook
 
     opts = ctx.options
@@ -179,6 +184,7 @@ def _build(ctx: MethodContext) -> Components:
 
         view = MegatronOptimizerView(ctx.handles.optimizer, ctx.handles.model_chunks, ctx.clock)
         hook.reproject(view)
+        check_fixed_agrees(hook.subspace)
 
     return Components(
         codec=codec,

@@ -27,6 +27,13 @@ What it does:
     the selection does not depend on the gradient: uniform sampling, or ``r`` covering the
     whole dimension, which select before step 0).
 
+    A selection whose reduced sketch has a norm that is not finite (an fp16 overflow: the
+    step that megatron skips also sketches infs and NaNs) is postponed: every layer keeps
+    its selection, ``V`` and moments, one warning is logged, and the next step sketches and
+    selects again, exactly as if the selection step had been the next one. Top-r would
+    otherwise rank NaN rows first and train them for ``K`` steps. The sketch is all-reduced
+    before the check, so every data-parallel replica postpones alike.
+
 Constraints:
     Pure torch; never imports Megatron. Not for the distributed optimizer (its ``V`` shards
     are flat slices; refused by the method's validation).
@@ -39,9 +46,12 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from megatron_ext.autograd.grass import GrassLayer
+from megatron_ext.logging import get_logger
 from megatron_ext.optim.hooks import OptimizerHook, OptimizerView
 
 __all__ = ["GrassOptimizerHook", "GrassSchedule"]
+
+logger = get_logger(__name__)
 
 
 class GrassSchedule:
@@ -102,6 +112,8 @@ class GrassOptimizerHook(OptimizerHook):
         self.active_since = 0
         self.selections = 0
         self.reset_at = 0
+        self.pending = False
+        """A selection was postponed (sketch not finite): the next step selects."""
         self._before: Dict[str, torch.Tensor] = {}
         self._selecting = False
 
@@ -125,8 +137,8 @@ class GrassOptimizerHook(OptimizerHook):
     def begin_step(self, step: int) -> None:
         """Before the step's backward: start the sketches of a selection step."""
         # A selection made before step 0 (initial_selection) serves until step K.
-        self._selecting = self.schedule.is_selection_step(step) and (
-            step > 0 or self.selections == 0
+        self._selecting = self.pending or (
+            self.schedule.is_selection_step(step) and (step > 0 or self.selections == 0)
         )
         if self._selecting:
             for layer in self.layers.values():
@@ -145,10 +157,16 @@ class GrassOptimizerHook(OptimizerHook):
             for layer, part in zip(layers, parts):
                 layer.sketch = flat[offset : offset + part.numel()].view_as(part)
                 offset += part.numel()
+        norms = {id(layer): layer.sketch_norms() for layer in layers}
+        # One host synchronization on a selection step: is every norm finite?
+        if norms and not bool(torch.isfinite(torch.cat(list(norms.values()))).all()):
+            self._postpone(step)
+            return
+        self.pending = False
         for fqn, layer in self.layers.items():
             state = view.param_state(self.param_fqn(fqn))
             main = layer.param.data if state is None else state.main_param
-            layer.reselect(step, main)
+            layer.reselect(step, main, norms.get(id(layer)))
             if state is not None:
                 if main is not layer.param:
                     layer.param.data.copy_(main)
@@ -157,6 +175,18 @@ class GrassOptimizerHook(OptimizerHook):
                     self.reset_at = state.adam_step or 0
         self.active_since = step + 1
         self.selections += 1
+
+    def _postpone(self, step: int) -> None:
+        """Keep every selection and retry at the next step (module doc)."""
+        for layer in self.layers.values():
+            layer.sketching, layer.sketch, layer.omega = False, None, None
+        self.pending = True
+        logger.warning(
+            "Grass: the gradient sketch of step %d is not finite (an fp16 overflow?); the "
+            "selection is postponed to step %d, the current rows stay selected",
+            step,
+            step + 1,
+        )
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -215,6 +245,7 @@ class GrassOptimizerHook(OptimizerHook):
             "active_since": self.active_since,
             "selections": self.selections,
             "reset_at": self.reset_at,
+            "pending": self.pending,
         }
         for fqn, layer in self.layers.items():
             for key, value in layer.state_dict().items():
@@ -223,7 +254,7 @@ class GrassOptimizerHook(OptimizerHook):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         state = dict(state)
-        known = {"active_since", "selections", "reset_at"}
+        known = {"active_since", "selections", "reset_at", "pending"}
         missing = known - set(state)
         per_layer: Dict[str, Dict[str, Any]] = {fqn: {} for fqn in self.layers}
         unexpected: List[str] = []
@@ -243,6 +274,7 @@ class GrassOptimizerHook(OptimizerHook):
         self.active_since = int(state["active_since"])
         self.selections = int(state["selections"])
         self.reset_at = int(state["reset_at"])
+        self.pending = bool(state["pending"])
         for fqn, layer in self.layers.items():
             layer.load_state_dict(per_layer[fqn])
 

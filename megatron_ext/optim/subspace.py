@@ -5,9 +5,10 @@ What it does:
     stream's writers and ``T_S``; the dimension of size ``d`` given per parameter) in
     ``S = span(U)`` through training:
 
-    * ``pre_step``: project the (data-parallel reduced) gradient onto ``S`` along ``d``,
-      so gradient clipping, Adam's first moment and every update see the projected
-      gradient; keep the fp32 parameter before the step.
+    * ``pre_step``: project the (data-parallel reduced) gradient onto ``S`` along ``d``
+      (in place), so gradient clipping, Adam's first moment and every update see the
+      projected gradient; keep the ``k`` coordinates of the fp32 parameter before the
+      step (``k / d`` of its size: no copy of the ``vocab x d`` embedding).
     * ``post_step``: the modified AdamW. The fp32 first moment is projected (a bf16
       gradient buffer rounds the projected gradient out of ``S`` by its precision), and
       Adam's second moment is made constant along ``d``:
@@ -17,7 +18,10 @@ What it does:
       stored back. The step is then redone from the saved parameter with that ``v``:
       ``p = p_0 (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)``. Each column of the update is
       the projected first moment scaled by one number, so it stays in ``S``; decoupled
-      weight decay scales the parameter and keeps ``S`` too.
+      weight decay scales the parameter and keeps ``S`` too. So the step is taken on the
+      coordinates (``c = c_0 (1 - lr wd) - lr c_m / ...``, ``c_m`` those of the first
+      moment) and written back into the parameter in place: ``p_0`` enters as its
+      projection, which it is up to fp32 rounding (a re-projection each step).
     * every ``reproject_interval`` steps: hard re-projection of the parameters and their
       first moments (rounding drift);
     * every ``update_interval`` steps: ``update_basis()`` (communication, in the adapter)
@@ -36,7 +40,12 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from megatron_ext.compressors.subspace import Subspace, project
+from megatron_ext.compressors.subspace import (
+    Subspace,
+    coordinates,
+    from_coordinates,
+    project_,
+)
 from megatron_ext.optim.hooks import OptimizerHook, OptimizerView
 
 __all__ = ["SubspaceOptimizerHook"]
@@ -92,11 +101,11 @@ class SubspaceOptimizerHook(OptimizerHook):
                     f"{fqn}: the subspace optimizer needs decoupled (AdamW) weight decay"
                 )
             g = _grad(st.model_param)
-            if g is not None:
-                u = self.subspace.on(g.device).u
-                with torch.no_grad():
-                    g.copy_(project(g, u, axis))
-            self._before[fqn] = st.main_param.detach().clone()
+            u = self.subspace.on(st.main_param.device).u
+            with torch.no_grad():
+                if g is not None:
+                    project_(g, u, axis)
+                self._before[fqn] = coordinates(st.main_param.detach(), u, axis)
 
     def post_step(self, view: OptimizerView, update_successful: bool) -> None:
         step = view.step
@@ -116,7 +125,8 @@ class SubspaceOptimizerHook(OptimizerHook):
             self.reproject(view)
 
     def _adamw(self, st: Any, axis: int, before: torch.Tensor) -> None:
-        """Redo Adam's step of one parameter with the second moment constant along ``d``."""
+        """Redo Adam's step of one parameter with the second moment constant along ``d``
+        (``before``: the parameter's coordinates before the step; consumed)."""
         m = st.state.get("exp_avg")
         v = st.state.get("exp_avg_sq")
         t = st.adam_step
@@ -138,11 +148,14 @@ class SubspaceOptimizerHook(OptimizerHook):
         with torch.no_grad():
             # The gradient was projected in its own dtype; a bf16 gradient buffer rounds it
             # out of S again. Projecting the fp32 first moment keeps every update in S.
-            m.copy_(project(m, u, axis))
+            m_coords = coordinates(m, u, axis)
+            from_coordinates(m_coords, u, axis, m)
             v_d = v.float().mean(dim=axis, keepdim=True)  # one value per column / row
             v.copy_(v_d.expand_as(v))
             denom = (v_d / bc2).sqrt_().add_(eps)
-            main.copy_(before).mul_(1.0 - lr * wd).addcdiv_(m, denom, value=-lr / bc1)
+            # the step on the coordinates: the denominator is constant along d
+            coords = before.mul_(1.0 - lr * wd).addcdiv_(m_coords, denom, value=-lr / bc1)
+            from_coordinates(coords, u, axis, main)
             if main is not st.model_param:
                 st.model_param.data.copy_(main)
 
@@ -155,9 +168,9 @@ class SubspaceOptimizerHook(OptimizerHook):
                     continue
                 main = st.main_param
                 u = self.subspace.on(main.device).u
-                main.copy_(project(main, u, axis))
+                project_(main, u, axis)
                 if main is not st.model_param:
                     st.model_param.data.copy_(main)
                 m = st.state.get("exp_avg")
                 if m is not None:
-                    m.copy_(project(m, u, axis))
+                    project_(m, u, axis)

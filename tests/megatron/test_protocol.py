@@ -90,6 +90,8 @@ def test_codec_is_lossless_and_the_stream_stays_in_s(layout):
 
 
 def _train_and_inspect(rank, world, flags, steps):
+    import hashlib
+
     import torch
 
     from megatron_ext.compressors.subspace import project
@@ -116,6 +118,12 @@ def _train_and_inspect(rank, world, flags, steps):
         drift = max(drift, float(off / p.float().norm()))
     everyone = [None] * world
     torch.distributed.all_gather_object(everyone, sub.u.cpu())
+    # T_fixed: drawn on every stage (never sent), in the model's dtype, the same bits
+    bits = torch.int16 if sub.fixed.element_size() == 2 else torch.int32
+    digest = hashlib.sha1(sub.fixed.cpu().view(bits).numpy().tobytes()).hexdigest()
+    fixed = (str(sub.fixed.dtype), digest)
+    fixeds = [None] * world
+    torch.distributed.all_gather_object(fixeds, fixed)
     orth = float((sub.u.t() @ sub.u - torch.eye(sub.k)).abs().max())
     moved = float((sub.u - u0).abs().max())
     teardown(trainer)
@@ -130,6 +138,7 @@ def _train_and_inspect(rank, world, flags, steps):
         "act": act,
         "subspace_bytes": sub_bytes,
         "updates": sub.updates,
+        "fixed": fixeds,
     }
 
 
@@ -140,6 +149,9 @@ def test_modified_adamw_keeps_constrained_weights_in_s_and_the_wire_is_k_of_d(dt
     results = run_ranks(_train_and_inspect, 2, flags, 20)
     for out in results:
         assert out["drift"] < 1e-5, out["drift"]
+        # both stages drew the same T_fixed, in the model's dtype
+        assert len(set(out["fixed"])) == 1, out["fixed"]
+        assert out["fixed"][0][0] == ("torch.bfloat16" if dtype == "bf16" else "torch.float32")
     first = results[0]
     # 2 microbatches of 2 x 32 tokens a step: 8 of 64 coordinates + one int32 id each
     tokens, size = 2 * 2 * 32, 4 if dtype == "fp32" else 2
@@ -163,6 +175,7 @@ def test_grassmann_updates_give_every_rank_the_same_u_pp2_dp2(dp_compression):
 
     us = results[0]["us"]
     assert all(torch.equal(u, us[0]) for u in us)
+    assert len(set(results[0]["fixed"])) == 1  # 2 stages x 2 replicas: one T_fixed
     for out in results:
         assert out["updates"] == 2 and out["orth"] < 1e-5 and out["moved"] > 1e-3
         assert out["drift"] < 1e-5, out["drift"]
@@ -210,3 +223,26 @@ def _build_error(rank, world, flags):
 def test_bad_settings_stop_before_training_naming_the_flag(extra, flag):
     results = run_ranks(_build_error, 2, PROTOCOL + PP2 + extra)
     assert all(r is not None and flag in r for r in results), results
+
+
+def _fixed_check(rank, world, same_seed):
+    import torch
+
+    from megatron_ext.compressors.subspace import Subspace
+    from megatron_ext.megatron.subspace import check_fixed_agrees
+
+    torch.distributed.init_process_group("gloo")
+    sub = Subspace(16, 2, seed=0 if same_seed else rank)
+    sub.make_fixed(100, 0.02, torch.bfloat16, "cpu")
+    try:
+        check_fixed_agrees(sub)
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_ranks_that_drew_different_fixed_embeddings_are_refused():
+    """T_fixed is drawn on each rank's device, never sent: install checks the ranks agree."""
+    assert run_ranks(_fixed_check, 2, True) == [None, None]
+    errors = run_ranks(_fixed_check, 2, False)
+    assert all(e is not None and "T_fixed" in e for e in errors), errors

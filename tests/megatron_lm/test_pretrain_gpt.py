@@ -25,6 +25,7 @@ two; the comparisons below account for that.
 """
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -370,6 +371,24 @@ def test_zero_touch_grass_full_rank_with_activation_recomputation(lm_dir, tmp_pa
     for it in grass:
         for key in ("loss", "grad_norm"):
             assert float(grass[it][key]) == pytest.approx(float(dense[it][key]), rel=2e-5), it
+
+
+def test_grass_under_fp16_postpones_selections_while_the_loss_scale_overflows(lm_dir, tmp_path):
+    """--fp16 starts at a loss scale of 2^32: the first steps overflow and are skipped, and
+    their sketches are not finite. Top-r must not select from them (NaN would rank first and
+    those rows would train for K steps): each such selection is postponed with a warning,
+    and training proceeds with finite, falling losses once the scale has come down."""
+    run = pretrain(
+        lm_dir / "pretrain_gpt.py",
+        tiny_args(grad_compression="none", grass_method="topr", grass_rank="8",
+                  grass_update_interval="20", grass_rewarmup_steps="1", train_iters="20")
+        + ["--fp16", "--no-masked-softmax-fusion"],
+        cwd=tmp_path,
+    ).check()  # fmt: skip
+    assert "Grass: the gradient sketch of step 0 is not finite" in run.output
+    losses = [float(r["loss"]) for _, r in sorted(iterations(run.stdout).items()) if "loss" in r]
+    assert len(losses) >= 3 and all(math.isfinite(x) for x in losses), losses
+    assert losses[-1] < losses[0], losses
 
 
 @pytest.fixture(scope="module")

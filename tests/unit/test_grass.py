@@ -267,3 +267,157 @@ def test_subspace_adamw_with_scale_rewarmup_and_reset_matches_reference():
             assert hook.selections == 1 + step // 3
             mom = None
             active = step + 1
+
+
+# -- on a GPU: the device, determinism, overflow (issues 25 and 26) ----------------------------
+
+
+class _DeviceView:
+    """An OptimizerView over one parameter with no optimizer state (megatron's step done)."""
+
+    step = 0
+
+    def __init__(self, fqn, param, lr=0.1, weight_decay=0.1):
+        self.fqn, self.param = fqn, param
+        self.group = {"lr": lr, "weight_decay": weight_decay}
+
+    def param_state(self, fqn):
+        from megatron_ext.optim.hooks import ParamOptimState
+
+        if fqn != self.fqn:
+            return None
+        return ParamOptimState(fqn, self.param, self.param, {}, None, self.group)
+
+
+@pytest.mark.parametrize("shape", [(6, 10), (10, 6)])
+def test_steady_state_stays_on_the_device_with_no_host_sync(shape):
+    """The selection lives on the weight's device: run the layer on the meta device, where
+    any copy from a CPU tensor shows as an op mixing two devices and any host read raises;
+    the forward, the backward and the optimizer's row write must have neither."""
+    from megatron_ext.optim.grass import GrassOptimizerHook, GrassSchedule
+    from tests.helpers.dispatch import OpRecorder
+
+    m, n = shape
+    r = 4
+    mode, _ = projected_dim(shape)
+    weight = torch.empty(m, n, device="meta")
+    v = torch.nn.Parameter(torch.zeros((r, n) if mode == "row" else (m, r), device="meta"))
+    # uniform: selected from the CPU generator before step 0, with repeated rows
+    layer = GrassLayer("w", weight, v, mode, r, "uniform", 0, seed=3)
+    hook = GrassOptimizerHook(
+        {"w": layer},
+        GrassSchedule(5, 0, 0.5),
+        lambda flat: None,
+        reset_state=False,
+        param_fqn=lambda f: "v",
+    )
+    hook.initial_selection()
+    for t in (layer.index, layer.rho, layer.unique, layer.slots, layer.base):
+        assert t.device.type == "meta"
+    view = _DeviceView("v", v)
+    x = torch.empty(3, 5, n, device="meta", requires_grad=True)
+    with OpRecorder() as rec:
+        for step in (1, 2):  # not selection steps
+            view.step = step
+            hook.begin_step(step)
+            out = grass_linear(x, weight, None, layer)
+            out.backward(torch.empty_like(out))
+            hook.pre_step(view)
+            hook.post_step(view, True)
+    assert rec.ops, "nothing recorded"
+    assert not rec.mixed_devices(), [(o.name, o.devices) for o in rec.mixed_devices()]
+    assert not rec.syncs(), rec.syncs()
+    assert not rec.atomics(), rec.atomics()
+
+
+def test_duplicate_rows_sum_deterministically_and_equal_index_add():
+    """Rows picked several times are summed without an atomic op (index_add_ is atomic and
+    nondeterministic on CUDA), in slot order: bit-identical to the CPU's index_add_."""
+    from tests.helpers.dispatch import OpRecorder
+
+    torch.manual_seed(0)
+    layer = _layer(8, 16, 7, "norm", dtype=torch.float32)
+    index = torch.tensor([5, 1, 5, 0, 5, 1, 7])
+    rho = torch.rand(7) + 0.5
+    layer.set_selection(index, rho, torch.zeros(7, 16))
+    v = torch.randn(7, 16)
+    unique, inverse = torch.unique(index, return_inverse=True)
+    reference = layer.base + torch.zeros_like(layer.base).index_add_(0, inverse, v * rho[:, None])
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with OpRecorder() as rec:
+            rows = layer.current_rows(v)
+            layer.write_rows(v)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert torch.equal(rows, reference)
+    assert torch.equal(layer.weight[unique], reference)
+    assert rec.names() and not rec.atomics(), rec.atomics()
+
+
+@pytest.mark.parametrize("method", ["topr", "norm", "norm2-nr"])
+def test_select_refuses_norms_that_are_not_finite(method):
+    gen = torch.Generator().manual_seed(0)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="not finite"):
+            select(torch.tensor([1.0, bad, 2.0, 0.5]), 4, 2, method, gen)
+
+
+def _grass_run(steps, *, nan_step=None, skip_step=None, selection_steps=None):
+    """A Top-r layer trained by AdamW through Grass's hook: weights and selections per step.
+
+    ``nan_step``: a NaN enters the sketch (as an fp16 overflow does); ``skip_step``: the
+    optimizer skips the update (megatron's overflow handling); ``selection_steps``: replace
+    the schedule's selection steps."""
+    from megatron_ext.optim.grass import GrassOptimizerHook, GrassSchedule
+
+    torch.manual_seed(0)
+    layer = _layer(10, 12, 4, "topr", sketch_size=5, dtype=torch.float64)
+    v = torch.nn.Parameter(torch.zeros(4, 12, dtype=torch.float64))
+    layer.param = v
+    opt = torch.optim.AdamW([v], lr=0.05, betas=(0.9, 0.99), weight_decay=0.1)
+    sched = GrassSchedule(update_interval=3, rewarmup=2, scale=0.5)
+    if selection_steps is not None:
+        sched.is_selection_step = lambda step: step in selection_steps
+    hook = GrassOptimizerHook(
+        {"w": layer}, sched, lambda flat: None, reset_state=True, param_fqn=lambda f: "v"
+    )
+    hook.initial_selection()
+    view = _View("v", v, opt)
+    gen = torch.Generator().manual_seed(1)
+    history = []
+    for step in range(steps):
+        view.step = step
+        hook.begin_step(step)
+        x = torch.randn(2, 5, 12, generator=gen, dtype=torch.float64)
+        dy = torch.randn(2, 5, 10, generator=gen, dtype=torch.float64) * torch.linspace(
+            0.1, 2, 10, dtype=torch.float64
+        )
+        v.grad = None
+        grass_linear(x, layer.weight, None, layer).backward(dy)
+        if step == nan_step:
+            layer.sketch[3, 0] = float("nan")
+        hook.pre_step(view)
+        if step != skip_step:
+            opt.step()
+        hook.post_step(view, step != skip_step)
+        index = None if layer.index is None else layer.index.tolist()
+        history.append({"index": index, "weight": layer.weight.clone(), "pending": hook.pending})
+    return history
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_selection_on_a_non_finite_sketch_is_postponed_to_the_next_step(skip):
+    """A NaN in the sketch of selection step 3 keeps the rows chosen at step 0, and step 4
+    selects: the run equals one whose selection steps are 0, 4 and 6, bit for bit (also
+    when the overflowing step's update is skipped, as megatron does under fp16)."""
+    skip_step = 3 if skip else None
+    run = _grass_run(8, nan_step=3, skip_step=skip_step)
+    reference = _grass_run(8, skip_step=skip_step, selection_steps={0, 4, 6})
+    assert run[3]["index"] == run[2]["index"] and run[3]["pending"]
+    assert run[4]["index"] != run[3]["index"] and not run[4]["pending"]
+    for step, (a, b) in enumerate(zip(run, reference)):
+        assert a["index"] == b["index"], step
+        assert torch.equal(a["weight"], b["weight"]), step
+        assert not torch.isnan(a["weight"]).any(), step

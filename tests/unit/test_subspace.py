@@ -270,3 +270,62 @@ def test_rank_from_the_compression_rate():
     assert SubspaceConfig(compression_rate=8).rank_for(256) == 32
     assert SubspaceConfig(rank=5).rank_for(256) == 5
     assert SubspaceConfig().rank_for(64) == 1
+
+
+def test_optimizer_step_keeps_no_full_size_copy_of_a_constrained_weight():
+    """Issue 25: the hook keeps the k coordinates of a weight before the step, not a clone
+    (2 GB for a 128k x 4096 fp32 embedding), and projects gradients, first moments and
+    weights in place: no op in pre_step / post_step (with a re-projection) allocates a
+    tensor the size of the weight."""
+    from tests.helpers.dispatch import OpRecorder
+
+    torch.manual_seed(0)
+    sub = Subspace(32, 4, seed=0)
+    shapes = {"embedding": ((512, 32), 1), "writer": ((32, 512), 0), "bias": ((32,), 0)}
+    params = {
+        fqn: torch.nn.Parameter(project(torch.randn(shape), sub.u, axis).contiguous())
+        for fqn, (shape, axis) in shapes.items()
+    }
+    opt = torch.optim.AdamW(list(params.values()), lr=1e-2, weight_decay=0.1)
+    constrained = {fqn: axis for fqn, (_, axis) in shapes.items()}
+    hook = SubspaceOptimizerHook(sub, constrained, update_interval=0, reproject_interval=2)
+    view = _View(params, opt)
+    recorders = []
+    for t in range(2):  # the second step re-projects
+        view._step = t
+        for p in params.values():
+            p.grad = torch.randn(p.shape)
+        with OpRecorder() as rec:
+            hook.pre_step(view)
+        opt.step()
+        with rec:
+            hook.post_step(view, True)
+        recorders.append(rec)
+    for rec in recorders:
+        # the coordinates (512 x 4) are allowed; nothing of the weights' 512 x 32
+        assert rec.ops and not rec.fresh_allocations(512 * 32), rec.fresh_allocations(512 * 32)
+    for fqn, (shape, axis) in shapes.items():
+        p = params[fqn].detach()
+        assert p.shape == shape
+        assert float((p - project(p, sub.u, axis)).norm()) < 1e-5 * float(p.norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fixed_embedding_is_drawn_in_the_model_dtype_on_its_device(dtype):
+    """Issue 25: T_fixed comes from the device's own generator in the model's dtype: no fp32
+    table and no copy (formerly drawn in fp32 on the CPU, then copied and cast), and two
+    subspaces of the same seed (two pipeline stages) hold the same bits."""
+    from tests.helpers.dispatch import OpRecorder
+
+    rows, d = 1000, 32
+    sub = Subspace(d, 4, seed=7)
+    with OpRecorder() as rec:
+        fixed = sub.make_fixed(rows, 0.02, dtype, "cpu")
+    assert fixed.dtype == dtype and fixed.device.type == "cpu" and fixed.shape == (rows, d)
+    assert rec.ops and "_to_copy" not in rec.names() and "copy_" not in rec.names()
+    assert {dt for _, dt in rec.fresh_allocations(rows * d)} == {dtype}
+    other = Subspace(d, 4, seed=7).make_fixed(rows, 0.02, dtype, "cpu")
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(fixed.view(bits), other.view(bits))
+    assert float(fixed.float().std()) == pytest.approx(0.02, rel=0.05)
+    assert not torch.equal(fixed, Subspace(d, 4, seed=8).make_fixed(rows, 0.02, dtype, "cpu"))

@@ -83,7 +83,10 @@ def fixed_embedding(
 ) -> torch.Tensor:
     """The frozen token embedding ``T_fixed``: ``rows x d`` Gaussian of ``std``, drawn in
     ``dtype`` on ``device`` by that device's generator (module docstring)."""
-    gen = torch.Generator(device=device).manual_seed(seed + _FIXED_SEED_OFFSET)
+    device = torch.device(device)
+    gen = None  # meta tensors hold no values: nothing to seed
+    if device.type != "meta":
+        gen = torch.Generator(device=device).manual_seed(seed + _FIXED_SEED_OFFSET)
     out = torch.randn(rows, d, generator=gen, dtype=dtype, device=device)
     return out.mul_(std)
 

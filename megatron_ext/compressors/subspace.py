@@ -184,6 +184,8 @@ class Subspace:
         self.a: Optional[torch.Tensor] = None
         self.accumulated = 0
         """Boundary gradients (microbatches) accumulated into ``A`` since the last update."""
+        self._pending_a: Optional[torch.Tensor] = None
+        self._pending = 0
         self.updates = 0
         """Grassmann updates taken."""
         self.fixed: Optional[torch.Tensor] = None
@@ -224,12 +226,27 @@ class Subspace:
     # -- the boundary gradient -----------------------------------------------------------
 
     def accumulate(self, g: torch.Tensor) -> None:
-        """``A += g^T g`` for boundary gradients ``g`` (``... x d``)."""
+        """``A += g^T g`` for boundary gradients ``g`` (``... x d``), staged until
+        :meth:`end_step`: a step the optimizer skips (an fp16 overflow, whose gradients may
+        be infinite) must not enter ``A``."""
         g = g.reshape(-1, self.d).float()
+        if self._pending_a is None:
+            self._pending_a = torch.zeros(self.d, self.d, dtype=torch.float32, device=g.device)
+        self._pending_a.addmm_(g.t(), g)
+        self._pending += 1
+
+    def end_step(self, applied: bool) -> None:
+        """Add the step's staged ``g^T g`` to ``A`` if the optimizer applied the step, else
+        drop it (called first by the optimizer hook's ``post_step``, before an update)."""
+        pending, self._pending_a = self._pending_a, None
+        count, self._pending = self._pending, 0
+        if pending is None or not applied:
+            return
         if self.a is None:
-            self.a = torch.zeros(self.d, self.d, dtype=torch.float32, device=g.device)
-        self.a.addmm_(g.t(), g)
-        self.accumulated += 1
+            self.a = pending
+        else:
+            self.a.add_(pending)
+        self.accumulated += count
 
     # -- checkpoints ---------------------------------------------------------------------
 

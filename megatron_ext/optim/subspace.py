@@ -109,6 +109,8 @@ class SubspaceOptimizerHook(OptimizerHook):
 
     def post_step(self, view: OptimizerView, update_successful: bool) -> None:
         step = view.step
+        # The step's boundary gradients enter the Grassmann objective only if it was applied.
+        self.subspace.end_step(update_successful)
         if update_successful:
             for fqn, axis in self.constrained.items():
                 st = view.param_state(fqn)

@@ -117,6 +117,8 @@ def test_codec_backward_sends_g_u_and_accumulates_the_gradients():
     assert payload.shape == codec.payload_spec((8, 2, 32), torch.float32, BWD)[0] == (64,)
     out = codec.decode(payload, BWD, (8, 2, 32), torch.float32)
     assert torch.allclose(out, project(g, sub.u, 2), atol=1e-6)
+    assert sub.a is None  # staged until the optimizer applies the step
+    sub.end_step(True)
     flat = g.reshape(-1, 32)
     assert torch.allclose(sub.a, flat.t() @ flat, atol=1e-5)
     # the objective is the energy outside S of the gradients sent
@@ -210,11 +212,29 @@ def test_subspace_update_reprojects_weights_and_first_moments():
         assert float((t - project(t, new_u, 0)).norm()) < 1e-5 * float(t.norm())
 
 
+def test_a_skipped_step_leaves_the_grassmann_objective_as_it_was():
+    """An fp16 step that overflows sends infinite boundary gradients; the optimizer skips it,
+    and A (from which the next subspace is computed) must not absorb them."""
+    sub = Subspace(32, 4, seed=0)
+    g = torch.randn(5, 32)
+    sub.accumulate(g)
+    sub.end_step(True)
+    before = sub.a.clone()
+    sub.accumulate(torch.full((5, 32), float("inf")))
+    sub.end_step(False)
+    assert torch.equal(sub.a, before) and sub.accumulated == 1
+    sub.accumulate(g)
+    sub.end_step(True)
+    assert torch.allclose(sub.a, 2 * before) and sub.accumulated == 2
+
+
 def test_subspace_state_round_trip_and_mismatch():
     sub = Subspace(32, 4, seed=0)
     sub.accumulate(torch.randn(5, 32))
+    sub.end_step(True)
     sub.set_basis(orthonormal_basis(32, 4, 5))
     sub.accumulate(torch.randn(5, 32))
+    sub.end_step(True)
     other = Subspace(32, 4, seed=0)
     other.load_state_dict(sub.state_dict())
     assert torch.equal(other.u, sub.u) and torch.equal(other.a, sub.a)

@@ -36,8 +36,10 @@ What it does:
       ``T_fixed``) and :class:`~megatron_ext.optim.subspace.SubspaceOptimizerHook`'s step on
       the constrained parameters (word and position embeddings, every layer's attention
       output and fc2 but the last ``uncompressed_last_layers``), fp32 main parameters and
-      Adam moments as megatron keeps them, k = d / 100; pipeline stage 0 (it holds the
-      embedding).
+      Adam moments as megatron keeps them, k = d / 100, no pipeline split (every
+      constrained parameter on one rank; ``A`` is the last stage's, ``T_fixed`` every
+      stage's). ``held_from_pre_to_post_step`` is what the hook keeps between its pre- and
+      post-step (copies of the constrained main parameters).
 
     Adam's own state with mixed precision (fp32 main parameters and two fp32 moments:
     12 B/param) is shown beside each row; "B/param" divides by the whole model's parameters.
@@ -613,8 +615,13 @@ def measure_protocol(model: str, options: Dict[str, Any]) -> Dict[str, Any]:
         measure.step(build)
         hook = holder.pop("hook")
 
+        held = {}
+
         def optimizer_step():
+            before = mode.live
             hook.pre_step(view)
+            gc.collect()
+            held["between"] = mode.live - before  # kept from pre_step to post_step
             hook.post_step(view, True)
 
         measure.step(optimizer_step)
@@ -624,6 +631,7 @@ def measure_protocol(model: str, options: Dict[str, Any]) -> Dict[str, Any]:
         "persistent": persistent,
         "transient": measure.transient,
         "constrained_params": sum(_numel(shapes[n]) for n in constrained),
+        "held_from_pre_to_post_step": held["between"],
         "word_embedding_fp32_bytes": 4 * word,
         "settings": {"rank": k, "hidden": d, "update_interval": cfg.update_interval},
         "num_params": sum(_numel(s) for _, s in params),

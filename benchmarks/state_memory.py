@@ -52,7 +52,9 @@ Constraints:
     Runs on CPU in seconds; nothing of model size is allocated. The model shapes are
     written out here (megatron-core's parameter names and shapes for GPT-2 and LLaMA-3
     layouts, vocabulary padded to a multiple of 128 as Megatron-LM pads it). Ops whose
-    output size depends on values (``nonzero``, ``unique``) get the sizes stated above.
+    output size depends on values (``nonzero``) get the sizes stated above; Protocol
+    Models' host-side draws (``U``, ``T_fixed``) are made on meta too, and what its install
+    would briefly hold is reported apart (``install_transient``).
 """
 
 from __future__ import annotations
@@ -156,11 +158,21 @@ def _flatten(x: Any) -> List[Any]:
     return [x]
 
 
-def live_bytes_mode(data_dependent: Optional[Dict[str, Callable]] = None):
+_FACTORIES = ("randn", "rand", "zeros", "ones", "empty", "full")
+
+
+def live_bytes_mode(
+    data_dependent: Optional[Dict[str, Callable]] = None, cpu_factories_to_meta: bool = False
+):
     """A dispatch mode counting the bytes of the storages created under it (see module doc).
 
-    ``data_dependent`` maps an aten op name (``nonzero``, ``_unique2``) to a function giving
-    its meta output from its arguments.
+    Args:
+        data_dependent: maps an aten op name (``nonzero``) to a function giving its meta
+            output from its arguments.
+        cpu_factories_to_meta: create on ``meta`` what a method creates on the CPU with a
+            factory (``randn``, ``zeros``, ...): seeded draws made on the host and moved to
+            the device, such as Protocol Models' ``T_fixed`` (vocab x d fp32), would
+            otherwise really be allocated.
     """
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -213,6 +225,12 @@ def live_bytes_mode(data_dependent: Optional[Dict[str, Callable]] = None):
             name = func.overloadpacket.__name__
             if name == "equal":  # agreement checks across ranks: replicas agree
                 return True
+            if (
+                cpu_factories_to_meta
+                and name in _FACTORIES
+                and torch.device(kwargs.get("device") or "cpu").type == "cpu"
+            ):
+                kwargs = {**kwargs, "device": torch.device("meta"), "pin_memory": False}
             if data_dependent and name in data_dependent:
                 out = data_dependent[name](*args, **kwargs)
             else:
@@ -596,7 +614,7 @@ def measure_protocol(model: str, options: Dict[str, Any]) -> Dict[str, Any]:
             group={"lr": 1e-4, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8},
         )
     view = _MetaOptimizerView(states, step=0)
-    mode = live_bytes_mode()
+    mode = live_bytes_mode(cpu_factories_to_meta=True)
     with mode:
         measure = _Measure(mode)
         holder = {}
@@ -613,6 +631,7 @@ def measure_protocol(model: str, options: Dict[str, Any]) -> Dict[str, Any]:
             )
 
         measure.step(build)
+        install_transient, measure.transient = measure.transient, 0
         hook = holder.pop("hook")
 
         held = {}
@@ -632,6 +651,7 @@ def measure_protocol(model: str, options: Dict[str, Any]) -> Dict[str, Any]:
         "transient": measure.transient,
         "constrained_params": sum(_numel(shapes[n]) for n in constrained),
         "held_from_pre_to_post_step": held["between"],
+        "install_transient": install_transient,
         "word_embedding_fp32_bytes": 4 * word,
         "settings": {"rank": k, "hidden": d, "update_interval": cfg.update_interval},
         "num_params": sum(_numel(s) for _, s in params),

@@ -52,9 +52,10 @@ Constraints:
     Runs on CPU in seconds; nothing of model size is allocated. The model shapes are
     written out here (megatron-core's parameter names and shapes for GPT-2 and LLaMA-3
     layouts, vocabulary padded to a multiple of 128 as Megatron-LM pads it). Ops whose
-    output size depends on values (``nonzero``) get the sizes stated above; Protocol
-    Models' host-side draws (``U``, ``T_fixed``) are made on meta too, and what its install
-    would briefly hold is reported apart (``install_transient``).
+    output size depends on values (``nonzero``) get the sizes stated above; host-side
+    draws (Protocol Models' ``U`` and ``T_fixed``, Grass's sketch matrices) are made on meta
+    too, and what Protocol Models' install briefly holds is reported apart
+    (``install_transient``).
 """
 
 from __future__ import annotations
@@ -171,8 +172,8 @@ def live_bytes_mode(
             output from its arguments.
         cpu_factories_to_meta: create on ``meta`` what a method creates on the CPU with a
             factory (``randn``, ``zeros``, ...): seeded draws made on the host and moved to
-            the device, such as Protocol Models' ``T_fixed`` (vocab x d fp32), would
-            otherwise really be allocated.
+            the device, such as Protocol Models' ``T_fixed`` (vocab x d
+            fp32) or Grass's sketch matrices, would otherwise really be allocated.
     """
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -436,7 +437,10 @@ def measure_grass(model: str, options: Dict[str, Any]) -> Dict[str, Any]:
     params = model_params(model)
     weights = [(n, s) for n, s in params if n.endswith(".weight") and pattern.search(n[:-7])]
     tokens = MODELS[model]["seq"]
-    mode = live_bytes_mode()
+    # A meta sketch has no values: the selection takes top-r's r distinct positions, on the
+    # CPU as select() returns them (made here: under the mode CPU factories give meta).
+    index, rho = torch.arange(cfg.rank), torch.ones(cfg.rank)
+    mode = live_bytes_mode(cpu_factories_to_meta=True)
     layers = []
     with mode:
         measure = _Measure(mode)
@@ -480,10 +484,7 @@ def measure_grass(model: str, options: Dict[str, Any]) -> Dict[str, Any]:
                 del dy, x
             for layer in layers:
                 layer.sketch_norms()
-                # A meta sketch has no values: top-r's r distinct positions, on the CPU as
-                # select() returns them.
-                index = torch.arange(layer.rank)
-                layer.set_selection(index, torch.ones(layer.rank), layer.param)
+                layer.set_selection(index.clone(), rho.clone(), layer.param)
                 layer.sketching, layer.sketch, layer.omega = False, None, None
 
         measure.step(sketch_and_select)

@@ -21,9 +21,13 @@ What it does:
       phase (PowerSGD's ``start_step`` and Radius's dense steps are skipped over); with
       ``--overlap`` every bucket group launches before the first is waited on, as with
       ``overlap_grad_reduce`` (megatron waits on all groups in ``finish_grad_sync``).
-      Radius needs its top-k masks, which its optimizer hook picks from Adam's moments:
-      here the masks are set directly (``density`` of each matrix, as ``topk_mask`` picks)
-      and ``nonzero``'s output on meta is given the size those masks select.
+      Radius runs its selection step too (dense reduction, then
+      :class:`~megatron_ext.collectives.radius.RadiusOptimizerHook`'s top-k from Adam's
+      moments, which are given on meta); on meta, ``nonzero`` returns the sizes its masks
+      select (``ceil(density x numel)`` per matrix, as ``topk_mask`` picks; each bucket's
+      positions afterwards) and the check that every weight has optimizer state passes;
+      megatron's dense collectives of that step run without torch's coalescing manager
+      (no meta kernel) and allocate nothing.
     * ``grass``: a :class:`~megatron_ext.autograd.grass.GrassLayer` per default Grass layer
       (QKV, attention output, fc1, fc2) with its virtual parameter, selection and sketch:
       one sketched step and a top-r selection. The virtual parameters' gradients and Adam
@@ -61,6 +65,7 @@ Constraints:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import sys
 import weakref
@@ -338,6 +343,36 @@ def _reducer(method: str, options: Dict[str, Any]):
     raise ValueError(method)
 
 
+class _NoCoalescing:
+    """Stands in for torch's ``_coalescing_manager`` (no meta kernel for the coalesced
+    collectives): the collectives inside run one by one; ``wait()`` does nothing."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait(self):
+        pass
+
+
+@contextlib.contextmanager
+def _without_coalescing():
+    """megatron's dense reduction (Radius's dense and selection steps) on meta tensors."""
+    from megatron_ext.collectives import grad_reducer
+
+    original = grad_reducer._coalescing_manager
+    grad_reducer._coalescing_manager = _NoCoalescing
+    try:
+        yield
+    finally:
+        grad_reducer._coalescing_manager = original
+
+
 def measure_reducer(
     method: str, model: str, dp_size: int, overlap: bool, options: Dict[str, Any]
 ) -> Dict[str, Any]:
@@ -355,7 +390,9 @@ def _measure_reducer(group, method, model, dp_size, overlap, options) -> Dict[st
     import torch
 
     from megatron_ext.collectives.grad_reducer import BucketGroupSpec, ParamSlice
+    from megatron_ext.collectives.radius import RadiusOptimizerHook
     from megatron_ext.compressors.topk import num_selected
+    from megatron_ext.optim.hooks import ParamOptimState
 
     params = model_params(model)
     reducer, cfg, first = _reducer(method, options)
@@ -370,31 +407,53 @@ def _measure_reducer(group, method, model, dp_size, overlap, options) -> Dict[st
         key = f"bucket{index}:{bucket[0][0]}..{bucket[-1][0]}"
         specs.append(BucketGroupSpec.create([(grad, slices, key)], group, async_op=overlap))
 
-    selected = {}
+    # Radius's value-dependent sizes on meta: nonzero's output by input size (matrix masks
+    # at selection, bucket positions afterwards) and the bool-mask indexing of its check
+    # that every weight has optimizer state.
+    sizes: Dict[str, Dict[int, int]] = {"nonzero": {}, "masked": {}}
 
-    def nonzero(x):  # Radius's positions: the masks' selection plus the 1-D parameters
-        return torch.empty(selected[x.numel()], 1, dtype=torch.long, device="meta")
+    def nonzero(x):
+        return torch.empty(sizes["nonzero"][x.numel()], 1, dtype=torch.long, device="meta")
 
-    mode = live_bytes_mode({"nonzero": nonzero})
-    with mode:
+    def index(x, indices):
+        mask = indices[0] if len(indices) == 1 else None
+        if mask is not None and mask.dtype == torch.bool:
+            return torch.empty(sizes["masked"][mask.numel()], dtype=x.dtype, device="meta")
+        return torch.ops.aten.index.Tensor(x, indices)
+
+    def size_of(table: str, numel: int, count: int) -> None:
+        if sizes[table].setdefault(numel, count) != count:
+            raise RuntimeError(f"Radius: two {table} inputs of {numel} elements differ")
+
+    states = {}
+    if method == "radius":
+        for spec in specs:
+            for view in spec.buckets:
+                matrices = [s for s in view.params if s.is_matrix]
+                size_of("masked", view.grad.numel(), sum(s.numel for s in matrices))
+                for s in matrices:
+                    # Adam's state as megatron keeps it (not counted: it is not Radius's)
+                    states[s.fqn] = ParamOptimState(
+                        fqn=s.fqn,
+                        model_param=torch.zeros(s.shape, dtype=torch.bfloat16, device="meta"),
+                        main_param=torch.zeros(s.shape, device="meta"),
+                        state={
+                            "exp_avg": torch.zeros(s.shape, device="meta"),
+                            "exp_avg_sq": torch.zeros(s.shape, device="meta"),
+                            "step": 1,
+                        },
+                        group={"lr": 1e-4, "weight_decay": 0.1, "betas": (0.9, 0.95),
+                               "eps": 1e-8},
+                    )  # fmt: skip
+                    size_of("nonzero", s.numel, num_selected(s.numel, cfg.density))
+
+    scalar = {"_local_scalar_dense": lambda *a, **k: True, "is_nonzero": lambda *a, **k: True}
+    mode = live_bytes_mode({"nonzero": nonzero, "index": index, **scalar})
+    select_transient = None
+    with mode, contextlib.ExitStack() as stack:
         measure = _Measure(mode)
         measure.step(lambda: [reducer.bind(spec) for spec in specs])
         bind_bytes = mode.live
-        if method == "radius":
-            masks = {}
-            for spec in specs:
-                for view in spec.buckets:
-                    count = 0
-                    for s in view.params:
-                        if s.is_matrix:
-                            masks[s.fqn] = torch.zeros(s.numel, dtype=torch.bool, device="meta")
-                            count += num_selected(s.numel, cfg.density)
-                        else:
-                            count += s.numel
-                    if selected.setdefault(view.grad.numel(), count) != count:
-                        raise RuntimeError("two Radius buckets of one size select differently")
-            reducer.set_masks(masks)  # what RadiusOptimizerHook selects at step dense_steps
-            del masks
 
         def one_step(step: int):
             handles = [b.launch(step) for b in reducer.bound]
@@ -404,6 +463,26 @@ def _measure_reducer(group, method, model, dp_size, overlap, options) -> Dict[st
             del handles
 
         measure.transient = 0
+        if method == "radius":
+            stack.enter_context(_without_coalescing())
+            # The selection step: dense reduction, then the hook's top-k after Adam's step.
+            hook = RadiusOptimizerHook(reducer)
+            view = _MetaOptimizerView(states, step=cfg.dense_steps)
+
+            def select_step():
+                one_step(cfg.dense_steps)
+                hook.post_step(view, True)
+
+            measure.step(select_step)
+            select_transient = measure.transient
+            sizes["nonzero"].clear()  # from here on: the positions each bucket sends
+            for spec in specs:
+                for b in spec.buckets:
+                    count = sum(
+                        num_selected(s.numel, cfg.density) if s.is_matrix else s.numel
+                        for s in b.params
+                    )
+                    size_of("nonzero", b.grad.numel(), count)
         for step in (first, first + 1):
             measure.step(lambda step=step: one_step(step))
         persistent = measure.persistent
@@ -412,6 +491,7 @@ def _measure_reducer(group, method, model, dp_size, overlap, options) -> Dict[st
         "persistent": persistent,
         "transient": measure.transient,
         "after_bind": bind_bytes,
+        "select_step_transient": select_transient,
         "num_buckets": len(specs),
         "steps": [first, first + 1],
         "settings": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},

@@ -67,6 +67,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import inspect
 import sys
 import weakref
 from pathlib import Path
@@ -407,9 +408,9 @@ def _measure_reducer(group, method, model, dp_size, overlap, options) -> Dict[st
         key = f"bucket{index}:{bucket[0][0]}..{bucket[-1][0]}"
         specs.append(BucketGroupSpec.create([(grad, slices, key)], group, async_op=overlap))
 
-    # Radius's value-dependent sizes on meta: nonzero's output by input size (matrix masks
-    # at selection, bucket positions afterwards) and the bool-mask indexing of its check
-    # that every weight has optimizer state.
+    # Radius's value-dependent sizes on meta: nonzero's output by input size (a matrix's
+    # mask, a bucket's sent positions) and the bool-mask indexing of its check that every
+    # weight has optimizer state.
     sizes: Dict[str, Dict[int, int]] = {"nonzero": {}, "masked": {}}
 
     def nonzero(x):
@@ -446,6 +447,13 @@ def _measure_reducer(group, method, model, dp_size, overlap, options) -> Dict[st
                                "eps": 1e-8},
                     )  # fmt: skip
                     size_of("nonzero", s.numel, num_selected(s.numel, cfg.density))
+                # the positions the bucket sends: its selections and its 1-D parameters (a
+                # bucket of one matrix gives the same count as that matrix's mask)
+                count = sum(
+                    num_selected(s.numel, cfg.density) if s.is_matrix else s.numel
+                    for s in view.params
+                )
+                size_of("nonzero", view.grad.numel(), count)
 
     scalar = {"_local_scalar_dense": lambda *a, **k: True, "is_nonzero": lambda *a, **k: True}
     mode = live_bytes_mode({"nonzero": nonzero, "index": index, **scalar})
@@ -461,6 +469,9 @@ def _measure_reducer(group, method, model, dp_size, overlap, options) -> Dict[st
                 if handle is not None:
                     handle.wait()
             del handles
+            end_step = getattr(reducer, "end_step", None)
+            if end_step is not None:  # a reducer with a step transaction: the step applied
+                end_step(True)
 
         measure.transient = 0
         if method == "radius":
@@ -475,14 +486,6 @@ def _measure_reducer(group, method, model, dp_size, overlap, options) -> Dict[st
 
             measure.step(select_step)
             select_transient = measure.transient
-            sizes["nonzero"].clear()  # from here on: the positions each bucket sends
-            for spec in specs:
-                for b in spec.buckets:
-                    count = sum(
-                        num_selected(s.numel, cfg.density) if s.is_matrix else s.numel
-                        for s in b.params
-                    )
-                    size_of("nonzero", b.grad.numel(), count)
         for step in (first, first + 1):
             measure.step(lambda step=step: one_step(step))
         persistent = measure.persistent
@@ -610,7 +613,10 @@ def measure_aqsgd(model: str, samples: int, options: Dict[str, Any]) -> Dict[str
     space = SampleSpace(fixed=True, num_samples=samples, dp_rank=0, dp_size=1,
                         micro_batch_size=1, num_microbatches=1, seq_length=m["seq"])  # fmt: skip
     codec = AQSGDCodec(cfg, ctx=None)
-    codec._check_fits = lambda nbytes, where: None  # the host's free memory is not the GPU's
+    codec._check_fits = lambda *a, **k: None  # the host's free memory is not the GPU's
+    extra = {}
+    if "activation_dtype" in inspect.signature(codec.allocate).parameters:
+        extra["activation_dtype"] = torch.bfloat16  # mixed precision (--aqsgd-buffer-dtype auto)
     mode = live_bytes_mode()
     with mode:
         measure = _Measure(mode)
@@ -619,7 +625,7 @@ def measure_aqsgd(model: str, samples: int, options: Dict[str, Any]) -> Dict[str
         def allocate():
             result["sides"], result["per_side"] = codec.allocate(
                 space, m["seq"], m["hidden"], stage=1, num_stages=3,
-                device=torch.device("meta"),
+                device=torch.device("meta"), **extra,
             )  # fmt: skip
 
         measure.step(allocate)
@@ -632,7 +638,7 @@ def measure_aqsgd(model: str, samples: int, options: Dict[str, Any]) -> Dict[str
         "sides": result["sides"],
         "per_side": result["per_side"],
         "per_side_formula": f"{samples} x {m['seq']} x {m['hidden']} x {itemsize} B",
-        "settings": {"buffer_dtype": cfg.buffer_dtype, "buffer": cfg.buffer},
+        "settings": {"buffer_dtype": str(codec.send.dtype), "buffer": cfg.buffer},
         "num_params": sum(_numel(s) for _, s in model_params(model)),
     }
 

@@ -79,6 +79,7 @@ BENCHMARKS = (
     "grass_throughput",
     "subspace_overhead",
     "frontier",
+    "state_memory",
 )
 """Names a report's ``benchmark`` field may take; also the JSON file names (``<name>.json``)."""
 

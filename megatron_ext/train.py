@@ -536,6 +536,7 @@ class Trainer:
         progress = _Progress(t.train_iters, enabled=cfg.logging.progress and is_last_rank())
         stop_at = min(t.train_iters, t.exit_interval or t.train_iters)
         self.param_gather.start()
+        self._check_weight_hashes(iteration)
         while iteration < stop_at:
             t0 = time.time()
             loss, grad_norm, ok = self.train_step(iteration, consumed, data_iterator)
@@ -550,6 +551,9 @@ class Trainer:
                 last_eval = self.evaluate(iteration)
             if iteration % cfg.logging.log_interval == 0 or iteration == stop_at:
                 log.emit(iteration, consumed, grad_norm, last_eval)
+            hash_every = t.check_weight_hash_across_dp_replicas_interval
+            if hash_every and iteration % hash_every == 0:
+                self._check_weight_hashes(iteration)
             save_due = (
                 cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0
             )
@@ -566,6 +570,15 @@ class Trainer:
         summary = self._summary(iteration, consumed, log, final_eval)
         log.close()
         return summary
+
+    def _check_weight_hashes(self, iteration: int) -> None:
+        """With ``--check-weight-hash-across-dp-replicas-interval``: the replicas hold the
+        same weights (before the first iteration and every N iterations, as Megatron-LM)."""
+        if self.cfg.training.check_weight_hash_across_dp_replicas_interval is None:
+            return
+        from megatron_ext.megatron.training import check_weight_hashes
+
+        check_weight_hashes(self.model, iteration, self.param_gather)
 
     # -- checkpoints and reports -------------------------------------------------------------
 

@@ -241,6 +241,12 @@ class TrainingArgs:
     exit_interval: Optional[int] = None
     """Stop (after saving when --save is set) at this iteration, e.g. to test resume."""
 
+    check_weight_hash_across_dp_replicas_interval: Optional[int] = None
+    """Check every N iterations (and before the first) that the data-parallel replicas hold
+    bit-identical weights: SHA-1 of each parameter, all-gathered over the data-parallel
+    group; a mismatch stops training naming the parameters (Megatron-LM's flag of the same
+    name and semantics)."""
+
     cpu: bool = False
     """Run megatron-core on CPU with the gloo backend (megatron_ext.megatron.cpu)."""
 
@@ -257,6 +263,11 @@ class TrainingArgs:
         check_positive(cls, "eval_iters", self.eval_iters, allow_zero=True)
         check_positive(cls, "exit_interval", self.exit_interval)
         check_positive(cls, "num_threads", self.num_threads)
+        check_positive(
+            cls,
+            "check_weight_hash_across_dp_replicas_interval",
+            self.check_weight_hash_across_dp_replicas_interval,
+        )
         if self.min_lr > self.lr:
             raise ConfigError(["--min-lr", "--lr"], f"min lr {self.min_lr} > lr {self.lr}")
         decay = self.lr_decay_iters or self.train_iters

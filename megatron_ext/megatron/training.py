@@ -8,7 +8,8 @@ What it does:
     (:func:`build_gpt_model`, with the vocabulary padded as Megatron-LM pads it), its DDP
     wrapper, the optimizer and LR schedule (:func:`build_optimizer`), the grad-sync callables
     of the schedules (:func:`wire_grad_sync`), the distributed optimizer's overlapped
-    parameter gather (:class:`ParamGather`), one forward/backward pass over the microbatches
+    parameter gather (:class:`ParamGather`), the weight-hash check across data-parallel
+    replicas (:func:`check_weight_hashes`), one forward/backward pass over the microbatches
     (:func:`forward_backward`) and the loss (:func:`gpt_forward_step`, :func:`reduce_lm_loss`).
 
 Why here:
@@ -22,6 +23,7 @@ Constraints:
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import random
@@ -44,6 +46,7 @@ __all__ = [
     "build_optimizer",
     "wire_grad_sync",
     "ParamGather",
+    "check_weight_hashes",
     "forward_backward",
     "gpt_forward_step",
     "lm_loss",
@@ -325,6 +328,70 @@ class ParamGather:
         if self.active:
             for chunk in self.chunks:
                 chunk.start_param_sync(force_sync=True)
+
+
+class _HashMismatchRecords(logging.Handler):
+    """Collects megatron-core's "Hash not matching for NAME" lines (logged at INFO)."""
+
+    def __init__(self):
+        super().__init__(level=logging.INFO)
+        self.lines: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "Hash not matching" in message:
+            self.lines.append(message)
+
+
+def check_weight_hashes(model_chunks: Sequence[Any], iteration: int, param_gather: Any) -> None:
+    """Megatron-LM's ``--check-weight-hash-across-dp-replicas-interval`` check, on the driver.
+
+    megatron-core's ``check_param_hashes_across_dp_replicas(model, cross_check=True)``
+    hashes every parameter (SHA-1 of its fp32 bytes) and all-gathers the hashes over the
+    data-parallel group; as Megatron-LM does, the overlapped parameter gather is turned off
+    around it (so the parameters are current) and the ranks meet at a barrier afterwards.
+
+    Args:
+        model_chunks: the DDP-wrapped model chunks of this rank.
+        iteration: iterations done (for the message).
+        param_gather: the driver's :class:`ParamGather`.
+
+    Raises:
+        RuntimeError: on every rank when any replica's hashes differ, with Megatron-LM's
+            message ("Parameter hashes not matching across DP replicas") followed by the
+            parameters whose hash on this rank differs from data-parallel rank 0's.
+    """
+    from megatron.core import utils as mcore_utils
+
+    from megatron_ext.logging import print_rank_0
+
+    hooks_were_enabled = param_gather.hooks_enabled
+    param_gather.disable()
+    records = _HashMismatchRecords()
+    logger = mcore_utils.logger
+    level = logger.level
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    try:
+        match = mcore_utils.check_param_hashes_across_dp_replicas(
+            list(model_chunks), cross_check=True
+        )
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    if not match:
+        where = "; ".join(records.lines) or (
+            f"[Rank {torch.distributed.get_rank()}] this rank's hashes match data-parallel "
+            "rank 0's; another replica differs"
+        )
+        raise RuntimeError(
+            f"Parameter hashes not matching across DP replicas after {iteration} iterations: "
+            f"{where}"
+        )
+    torch.distributed.barrier()
+    print_rank_0(f">>> Weight hashes match after {iteration} iterations...")
+    if hooks_were_enabled:
+        param_gather.enable()
 
 
 def forward_backward(

@@ -19,6 +19,7 @@ from benchmarks import (
     convergence,
     grass_throughput,
     kernels,
+    state_memory,
     step_time,
     subspace_overhead,
 )
@@ -249,6 +250,51 @@ def test_subspace_overhead_times_every_operation(tmp_path):
     names = [r["operation"] for r in report["results"]]
     assert len(names) == 8 and "Grassmann update (d x d)" in names
     assert all(r["s"] > 0 for r in report["results"])
+
+
+def test_state_memory_counts_created_storages_once():
+    import torch
+
+    before = torch.zeros(100, device="meta")  # exists before: never counted
+    mode = state_memory.live_bytes_mode()
+    with mode:
+        a = torch.zeros(1000, device="meta")
+        assert mode.live == 4000
+        view = a.view(10, 100)
+        a.add_(1.0)
+        before.mul_(2.0)
+        part = before[:50]
+        assert mode.live == 4000  # views and in-place results allocate nothing
+        b = a.to(torch.float16)
+        assert (mode.live, mode.peak) == (6000, 6000)
+        del a, b
+        assert mode.live == 4000  # the view keeps a's storage alive
+        del view, part
+        assert (mode.live, mode.peak) == (0, 6000)
+
+
+def test_state_memory_tiny_measures_every_method(tmp_path):
+    argv = ["--models", "tiny", "--dp-size", "2", "--aqsgd-samples", "16", "--out", str(tmp_path)]
+    assert state_memory.main(argv) == 0
+    report = json.loads((tmp_path / "state_memory.json").read_text())
+    common.validate_report(report)
+    rows = {r["method"]: r for r in report["results"]}
+    assert sorted(rows) == sorted(state_memory.METHODS)
+    matrices = sum(
+        state_memory._numel(s) for _, s in state_memory.model_params("tiny") if len(s) == 2
+    )
+    for method in ("separate", "radius", "powersgd", "quantized"):
+        # Each keeps an fp32 error-feedback residual of every compressed matrix (PowerSGD:
+        # all but the ones too small to compress, here none) and works on fp32 payloads.
+        assert rows[method]["persistent"] >= 4 * matrices, method
+        assert rows[method]["transient"] > 0, method
+    # AQ-SGD, middle stage: a send and a receive buffer of 16 x 32 x 64 fp16, and their
+    # visit flags.
+    assert rows["aqsgd"]["sides"] == ["send", "recv"]
+    assert rows["aqsgd"]["persistent"] == 2 * (16 * 32 * 64 * 2 + 16)
+    # Protocol Models: U (64 x 1), A (64 x 64) and T_fixed (512 x 64, bf16) at least.
+    assert rows["protocol"]["persistent"] >= 4 * 64 + 4 * 64 * 64 + 2 * 512 * 64
+    assert rows["protocol"]["transient"] > 0 and rows["grass"]["persistent"] > 0
 
 
 def test_grass_throughput_shapes_and_one_layer():

@@ -203,10 +203,15 @@ class Trainer:
     on_step_batch = None
     """Optional callback receiving each microbatch a rank reads (tests use it)."""
 
+    exit_signals = None
+    """The installed :class:`~megatron_ext.signals.ExitSignalHandler` (``--exit-signal-handler``)."""
+
     def __init__(self, cfg: DriverConfig):
         self.cfg = cfg
         self.runtime = None
         self._eval_consumed = 0
+        self._last_saved: Optional[int] = None
+        self._last_grad_norm = None
 
     # -- setup ----------------------------------------------------------------------------
 
@@ -521,9 +526,17 @@ class Trainer:
         progress = _Progress(t.train_iters, enabled=cfg.logging.progress and is_last_rank())
         stop_at = min(t.train_iters, t.exit_interval or t.train_iters)
         self.param_gather.start()
+        self._last_saved = None
+        stop_signal = None
         while iteration < stop_at:
+            # Between iterations (also before the first): a signal during the step (or during
+            # setup) stops here, on every rank at the same iteration.
+            stop_signal = self._exit_signal_received()
+            if stop_signal is not None:
+                break
             t0 = time.time()
             loss, grad_norm, ok = self.train_step(iteration, consumed, data_iterator)
+            self._last_grad_norm = grad_norm
             if ok:
                 self.param_gather.step_succeeded()
             traffic = self.runtime.end_step()
@@ -542,22 +555,51 @@ class Trainer:
                 self._save(iteration, consumed)
         progress.close()
         self.param_gather.disable()
-        if not t.eval_interval or iteration % t.eval_interval:
+        if stop_signal is not None:
+            # Time is short (Slurm kills after its grace period, torchrun after its shutdown
+            # timeout): save, no final evaluation.
+            final_eval = last_eval
+            if log.pending:
+                log.emit(iteration, consumed, self._last_grad_norm, last_eval)
+        elif not t.eval_interval or iteration % t.eval_interval:
             final_eval = self.evaluate(iteration) if iteration > start_iteration else None
         else:
             final_eval = last_eval
-        if cfg.checkpoint.save and iteration > start_iteration:
+        if cfg.checkpoint.save and iteration > start_iteration and self._last_saved != iteration:
             self._save(iteration, consumed)
+        if stop_signal is not None:
+            if iteration == start_iteration:
+                where = " (no iteration ran: nothing new to save)"
+            elif cfg.checkpoint.save:
+                where = f"; checkpoint at iteration {iteration} in {cfg.checkpoint.save}"
+            else:
+                where = " (no --save: nothing saved)"
+            print_rank_0(
+                f"> exiting after receiving {stop_signal.name} at iteration {iteration}{where}"
+            )
         summary = self._summary(iteration, consumed, log, final_eval)
+        summary["exit_signal"] = None if stop_signal is None else stop_signal.name
         log.close()
         return summary
 
     # -- checkpoints and reports -------------------------------------------------------------
 
+    def _exit_signal_received(self):
+        """The exit signal any rank received (collective), or None; always None without
+        ``--exit-signal-handler``."""
+        if self.exit_signals is None:
+            return None
+        from megatron_ext.accounting import ProcessGroupTrafficMeter
+
+        # Control traffic of the driver, not training communication.
+        with ProcessGroupTrafficMeter.untracked():
+            return self.exit_signals.stop_requested()
+
     def _save(self, iteration: int, consumed: int) -> None:
         from megatron_ext.accounting import ProcessGroupTrafficMeter
         from megatron_ext.megatron import checkpoint as ckpt
 
+        self._last_saved = iteration
         t0 = time.time()
         self.sync_params()
         # Checkpoint coordination is not training traffic (the Megatron-LM adapter excludes it
@@ -656,6 +698,11 @@ class _TrainLog:
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self.log_file = open(path, "a")
+
+    @property
+    def pending(self) -> bool:
+        """Whether iterations since the last :meth:`emit` are not logged yet."""
+        return self._iters > 0
 
     def add_step(self, seconds: float, loss: Optional[float], traffic: Dict[str, Any]) -> None:
         """One finished iteration."""
@@ -777,6 +824,17 @@ def run_training(cfg: DriverConfig) -> Dict[str, Any]:
     # An unsupported megatron-core is refused before any process group or model exists.
     mcore.release()
     trainer = Trainer(cfg)
+    if not cfg.training.exit_signal_handler:
+        return _build_and_train(trainer)
+    from megatron_ext.signals import ExitSignalHandler
+
+    # Installed before the (long) setup: a signal during it stops before the first iteration.
+    with ExitSignalHandler() as handler:
+        trainer.exit_signals = handler
+        return _build_and_train(trainer)
+
+
+def _build_and_train(trainer: Trainer) -> Dict[str, Any]:
     trainer.setup_distributed()
     trainer.build_data()
     trainer.build_model()

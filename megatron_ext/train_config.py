@@ -236,6 +236,12 @@ class TrainingArgs:
     exit_interval: Optional[int] = None
     """Stop (after saving when --save is set) at this iteration, e.g. to test resume."""
 
+    exit_signal_handler: bool = False
+    """On SIGTERM (Slurm preemption, ``kill``) or SIGINT (Ctrl-C) finish the current
+    iteration, save when --save is set, and exit with status 0 (Megatron-LM's flag, for
+    both signals). All ranks agree on the iteration (one tiny all-reduce per iteration).
+    Under torchrun the save must fit in its --shutdown-timeout (default 30 s)."""
+
     cpu: bool = False
     """Run megatron-core on CPU with the gloo backend (megatron_ext.megatron.cpu)."""
 

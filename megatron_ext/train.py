@@ -823,6 +823,10 @@ def run_training(cfg: DriverConfig) -> Dict[str, Any]:
 
     # An unsupported megatron-core is refused before any process group or model exists.
     mcore.release()
+    # megatron-core's checkpoint writer processes must not outlive a killed rank.
+    from megatron_ext.child_processes import children_die_with_parent
+
+    children_die_with_parent()
     trainer = Trainer(cfg)
     if not cfg.training.exit_signal_handler:
         return _build_and_train(trainer)

@@ -6,6 +6,8 @@ Each test launches the driver as users do (torchrun, 2 CPU ranks, gloo, tiny GPT
   at the same iteration, saves there and exits 0; the resumed run continues from that
   checkpoint and Ctrl-C (SIGINT to torchrun, which forwards it) saves again, without a
   traceback from any rank.
+* A rank killed (SIGKILL) while it saves takes megatron-core's checkpoint writer
+  processes with it (they used to run for ever, adopted by init).
 """
 
 import os
@@ -151,3 +153,48 @@ def test_exit_signal_handler_saves_and_exits_cleanly_then_resumes(tmp_path):
     # torchrun itself re-raises the signal it received after its workers stopped (torch's
     # behaviour, torch/distributed/elastic/agent/server/api.py): its status is 1.
     assert rc == 1 and "SignalException" in text, text[-4000:]
+
+
+def _descendants(pid):
+    found = []
+    for child in _children(pid):
+        found += [child] + _descendants(child)
+    return found
+
+
+def _alive(pid):
+    """Running (not gone, not a zombie left for an init that does not reap)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+def test_checkpoint_writer_processes_die_with_a_killed_rank(tmp_path):
+    # A save every iteration: most of the run is spent saving, so the kill lands in one.
+    args = BASE + ["--train-iters", "200", "--save", str(tmp_path / "run"), "--save-interval", "1"]
+    out = tmp_path / "out.txt"
+    proc, f = _start(args, out)
+    left = []
+    try:
+        _wait_for(out, "saved checkpoint at iteration        2", proc)
+        rank = min(_children(proc.pid))
+        # megatron-core's writer: a spawned multiprocessing manager (plus its resource
+        # tracker), started on the rank's first save and alive since.
+        helpers = _descendants(rank)
+        assert any("spawn_main" in Path(f"/proc/{p}/cmdline").read_text() for p in helpers)
+        os.kill(rank, signal.SIGKILL)
+        proc.wait(timeout=120)
+        deadline = time.time() + 15
+        while time.time() < deadline and any(_alive(p) for p in helpers):
+            time.sleep(0.2)
+        left = [p for p in helpers if _alive(p)]
+        assert left == [], [Path(f"/proc/{p}/cmdline").read_text() for p in left]
+    finally:
+        proc.kill()
+        f.close()
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)

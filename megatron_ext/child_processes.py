@@ -14,9 +14,9 @@ What it does:
 Why:
     megatron-core's torch_dist checkpoint writer starts a ``multiprocessing`` manager with
     the spawn method on the first save of each rank (``_get_write_results_queue`` in
-    ``dist_checkpointing/strategies/filesystem_async.py``, megatron-core 0.16 and 0.19; 0.3
-    to 0.9 GB each, as it re-imports the rank's ``__main__``) and forks one writer per write
-    bucket during a save. Nothing ends them when their rank is killed: they are adopted by
+    ``dist_checkpointing/strategies/filesystem_async.py`` of megatron-core 0.16,
+    ``get_write_results_queue`` in 0.19; 0.3 to 0.9 GB each, as it re-imports the rank's
+    ``__main__``) and forks one writer per write bucket during a save. Nothing ends them when their rank is killed: they are adopted by
     init and run for ever. torchrun only signals the process groups of ranks that are
     still alive.
 

@@ -862,16 +862,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     for message in _EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=f".*{message}.*")
+    from megatron_ext.megatron.checkpoint import CheckpointSaveError
+    from megatron_ext.refusal import report_refusal
+    from megatron_ext.state import StateMismatch
+
+    # Every rank that refuses reports; the line is printed once per job and is out before
+    # any rank exits (megatron_ext.refusal).
     try:
         cfg = parse_args(argv)
     except ConfigError as exc:
-        print(f"megatron-ext train: error: {exc}", file=sys.stderr)
+        report_refusal(f"megatron-ext train: error: {exc}")
         return 2
     try:
         run_training(cfg)
-    except ConfigError as exc:
-        print(f"megatron-ext train: error: {exc}", file=sys.stderr)
+    except (ConfigError, StateMismatch) as exc:
+        report_refusal(f"megatron-ext train: error: {exc}")
         return 2
+    except CheckpointSaveError as exc:
+        # Rank 0 holds every rank's failure; the others report only if it does not.
+        report_refusal(f"megatron-ext train: error: {exc}", defer_s=0 if exc.detailed else 15)
+        return 1
     finally:
         import torch
 

@@ -75,9 +75,19 @@ def _data_config_class():
     return DataConfig
 
 
+class _DriverArgumentParser(argparse.ArgumentParser):
+    """argparse, with its errors reported once per job (every rank parses the same flags)."""
+
+    def error(self, message: str):
+        from megatron_ext.refusal import report_refusal
+
+        report_refusal(f"{self.format_usage()}{self.prog}: error: {message}")
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The driver's parser: model presets, run files, driver flags, data and ext flags."""
-    parser = argparse.ArgumentParser(
+    parser = _DriverArgumentParser(
         prog="megatron-ext train",
         description="Train a GPT/LLaMA model on megatron-core with megatron-ext compression.",
         allow_abbrev=False,

@@ -8,6 +8,8 @@ Each test launches the driver as users do (torchrun, 2 CPU ranks, gloo, tiny GPT
   traceback from any rank.
 * A rank killed (SIGKILL) while it saves takes megatron-core's checkpoint writer
   processes with it (they used to run for ever, adopted by init).
+* A refusal is printed exactly once, with 2 ranks (after setup, pipeline stages) and 8
+  (while parsing): once per job, not once per rank, and never lost.
 """
 
 import os
@@ -198,3 +200,31 @@ def test_checkpoint_writer_processes_die_with_a_killed_rank(tmp_path):
         f.close()
         for pid in left:
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    "nproc, args, line",
+    [
+        # Refused after the process groups and the model exist (pipeline stages differ).
+        (
+            2,
+            ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
+            + ["--p2p-compression", "aqsgd"],
+            "megatron-ext train: error: --p2p-compression, --fixed-samples:",
+        ),
+        # Refused while parsing, on 8 ranks at once.
+        (8, ["--grad-compression", "topk"], "megatron-ext train: error: argument --grad-compression"),
+    ],
+)
+def test_driver_refusal_reaches_the_terminal_once(nproc, args, line, tmp_path):
+    proc = subprocess.run(
+        _torchrun_cmd(BASE + ["--train-iters", "4"] + args, nproc=nproc),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=_env({"OMP_NUM_THREADS": "1"}),
+    )
+    assert proc.returncode != 0
+    assert proc.stderr.count(line) == 1, proc.stderr[-4000:]
+    assert " iteration " not in proc.stdout

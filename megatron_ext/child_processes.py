@@ -16,9 +16,9 @@ Why:
     the spawn method on the first save of each rank (``_get_write_results_queue`` in
     ``dist_checkpointing/strategies/filesystem_async.py`` of megatron-core 0.16,
     ``get_write_results_queue`` in 0.19; 0.3 to 0.9 GB each, as it re-imports the rank's
-    ``__main__``) and forks one writer per write bucket during a save. Nothing ends them when their rank is killed: they are adopted by
-    init and run for ever. torchrun only signals the process groups of ranks that are
-    still alive.
+    ``__main__``) and forks one writer per write bucket during a save. Nothing ends them
+    when their rank is killed: they are adopted by init and run for ever. torchrun only
+    signals the process groups of ranks that are still alive.
 
 Constraints:
     * Linux only; elsewhere :func:`children_die_with_parent` does nothing and returns False.

@@ -214,7 +214,8 @@ class Trainer:
     """Optional callback receiving each microbatch a rank reads (tests use it)."""
 
     exit_signals = None
-    """The installed :class:`~megatron_ext.signals.ExitSignalHandler` (``--exit-signal-handler``)."""
+    """The installed :class:`~megatron_ext.signals.ExitSignalHandler`, with
+    ``--exit-signal-handler``."""
 
     def __init__(self, cfg: DriverConfig):
         self.cfg = cfg

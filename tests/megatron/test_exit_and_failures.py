@@ -213,7 +213,11 @@ def test_checkpoint_writer_processes_die_with_a_killed_rank(tmp_path):
             "megatron-ext train: error: --p2p-compression, --fixed-samples:",
         ),
         # Refused while parsing, on 8 ranks at once.
-        (8, ["--grad-compression", "topk"], "megatron-ext train: error: argument --grad-compression"),
+        (
+            8,
+            ["--grad-compression", "topk"],
+            "megatron-ext train: error: argument --grad-compression",
+        ),
     ],
 )
 def test_driver_refusal_reaches_the_terminal_once(nproc, args, line, tmp_path):

@@ -5,7 +5,7 @@ What it does:
     main thread from then on receive SIGKILL when this process dies, however it dies
     (SIGKILL, OOM killer, segfault):
 
-    * ``multiprocessing`` *spawn* children (and forkserver's server): the command line of
+    * ``multiprocessing`` *spawn* children: the command line of
       the new interpreter first calls ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` and exits if its
       parent is already gone;
     * *forked* children (``multiprocessing`` fork context, ``os.fork``): an
@@ -27,8 +27,9 @@ Constraints:
       otherwise take its children with it).
     * SIGKILL: such a child cannot clean up. These children only serve their rank; a
       checkpoint a dying rank was writing is incomplete anyway.
-    * Subprocesses started with ``subprocess`` are not covered (none is started during
-      training).
+    * Not covered: ``subprocess`` children (none is started during training), the
+      ``forkserver`` server (its command line is built elsewhere) and multiprocessing's
+      resource tracker (it exits by itself once every process holding its pipe is gone).
 """
 
 from __future__ import annotations

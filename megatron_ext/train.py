@@ -75,9 +75,19 @@ def _data_config_class():
     return DataConfig
 
 
+class _DriverArgumentParser(argparse.ArgumentParser):
+    """argparse, with its errors reported once per job (every rank parses the same flags)."""
+
+    def error(self, message: str):
+        from megatron_ext.refusal import report_refusal
+
+        report_refusal(f"{self.format_usage()}{self.prog}: error: {message}")
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The driver's parser: model presets, run files, driver flags, data and ext flags."""
-    parser = argparse.ArgumentParser(
+    parser = _DriverArgumentParser(
         prog="megatron-ext train",
         description="Train a GPT/LLaMA model on megatron-core with megatron-ext compression.",
         allow_abbrev=False,
@@ -218,10 +228,16 @@ class Trainer:
     on_step_batch = None
     """Optional callback receiving each microbatch a rank reads (tests use it)."""
 
+    exit_signals = None
+    """The installed :class:`~megatron_ext.signals.ExitSignalHandler`, with
+    ``--exit-signal-handler``."""
+
     def __init__(self, cfg: DriverConfig):
         self.cfg = cfg
         self.runtime = None
         self._eval_consumed = 0
+        self._last_saved: Optional[int] = None
+        self._last_grad_norm = None
 
     # -- setup ----------------------------------------------------------------------------
 
@@ -537,9 +553,17 @@ class Trainer:
         stop_at = min(t.train_iters, t.exit_interval or t.train_iters)
         self.param_gather.start()
         self._check_weight_hashes(iteration)
+        self._last_saved = None
+        stop_signal = None
         while iteration < stop_at:
+            # Between iterations (also before the first): a signal during the step (or during
+            # setup) stops here, on every rank at the same iteration.
+            stop_signal = self._exit_signal_received()
+            if stop_signal is not None:
+                break
             t0 = time.time()
             loss, grad_norm, ok = self.train_step(iteration, consumed, data_iterator)
+            self._last_grad_norm = grad_norm
             if ok:
                 self.param_gather.step_succeeded()
             traffic = self.runtime.end_step(update_successful=ok)
@@ -561,13 +585,30 @@ class Trainer:
                 self._save(iteration, consumed)
         progress.close()
         self.param_gather.disable()
-        if not t.eval_interval or iteration % t.eval_interval:
+        if stop_signal is not None:
+            # Time is short (Slurm kills after its grace period, torchrun after its shutdown
+            # timeout): save, no final evaluation.
+            final_eval = last_eval
+            if log.pending:
+                log.emit(iteration, consumed, self._last_grad_norm, last_eval)
+        elif not t.eval_interval or iteration % t.eval_interval:
             final_eval = self.evaluate(iteration) if iteration > start_iteration else None
         else:
             final_eval = last_eval
-        if cfg.checkpoint.save and iteration > start_iteration:
+        if cfg.checkpoint.save and iteration > start_iteration and self._last_saved != iteration:
             self._save(iteration, consumed)
+        if stop_signal is not None:
+            if iteration == start_iteration:
+                where = " (no iteration ran: nothing new to save)"
+            elif cfg.checkpoint.save:
+                where = f"; checkpoint at iteration {iteration} in {cfg.checkpoint.save}"
+            else:
+                where = " (no --save: nothing saved)"
+            print_rank_0(
+                f"> exiting after receiving {stop_signal.name} at iteration {iteration}{where}"
+            )
         summary = self._summary(iteration, consumed, log, final_eval)
+        summary["exit_signal"] = None if stop_signal is None else stop_signal.name
         log.close()
         return summary
 
@@ -582,10 +623,22 @@ class Trainer:
 
     # -- checkpoints and reports -------------------------------------------------------------
 
+    def _exit_signal_received(self):
+        """The exit signal any rank received (collective), or None; always None without
+        ``--exit-signal-handler``."""
+        if self.exit_signals is None:
+            return None
+        from megatron_ext.accounting import ProcessGroupTrafficMeter
+
+        # Control traffic of the driver, not training communication.
+        with ProcessGroupTrafficMeter.untracked():
+            return self.exit_signals.stop_requested()
+
     def _save(self, iteration: int, consumed: int) -> None:
         from megatron_ext.accounting import ProcessGroupTrafficMeter
         from megatron_ext.megatron import checkpoint as ckpt
 
+        self._last_saved = iteration
         t0 = time.time()
         self.sync_params()
         # Checkpoint coordination is not training traffic (the Megatron-LM adapter excludes it
@@ -684,6 +737,11 @@ class _TrainLog:
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self.log_file = open(path, "a")
+
+    @property
+    def pending(self) -> bool:
+        """Whether iterations since the last :meth:`emit` are not logged yet."""
+        return self._iters > 0
 
     def add_step(self, seconds: float, loss: Optional[float], traffic: Dict[str, Any]) -> None:
         """One finished iteration."""
@@ -804,7 +862,22 @@ def run_training(cfg: DriverConfig) -> Dict[str, Any]:
 
     # An unsupported megatron-core is refused before any process group or model exists.
     mcore.release()
+    # megatron-core's checkpoint writer processes must not outlive a killed rank.
+    from megatron_ext.child_processes import children_die_with_parent
+
+    children_die_with_parent()
     trainer = Trainer(cfg)
+    if not cfg.training.exit_signal_handler:
+        return _build_and_train(trainer)
+    from megatron_ext.signals import ExitSignalHandler
+
+    # Installed before the (long) setup: a signal during it stops before the first iteration.
+    with ExitSignalHandler() as handler:
+        trainer.exit_signals = handler
+        return _build_and_train(trainer)
+
+
+def _build_and_train(trainer: Trainer) -> Dict[str, Any]:
     trainer.setup_distributed()
     trainer.build_data()
     trainer.build_model()
@@ -828,16 +901,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     for message in _EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=f".*{message}.*")
+    from megatron_ext.megatron.checkpoint import CheckpointSaveError
+    from megatron_ext.refusal import report_refusal
+    from megatron_ext.state import StateMismatch
+
+    # Every rank that refuses reports; the line is printed once per job and is out before
+    # any rank exits (megatron_ext.refusal).
     try:
         cfg = parse_args(argv)
     except ConfigError as exc:
-        print(f"megatron-ext train: error: {exc}", file=sys.stderr)
+        report_refusal(f"megatron-ext train: error: {exc}")
         return 2
     try:
         run_training(cfg)
-    except ConfigError as exc:
-        print(f"megatron-ext train: error: {exc}", file=sys.stderr)
+    except (ConfigError, StateMismatch) as exc:
+        report_refusal(f"megatron-ext train: error: {exc}")
         return 2
+    except CheckpointSaveError as exc:
+        # Rank 0 holds every rank's failure; the others report only if it does not.
+        report_refusal(f"megatron-ext train: error: {exc}", defer_s=0 if exc.detailed else 15)
+        return 1
     finally:
         import torch
 

@@ -247,6 +247,12 @@ class TrainingArgs:
     group; a mismatch stops training naming the parameters (Megatron-LM's flag of the same
     name and semantics)."""
 
+    exit_signal_handler: bool = False
+    """On SIGTERM (Slurm preemption, ``kill``) or SIGINT (Ctrl-C) finish the current
+    iteration, save when --save is set, and exit with status 0 (Megatron-LM's flag, for
+    both signals). All ranks agree on the iteration (one tiny all-reduce per iteration).
+    Under torchrun the save must fit in its --shutdown-timeout (default 30 s)."""
+
     cpu: bool = False
     """Run megatron-core on CPU with the gloo backend (megatron_ext.megatron.cpu)."""
 

@@ -29,6 +29,7 @@ Constraints:
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -44,6 +45,8 @@ from megatron_ext.state import StateMismatch, fingerprint
 __all__ = [
     "save_checkpoint",
     "load_checkpoint",
+    "check_free_space",
+    "CheckpointSaveError",
     "latest_iteration",
     "checkpoint_dir",
     "ext_meta",
@@ -250,15 +253,17 @@ def save_checkpoint(
 
     directory = checkpoint_dir(root, iteration)
     rank = torch.distributed.get_rank()
+    sd = _sharded_state_dict(
+        model_chunks, optimizer, scheduler, runtime, is_loading=False, include_ext=True
+    )
+    # Collective: every rank learns whether there is room before anything is written.
+    check_free_space(root, iteration, sd)
     if rank == 0:
         os.makedirs(root, exist_ok=True)
         if os.path.isdir(directory):
             shutil.rmtree(directory)
         os.makedirs(directory)
     torch.distributed.barrier()
-    sd = _sharded_state_dict(
-        model_chunks, optimizer, scheduler, runtime, is_loading=False, include_ext=True
-    )
     sd.update(
         {
             "checkpoint_version": _FORMAT,
@@ -269,7 +274,16 @@ def save_checkpoint(
         }
     )
     sd.update(extra_common or {})
-    dist_checkpointing.save(sd, directory)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dist_checkpointing.save(sd, directory)
+    # torch's CheckpointException (what megatron-core's torch_dist save raises for a failed
+    # write) derives from BaseException.
+    except (Exception, CheckpointException) as exc:
+        # Rank 0 removes the torn directory; the latest marker still names the previous,
+        # complete checkpoint.
+        raise _save_failed(root, iteration, directory, exc) from exc
     torch.distributed.barrier()
     if rank == 0:
         tmp = os.path.join(root, _TRACKER + ".tmp")
@@ -278,6 +292,168 @@ def save_checkpoint(
         os.replace(tmp, os.path.join(root, _TRACKER))
     torch.distributed.barrier()
     return directory
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written; rank 0 removed its incomplete directory.
+
+    Attributes:
+        detailed: raised on rank 0, whose error holds every rank's failure (megatron-core's
+            torch_dist save gathers them there); other ranks' errors may say only that the
+            save failed, so they leave the report to rank 0.
+    """
+
+    def __init__(self, message: str, detailed: bool):
+        super().__init__(message)
+        self.detailed = detailed
+
+
+SPACE_MARGIN = 1.05
+"""Free space a save requires, as a multiple of its estimated size (the estimate leaves out
+metadata and the common state; the next checkpoint can be slightly larger than the last)."""
+
+
+def _format_bytes(num: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num >= scale:
+            return f"{num / scale:.2f} {unit} ({num} bytes)"
+    return f"{num} bytes"
+
+
+def _directory_bytes(path: str) -> int:
+    total = 0
+    for dirpath, _, filenames in os.walk(path):
+        for name in filenames:
+            try:
+                total += os.path.getsize(os.path.join(dirpath, name))
+            except OSError:
+                pass
+    return total
+
+
+def _state_bytes(sharded_state: Any) -> int:
+    """Bytes of the tensors this rank writes (main replicas of its shards)."""
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedTensor,
+        ShardedTensorFactory,
+        is_main_replica,
+    )
+
+    total = 0
+    stack = [sharded_state]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, (ShardedTensor, ShardedTensorFactory)):
+            data = obj.data
+            if isinstance(data, torch.Tensor) and is_main_replica(obj.replica_id):
+                total += data.numel() * data.element_size()
+        elif isinstance(obj, torch.Tensor):
+            total += obj.numel() * obj.element_size()
+    return total
+
+
+def _estimate_bytes(root: str, sharded_state: Any) -> tuple:
+    """``(bytes, basis)``: the size of the latest checkpoint under ``root``, or (first save)
+    the state's tensors summed over all ranks (collective in that case on every rank)."""
+    latest = latest_iteration(root)
+    if latest is not None and os.path.isdir(checkpoint_dir(root, latest)):
+        if torch.distributed.get_rank() == 0:
+            size = _directory_bytes(checkpoint_dir(root, latest))
+            return size, f"the size of iteration {latest}'s checkpoint"
+        return 0, ""
+    from megatron_ext.accounting import collective_device
+
+    local = torch.tensor([_state_bytes(sharded_state)], dtype=torch.int64)
+    local = local.to(collective_device())
+    torch.distributed.all_reduce(local)
+    return int(local.item()), "the size of the model, optimizer and RNG state"
+
+
+def check_free_space(root: str, iteration: int, sharded_state: Any) -> None:
+    """Refuse a save that cannot fit on ``root``'s file system (collective).
+
+    Rank 0 compares the estimated size (:func:`_estimate_bytes` times
+    :data:`SPACE_MARGIN`) with the free space of the file system holding ``root`` (plus the
+    space a checkpoint of the same iteration being replaced frees) and tells every rank.
+
+    Raises:
+        ConfigError: naming ``--save``, the directory, the bytes needed and the bytes free.
+    """
+    from megatron_ext.config import ConfigError
+
+    needed, basis = _estimate_bytes(root, sharded_state)
+    problem = [None]
+    if torch.distributed.get_rank() == 0:
+        existing = root
+        while not os.path.isdir(existing):
+            existing = os.path.dirname(existing) or "."
+        free = shutil.disk_usage(existing).free
+        replaced = checkpoint_dir(root, iteration)
+        if os.path.isdir(replaced):
+            free += _directory_bytes(replaced)
+        wanted = int(needed * SPACE_MARGIN)
+        if free < wanted:
+            problem[0] = (
+                f"not enough free space in {root} for the checkpoint of iteration "
+                f"{iteration}: about {_format_bytes(wanted)} needed ({basis} plus "
+                f"{round((SPACE_MARGIN - 1) * 100)}%), {_format_bytes(free)} free"
+            )
+    torch.distributed.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise ConfigError("--save", problem[0])
+
+
+_FULL_BELOW = 64 * 2**20
+"""Free bytes under which a failed save is reported as a full disk: torch's zip writer
+reports ENOSPC only as ``enforce fail at inline_container.cc ... unexpected pos``."""
+
+
+def _failure_reason(exc: BaseException) -> str:
+    """The last line of ``exc`` that states an error (torch's CheckpointException carries
+    every rank's traceback in its message)."""
+    lines = [line.strip() for line in str(exc).splitlines()]
+    stated = [
+        line
+        for line in lines
+        if line and not line.startswith(("Traceback", "File ", "^", "~")) and ":" in line
+    ]
+    if stated:
+        return stated[-1]
+    return f"{type(exc).__name__}: {next((line for line in lines if line), '')}".rstrip(": ")
+
+
+def _save_failed(root: str, iteration: int, directory: str, exc: BaseException) -> Exception:
+    """On rank 0, remove the torn ``directory``; describe the failure in one line.
+
+    Only rank 0 removes it: megatron-core's torch_dist save raises on every rank once any
+    write failed, and a removal by another rank would race with rank 0's measure of the
+    free space (the only sign of a full disk when torch's zip writer fails).
+    """
+    existing = root if os.path.isdir(root) else os.path.dirname(root) or "."
+    # Measured before the torn directory is removed (which frees its space).
+    free = shutil.disk_usage(existing).free
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+    reason = _failure_reason(exc)
+    chain, enospc = exc, False
+    while chain is not None:
+        if isinstance(chain, OSError) and chain.errno == errno.ENOSPC:
+            enospc = True
+        chain = chain.__cause__ or chain.__context__
+    if enospc or "No space left" in str(exc) or free < _FULL_BELOW:
+        reason = f"no space left on the device ({_format_bytes(free)} free); {reason}"
+    latest = latest_iteration(root)
+    kept = "no earlier checkpoint" if latest is None else f"latest checkpoint: iteration {latest}"
+    return CheckpointSaveError(
+        f"--save: the checkpoint of iteration {iteration} could not be written to {directory} "
+        f"({reason}); removed the incomplete directory, {kept}",
+        detailed=rank == 0,
+    )
 
 
 def _torch_adam_steps(optimizer: Any) -> List[Optional[float]]:

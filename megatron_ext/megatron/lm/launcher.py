@@ -181,19 +181,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         format_missing,
         missing_requirements,
     )
+    from megatron_ext.refusal import report_refusal
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         options, script, rest = parse_launcher_args(argv)
     except ValueError as exc:
-        print(f"megatron-ext pretrain: error: {exc}\n\n{_usage()}", file=sys.stderr)
+        report_refusal(f"megatron-ext pretrain: error: {exc}\n\n{_usage()}")
         return 2
     if options["help"] or script is None:
         print(_usage(), file=sys.stdout if options["help"] else sys.stderr)
         return 0 if options["help"] else 2
     script = os.path.abspath(script)
     if not os.path.isfile(script):
-        print(f"megatron-ext pretrain: error: {script}: no such file", file=sys.stderr)
+        report_refusal(f"megatron-ext pretrain: error: {script}: no such file")
         return 2
     checkout = os.path.dirname(script)
     cpu = options["cpu"] or cpu_requested_by_env()
@@ -212,7 +213,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         install_megatron_lm_hooks(cpu=cpu)
     except (UnsupportedReleaseError, ValueError) as exc:
-        print(f"megatron-ext pretrain: error: {exc}", file=sys.stderr)
+        report_refusal(f"megatron-ext pretrain: error: {exc}")
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
         import megatron.core

@@ -68,6 +68,7 @@ from megatron_ext.config import (
 from megatron_ext.logging import is_rank_0, print_rank_0
 from megatron_ext.megatron.lm import checkpoint as lm_ckpt
 from megatron_ext.megatron.lm.releases import MegatronLMRelease, UnsupportedReleaseError
+from megatron_ext.refusal import report_refusal
 from megatron_ext.state import StateMismatch
 
 __all__ = ["MegatronLMSession", "layout_from_args", "check_megatron_lm_args"]
@@ -265,8 +266,9 @@ class MegatronLMSession:
         try:
             yield
         except (ConfigError, StateMismatch, UnsupportedReleaseError) as exc:
-            if is_rank_0():
-                print(f"megatron-ext: error: {exc}", file=sys.stderr, flush=True)
+            # Every refusing rank reports: the line is printed once, by the first of them,
+            # and is out before any of them exits (megatron_ext.refusal).
+            report_refusal(f"megatron-ext: error: {exc}")
             raise SystemExit(2) from None
 
     # -- arguments ---------------------------------------------------------------------------

@@ -82,6 +82,11 @@ class ExtState:
         """Registered names."""
         return sorted(self._objects)
 
+    @property
+    def objects(self) -> Dict[str, Stateful]:
+        """The registered objects by name (a copy of the registry)."""
+        return dict(self._objects)
+
     def state_dict(self) -> Dict[str, Any]:
         """This rank's state."""
         return {

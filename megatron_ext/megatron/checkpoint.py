@@ -15,6 +15,19 @@ What it does:
     before loading, and handled by ``--ext-state-on-mismatch`` (error, or reset with a
     warning).
 
+Elastic resume (another data-parallel size, same TP and PP):
+    The common state also records the topology (:data:`TOPOLOGY_KEY`: sizes, the gradient
+    reduction op and, per global rank, its TP / PP / DP coordinates and a digest of its RNG
+    states). On a load with another DP size, megatron-core's dist_checkpointing reshards
+    the model and the optimizer (``dp_reshardable`` allows resharding along DP); the RNG
+    states are restored from the old rank with the same TP/PP coordinates when the saved
+    states agree across DP ranks (the driver seeds them alike, as Megatron-LM saves one RNG
+    state per TP/PP rank), and otherwise kept as seeded with one log line (Megatron-LM's
+    ``--no-load-rng``); megatron_ext's per-rank state is remapped by
+    :mod:`megatron_ext.elastic` (error-feedback mass preserved and spread over the new
+    ranks, replicated state taken from one old rank, the rest reset and named in one log
+    line). A changed TP or PP size remains a layout mismatch.
+
 Why not Megatron-LM's checkpointing:
     The driver runs on megatron-core alone; Megatron-LM's checkpoint integration lives in
     the Megatron-LM adapter (issue: Megatron-LM integration).
@@ -30,6 +43,7 @@ Constraints:
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import random
 import shutil
@@ -38,6 +52,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from megatron_ext import elastic
 from megatron_ext.logging import print_rank_0
 from megatron_ext.megatron.naming import unwrap
 from megatron_ext.state import StateMismatch, fingerprint
@@ -55,6 +70,7 @@ __all__ = [
     "META_KEY",
     "STATE_KEY",
     "SHARDED_OBJECT_KEY",
+    "TOPOLOGY_KEY",
 ]
 
 
@@ -71,6 +87,13 @@ STATE_KEY = "megatron_ext_state"
 
 SHARDED_OBJECT_KEY = "megatron_ext/rank_state"
 """dist_checkpointing key of the ShardedObject (also Megatron-LM checkpoints')."""
+
+TOPOLOGY_KEY = "megatron_ext_topology"
+"""Common-state key: parallel sizes, gradient reduction op and every rank's coordinates
+and RNG digest (for a resume on another data-parallel size)."""
+
+_RNG_KEY = "rng_state_per_rank"
+_OLD_STATE_KEY = "megatron_ext_old_ranks"
 
 
 def _clone_tensors(obj: Any) -> Any:
@@ -225,12 +248,67 @@ def _sharded_state_dict(
         model_sd, is_loading=is_loading, metadata=dict(_OPTIM_METADATA)
     )
     sd["opt_param_scheduler"] = scheduler.state_dict()
-    sd["rng_state"] = ShardedObject(
-        "rng_state_per_rank", _rng_state(), (world,), (rank,), replica_id=0
-    )
+    sd["rng_state"] = ShardedObject(_RNG_KEY, _rng_state(), (world,), (rank,), replica_id=0)
     if include_ext:
         sd[STATE_KEY] = sharded_state_object(runtime)
     return sd
+
+
+def _digest(obj: Any, h: Any = None) -> str:
+    """Content hash of a (nested) RNG state: equal states give equal digests."""
+    top = h is None
+    h = hashlib.sha256() if top else h
+    if isinstance(obj, torch.Tensor):
+        h.update(obj.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    elif isinstance(obj, np.ndarray):
+        h.update(obj.tobytes())
+    elif isinstance(obj, dict):
+        for key in sorted(obj, key=str):
+            h.update(str(key).encode())
+            _digest(obj[key], h)
+    elif isinstance(obj, (list, tuple)):
+        h.update(f"{type(obj).__name__}{len(obj)}".encode())
+        for value in obj:
+            _digest(value, h)
+    else:
+        h.update(repr(obj).encode())
+    return h.hexdigest()[:16] if top else ""
+
+
+def _grad_reduce_op(model_chunks: Sequence[torch.nn.Module]) -> str:
+    """``"avg"`` with megatron's ``average_in_collective``, else ``"sum"``."""
+    ddp_config = getattr(model_chunks[0], "ddp_config", None)
+    return "avg" if getattr(ddp_config, "average_in_collective", False) else "sum"
+
+
+def _coordinates() -> Dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "dp": ps.get_data_parallel_rank(with_context_parallel=True),
+    }
+
+
+def _sizes() -> Dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(with_context_parallel=True),
+        "world": torch.distributed.get_world_size(),
+    }
+
+
+def _topology(model_chunks: Sequence[torch.nn.Module]) -> Dict[str, Any]:
+    """The common-state record of :data:`TOPOLOGY_KEY` (collective: gathers every rank's
+    coordinates and RNG digest)."""
+    mine = dict(_coordinates(), rng=_digest(_rng_state()))
+    ranks: List[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(ranks, mine)
+    return dict(_sizes(), grad_reduce_op=_grad_reduce_op(model_chunks), ranks=ranks)
 
 
 def save_checkpoint(
@@ -270,6 +348,7 @@ def save_checkpoint(
             "iteration": iteration,
             "consumed_samples": consumed_samples,
             META_KEY: ext_meta(runtime),
+            TOPOLOGY_KEY: _topology(model_chunks),
             "torch_adam_steps": _torch_adam_steps(optimizer),
         }
     )
@@ -526,6 +605,187 @@ def _load_model(directory: str, model_chunks: Sequence[torch.nn.Module]) -> Dict
     return {"iteration": 0, "consumed_samples": 0, "finetune_from": directory}
 
 
+class _ReshardPlan:
+    """How this rank loads a checkpoint saved with another data-parallel size."""
+
+    def __init__(self, old: Dict[str, Any], new: Dict[str, int], old_op: str):
+        self.old = old
+        """Saved sizes (``tp``, ``pp``, ``dp``, ``world``)."""
+        self.new = new
+        """This run's sizes."""
+        self.old_op = old_op
+        """Gradient reduction op of the saved run."""
+        self.by_dp: Optional[List[int]] = None
+        """Old global ranks with this rank's TP/PP coordinates, by old DP rank (None: the
+        checkpoint predates the topology record)."""
+        self.rng_rank: Optional[int] = None
+        """Old global rank whose RNG states this rank restores (None: keep the seeded ones)."""
+        self.remap_ext = False
+        """Remap megatron_ext's per-rank state (:mod:`megatron_ext.elastic`)."""
+        self.assigned: List[int] = []
+        """Old DP ranks whose megatron_ext state this rank adds up."""
+
+
+def _reshard_plan(common: Dict[str, Any], directory: str) -> Optional[_ReshardPlan]:
+    """None when the checkpoint has this run's sizes; a plan when only DP differs.
+
+    Raises:
+        StateMismatch: the tensor- or pipeline-parallel size differs.
+    """
+    new = _sizes()
+    topology = common.get(TOPOLOGY_KEY)
+    if topology is not None:
+        old = {k: topology[k] for k in ("tp", "pp", "dp", "world")}
+    else:  # checkpoints written before the topology record: the megatron_ext layout
+        layout = (common.get(META_KEY) or {}).get("layout") or {}
+        if not all(k in layout for k in ("tp", "pp", "dp", "world")):
+            return None
+        old = {k: layout[k] for k in ("tp", "pp", "dp", "world")}
+    if old == new:
+        return None
+    if (old["tp"], old["pp"]) != (new["tp"], new["pp"]):
+        raise StateMismatch(
+            f"{directory} was saved with TP {old['tp']}, PP {old['pp']}; this run has TP "
+            f"{new['tp']}, PP {new['pp']}: only the data-parallel size may change on resume "
+            "(--tensor-model-parallel-size, --pipeline-model-parallel-size)"
+        )
+    plan = _ReshardPlan(old, new, (topology or {}).get("grad_reduce_op", "sum"))
+    if topology is None:
+        print_rank_0(
+            f"megatron-ext: WARNING: {directory} predates the topology record: RNG states not "
+            "restored (as --no-load-rng); megatron-ext state cannot be remapped"
+        )
+        return plan
+    me = _coordinates()
+    group = sorted(
+        (r["dp"], g)
+        for g, r in enumerate(topology["ranks"])
+        if (r["tp"], r["pp"]) == (me["tp"], me["pp"])
+    )
+    plan.by_dp = [g for _, g in group]
+    if len(plan.by_dp) != old["dp"]:
+        raise StateMismatch(f"{directory}: topology record has {len(plan.by_dp)} DP ranks here")
+    digests = {topology["ranks"][g]["rng"] for g in plan.by_dp}
+    if len(digests) == 1:
+        plan.rng_rank = plan.by_dp[0]
+    agreed = [plan.rng_rank is not None]
+    everywhere: List[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everywhere, agreed)
+    rng = (
+        "RNG states restored (they agree across the saved DP ranks)"
+        if all(a[0] for a in everywhere)
+        else "RNG states not restored where they differ across the saved DP ranks (as "
+        "--no-load-rng: kept as seeded)"
+    )
+    print_rank_0(
+        f"megatron-ext: resuming on data-parallel size {new['dp']} from {directory} saved "
+        f"with {old['dp']} (TP {new['tp']}, PP {new['pp']}): model and optimizer resharded by "
+        f"dist_checkpointing; {rng}"
+    )
+    return plan
+
+
+def _can_remap(
+    common: Dict[str, Any], runtime: Any, plan: _ReshardPlan, on_mismatch: str, where: str
+) -> bool:
+    """Whether megatron_ext's state is remapped onto the new DP size (same settings and a
+    topology record), else :func:`decide_load`'s verdict on the mismatch (which is False
+    or raises)."""
+    saved = common.get(META_KEY)
+    if plan.by_dp is not None and saved is not None:
+        meta = ext_meta(runtime)
+        same_parts = all(
+            saved.get("layout", {}).get(k) == meta["layout"].get(k) for k in ("tp", "pp")
+        )
+        if same_parts and saved.get("fingerprint") == meta["fingerprint"]:
+            from megatron.core import parallel_state as ps
+
+            dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+            plan.assigned = elastic.assigned_old_dp_ranks(
+                plan.old["dp"], plan.new["dp"], dp_rank
+            )
+            return True
+    decide_load(saved, runtime, on_mismatch, where)
+    return False
+
+
+def _reshard_template(template: Dict[str, Any], plan: _ReshardPlan) -> Dict[str, Any]:
+    """Take the RNG entry out of a load template; returns the template of the old ranks'
+    objects this rank reads (RNG states, megatron_ext state).
+
+    They are loaded separately without dist_checkpointing's access-integrity check, which
+    requires every saved shard to be read exactly once: here some old shards are read by
+    several new ranks (old DP rank 0's) and others by none (the RNG states of the other
+    old DP ranks). The model and optimizer keep the check.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    world = plan.old["world"]
+    del template["rng_state"]
+    extra: Dict[str, Any] = {}
+    if plan.rng_rank is not None:
+        extra["rng_state"] = ShardedObject(_RNG_KEY, {}, (world,), (plan.rng_rank,), replica_id=0)
+    if plan.remap_ext:
+        wanted = sorted(set(plan.assigned) | {0})
+        extra[_OLD_STATE_KEY] = {
+            f"dp{j}": ShardedObject(SHARDED_OBJECT_KEY, {}, (world,), (plan.by_dp[j],), 0)
+            for j in wanted
+        }
+    return extra
+
+
+def _finish_reshard(
+    state: Dict[str, Any], plan: _ReshardPlan, runtime: Any, model_chunks: Sequence[Any]
+) -> None:
+    """Remap the old ranks' megatron_ext state onto this rank and log what was reset."""
+    if not plan.remap_ext:
+        return
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext.state import FORMAT_VERSION
+
+    olds = state[_OLD_STATE_KEY]
+    for old in olds.values():
+        if old.get("format_version") != FORMAT_VERSION:
+            raise StateMismatch(
+                f"megatron_ext state format {old.get('format_version')} cannot be remapped "
+                f"by format {FORMAT_VERSION}"
+            )
+    fresh = runtime.state.state_dict()
+    kinds = {name: type(obj).__name__ for name, obj in runtime.state.objects.items()}
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+
+    def dp_sum(flat: torch.Tensor) -> torch.Tensor:
+        torch.distributed.all_reduce(flat, group=group)
+        return flat
+
+    objects, reset = elastic.remap_objects(
+        [olds[f"dp{j}"]["objects"] for j in plan.assigned],
+        olds["dp0"]["objects"],
+        fresh["objects"],
+        kinds,
+        old_dp=plan.old["dp"],
+        new_dp=plan.new["dp"],
+        old_op=plan.old_op,
+        new_op=_grad_reduce_op(model_chunks),
+        dp_sum=dp_sum,
+    )
+    runtime.state.load_state_dict(dict(fresh, objects=objects))
+    everywhere: List[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everywhere, reset)
+    names = sorted({entry for entries in everywhere for entry in entries})
+    print_rank_0(
+        f"megatron-ext: state remapped from {plan.old['dp']} to {plan.new['dp']} data-parallel "
+        "ranks (error-feedback residual mass preserved, replicated state taken from old DP "
+        "rank 0)"
+    )
+    if names:
+        print_rank_0(
+            "megatron-ext: WARNING: elastic resume reset megatron-ext state that cannot be "
+            f"remapped to another data-parallel size: {', '.join(names)}"
+        )
+
+
 def load_checkpoint(
     root: str,
     *,
@@ -564,12 +824,22 @@ def load_checkpoint(
             f"{directory} is not a megatron-ext train checkpoint "
             f"(version {common.get('checkpoint_version')!r})"
         )
-    include_ext = decide_load(common.get(META_KEY), runtime, on_mismatch, directory)
+    plan = _reshard_plan(common, directory)
+    if plan is None:
+        include_ext = decide_load(common.get(META_KEY), runtime, on_mismatch, directory)
+    else:
+        include_ext = False
+        plan.remap_ext = _can_remap(common, runtime, plan, on_mismatch, directory)
     _init_dist_opt_state(optimizer)
     template = _sharded_state_dict(
         model_chunks, optimizer, scheduler, runtime, is_loading=True, include_ext=include_ext
     )
+    extra = _reshard_template(template, plan) if plan is not None else {}
     state = dist_checkpointing.load(template, directory)
+    if extra:
+        # The result also holds the common state: keep only the requested entries.
+        loaded = dist_checkpointing.load(extra, directory, validate_access_integrity=False)
+        state.update({key: loaded[key] for key in extra})
     if len(model_chunks) == 1:
         unwrap(model_chunks[0]).load_state_dict(state["model"], strict=True)
     else:
@@ -581,8 +851,11 @@ def load_checkpoint(
         optimizer.load_state_dict(state["optimizer"])
         _restore_torch_adam_steps(optimizer, common["torch_adam_steps"])
     scheduler.load_state_dict(state["opt_param_scheduler"])
-    _set_rng_state(state["rng_state"])
+    if "rng_state" in state:
+        _set_rng_state(state["rng_state"])
     if include_ext:
         runtime.state.load_state_dict(state[STATE_KEY])
+    if plan is not None:
+        _finish_reshard(state, plan, runtime, model_chunks)
     torch.distributed.barrier()
     return {k: v for k, v in common.items() if not isinstance(v, dict) or k == META_KEY}

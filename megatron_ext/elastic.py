@@ -1,0 +1,251 @@
+"""Remapping megatron_ext's per-rank state onto a different data-parallel size.
+
+What it does:
+    A checkpoint holds one megatron_ext state dict per global rank
+    (:class:`~megatron_ext.state.ExtState`: ``objects[name][key]``, keys ``role/fqn`` or a
+    bare ``role``). When a run resumes with another data-parallel (DP) size, but the same
+    tensor- and pipeline-parallel sizes, each new rank builds its state from the old ranks
+    that held the same model part (same TP and PP coordinates), role by role:
+
+    * ``sum``: rank-local error-feedback mass in the units of the rank's own input to the
+      gradient reduction (SEPARATE ``residual``, PowerSGD ``error``, quantized
+      ``worker_error``, Radius ``residual``). What the reduction has not applied yet is
+      ``M = sum_r e_r`` under SUM (megatron pre-scales every rank's gradient by
+      ``gradient_scaling_factor = 1/dp``, so the reduced value is the sum of the inputs and
+      a residual enters it unscaled) and ``M = (1/dp) sum_r e_r`` under AVG
+      (``average_in_collective``: inputs are unscaled, the collective divides). Every new
+      rank gets the same ``e' = M / dp_new`` under SUM and ``e' = M`` under AVG, so the new
+      ranks' residuals reduce to exactly the old pending mass ``M``. With
+      ``S = sum_r e_r`` (old ranks): SUM -> SUM gives ``S / dp_new``, AVG -> AVG ``S / dp_old``
+      (:func:`spread_scale` covers a change of the op too);
+    * ``total``: state that a plain SUM all-reduce combines regardless of the gradient op
+      (Protocol Models' accumulated ``A = sum G^T G``): ``e' = S / dp_new``;
+    * ``partition``: state that lives on the rank owning a partition of the bucket and is
+      zero elsewhere (quantized ``server_error``, in the units of the reduced value): the
+      old ranks' values add up to the whole bucket's state, and every new rank is given
+      that sum, of which the reducer's ``load_state_dict`` keeps its own new partition;
+    * ``same``: replicated across DP ranks (computed from all-reduced values: G-SEPARATE's
+      ``ratio`` / ``beta_scale``, PowerSGD's warm start ``q``, Radius's ``mask`` and
+      ``selections``, Grass's selection, Protocol's basis ``u``): taken from old DP rank 0;
+    * ``reset``: cannot be remapped (AQ-SGD's per-sample activation buffers belong to the
+      samples of one DP rank): the new rank keeps its freshly built value. Every reset
+      ``object: role`` is returned so that the caller prints it in one log line.
+
+    A role with no rule is reset, never guessed. Rules are keyed by the state object's
+    class name (``SeparateReducer``, ...), found on the live objects of the new run.
+
+Why a separate module:
+    The rules are the only place that knows what each method's state *means* across ranks;
+    the reducers' own ``state_dict`` stays rank-local and unaware of resharding.
+
+Constraints:
+    Pure torch; never imports Megatron. The caller supplies the old states its new rank
+    is assigned and the DP sum (an all-reduce over the new DP group, or the identity when
+    every old state is on hand), so the same function serves the distributed load and the
+    unit tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = [
+    "SUM",
+    "TOTAL",
+    "PARTITION",
+    "SAME",
+    "RESET",
+    "RULES",
+    "role_of",
+    "rule_for",
+    "spread_scale",
+    "assigned_old_dp_ranks",
+    "remap_objects",
+]
+
+SUM = "sum"
+"""Error-feedback mass in the units of the rank's input to the gradient reduction."""
+
+TOTAL = "total"
+"""Mass that a SUM all-reduce combines, whatever the gradient reduction's op."""
+
+PARTITION = "partition"
+"""State of the partition a rank owns (zero elsewhere); the sum is the whole state."""
+
+SAME = "same"
+"""Replicated across DP ranks: take old DP rank 0's."""
+
+RESET = "reset"
+"""Cannot be remapped: keep the new run's freshly built value."""
+
+RULES: Dict[str, Dict[str, str]] = {
+    "DenseGradReducer": {},
+    "SeparateReducer": {"residual": SUM, "ratio": SAME, "beta_scale": SAME},
+    "PowerSGDReducer": {"error": SUM, "q": SAME},
+    "QuantizedReducer": {"worker_error": SUM, "server_error": PARTITION},
+    "RadiusReducer": {"residual": SUM, "mask": SAME, "selections": SAME},
+    "RadiusOptimizerHook": {},
+    "GrassOptimizerHook": {
+        "active_since": SAME,
+        "selections": SAME,
+        "reset_at": SAME,
+        "index": SAME,
+        "rho": SAME,
+        "base": SAME,
+    },
+    "Subspace": {
+        "u": SAME,
+        "seed": SAME,
+        "rank": SAME,
+        "updates": SAME,
+        "a": TOTAL,
+        "accumulated": RESET,
+    },
+    "IdentityCodec": {},
+    "SubspaceCodec": {},
+    "DirectQCodec": {},
+    "AQSGDCodec": {"policy": SAME, "send": RESET, "recv": RESET},
+}
+"""Per state-object class, per role: how the role carries over to another DP size."""
+
+
+def role_of(key: str) -> str:
+    """The role of a state key: the part before the first ``/`` (the key itself if none)."""
+    return key.split("/", 1)[0]
+
+
+def rule_for(kind: str, key: str) -> str:
+    """The rule for ``key`` of an object of class ``kind`` (reset when unknown)."""
+    return RULES.get(kind, {}).get(role_of(key), RESET)
+
+
+def spread_scale(rule: str, *, old_dp: int, new_dp: int, old_op: str, new_op: str) -> float:
+    """The factor ``c`` that gives every new rank ``c * S``, ``S`` the old ranks' sum.
+
+    Args:
+        rule: :data:`SUM`, :data:`TOTAL` or :data:`PARTITION`.
+        old_dp: DP size the state was saved with.
+        new_dp: DP size of this run.
+        old_op: gradient reduction op of the saved run, ``"sum"`` or ``"avg"``.
+        new_op: the same for this run.
+
+    Returns:
+        For :data:`SUM`: the pending mass is ``M = S`` (old SUM) or ``S / old_dp`` (old
+        AVG); a new rank's share is ``M / new_dp`` (new SUM) or ``M`` (new AVG). For
+        :data:`TOTAL` ``1 / new_dp``; for :data:`PARTITION` 1.
+    """
+    for name, op in (("old_op", old_op), ("new_op", new_op)):
+        if op not in ("sum", "avg"):
+            raise ValueError(f"{name} must be 'sum' or 'avg', got {op!r}")
+    if old_dp < 1 or new_dp < 1:
+        raise ValueError(f"DP sizes must be positive, got {old_dp} and {new_dp}")
+    if rule == TOTAL:
+        return 1.0 / new_dp
+    if rule == PARTITION:
+        return 1.0
+    if rule != SUM:
+        raise ValueError(f"no spreading for rule {rule!r}")
+    pending = 1.0 if old_op == "sum" else 1.0 / old_dp
+    return pending / new_dp if new_op == "sum" else pending
+
+
+def assigned_old_dp_ranks(old_dp: int, new_dp: int, new_dp_rank: int) -> List[int]:
+    """Old DP ranks whose state new DP rank ``new_dp_rank`` reads and adds up (round robin:
+    every old rank is read by exactly one new rank, so the all-reduce of the partial sums
+    counts each once and no rank holds more than ``ceil(old_dp / new_dp)`` of them)."""
+    return [j for j in range(old_dp) if j % new_dp == new_dp_rank]
+
+
+def _is_mass(rule: str) -> bool:
+    return rule in (SUM, TOTAL, PARTITION)
+
+
+def remap_objects(
+    assigned: Sequence[Mapping[str, Mapping[str, Any]]],
+    first: Mapping[str, Mapping[str, Any]],
+    fresh: Mapping[str, Mapping[str, Any]],
+    kinds: Mapping[str, str],
+    *,
+    old_dp: int,
+    new_dp: int,
+    old_op: str = "sum",
+    new_op: str = "sum",
+    dp_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> Tuple[Dict[str, Dict[str, Any]], List[str]]:
+    """This new rank's ``objects`` (see module docstring).
+
+    Args:
+        assigned: ``objects`` of the old ranks this rank adds up (same TP/PP coordinates).
+        first: ``objects`` of old DP rank 0 of the same TP/PP coordinates (``same`` roles).
+        fresh: this rank's freshly built ``objects`` (key sets, shapes, reset values).
+        kinds: object name -> class name (the key of :data:`RULES`).
+        old_dp: DP size of the saved run.
+        new_dp: DP size of this run.
+        old_op: gradient reduction op of the saved run (``"sum"`` / ``"avg"``).
+        new_op: that of this run.
+        dp_sum: sums a flat float64 tensor over the new DP group (an all-reduce); None:
+            identity (``assigned`` already holds every old rank).
+
+    Returns:
+        ``(objects, reset)``: the state to load and the ``"name: role"`` entries reset.
+
+    Raises:
+        ValueError: an old state's key set differs from the fresh one (another model), or
+            a tensor's shape differs.
+    """
+    names = sorted(fresh)
+    for old in list(assigned) + [first]:
+        if sorted(old) != names:
+            raise ValueError(f"state objects differ: saved {sorted(old)}, this run {names}")
+        for name in names:
+            if set(old[name]) != set(fresh[name]):
+                missing = sorted(set(fresh[name]) - set(old[name]))[:5]
+                unexpected = sorted(set(old[name]) - set(fresh[name]))[:5]
+                raise ValueError(
+                    f"megatron_ext state {name!r} does not fit this model: missing {missing}, "
+                    f"unexpected {unexpected}"
+                )
+    out: Dict[str, Dict[str, Any]] = {name: {} for name in names}
+    reset: Dict[str, None] = {}
+    mass: List[Tuple[str, str, str]] = []
+    for name in names:
+        for key in sorted(fresh[name]):
+            rule = rule_for(kinds[name], key)
+            if _is_mass(rule):
+                mass.append((name, key, rule))
+            elif rule == SAME:
+                value = first[name][key]
+                out[name][key] = value.clone() if isinstance(value, torch.Tensor) else value
+            else:
+                out[name][key] = fresh[name][key]
+                reset[f"{name}: {role_of(key)}"] = None
+    if mass:
+        parts = []
+        for name, key, _ in mass:
+            template = fresh[name][key]
+            if not isinstance(template, torch.Tensor):
+                raise ValueError(f"{name} {key}: summed state must be a tensor")
+            total = torch.zeros(template.shape, dtype=torch.float64, device=template.device)
+            for old in assigned:
+                value = old[name][key]
+                if tuple(value.shape) != tuple(template.shape):
+                    raise ValueError(
+                        f"{name} {key}: saved shape {tuple(value.shape)}, this run "
+                        f"{tuple(template.shape)}"
+                    )
+                total += value.to(device=template.device, dtype=torch.float64)
+            parts.append(total.reshape(-1))
+        flat = torch.cat(parts)
+        if dp_sum is not None:
+            flat = dp_sum(flat)
+        offset = 0
+        for name, key, rule in mass:
+            template = fresh[name][key]
+            scale = spread_scale(rule, old_dp=old_dp, new_dp=new_dp, old_op=old_op, new_op=new_op)
+            n = template.numel()
+            value = flat[offset : offset + n].view(template.shape) * scale
+            out[name][key] = value.to(template.dtype)
+            offset += n
+    return out, list(reset)

@@ -1,0 +1,190 @@
+"""Resume on another data-parallel size: DP=2 checkpoints loaded with DP=1 and DP=4.
+
+Real megatron-core dist_checkpointing (torch_dist) on CPU/gloo through the driver's
+checkpoint functions, with the distributed optimizer (``dp_reshardable``, resharded along
+DP by megatron-core). The global batch (8) is the same at every DP size, so every
+iteration reads the same samples. Checked on each new rank, against the DP=2 run:
+
+* model weights equal the saved ones, bit for bit;
+* the optimizer state (fp32 main parameters, Adam moments, assembled from the DP shards
+  of every rank) equals the saved one, bit for bit, and the moments are not zero (a
+  reinitialized optimizer would fail both);
+* the RNG states equal those the saved ranks had (the driver seeds all DP ranks alike);
+* SEPARATE's error-feedback mass is preserved: the sum of the residuals over the new
+  ranks equals the sum over the old ranks (tolerance: the remap adds in float64 and
+  rounds once to float32, so one float32 rounding of the sum, relative 2**-23);
+* continuing one step gives the parameters of the uninterrupted DP=2 run up to the
+  reduction order (SEPARATE's reduction is linear in ``g + e``, so only the summation order
+  differs; a dropped residual would move them by far more, see ``RESIDUAL_EFFECT``);
+* a state object the rules do not know (a probe registered by the test) is reset to its
+  fresh value and named in exactly one log line.
+"""
+
+import contextlib
+import io
+
+import pytest
+
+from tests.helpers.dist import run_ranks
+from tests.helpers.mcore import build, load_checkpoint, make_trainer, params, save_checkpoint
+from tests.helpers.mcore import teardown, train
+
+GBS = ["--global-batch-size", "8", "--use-distributed-optimizer"]
+SEPARATE = ["--grad-compression", "separate", "--separate-ratio", "16"]
+SEPARATE += ["--separate-block-size", "256"]
+SAVE_AT = 3
+
+
+class _Probe:
+    """State of a kind :mod:`megatron_ext.elastic` has no rule for (must be reset)."""
+
+    def __init__(self, value):
+        import torch
+
+        self.value = torch.full((2,), float(value))
+
+    def state_dict(self):
+        return {"value": self.value.clone()}
+
+    def load_state_dict(self, state):
+        self.value = state["value"].clone()
+
+
+def _optimizer_pieces(trainer):
+    """This rank's optimizer state: (fqn/key) -> (start, end, flat values) of the
+    flattened parameter (the whole parameter without the distributed optimizer)."""
+    from megatron_ext.megatron.optimizer import MegatronOptimizerView
+    from megatron_ext.state import StepClock
+
+    view = MegatronOptimizerView(trainer.optimizer, trainer.model, StepClock())
+    out = {}
+    for fqn in view.fqns():
+        st = view.param_state(fqn)
+        lo, hi = st.param_range or (0, st.model_param.numel())
+        tensors = {"main": st.main_param}
+        tensors.update({k: v for k, v in st.state.items() if k in ("exp_avg", "exp_avg_sq")})
+        for key, value in tensors.items():
+            out[f"{fqn}/{key}"] = (lo, hi, value.detach().reshape(-1).clone())
+    return out
+
+
+def _rank_report(trainer):
+    import torch
+
+    return {
+        "params": params(trainer),
+        "optimizer": _optimizer_pieces(trainer),
+        "objects": trainer.runtime.state.state_dict()["objects"],
+        "rng": torch.get_rng_state(),
+    }
+
+
+def _save_run(rank, world, flags, root):
+    trainer = make_trainer(flags)
+    build(trainer, stock=False)
+    trainer.runtime.state.register("test_probe", _Probe(rank + 1))
+    train(trainer, SAVE_AT)
+    trainer.sync_params()
+    save_checkpoint(trainer, root, SAVE_AT)
+    out = _rank_report(trainer)
+    train(trainer, 1, start=SAVE_AT)
+    trainer.sync_params()
+    out["continued"] = params(trainer)
+    teardown(trainer)
+    return out
+
+
+def _load_run(rank, world, flags, root):
+    trainer = make_trainer(flags)
+    build(trainer, stock=False)
+    trainer.runtime.state.register("test_probe", _Probe(-7))
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        loaded = load_checkpoint(trainer, root)
+    assert loaded["iteration"] == SAVE_AT
+    out = _rank_report(trainer)
+    out["log"] = log.getvalue()
+    train(trainer, 1, start=SAVE_AT)
+    trainer.sync_params()
+    out["continued"] = params(trainer)
+    teardown(trainer)
+    return out
+
+
+_SAVED = {}
+
+
+def _saved(method, tmp_path_factory):
+    """The DP=2 run of ``method`` (once per module)."""
+    if method not in _SAVED:
+        root = str(tmp_path_factory.mktemp(f"elastic-{method}") / "ckpt")
+        flags = GBS + (SEPARATE if method == "separate" else [])
+        _SAVED[method] = (root, flags, run_ranks(_save_run, 2, flags, root))
+    return _SAVED[method]
+
+
+def _assemble(reports):
+    """Full flattened optimizer tensors from every rank's pieces."""
+    import torch
+
+    full = {}
+    for report in reports:
+        for key, (lo, hi, values) in report["optimizer"].items():
+            numel = report["params"][key.rsplit("/", 1)[0]].numel()
+            target = full.setdefault(key, torch.full((numel,), float("nan")))
+            target[lo:hi] = values
+    return full
+
+
+def _residual_sum(reports):
+    import torch
+
+    total = {}
+    for report in reports:
+        for key, value in report["objects"]["grad_reducer"].items():
+            assert key.startswith("residual/"), key
+            total[key] = total.get(key, torch.zeros_like(value, dtype=torch.float64)) + value
+    return total
+
+
+@pytest.mark.parametrize(
+    "method,new_dp", [("none", 1), ("separate", 1), ("separate", 4)], ids=str
+)
+def test_resume_on_another_dp_size(method, new_dp, tmp_path_factory):
+    import torch
+
+    root, flags, old = _saved(method, tmp_path_factory)
+    new = run_ranks(_load_run, new_dp, flags, root)
+
+    for report in new:
+        for name, value in old[0]["params"].items():
+            assert torch.equal(report["params"][name], value), name
+        assert torch.equal(report["rng"], old[0]["rng"])
+    saved_opt, loaded_opt = _assemble(old), _assemble(new)
+    assert set(saved_opt) == set(loaded_opt)
+    for key, value in saved_opt.items():
+        assert not value.isnan().any(), f"{key}: not covered by the saved shards"
+        assert torch.equal(loaded_opt[key], value), key
+    moments = [v for k, v in saved_opt.items() if k.endswith("exp_avg_sq")]
+    assert moments and all(bool((v > 0).any()) for v in moments)
+
+    # The probe: reset to its fresh value, named in one line.
+    for report in new:
+        assert torch.equal(report["objects"]["test_probe"]["value"], torch.full((2,), -7.0))
+    reset_lines = [line for line in new[0]["log"].splitlines() if "reset" in line]
+    assert len(reset_lines) == 1, new[0]["log"]
+    assert "test_probe: value" in reset_lines[0]
+    assert "grad_reducer" not in reset_lines[0]
+
+    if method == "separate":
+        saved_sum, loaded_sum = _residual_sum(old), _residual_sum(new)
+        assert set(saved_sum) == set(loaded_sum) and saved_sum
+        for key, value in saved_sum.items():
+            assert value.abs().max() > 0, key
+            # One float32 rounding of the float64 sum (see module docstring).
+            torch.testing.assert_close(loaded_sum[key], value, rtol=2.0**-23, atol=1e-12)
+
+    # One more step: the uninterrupted DP=2 run's parameters up to the reduction order.
+    for report in new:
+        for name, value in old[0]["continued"].items():
+            torch.testing.assert_close(report["continued"][name], value, rtol=1e-5, atol=1e-6)

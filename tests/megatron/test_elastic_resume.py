@@ -10,12 +10,14 @@ iteration reads the same samples. Checked on each new rank, against the DP=2 run
   of every rank) equals the saved one, bit for bit, and the moments are not zero (a
   reinitialized optimizer would fail both);
 * the RNG states equal those the saved ranks had (the driver seeds all DP ranks alike);
+* G-SEPARATE's adapted ratios and beta scales (replicated across DP) carry over;
 * SEPARATE's error-feedback mass is preserved: the sum of the residuals over the new
   ranks equals the sum over the old ranks (tolerance: the remap adds in float64 and
   rounds once to float32, so one float32 rounding of the sum, relative 2**-23);
 * continuing one step gives the parameters of the uninterrupted DP=2 run up to the
-  reduction order (SEPARATE's reduction is linear in ``g + e``, so only the summation order
-  differs; a dropped residual would move them by far more, see ``RESIDUAL_EFFECT``);
+  reduction order: SEPARATE's reduction is linear in ``g + e``, so with the residual mass
+  preserved only the summation order differs (measured: at most 7.5e-9 apart; with half
+  of the residual mass lost, 1.0e-3 apart, so the tolerance 1e-6 separates the two);
 * a state object the rules do not know (a probe registered by the test) is reset to its
   fresh value and named in exactly one log line.
 """
@@ -26,12 +28,28 @@ import io
 import pytest
 
 from tests.helpers.dist import run_ranks
-from tests.helpers.mcore import build, load_checkpoint, make_trainer, params, save_checkpoint
-from tests.helpers.mcore import teardown, train
+from tests.helpers.mcore import (
+    build,
+    load_checkpoint,
+    make_trainer,
+    params,
+    save_checkpoint,
+    teardown,
+    train,
+)
 
-GBS = ["--global-batch-size", "8", "--use-distributed-optimizer"]
-SEPARATE = ["--grad-compression", "separate", "--separate-ratio", "16"]
-SEPARATE += ["--separate-block-size", "256"]
+COMMON = ["--global-batch-size", "8", "--use-distributed-optimizer"]
+SEPARATE = [
+    "--grad-compression",
+    "separate",
+    "--separate-ratio",
+    "16",
+    "--separate-block-size",
+    "256",
+    "--separate-adaptive",
+    "--separate-adapt-interval",
+    "2",
+]
 SAVE_AT = 3
 
 
@@ -118,7 +136,7 @@ def _saved(method, tmp_path_factory):
     """The DP=2 run of ``method`` (once per module)."""
     if method not in _SAVED:
         root = str(tmp_path_factory.mktemp(f"elastic-{method}") / "ckpt")
-        flags = GBS + (SEPARATE if method == "separate" else [])
+        flags = COMMON + (SEPARATE if method == "separate" else [])
         _SAVED[method] = (root, flags, run_ranks(_save_run, 2, flags, root))
     return _SAVED[method]
 
@@ -142,14 +160,13 @@ def _residual_sum(reports):
     total = {}
     for report in reports:
         for key, value in report["objects"]["grad_reducer"].items():
-            assert key.startswith("residual/"), key
+            if not key.startswith("residual/"):
+                continue
             total[key] = total.get(key, torch.zeros_like(value, dtype=torch.float64)) + value
     return total
 
 
-@pytest.mark.parametrize(
-    "method,new_dp", [("none", 1), ("separate", 1), ("separate", 4)], ids=str
-)
+@pytest.mark.parametrize("method,new_dp", [("none", 1), ("separate", 1), ("separate", 4)])
 def test_resume_on_another_dp_size(method, new_dp, tmp_path_factory):
     import torch
 
@@ -177,6 +194,13 @@ def test_resume_on_another_dp_size(method, new_dp, tmp_path_factory):
     assert "grad_reducer" not in reset_lines[0]
 
     if method == "separate":
+        # G-SEPARATE's ratios and beta scales (replicated): old DP rank 0's, which the
+        # adaptation at step 2 moved away from the fresh values (ratio 16, scale 1).
+        saved = old[0]["objects"]["grad_reducer"]
+        adapted = {k: v for k, v in saved.items() if k.split("/")[0] in ("ratio", "beta_scale")}
+        assert any(v not in (16, 1.0) for v in adapted.values()), adapted
+        for report in new:
+            assert {k: report["objects"]["grad_reducer"][k] for k in adapted} == adapted
         saved_sum, loaded_sum = _residual_sum(old), _residual_sum(new)
         assert set(saved_sum) == set(loaded_sum) and saved_sum
         for key, value in saved_sum.items():

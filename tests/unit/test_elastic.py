@@ -1,0 +1,135 @@
+"""The remap rules of megatron_ext.elastic as pure functions (no process group).
+
+The invariant checked: the error-feedback mass that the gradient reduction has not applied
+yet (the reduction of the ranks' residuals: their sum under SUM, their mean under AVG) is
+the same before and after a change of the data-parallel size.
+"""
+
+import pytest
+import torch
+
+from megatron_ext import elastic
+
+
+def _pending(residuals, op):
+    total = torch.stack(list(residuals)).double().sum(0)
+    return total if op == "sum" else total / len(residuals)
+
+
+@pytest.mark.parametrize("old_op", ["sum", "avg"])
+@pytest.mark.parametrize("new_op", ["sum", "avg"])
+@pytest.mark.parametrize("old_dp,new_dp", [(2, 1), (2, 4), (3, 2), (1, 3), (4, 4)])
+def test_spread_preserves_pending_mass(old_dp, new_dp, old_op, new_op):
+    gen = torch.Generator().manual_seed(old_dp * 10 + new_dp)
+    old = [torch.randn(5, generator=gen, dtype=torch.float64) for _ in range(old_dp)]
+    scale = elastic.spread_scale(
+        elastic.SUM, old_dp=old_dp, new_dp=new_dp, old_op=old_op, new_op=new_op
+    )
+    new = [torch.stack(old).sum(0) * scale for _ in range(new_dp)]
+    # float64 throughout: only the rounding of a handful of additions and one product.
+    torch.testing.assert_close(_pending(new, new_op), _pending(old, old_op), rtol=1e-12, atol=0)
+
+
+def test_spread_scale_values():
+    assert elastic.spread_scale("sum", old_dp=2, new_dp=4, old_op="sum", new_op="sum") == 0.25
+    assert elastic.spread_scale("sum", old_dp=2, new_dp=4, old_op="avg", new_op="avg") == 0.5
+    assert elastic.spread_scale("total", old_dp=2, new_dp=4, old_op="avg", new_op="avg") == 0.25
+    assert elastic.spread_scale("partition", old_dp=2, new_dp=4, old_op="sum", new_op="sum") == 1
+    with pytest.raises(ValueError, match="new_op"):
+        elastic.spread_scale("sum", old_dp=2, new_dp=1, old_op="sum", new_op="mean")
+    with pytest.raises(ValueError, match="rule"):
+        elastic.spread_scale("same", old_dp=2, new_dp=1, old_op="sum", new_op="sum")
+
+
+@pytest.mark.parametrize("old_dp,new_dp", [(2, 1), (2, 4), (5, 2), (3, 3)])
+def test_every_old_rank_is_read_exactly_once(old_dp, new_dp):
+    read = [j for i in range(new_dp) for j in elastic.assigned_old_dp_ranks(old_dp, new_dp, i)]
+    assert sorted(read) == list(range(old_dp))
+
+
+def test_rules():
+    assert elastic.rule_for("SeparateReducer", "residual/decoder.layers.0.w") == "sum"
+    assert elastic.rule_for("SeparateReducer", "ratio/decoder.layers.0.w") == "same"
+    assert elastic.rule_for("PowerSGDReducer", "q/x") == "same"
+    assert elastic.rule_for("QuantizedReducer", "server_error/x") == "partition"
+    assert elastic.rule_for("RadiusReducer", "selections") == "same"
+    assert elastic.rule_for("AQSGDCodec", "send/rows") == "reset"
+    # Unknown classes and roles are reset, never guessed.
+    assert elastic.rule_for("SeparateReducer", "momentum/x") == "reset"
+    assert elastic.rule_for("SomethingNew", "residual/x") == "reset"
+
+
+class _Probe:
+    pass
+
+
+def _objects(residual, ratio, probe, server=None):
+    out = {
+        "grad_reducer": {"residual/w": residual, "ratio/w": ratio},
+        "probe": {"value": probe},
+    }
+    if server is not None:
+        out["grad_reducer"]["server_error/w"] = server
+    return out
+
+
+def _kinds():
+    return {"grad_reducer": "SeparateReducer", "probe": "_Probe"}
+
+
+def test_remap_objects_dp2_to_dp4_all_on_hand():
+    old = [
+        _objects(torch.tensor([1.0, -2.0]), 8, torch.tensor([1.0])),
+        _objects(torch.tensor([3.0, 0.5]), 8, torch.tensor([2.0])),
+    ]
+    fresh = _objects(torch.zeros(2), 16, torch.tensor([-7.0]))
+    objects, reset = elastic.remap_objects(
+        old, old[0], fresh, _kinds(), old_dp=2, new_dp=4, old_op="sum", new_op="sum"
+    )
+    # S = [4, -1.5] spread as S / 4 under SUM: four new ranks reduce to S again.
+    assert torch.equal(objects["grad_reducer"]["residual/w"], torch.tensor([1.0, -0.375]))
+    assert objects["grad_reducer"]["residual/w"].dtype == torch.float32
+    assert objects["grad_reducer"]["ratio/w"] == 8  # same: old DP rank 0's, not fresh
+    assert torch.equal(objects["probe"]["value"], torch.tensor([-7.0]))  # reset: fresh
+    assert reset == ["probe: value"]
+
+
+def test_remap_objects_partial_sums_through_dp_sum():
+    """Two new ranks each add their assigned old rank; ``dp_sum`` stands in for the
+    all-reduce over the new DP group."""
+    old = [
+        _objects(torch.tensor([float(j)]), 4, torch.tensor([0.0]), torch.tensor([j + 0.5]))
+        for j in range(4)
+    ]
+    fresh = _objects(torch.zeros(1), 4, torch.zeros(1), torch.zeros(1))
+    kinds = {"grad_reducer": "QuantizedReducer", "probe": "_Probe"}
+    partials = []
+    for new_rank in range(2):
+        assigned = [old[j] for j in elastic.assigned_old_dp_ranks(4, 2, new_rank)]
+        captured = {}
+
+        def fake_sum(flat, captured=captured):
+            captured["flat"] = flat.clone()
+            return flat
+
+        elastic.remap_objects(
+            assigned, old[0], fresh, kinds, old_dp=4, new_dp=2, dp_sum=fake_sum
+        )
+        partials.append(captured["flat"])
+    total = partials[0] + partials[1]
+    objects, reset = elastic.remap_objects(
+        [], old[0], fresh, kinds, old_dp=4, new_dp=2, dp_sum=lambda flat: total.clone()
+    )
+    # keys in sorted order: residual/w (a role with no Quantized rule: reset), server_error/w
+    assert torch.equal(objects["grad_reducer"]["server_error/w"], torch.tensor([8.0]))
+    assert set(reset) == {"grad_reducer: residual", "grad_reducer: ratio", "probe: value"}
+
+
+def test_remap_objects_refuses_another_model():
+    old = [_objects(torch.zeros(2), 8, torch.zeros(1))]
+    fresh = _objects(torch.zeros(3), 8, torch.zeros(1))
+    with pytest.raises(ValueError, match="shape"):
+        elastic.remap_objects(old, old[0], fresh, _kinds(), old_dp=1, new_dp=2)
+    fresh = {"grad_reducer": {"residual/v": torch.zeros(2), "ratio/w": 8}, "probe": {}}
+    with pytest.raises(ValueError, match="does not fit"):
+        elastic.remap_objects(old, old[0], fresh, _kinds(), old_dp=1, new_dp=2)

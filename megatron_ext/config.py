@@ -291,10 +291,12 @@ class ExtCheckpointConfig:
     ARG_PREFIX: ClassVar[str] = "ext-state"
 
     on_mismatch: str = field(default="error", metadata=arg(choices=("error", "reset")))
-    """What to do when a checkpoint's megatron_ext state was saved with another TP/PP/DP
+    """What to do when a checkpoint's megatron_ext state was saved with another TP/PP
     layout or other compression settings: 'error' stops before training; 'reset' starts
     the megatron_ext state (error-feedback residuals, warm starts, selected indices) from
-    scratch with a warning. Model and optimizer load as usual either way."""
+    scratch with a warning. Model and optimizer load as usual either way. A change of the
+    data-parallel size alone is no mismatch for ``megatron-ext train``: the state is
+    remapped (megatron_ext.elastic). Megatron-LM's pretrain_gpt.py still treats it as one."""
 
     def __post_init__(self):
         _check_choice(type(self), "on_mismatch", self.on_mismatch)

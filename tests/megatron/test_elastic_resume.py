@@ -1,5 +1,8 @@
 """Resume on another data-parallel size: DP=2 checkpoints loaded with DP=1 and DP=4.
 
+Cases: ``none`` DP 2 -> 1; G-SEPARATE with two pipeline stages, DP 2 -> 1 (4 ranks -> 2:
+each stage's state comes from the old ranks of that stage); G-SEPARATE DP 2 -> 4.
+
 Real megatron-core dist_checkpointing (torch_dist) on CPU/gloo through the driver's
 checkpoint functions, with the distributed optimizer (``dp_reshardable``, resharded along
 DP by megatron-core). The global batch (8) is the same at every DP size, so every
@@ -94,6 +97,7 @@ def _rank_report(trainer):
         "optimizer": _optimizer_pieces(trainer),
         "objects": trainer.runtime.state.state_dict()["objects"],
         "rng": torch.get_rng_state(),
+        "pp_rank": trainer.ps.get_pipeline_model_parallel_rank(),
     }
 
 
@@ -131,14 +135,30 @@ def _load_run(rank, world, flags, root):
 
 _SAVED = {}
 
+PP2 = ["--pipeline-model-parallel-size", "2"]
 
-def _saved(method, tmp_path_factory):
-    """The DP=2 run of ``method`` (once per module)."""
-    if method not in _SAVED:
-        root = str(tmp_path_factory.mktemp(f"elastic-{method}") / "ckpt")
-        flags = COMMON + (SEPARATE if method == "separate" else [])
-        _SAVED[method] = (root, flags, run_ranks(_save_run, 2, flags, root))
-    return _SAVED[method]
+
+def _saved(method, pp, tmp_path_factory):
+    """The DP=2 run of ``method`` with ``pp`` pipeline stages (once per module)."""
+    if (method, pp) not in _SAVED:
+        root = str(tmp_path_factory.mktemp(f"elastic-{method}-pp{pp}") / "ckpt")
+        flags = COMMON + (SEPARATE if method == "separate" else []) + (PP2 if pp == 2 else [])
+        _SAVED[method, pp] = (root, flags, run_ranks(_save_run, 2 * pp, flags, root))
+    return _SAVED[method, pp]
+
+
+def _merged(reports, field):
+    """``field`` (a dict keyed by global FQN) of every rank in one dict; ranks holding the
+    same parameter (DP replicas) must agree."""
+    import torch
+
+    out = {}
+    for report in reports:
+        for name, value in report[field].items():
+            if name in out:
+                assert torch.equal(out[name], value), f"{field} {name} differs across replicas"
+            out[name] = value
+    return out
 
 
 def _assemble(reports):
@@ -166,17 +186,27 @@ def _residual_sum(reports):
     return total
 
 
-@pytest.mark.parametrize("method,new_dp", [("none", 1), ("separate", 1), ("separate", 4)])
-def test_resume_on_another_dp_size(method, new_dp, tmp_path_factory):
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "method,pp,new_dp",
+    [("none", 1, 1), ("separate", 2, 1), ("separate", 1, 4)],
+    ids=["none-dp2-to-dp1", "separate-pp2-dp2-to-dp1", "separate-dp2-to-dp4"],
+)
+def test_resume_on_another_dp_size(method, pp, new_dp, tmp_path_factory):
     import torch
 
-    root, flags, old = _saved(method, tmp_path_factory)
-    new = run_ranks(_load_run, new_dp, flags, root)
+    root, flags, old = _saved(method, pp, tmp_path_factory)
+    new = run_ranks(_load_run, new_dp * pp, flags, root)
 
+    saved_params, saved_continued = _merged(old, "params"), _merged(old, "continued")
     for report in new:
-        for name, value in old[0]["params"].items():
-            assert torch.equal(report["params"][name], value), name
-        assert torch.equal(report["rng"], old[0]["rng"])
+        assert report["params"] and report["params"].keys() <= saved_params.keys()
+        for name, value in report["params"].items():
+            assert torch.equal(value, saved_params[name]), name
+        # RNG states of the saved ranks of the same pipeline stage.
+        same_stage = [r["rng"] for r in old if r["pp_rank"] == report["pp_rank"]]
+        assert torch.equal(report["rng"], same_stage[0])
+    assert _merged(new, "params").keys() == saved_params.keys()
     saved_opt, loaded_opt = _assemble(old), _assemble(new)
     assert set(saved_opt) == set(loaded_opt)
     for key, value in saved_opt.items():
@@ -194,13 +224,23 @@ def test_resume_on_another_dp_size(method, new_dp, tmp_path_factory):
     assert "grad_reducer" not in reset_lines[0]
 
     if method == "separate":
-        # G-SEPARATE's ratios and beta scales (replicated): old DP rank 0's, which the
+        # G-SEPARATE's ratios and beta scales (replicated): the saved replicas', which the
         # adaptation at step 2 moved away from the fresh values (ratio 16, scale 1).
-        saved = old[0]["objects"]["grad_reducer"]
-        adapted = {k: v for k, v in saved.items() if k.split("/")[0] in ("ratio", "beta_scale")}
-        assert any(v not in (16, 1.0) for v in adapted.values()), adapted
+        saved = {}
+        for report in old:
+            saved.update(
+                {
+                    k: v
+                    for k, v in report["objects"]["grad_reducer"].items()
+                    if k.split("/")[0] in ("ratio", "beta_scale")
+                }
+            )
+        assert any(v not in (16, 1.0) for v in saved.values()), saved
         for report in new:
-            assert {k: report["objects"]["grad_reducer"][k] for k in adapted} == adapted
+            mine = report["objects"]["grad_reducer"]
+            assert {k: saved[k] for k in mine if k in saved} == {
+                k: mine[k] for k in mine if k in saved
+            }
         saved_sum, loaded_sum = _residual_sum(old), _residual_sum(new)
         assert set(saved_sum) == set(loaded_sum) and saved_sum
         for key, value in saved_sum.items():
@@ -210,5 +250,5 @@ def test_resume_on_another_dp_size(method, new_dp, tmp_path_factory):
 
     # One more step: the uninterrupted DP=2 run's parameters up to the reduction order.
     for report in new:
-        for name, value in old[0]["continued"].items():
-            torch.testing.assert_close(report["continued"][name], value, rtol=1e-5, atol=1e-6)
+        for name, value in report["continued"].items():
+            torch.testing.assert_close(value, saved_continued[name], rtol=1e-5, atol=1e-6)

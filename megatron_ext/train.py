@@ -61,7 +61,7 @@ from megatron_ext.train_config import (
     load_yaml_defaults,
 )
 
-__all__ = ["build_parser", "parse_args", "main", "Trainer"]
+__all__ = ["build_parser", "parse_args", "main", "Trainer", "batch_change_warning"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,6 +210,19 @@ def _layout_sizes(cfg: DriverConfig, world_size: int) -> Dict[str, int]:
             "query groups must be divisible by the tensor-parallel size",
         )
     return {"tp": tp, "pp": pp, "dp": dp, "gbs": gbs, "num_microbatches": gbs // (mbs * dp)}
+
+
+def batch_change_warning(saved_gbs: Optional[int], gbs: int) -> Optional[str]:
+    """The warning for a resume with another global batch than the checkpoint's (None if
+    the same, or unknown). Allowed, as in Megatron-LM, but rarely meant on a resume with
+    another data-parallel size: the default global batch is micro batch x DP."""
+    if saved_gbs is None or saved_gbs == gbs:
+        return None
+    return (
+        f"megatron-ext: WARNING: the checkpoint was trained with global batch {saved_gbs}, "
+        f"this run uses {gbs} (pass --global-batch-size {saved_gbs} to continue the same "
+        "optimization)"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -536,6 +549,9 @@ class Trainer:
             print_rank_0(f"> fine-tuning from the model weights of {loaded['finetune_from']}")
             return 0, 0
         self._eval_consumed = loaded.get("eval_consumed_samples", 0)
+        warning = batch_change_warning(loaded.get("global_batch_size"), self.sizes["gbs"])
+        if warning:
+            print_rank_0(warning)
         print_rank_0(f"> resumed from {cfg.checkpoint.load} at iteration {loaded['iteration']}")
         return loaded["iteration"], loaded["consumed_samples"]
 
@@ -652,7 +668,10 @@ class Trainer:
                 scheduler=self.scheduler,
                 runtime=self.runtime,
                 consumed_samples=consumed,
-                extra_common={"eval_consumed_samples": self._eval_consumed},
+                extra_common={
+                    "eval_consumed_samples": self._eval_consumed,
+                    "global_batch_size": self.sizes["gbs"],
+                },
             )
         print_rank_0(
             f"  saved checkpoint at iteration {iteration:8d} to {self.cfg.checkpoint.save} "

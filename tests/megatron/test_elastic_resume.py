@@ -3,9 +3,9 @@
 Cases: ``none`` DP 2 -> 1; G-SEPARATE with two pipeline stages, DP 2 -> 1 (4 ranks -> 2:
 each stage's state comes from the old ranks of that stage); G-SEPARATE DP 2 -> 4.
 
-Real megatron-core dist_checkpointing (torch_dist) on CPU/gloo through the driver's
-checkpoint functions, with the distributed optimizer (``dp_reshardable``, resharded along
-DP by megatron-core). The global batch (8) is the same at every DP size, so every
+Real megatron-core dist_checkpointing (torch_dist) on CPU/gloo through the driver's save
+and resume (``Trainer._save`` / ``Trainer._resume``), with the distributed optimizer
+(``dp_reshardable``, resharded along DP by megatron-core). The global batch (8) is the same at every DP size, so every
 iteration reads the same samples. Checked on each new rank, against the DP=2 run:
 
 * model weights equal the saved ones, bit for bit;
@@ -31,15 +31,7 @@ import io
 import pytest
 
 from tests.helpers.dist import run_ranks
-from tests.helpers.mcore import (
-    build,
-    load_checkpoint,
-    make_trainer,
-    params,
-    save_checkpoint,
-    teardown,
-    train,
-)
+from tests.helpers.mcore import build, make_trainer, params, teardown, train
 
 COMMON = ["--global-batch-size", "8", "--use-distributed-optimizer"]
 SEPARATE = [
@@ -102,12 +94,11 @@ def _rank_report(trainer):
 
 
 def _save_run(rank, world, flags, root):
-    trainer = make_trainer(flags)
+    trainer = make_trainer(flags + ["--save", root])
     build(trainer, stock=False)
     trainer.runtime.state.register("test_probe", _Probe(rank + 1))
     train(trainer, SAVE_AT)
-    trainer.sync_params()
-    save_checkpoint(trainer, root, SAVE_AT)
+    trainer._save(SAVE_AT, SAVE_AT * trainer.sizes["gbs"])  # the driver's own save
     out = _rank_report(trainer)
     train(trainer, 1, start=SAVE_AT)
     trainer.sync_params()
@@ -117,13 +108,13 @@ def _save_run(rank, world, flags, root):
 
 
 def _load_run(rank, world, flags, root):
-    trainer = make_trainer(flags)
+    trainer = make_trainer(flags + ["--load", root])
     build(trainer, stock=False)
     trainer.runtime.state.register("test_probe", _Probe(-7))
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
-        loaded = load_checkpoint(trainer, root)
-    assert loaded["iteration"] == SAVE_AT
+        iteration, _ = trainer._resume()  # the driver's own load
+    assert iteration == SAVE_AT
     out = _rank_report(trainer)
     out["log"] = log.getvalue()
     train(trainer, 1, start=SAVE_AT)
@@ -222,6 +213,7 @@ def test_resume_on_another_dp_size(method, pp, new_dp, tmp_path_factory):
     assert len(reset_lines) == 1, new[0]["log"]
     assert "test_probe: value" in reset_lines[0]
     assert "grad_reducer" not in reset_lines[0]
+    assert "global batch" not in new[0]["log"]  # saved with the checkpoint, and the same
 
     if method == "separate":
         # G-SEPARATE's ratios and beta scales (replicated): the saved replicas', which the

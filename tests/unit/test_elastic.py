@@ -133,3 +133,11 @@ def test_remap_objects_refuses_another_model():
     fresh = {"grad_reducer": {"residual/v": torch.zeros(2), "ratio/w": 8}, "probe": {}}
     with pytest.raises(ValueError, match="does not fit"):
         elastic.remap_objects(old, old[0], fresh, _kinds(), old_dp=1, new_dp=2)
+
+
+def test_batch_change_warning():
+    from megatron_ext.train import batch_change_warning
+
+    assert batch_change_warning(None, 8) is None  # checkpoints without the record
+    assert batch_change_warning(8, 8) is None
+    assert "--global-batch-size 8" in batch_change_warning(8, 4)

@@ -6,7 +6,8 @@ each stage's state comes from the old ranks of that stage); G-SEPARATE DP 2 -> 4
 Real megatron-core dist_checkpointing (torch_dist) on CPU/gloo through the driver's save
 and resume (``Trainer._save`` / ``Trainer._resume``), with the distributed optimizer
 (``dp_reshardable``, resharded along DP by megatron-core). The global batch (8) is the
-same at every DP size, so every iteration reads the same samples. Checked on each new rank, against the DP=2 run:
+same at every DP size, so every iteration reads the same samples. Checked on each new
+rank, against the DP=2 run:
 
 * model weights equal the saved ones, bit for bit;
 * the optimizer state (fp32 main parameters, Adam moments, assembled from the DP shards

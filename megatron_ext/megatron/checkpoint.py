@@ -665,18 +665,19 @@ def _reshard_plan(common: Dict[str, Any], directory: str) -> Optional[_ReshardPl
     plan.by_dp = [g for _, g in group]
     if len(plan.by_dp) != old["dp"]:
         raise StateMismatch(f"{directory}: topology record has {len(plan.by_dp)} DP ranks here")
-    digests = {topology["ranks"][g]["rng"] for g in plan.by_dp}
-    if len(digests) == 1:
+    # Restored only if the saved DP replicas agree in every TP/PP group: the decision is
+    # the same on every rank, so every rank takes part in the same loads.
+    groups: Dict[tuple, set] = {}
+    for r in topology["ranks"]:
+        groups.setdefault((r["tp"], r["pp"]), set()).add(r["rng"])
+    if all(len(digests) == 1 for digests in groups.values()):
         plan.rng_rank = plan.by_dp[0]
-    agreed = [plan.rng_rank is not None]
-    everywhere: List[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(everywhere, agreed)
-    rng = (
-        "RNG states restored (they agree across the saved DP ranks)"
-        if all(a[0] for a in everywhere)
-        else "RNG states not restored where they differ across the saved DP ranks (as "
-        "--no-load-rng: kept as seeded)"
-    )
+        rng = "RNG states restored (they agree across the saved DP ranks)"
+    else:
+        rng = (
+            "RNG states not restored: they differ across the saved DP ranks (as "
+            "--no-load-rng: kept as seeded)"
+        )
     print_rank_0(
         f"megatron-ext: resuming on data-parallel size {new['dp']} from {directory} saved "
         f"with {old['dp']} (TP {new['tp']}, PP {new['pp']}): model and optimizer resharded by "
@@ -689,15 +690,12 @@ def _can_remap(
     common: Dict[str, Any], runtime: Any, plan: _ReshardPlan, on_mismatch: str, where: str
 ) -> bool:
     """Whether megatron_ext's state is remapped onto the new DP size (same settings and a
-    topology record), else :func:`decide_load`'s verdict on the mismatch (which is False
-    or raises)."""
+    topology record); otherwise :func:`decide_load` handles the mismatch (raises, or
+    warns and this returns False)."""
     saved = common.get(META_KEY)
+    # TP and PP are the same (checked by _reshard_plan); the settings must be too.
     if plan.by_dp is not None and saved is not None:
-        meta = ext_meta(runtime)
-        same_parts = all(
-            saved.get("layout", {}).get(k) == meta["layout"].get(k) for k in ("tp", "pp")
-        )
-        if same_parts and saved.get("fingerprint") == meta["fingerprint"]:
+        if saved.get("fingerprint") == ext_meta(runtime)["fingerprint"]:
             from megatron.core import parallel_state as ps
 
             dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)

@@ -14,6 +14,8 @@ rank, against the DP=2 run:
   of every rank) equals the saved one, bit for bit, and the moments are not zero (a
   reinitialized optimizer would fail both);
 * the RNG states equal those the saved ranks had (the driver seeds all DP ranks alike);
+  in the ``none`` case the test makes one saved rank's Python RNG differ, and then no RNG
+  state is restored (Megatron-LM's ``--no-load-rng``) and the log says so;
 * G-SEPARATE's adapted ratios and beta scales (replicated across DP) carry over;
 * SEPARATE's error-feedback mass is preserved: the sum of the residuals over the new
   ranks equals the sum over the old ranks (tolerance: the remap adds in float64 and
@@ -28,6 +30,7 @@ rank, against the DP=2 run:
 
 import contextlib
 import io
+import random
 
 import pytest
 
@@ -90,6 +93,7 @@ def _rank_report(trainer):
         "optimizer": _optimizer_pieces(trainer),
         "objects": trainer.runtime.state.state_dict()["objects"],
         "rng": torch.get_rng_state(),
+        "py_rng": random.getstate(),
         "pp_rank": trainer.ps.get_pipeline_model_parallel_rank(),
     }
 
@@ -99,6 +103,11 @@ def _save_run(rank, world, flags, root):
     build(trainer, stock=False)
     trainer.runtime.state.register("test_probe", _Probe(rank + 1))
     train(trainer, SAVE_AT)
+    if flags == COMMON:
+        # The none case: DP replicas whose (Python) RNG states differ (from each other and
+        # from the seeded state) are not restored.
+        for _ in range(rank + 1):
+            random.random()
     trainer._save(SAVE_AT, SAVE_AT * trainer.sizes["gbs"])  # the driver's own save
     out = _rank_report(trainer)
     train(trainer, 1, start=SAVE_AT)
@@ -195,9 +204,15 @@ def test_resume_on_another_dp_size(method, pp, new_dp, tmp_path_factory):
         assert report["params"] and report["params"].keys() <= saved_params.keys()
         for name, value in report["params"].items():
             assert torch.equal(value, saved_params[name]), name
-        # RNG states of the saved ranks of the same pipeline stage.
-        same_stage = [r["rng"] for r in old if r["pp_rank"] == report["pp_rank"]]
-        assert torch.equal(report["rng"], same_stage[0])
+        # RNG states of the saved ranks of the same pipeline stage, when those agree.
+        same_stage = [r for r in old if r["pp_rank"] == report["pp_rank"]]
+        if method == "separate":
+            assert torch.equal(report["rng"], same_stage[0]["rng"])
+            assert report["py_rng"] == same_stage[0]["py_rng"]
+            assert "RNG states restored" in new[0]["log"]
+        else:
+            assert all(report["py_rng"] != r["py_rng"] for r in same_stage)
+            assert "RNG states not restored" in new[0]["log"]
     assert _merged(new, "params").keys() == saved_params.keys()
     saved_opt, loaded_opt = _assemble(old), _assemble(new)
     assert set(saved_opt) == set(loaded_opt)

@@ -192,35 +192,43 @@ def remap_objects(
         ``(objects, reset)``: the state to load and the ``"name: role"`` entries reset.
 
     Raises:
-        ValueError: an old state's key set differs from the fresh one (another model), or
-            a tensor's shape differs.
+        ValueError: the old ranks' objects or key sets differ, a summed key is missing on
+            either side (another model), or a tensor's shape differs. The objects'
+            ``load_state_dict`` checks the result's keys as on any load.
     """
     names = sorted(fresh)
     for old in list(assigned) + [first]:
         if sorted(old) != names:
             raise ValueError(f"state objects differ: saved {sorted(old)}, this run {names}")
         for name in names:
-            if set(old[name]) != set(fresh[name]):
-                missing = sorted(set(fresh[name]) - set(old[name]))[:5]
-                unexpected = sorted(set(old[name]) - set(fresh[name]))[:5]
-                raise ValueError(
-                    f"megatron_ext state {name!r} does not fit this model: missing {missing}, "
-                    f"unexpected {unexpected}"
-                )
+            if set(old[name]) != set(first[name]):
+                raise ValueError(f"the saved DP ranks hold different {name!r} state keys")
     out: Dict[str, Dict[str, Any]] = {name: {} for name in names}
     reset: Dict[str, None] = {}
     mass: List[Tuple[str, str, str]] = []
     for name in names:
-        for key in sorted(fresh[name]):
+        saved_keys, fresh_keys = set(first[name]), set(fresh[name])
+        # Key sets may differ where a method adds state as it goes (Radius's masks exist
+        # after its first selection): replicated and reset roles follow the saved or the
+        # fresh keys; summed roles need both (the fresh value is the template).
+        for key in sorted(saved_keys | fresh_keys):
             rule = rule_for(kinds[name], key)
             if _is_mass(rule):
+                if key not in saved_keys or key not in fresh_keys:
+                    where = "this run" if key in fresh_keys else "the checkpoint"
+                    raise ValueError(
+                        f"megatron_ext state {name!r} does not fit this model: only "
+                        f"{where} has {key}"
+                    )
                 mass.append((name, key, rule))
             elif rule == SAME:
-                value = first[name][key]
+                value = first[name][key] if key in saved_keys else fresh[name][key]
                 out[name][key] = value.clone() if isinstance(value, torch.Tensor) else value
             else:
-                out[name][key] = fresh[name][key]
-                reset[f"{name}: {role_of(key)}"] = None
+                if key in fresh_keys:
+                    out[name][key] = fresh[name][key]
+                if key in saved_keys:
+                    reset[f"{name}: {role_of(key)}"] = None
     if mass:
         parts = []
         for name, key, _ in mass:

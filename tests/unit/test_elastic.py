@@ -133,6 +133,22 @@ def test_remap_objects_refuses_another_model():
     fresh = {"grad_reducer": {"residual/v": torch.zeros(2), "ratio/w": 8}, "probe": {}}
     with pytest.raises(ValueError, match="does not fit"):
         elastic.remap_objects(old, old[0], fresh, _kinds(), old_dp=1, new_dp=2)
+    other = _objects(torch.zeros(2), 8, torch.zeros(1))
+    del other["grad_reducer"]["ratio/w"]
+    with pytest.raises(ValueError, match="different"):
+        elastic.remap_objects([old[0], other], old[0], fresh, _kinds(), old_dp=2, new_dp=1)
+
+
+def test_remap_objects_state_built_as_training_goes():
+    """Radius keeps masks only after its first selection: a fresh reducer has none."""
+    mask = torch.tensor([True, False])
+    old = [{"r": {"residual/w": torch.ones(2), "mask/w": mask, "selections": 1}}]
+    fresh = {"r": {"residual/w": torch.zeros(2), "selections": 0}}
+    objects, reset = elastic.remap_objects(
+        old * 2, old[0], fresh, {"r": "RadiusReducer"}, old_dp=2, new_dp=1
+    )
+    assert torch.equal(objects["r"]["mask/w"], mask) and objects["r"]["selections"] == 1
+    assert torch.equal(objects["r"]["residual/w"], torch.full((2,), 2.0)) and reset == []
 
 
 def test_batch_change_warning():

@@ -192,9 +192,9 @@ def remap_objects(
         ``(objects, reset)``: the state to load and the ``"name: role"`` entries reset.
 
     Raises:
-        ValueError: the old ranks' objects or key sets differ, a summed key is missing on
-            either side (another model), or a tensor's shape differs. The objects'
-            ``load_state_dict`` checks the result's keys as on any load.
+        ValueError: the old ranks' objects or key sets differ, or a summed tensor's shape
+            differs (another model). The objects' ``load_state_dict`` checks the result's
+            keys as on any load.
     """
     names = sorted(fresh)
     for old in list(assigned) + [first]:
@@ -209,17 +209,13 @@ def remap_objects(
     for name in names:
         saved_keys, fresh_keys = set(first[name]), set(fresh[name])
         # Key sets may differ where a method adds state as it goes (Radius's masks exist
-        # after its first selection): replicated and reset roles follow the saved or the
-        # fresh keys; summed roles need both (the fresh value is the template).
+        # after its first selection, Protocol Models' ``a`` after its first accumulation):
+        # replicated and reset roles follow the saved or the fresh keys; a summed key
+        # missing on the saved side adds nothing, and its template (shape, dtype, device)
+        # is the fresh value or else the saved one.
         for key in sorted(saved_keys | fresh_keys):
             rule = rule_for(kinds[name], key)
             if _is_mass(rule):
-                if key not in saved_keys or key not in fresh_keys:
-                    where = "this run" if key in fresh_keys else "the checkpoint"
-                    raise ValueError(
-                        f"megatron_ext state {name!r} does not fit this model: only "
-                        f"{where} has {key}"
-                    )
                 mass.append((name, key, rule))
             elif rule == SAME:
                 value = first[name][key] if key in saved_keys else fresh[name][key]
@@ -231,12 +227,16 @@ def remap_objects(
                     reset[f"{name}: {role_of(key)}"] = None
     if mass:
         parts = []
+        templates = []
         for name, key, _ in mass:
-            template = fresh[name][key]
+            template = fresh[name][key] if key in fresh[name] else first[name][key]
             if not isinstance(template, torch.Tensor):
                 raise ValueError(f"{name} {key}: summed state must be a tensor")
+            templates.append(template)
             total = torch.zeros(template.shape, dtype=torch.float64, device=template.device)
             for old in assigned:
+                if key not in old[name]:
+                    continue
                 value = old[name][key]
                 if tuple(value.shape) != tuple(template.shape):
                     raise ValueError(
@@ -249,8 +249,7 @@ def remap_objects(
         if dp_sum is not None:
             flat = dp_sum(flat)
         offset = 0
-        for name, key, rule in mass:
-            template = fresh[name][key]
+        for (name, key, rule), template in zip(mass, templates):
             scale = spread_scale(rule, old_dp=old_dp, new_dp=new_dp, old_op=old_op, new_op=new_op)
             n = template.numel()
             value = flat[offset : offset + n].view(template.shape) * scale

@@ -130,9 +130,6 @@ def test_remap_objects_refuses_another_model():
     fresh = _objects(torch.zeros(3), 8, torch.zeros(1))
     with pytest.raises(ValueError, match="shape"):
         elastic.remap_objects(old, old[0], fresh, _kinds(), old_dp=1, new_dp=2)
-    fresh = {"grad_reducer": {"residual/v": torch.zeros(2), "ratio/w": 8}, "probe": {}}
-    with pytest.raises(ValueError, match="does not fit"):
-        elastic.remap_objects(old, old[0], fresh, _kinds(), old_dp=1, new_dp=2)
     other = _objects(torch.zeros(2), 8, torch.zeros(1))
     del other["grad_reducer"]["ratio/w"]
     with pytest.raises(ValueError, match="different"):
@@ -157,3 +154,19 @@ def test_batch_change_warning():
     assert batch_change_warning(None, 8) is None  # checkpoints without the record
     assert batch_change_warning(8, 8) is None
     assert "--global-batch-size 8" in batch_change_warning(8, 4)
+
+
+def test_remap_objects_summed_state_only_on_one_side():
+    """Protocol Models' ``a`` exists once boundary gradients were accumulated: a fresh
+    subspace has none (the saved one is the template); a saved one without it adds 0."""
+    old = [{"s": {"u": torch.eye(2), "a": torch.full((2, 2), float(j + 1))}} for j in range(2)]
+    fresh = {"s": {"u": torch.zeros(2, 2)}}
+    objects, _ = elastic.remap_objects(old, old[0], fresh, {"s": "Subspace"}, old_dp=2, new_dp=3)
+    assert torch.equal(objects["s"]["u"], torch.eye(2))
+    torch.testing.assert_close(objects["s"]["a"], torch.full((2, 2), 1.0))  # 3 / 3 ranks
+    saved_without = [{"s": {"u": torch.eye(2)}}]
+    fresh = {"s": {"u": torch.zeros(2, 2), "a": torch.ones(2, 2)}}
+    objects, _ = elastic.remap_objects(
+        saved_without, saved_without[0], fresh, {"s": "Subspace"}, old_dp=1, new_dp=2
+    )
+    assert torch.equal(objects["s"]["a"], torch.zeros(2, 2))

@@ -91,6 +91,7 @@ RULES: Dict[str, Dict[str, str]] = {
         "active_since": SAME,
         "selections": SAME,
         "reset_at": SAME,
+        "pending": SAME,  # a postponed selection (the overflow check is all-reduced)
         "index": SAME,
         "rho": SAME,
         "base": SAME,

@@ -471,7 +471,8 @@ class Trainer:
         """One iteration: forward/backward over all microbatches, optimizer step.
 
         Returns:
-            ``(loss or None off the last stage, grad norm, update_successful)``.
+            ``(loss or None off the last stage, grad norm, update_successful)``; the loss is a
+            0-d device tensor (``float()`` it to read it: that synchronizes).
         """
         from megatron_ext.megatron.training import reduce_lm_loss
 
@@ -506,7 +507,7 @@ class Trainer:
                 self.runtime.begin_step(step, forward_only=True)
                 value = reduce_lm_loss(self._forward_backward(iterator, forward_only=True))
                 if value is not None:
-                    total += value
+                    total += float(value)
                     count += 1
                 self._eval_consumed += self.sizes["gbs"]
         for chunk in self.model:
@@ -586,7 +587,7 @@ class Trainer:
             iteration += 1
             consumed += gbs
             log.add_step(time.time() - t0, loss, traffic)
-            progress.update(iteration, log.last_loss)
+            progress.update(iteration, log.logged_loss)
             if t.eval_interval and iteration % t.eval_interval == 0:
                 last_eval = self.evaluate(iteration)
             if iteration % cfg.logging.log_interval == 0 or iteration == stop_at:
@@ -738,8 +739,9 @@ class _TrainLog:
         cfg = trainer.cfg
         self.step_times: List[float] = []
         self.history: List[Dict[str, Any]] = []
-        self.last_loss: Optional[float] = None
-        self._losses: List[float] = []
+        self.logged_loss: Optional[float] = None
+        """The last logged interval's mean loss (what the progress bar shows)."""
+        self._losses: List[Any] = []  # device tensors, read on the host at emit only
         self._traffic: Dict[str, Any] = {}
         self._iters = 0
         self.writer = None
@@ -770,7 +772,6 @@ class _TrainLog:
         self._iters += 1
         if loss is not None:
             self._losses.append(loss)
-            self.last_loss = loss
         for c, tr in traffic.items():
             self._traffic.setdefault(c, Traffic()).add(tr)
 
@@ -789,7 +790,11 @@ class _TrainLog:
         step_time = sum(self.step_times[-iters:]) / iters
         traffic = all_ranks_totals(self._traffic)[0] if cfg.ext.comm.accounting else {}
         lr = trainer.optimizer.param_groups[0]["lr"]
-        loss = sum(self._losses) / len(self._losses) if self._losses else None
+        # The interval's one host read of the losses (not one synchronization per step).
+        losses = [float(x) for x in self._losses]
+        loss = sum(losses) / len(losses) if losses else None
+        if loss is not None:
+            self.logged_loss = loss
         per_step = {c: {k: v / iters for k, v in tr.as_dict().items()} for c, tr in traffic.items()}
         record = {
             "iteration": iteration,

@@ -453,8 +453,10 @@ def gpt_forward_step(batch: Optional[Dict[str, Any]], model: Any, *, cpu: bool):
     return output, partial(lm_loss, loss_mask)
 
 
-def reduce_lm_loss(losses: Sequence[Dict[str, Any]]) -> Optional[float]:
-    """Token-weighted mean 'lm loss' over microbatches and DP ranks (None off the last stage)."""
+def reduce_lm_loss(losses: Sequence[Dict[str, Any]]) -> Optional[torch.Tensor]:
+    """Token-weighted mean 'lm loss' over microbatches and DP ranks (None off the last stage),
+    as a 0-d float64 tensor on the collective's device: read it on the host only when it is
+    logged (a ``.item()`` every step would synchronize the GPU every step)."""
     from megatron.core import parallel_state as ps
 
     from megatron_ext.accounting import collective_device
@@ -466,4 +468,4 @@ def reduce_lm_loss(losses: Sequence[Dict[str, Any]]) -> Optional[float]:
     for item in losses:
         total += item["lm loss"].double().to(total.device)
     torch.distributed.all_reduce(total, group=group)
-    return (total[0] / total[1].clamp(min=1)).item()
+    return total[0] / total[1].clamp(min=1)

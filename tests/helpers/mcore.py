@@ -72,7 +72,7 @@ def train(trainer, steps: int, start: int = 0) -> List[Optional[float]]:
         loss, _, ok = trainer.train_step(it, it * gbs, iterator)
         assert ok
         trainer.runtime.end_step()
-        losses.append(loss)
+        losses.append(None if loss is None else float(loss))
     return losses
 
 

@@ -48,7 +48,7 @@ def _run(rank, world, flags, steps, stock=False, skipped_step=False):
     for it in range(steps):
         loss, _, ok = trainer.train_step(it, it * gbs, iterator)
         traffic = runtime.end_step()
-        losses.append(loss)
+        losses.append(None if loss is None else float(loss))
         if "pp-act" in traffic:
             act.append((traffic["pp-act"].sent, traffic["pp-act"].dense_sent))
     codec = None if stock else runtime.communicator.codec
@@ -168,7 +168,12 @@ def _resume(rank, world, flags, root):
         for it in range(start, start + steps):
             loss, _, _ = trainer.train_step(it, it * gbs, iterator)
             traffic = trainer.runtime.end_step()
-            out.append((loss, traffic["pp-act"].sent if "pp-act" in traffic else None))
+            out.append(
+                (
+                    None if loss is None else float(loss),
+                    traffic["pp-act"].sent if "pp-act" in traffic else None,
+                )
+            )
         return out
 
     build(trainer, stock=False)

@@ -28,7 +28,7 @@ def _train_compressed(rank, world, flags):
     for it in range(STEPS):
         loss, _, ok = trainer.train_step(it, it * gbs, iterator)
         traffic = runtime.end_step()
-        losses.append(loss)
+        losses.append(None if loss is None else float(loss))
         if "dp-grad" in traffic:
             sent += traffic["dp-grad"].sent
             dense += traffic["dp-grad"].dense_sent

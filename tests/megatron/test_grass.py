@@ -103,7 +103,7 @@ def _sparse_run(rank, world, flags, steps):
     for it in range(steps):
         loss, _, ok = trainer.train_step(it, it * gbs, iterator)
         step_traffic = trainer.runtime.end_step()
-        losses.append(loss)
+        losses.append(None if loss is None else float(loss))
         traffic.append(step_traffic["dp-grad"].sent if "dp-grad" in step_traffic else 0)
         # rows changed by this step, against the rows selected for it
         changed = {}

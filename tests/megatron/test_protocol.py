@@ -109,7 +109,7 @@ def _train_and_inspect(rank, world, flags, steps):
         loss, _, ok = trainer.train_step(it, it * gbs, iterator)
         assert ok
         traffic.append(runtime.end_step())
-        losses.append(loss)
+        losses.append(None if loss is None else float(loss))
     drift = 0.0  # of the parameters the optimizer updates (fp32 main copies under bf16)
     view = runtime.optimizer_handle.view
     for fqn, axis in hook.constrained.items():

@@ -60,7 +60,7 @@ def _parity(rank, world, flags):
     for it in range(STEPS):
         loss, _, ok = trainer.train_step(it, it * gbs, iterator)
         traffic = runtime.end_step()
-        ext_losses.append(loss)
+        ext_losses.append(None if loss is None else float(loss))
         seam_dp += traffic.get("dp-grad").sent if "dp-grad" in traffic else 0
         seam_pp += sum(
             traffic[c].sent + traffic[c].recv for c in ("pp-act", "pp-grad") if c in traffic

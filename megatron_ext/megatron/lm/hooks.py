@@ -30,6 +30,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, List, Sequence, Tuple
 
+from torch import no_grad
+
 from megatron_ext.accounting import ProcessGroupTrafficMeter
 from megatron_ext.config import ConfigError
 from megatron_ext.megatron.lm.releases import UnsupportedReleaseError
@@ -289,7 +291,9 @@ def _wrap(session: MegatronLMSession, target: HookTarget, original: Callable, si
         def wrapper(*args, **kwargs):
             session.begin_load()
             try:
-                with session.clean_errors(), ProcessGroupTrafficMeter.untracked():
+                # No autograd in a load; megatron-core 0.16's distributed optimizer copies
+                # into views of leaf parameters (fp32 on CPU) and fails under autograd.
+                with session.clean_errors(), ProcessGroupTrafficMeter.untracked(), no_grad():
                     result = original(*args, **kwargs)
             finally:
                 ctx = session.end_load()
@@ -300,8 +304,10 @@ def _wrap(session: MegatronLMSession, target: HookTarget, original: Callable, si
     elif role == "generate_state_dict":
 
         def wrapper(*args, **kwargs):
+            arguments = bound(args, kwargs)
+            session.before_generate_state_dict(arguments["optimizer"])
             state_dict = original(*args, **kwargs)
-            session.extend_state_dict(state_dict, bound(args, kwargs)["args"])
+            session.extend_state_dict(state_dict, arguments["args"])
             return state_dict
 
     elif role == "load_base_checkpoint":

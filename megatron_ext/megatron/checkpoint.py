@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import os
 import random
 import re
@@ -52,6 +51,8 @@ __all__ = [
     "load_checkpoint",
     "resolve_load",
     "CheckpointError",
+    "check_finite",
+    "sharded_leaves",
     "latest_iteration",
     "checkpoint_dir",
     "ext_meta",
@@ -607,30 +608,29 @@ def load_common_state(directory: str) -> Dict[str, Any]:
         raise _read_error(directory, "the common state", exc) from exc
 
 
-def _sharded_leaves(tree: Any, path: Tuple[Any, ...] = ()) -> Iterator[Tuple[Tuple, Any]]:
+def sharded_leaves(tree: Any, path: Tuple[Any, ...] = ()) -> Iterator[Tuple[Tuple, Any]]:
     """``(path, leaf)`` of every dist_checkpointing object (ShardedTensor, ShardedObject,
-    factory) of a template."""
+    factory) of a load template (``dict(sharded_leaves(template))`` for
+    :func:`check_finite`)."""
     from megatron.core.dist_checkpointing.mapping import ShardedBase
 
     if isinstance(tree, ShardedBase):
         yield path, tree
     elif isinstance(tree, dict):
         for k, v in tree.items():
-            yield from _sharded_leaves(v, path + (k,))
+            yield from sharded_leaves(v, path + (k,))
     elif isinstance(tree, (list, tuple)):
         for i, v in enumerate(tree):
-            yield from _sharded_leaves(v, path + (i,))
+            yield from sharded_leaves(v, path + (i,))
 
 
 def _non_finite_values(tree: Any, path: Tuple[Any, ...] = ()) -> Iterator[Tuple[Tuple, Any]]:
-    """``(path, value)`` of every floating tensor or float in ``tree`` that is not finite."""
+    """``(path, tensor)`` of every floating tensor in ``tree`` with a value that is not finite
+    (Python floats are not checked: some legitimately hold inf)."""
     if isinstance(tree, torch.Tensor):
         if (tree.is_floating_point() or tree.is_complex()) and not bool(
             torch.isfinite(tree).all()
         ):
-            yield path, tree
-    elif isinstance(tree, float):
-        if not math.isfinite(tree):
             yield path, tree
     elif isinstance(tree, dict):
         for k, v in tree.items():
@@ -678,13 +678,17 @@ def _stored_file(directory: str, sharded: Any, value: Any) -> str:
     return ", ".join(os.path.join(directory, f) for f in files) or directory
 
 
-def check_finite(named: Dict[Tuple, Any], state: Dict[str, Any], directory: str) -> None:
+def check_finite(
+    named: Dict[Tuple, Any], state: Dict[str, Any], directory: str, file: Optional[str] = None
+) -> None:
     """Stop unless every floating value loaded on every rank is finite (collective).
 
     ``named`` maps the paths of the load template's sharded objects to them (taken before
     the load, which may change the template in place), ``state`` is what the load
     returned (model, optimizer, scheduler, megatron-ext state). A non-finite value in a
     checkpoint (a corrupted byte range reads as NaN) would otherwise train on silently.
+    ``file`` names where values outside the template come from (default: the torch_dist
+    checkpoint's ``common.pt``, or the directory).
 
     Raises:
         CheckpointError: on every rank, naming the tensor (checkpoint key and path in the
@@ -695,16 +699,15 @@ def check_finite(named: Dict[Tuple, Any], state: Dict[str, Any], directory: str)
         prefix = next((path[:n] for n in range(len(path), -1, -1) if path[:n] in named), None)
         sharded = named.get(prefix)
         where = ".".join(map(str, path))
-        if isinstance(value, torch.Tensor):
-            count = int((~torch.isfinite(value)).sum())
-            what = f"{count} of {value.numel()} values are not finite (NaN or inf)"
-        else:
-            what = f"value {value}"
+        count = int((~torch.isfinite(value)).sum())
+        what = f"{count} of {value.numel()} values are not finite (NaN or inf)"
         if sharded is not None:
             key = sharded.key
             source = _stored_file(directory, sharded, value)
         else:
-            key, source = where, os.path.join(directory, "common.pt")
+            common = os.path.join(directory, "common.pt")
+            key = where
+            source = file or (common if os.path.isfile(common) else directory)
         problem = (
             f"non-finite values in {source}: tensor {key!r} (state {where}): {what}; the "
             "checkpoint is corrupt, load an earlier iteration (--load DIR/iter_XXXXXXX)"
@@ -721,7 +724,7 @@ def _load_sharded(template: Dict[str, Any], directory: str, what: str) -> Dict[s
     """``dist_checkpointing.load`` naming the file that fails, then :func:`check_finite`."""
     from megatron.core import dist_checkpointing
 
-    named = dict(_sharded_leaves(template))
+    named = dict(sharded_leaves(template))
     try:
         state = dist_checkpointing.load(template, directory)
     except _LOAD_ERRORS as exc:  # named and re-raised

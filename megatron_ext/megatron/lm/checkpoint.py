@@ -40,9 +40,11 @@ from megatron_ext.megatron.checkpoint import (  # noqa: F401 (re-exported: share
     META_KEY,
     SHARDED_OBJECT_KEY,
     STATE_KEY,
+    check_finite,
     decide_load,
     ext_meta,
     init_optimizer_state_for_load,
+    sharded_leaves,
     sharded_state_object,
 )
 
@@ -58,6 +60,8 @@ __all__ = [
     "save_rank_file",
     "load_rank_file",
     "decide_load",
+    "check_finite",
+    "sharded_leaves",
     "init_optimizer_state_for_load",
     "saved_adam_step",
     "restore_adam_steps",

@@ -193,6 +193,9 @@ class _LoadContext:
     adam_step: Optional[float] = None
     """The torch Adam ``step`` the checkpoint's distributed-optimizer state holds."""
 
+    sharded: Optional[Dict[Any, Any]] = None
+    """Path -> sharded object of the torch_dist load template (names what is checked)."""
+
 
 class MegatronLMSession:
     """megatron-ext inside one Megatron-LM training process (see module docstring).
@@ -612,6 +615,7 @@ class MegatronLMSession:
             # when --auto-detect-ckpt-format finds one): ask for this rank's object.
             if self._load.include:
                 state_dict[lm_ckpt.STATE_KEY] = lm_ckpt.sharded_state_object(self.runtime)
+            self._load.sharded = dict(lm_ckpt.sharded_leaves(state_dict))
             return
         state_dict[lm_ckpt.META_KEY] = lm_ckpt.ext_meta(self.runtime)
         if args.ckpt_format == "torch_dist":
@@ -669,6 +673,14 @@ class MegatronLMSession:
         if not rank0:
             ctx.checkpoint_name = str(checkpoint_name)
             ctx.adam_step = lm_ckpt.saved_adam_step(state_dict.get("optimizer"))
+            # Every loaded float finite, or every rank stops naming the tensor and the file
+            # (torch_dist: the .distcp file; torch: this rank's model_optim_rng.pt).
+            lm_ckpt.check_finite(
+                ctx.sharded or {},
+                state_dict,
+                ctx.where,
+                file=None if os.path.isdir(ctx.checkpoint_name) else ctx.checkpoint_name,
+            )
             if ctx.include and lm_ckpt.STATE_KEY in state_dict:
                 ctx.loaded = state_dict[lm_ckpt.STATE_KEY]
 

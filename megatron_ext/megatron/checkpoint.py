@@ -15,6 +15,15 @@ What it does:
     before loading, and handled by ``--ext-state-on-mismatch`` (error, or reset with a
     warning).
 
+    Resume semantics are Megatron-LM's (:func:`resolve_load`: ``--load`` a directory or
+    one ``iter_XXXXXXX`` of it, refused when it holds no checkpoint unless it is
+    ``--save``; :func:`check_scheduler`: a differing learning-rate schedule refused unless
+    ``--override-opt-param-scheduler`` / ``--use-checkpoint-opt-param-scheduler``), and
+    what a load reads is checked: the distributed optimizer toggled is refused
+    (:func:`check_optimizer_kind`), a file that cannot be read is named
+    (:func:`load_common_state`, ``_read_error``), and every loaded tensor must be finite
+    (:func:`check_finite`, shared with the Megatron-LM adapter).
+
 Why not Megatron-LM's checkpointing:
     The driver runs on megatron-core alone; Megatron-LM's checkpoint integration lives in
     the Megatron-LM adapter (issue: Megatron-LM integration).
@@ -51,6 +60,10 @@ __all__ = [
     "load_checkpoint",
     "resolve_load",
     "CheckpointError",
+    "check_scheduler",
+    "apply_scheduler_override",
+    "check_optimizer_kind",
+    "load_common_state",
     "check_finite",
     "sharded_leaves",
     "latest_iteration",

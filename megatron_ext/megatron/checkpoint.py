@@ -61,7 +61,8 @@ __all__ = [
     "resolve_load",
     "CheckpointError",
     "check_scheduler",
-    "apply_scheduler_override",
+    "align_lr_bounds_for_load",
+    "apply_lr_bounds",
     "check_optimizer_kind",
     "load_common_state",
     "check_finite",
@@ -485,22 +486,57 @@ def check_scheduler(saved: Dict[str, Any], scheduler: Any, where: str) -> None:
         )
 
 
-def apply_scheduler_override(optimizer: Any, scheduler: Any) -> None:
-    """With ``--override-opt-param-scheduler``, put this run's ``max_lr`` / ``min_lr`` back
-    into the optimizer's param groups after the optimizer state was loaded.
+def _param_group_lists(tree: Any) -> Iterator[List[Dict[str, Any]]]:
+    """Every ``param_groups`` list inside a loaded optimizer state."""
+    if isinstance(tree, dict):
+        groups = tree.get("param_groups")
+        if isinstance(groups, list):
+            yield groups
+        for key, value in tree.items():
+            if key != "param_groups":
+                yield from _param_group_lists(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _param_group_lists(value)
 
-    megatron-core's scheduler takes a group's ``max_lr`` / ``min_lr`` before its own, and
-    loading the optimizer restores the checkpoint's groups, so the override would change the
-    schedule's shape but not its bounds (Megatron-LM issue #1138, still so in core_v0.16 and
-    core_v0.19; upstream later fixed it the same way). Call before the scheduler is loaded.
-    """
-    if not scheduler.override_opt_param_scheduler:
-        return
-    for group in optimizer.param_groups:
+
+def _set_lr_bounds(groups: Any, bounds: Tuple[float, float]) -> None:
+    for group in groups:
         if "max_lr" in group:
-            group["max_lr"] = scheduler.max_lr
+            group["max_lr"] = bounds[0]
         if "min_lr" in group:
-            group["min_lr"] = scheduler.min_lr
+            group["min_lr"] = bounds[1]
+
+
+def align_lr_bounds_for_load(optimizer_state: Any, scheduler: Any) -> None:
+    """Before loading the optimizer with a scheduler flag: give the loaded param groups this
+    run's ``max_lr`` / ``min_lr``.
+
+    megatron-core 0.19 matches loaded distributed-optimizer param groups to this run's by
+    keys that include ``max_lr`` and ``min_lr`` (a ``KeyError`` otherwise), so a new
+    ``--lr`` allowed by the scheduler flags would not load; :func:`apply_lr_bounds` then
+    sets the bounds the flag asks for.
+    """
+    if scheduler.override_opt_param_scheduler or scheduler.use_checkpoint_opt_param_scheduler:
+        for groups in _param_group_lists(optimizer_state):
+            _set_lr_bounds(groups, (scheduler.max_lr, scheduler.min_lr))
+
+
+def apply_lr_bounds(optimizer: Any, scheduler: Any, saved: Dict[str, Any]) -> None:
+    """After loading the optimizer, before the scheduler: the param groups' ``max_lr`` /
+    ``min_lr`` the scheduler flag asks for.
+
+    megatron-core's scheduler takes a group's ``max_lr`` / ``min_lr`` before its own. With
+    ``--override-opt-param-scheduler`` they become this run's: megatron-core 0.16 restores
+    the checkpoint's groups, so the override would change the schedule's shape but not its
+    bounds (Megatron-LM issue #1138, still so in core_v0.16 and core_v0.19; upstream later
+    fixed it the same way). With ``--use-checkpoint-opt-param-scheduler`` they are the
+    checkpoint's (``saved``: its scheduler state). Without either flag they are equal.
+    """
+    if scheduler.override_opt_param_scheduler:
+        _set_lr_bounds(optimizer.param_groups, (scheduler.max_lr, scheduler.min_lr))
+    elif scheduler.use_checkpoint_opt_param_scheduler:
+        _set_lr_bounds(optimizer.param_groups, (saved["max_lr"], saved["min_lr"]))
 
 
 def _uses_distributed_optimizer(optimizer: Any) -> bool:
@@ -831,10 +867,11 @@ def load_checkpoint(
             unwrap(chunk).load_state_dict(state[f"model{i}"], strict=True)
     # megatron-core 0.16's DistributedOptimizer.load_parameter_state_from_dp_reshardable
     # copies into views of leaf parameters without @torch.no_grad(); loading is no autograd.
+    align_lr_bounds_for_load(state["optimizer"], scheduler)
     with torch.no_grad():
         optimizer.load_state_dict(state["optimizer"])
         _restore_torch_adam_steps(optimizer, common["torch_adam_steps"])
-    apply_scheduler_override(optimizer, scheduler)
+    apply_lr_bounds(optimizer, scheduler, state["opt_param_scheduler"])
     scheduler.load_state_dict(state["opt_param_scheduler"])
     _set_rng_state(state["rng_state"])
     if include_ext:

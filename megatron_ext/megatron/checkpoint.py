@@ -21,7 +21,7 @@ What it does:
     ``--override-opt-param-scheduler`` / ``--use-checkpoint-opt-param-scheduler``), and
     what a load reads is checked: the distributed optimizer toggled is refused
     (:func:`check_optimizer_kind`), a file that cannot be read is named
-    (:func:`load_common_state`, ``_read_error``), and every loaded tensor must be finite
+    (:func:`load_common_state`, :func:`read_error`), and every loaded tensor must be finite
     (:func:`check_finite`, shared with the Megatron-LM adapter).
 
 Why not Megatron-LM's checkpointing:
@@ -65,6 +65,9 @@ __all__ = [
     "apply_lr_bounds",
     "check_optimizer_kind",
     "load_common_state",
+    "read_error",
+    "unreadable_file",
+    "LOAD_ERRORS",
     "check_finite",
     "sharded_leaves",
     "latest_iteration",
@@ -587,7 +590,7 @@ def _read_metadata(directory: str) -> Any:
         raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
 
 
-def _unreadable_file(directory: str) -> Optional[str]:
+def unreadable_file(directory: str) -> Optional[str]:
     """The first file of a torch_dist checkpoint that cannot be read, with why (or None).
 
     Called after a load failed: dist_checkpointing's errors do not name the file. Checks
@@ -636,12 +639,13 @@ def _unreadable_file(directory: str) -> Optional[str]:
 
 # torch.distributed.checkpoint's CheckpointException (the per-rank failures of a load) is a
 # BaseException.
-_LOAD_ERRORS = (Exception, torch.distributed.checkpoint.api.CheckpointException)
+LOAD_ERRORS = (Exception, torch.distributed.checkpoint.api.CheckpointException)
 
 
-def _read_error(directory: str, what: str, exc: BaseException) -> CheckpointError:
-    """A CheckpointError naming the file of ``directory`` that failed (or the directory)."""
-    bad = _unreadable_file(directory)
+def read_error(directory: str, what: str, exc: BaseException) -> CheckpointError:
+    """A CheckpointError naming the file of torch_dist ``directory`` that failed to load
+    ``what`` (or the directory and ``exc`` when every file reads)."""
+    bad = unreadable_file(directory)
     if bad is not None:
         return CheckpointError(f"cannot load {what} from {directory}: {bad}")
     return CheckpointError(f"cannot load {what} from {directory}: {type(exc).__name__}: {exc}")
@@ -653,8 +657,8 @@ def load_common_state(directory: str) -> Dict[str, Any]:
 
     try:
         return dist_checkpointing.load_common_state_dict(directory)
-    except _LOAD_ERRORS as exc:  # named and re-raised
-        raise _read_error(directory, "the common state", exc) from exc
+    except LOAD_ERRORS as exc:  # named and re-raised
+        raise read_error(directory, "the common state", exc) from exc
 
 
 def sharded_leaves(tree: Any, path: Tuple[Any, ...] = ()) -> Iterator[Tuple[Tuple, Any]]:
@@ -776,8 +780,8 @@ def _load_sharded(template: Dict[str, Any], directory: str, what: str) -> Dict[s
     named = dict(sharded_leaves(template))
     try:
         state = dist_checkpointing.load(template, directory)
-    except _LOAD_ERRORS as exc:  # named and re-raised
-        raise _read_error(directory, what, exc) from exc
+    except LOAD_ERRORS as exc:  # named and re-raised
+        raise read_error(directory, what, exc) from exc
     check_finite(named, state, directory)
     return state
 

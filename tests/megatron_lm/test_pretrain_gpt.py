@@ -14,7 +14,8 @@ off), 2 processes:
   3.304 when measured); the same in the ``torch`` format (per-rank files), compared
   bit for bit; a resume with other settings stops, naming ``--ext-state-on-mismatch``;
 * DP=2 with ``--use-distributed-optimizer``: a resume continues exactly; 1,024 NaN written
-  into the stored embedding stop the load, naming the tensor and the ``.distcp`` file;
+  into the stored embedding stop the load, naming the tensor and the ``.distcp`` file; so
+  does a truncated ``.distcp`` file, named;
 * zero-touch PP=2 through ``scripts/pretrain_gpt_ext.sh`` and the run file: pipeline bytes;
 * patched (``megatron-ext patch`` on a copy, then ``torchrun pretrain_gpt.py``): DP=2 and
   PP=2;
@@ -213,6 +214,26 @@ def test_non_finite_checkpoint_values_stop_the_load_naming_tensor_and_file(
     stored = directory / item.relative_path
     assert f"megatron-ext: error: --load: non-finite values in {stored}" in run.stderr, run.stderr
     assert "'embedding.word_embeddings.weight'" in run.stderr and "1024 of" in run.stderr
+    assert not iterations(run.stdout)
+
+
+def test_truncated_checkpoint_file_stops_the_load_naming_it(dp2_distopt, tmp_path):
+    """dist_checkpointing's own error (a CheckpointException per rank) names no file."""
+    root, _ = dp2_distopt
+    shutil.copytree(root / "ckpt", tmp_path / "ckpt")
+    stored = tmp_path / "ckpt" / "iter_0000002" / "__1_0.distcp"
+    with open(stored, "r+b") as f:
+        f.truncate(stored.stat().st_size // 2)
+    run = pretrain(
+        Path(os.environ["MEGATRON_LM_DIR"]) / "pretrain_gpt.py",
+        tiny_args(load=str(tmp_path / "ckpt"), ckpt_step="2", grad_compression="none")
+        + ["--use-distributed-optimizer"],
+        cwd=tmp_path,
+    )
+    assert run.returncode != 0
+    assert f"megatron-ext: error: --load: cannot load {stored.parent}: {stored} is truncated" in (
+        run.stderr
+    ), run.stderr[-3000:]
     assert not iterations(run.stdout)
 
 

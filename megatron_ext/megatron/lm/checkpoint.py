@@ -37,14 +37,20 @@ from typing import Any, Dict, Optional
 import torch
 
 from megatron_ext.megatron.checkpoint import (  # noqa: F401 (re-exported: shared keys)
+    LOAD_ERRORS,
     META_KEY,
     SHARDED_OBJECT_KEY,
     STATE_KEY,
     check_finite,
     decide_load,
     ext_meta,
+    checkpoint_dir,
     init_optimizer_state_for_load,
+    latest_iteration,
+    CheckpointError,
+    read_error,
     sharded_leaves,
+    unreadable_file,
     sharded_state_object,
 )
 
@@ -60,6 +66,11 @@ __all__ = [
     "save_rank_file",
     "load_rank_file",
     "decide_load",
+    "LOAD_ERRORS",
+    "read_error",
+    "unreadable_file",
+    "CheckpointError",
+    "iteration_dir_to_load",
     "check_finite",
     "sharded_leaves",
     "init_optimizer_state_for_load",
@@ -85,6 +96,16 @@ def iteration_dir_of(checkpoint_name: str) -> str:
     if os.path.isdir(checkpoint_name):
         return checkpoint_name
     return os.path.dirname(os.path.dirname(checkpoint_name))
+
+
+def iteration_dir_to_load(args: Any) -> Optional[str]:
+    """The ``iter_XXXXXXX`` directory Megatron-LM's ``--load`` / ``--ckpt-step`` name (None
+    without a tracker)."""
+    if not args.load:
+        return None
+    step = getattr(args, "ckpt_step", None)
+    iteration = step if step is not None else latest_iteration(args.load)
+    return None if iteration is None else checkpoint_dir(args.load, iteration)
 
 
 def save_rank_file(iteration_dir: str, runtime: Any) -> str:

@@ -34,6 +34,7 @@ from torch import no_grad
 
 from megatron_ext.accounting import ProcessGroupTrafficMeter
 from megatron_ext.config import ConfigError
+from megatron_ext.megatron.lm.checkpoint import LOAD_ERRORS
 from megatron_ext.megatron.lm.releases import UnsupportedReleaseError
 from megatron_ext.megatron.lm.session import MegatronLMSession
 from megatron_ext.megatron.patching import AttributePatches
@@ -294,7 +295,11 @@ def _wrap(session: MegatronLMSession, target: HookTarget, original: Callable, si
                 # No autograd in a load; megatron-core 0.16's distributed optimizer copies
                 # into views of leaf parameters (fp32 on CPU) and fails under autograd.
                 with session.clean_errors(), ProcessGroupTrafficMeter.untracked(), no_grad():
-                    result = original(*args, **kwargs)
+                    try:
+                        result = original(*args, **kwargs)
+                    except LOAD_ERRORS as exc:
+                        session.name_load_error(exc, _args())
+                        raise
             finally:
                 ctx = session.end_load()
             with session.clean_errors(), ProcessGroupTrafficMeter.untracked():

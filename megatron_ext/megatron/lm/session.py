@@ -684,6 +684,19 @@ class MegatronLMSession:
             if ctx.include and lm_ckpt.STATE_KEY in state_dict:
                 ctx.loaded = state_dict[lm_ckpt.STATE_KEY]
 
+    def name_load_error(self, exc: BaseException, args: Any) -> None:
+        """Megatron-LM's ``load_checkpoint`` raised ``exc``: raise a CheckpointError naming
+        the file of a torch_dist checkpoint that cannot be read, if one is found (else
+        return, and ``exc`` propagates). Errors of dist_checkpointing name no file."""
+        if self._load is None or isinstance(exc, (ConfigError, StateMismatch)):
+            return
+        directory = self._load.where or lm_ckpt.iteration_dir_to_load(args)
+        if not directory or not os.path.isfile(os.path.join(directory, "metadata.json")):
+            return
+        bad = lm_ckpt.unreadable_file(directory)
+        if bad is not None:
+            raise lm_ckpt.CheckpointError(f"cannot load {directory}: {bad}") from exc
+
     def end_load(self) -> Optional[_LoadContext]:
         """Megatron-LM's ``load_checkpoint`` returned (or raised)."""
         ctx, self._load = self._load, None

@@ -7,6 +7,11 @@ comparison is only meaningful without it). Compared bit for bit: losses of the c
 iterations, every parameter, every optimizer state tensor (main params and Adam moments),
 and megatron_ext's per-rank state (a probe object registered in the ExtState whose value
 differs on every rank, so a rank-mixing or deduplicating save would be caught).
+
+Also, in one launch: what a load reads is checked. A garbage or binary tracker, a truncated
+``common.pt`` / ``.metadata`` / ``.distcp``, a garbled stored item, 4 KB of 0xFF inside the
+stored embedding (1,024 NaN), and non-finite megatron-ext and optimizer state saved as such
+each stop the load on every rank with a ``CheckpointError`` naming the file (and tensor).
 """
 
 import os

@@ -91,6 +91,7 @@ def arg(
     choices: Optional[Tuple[Any, ...]] = None,
     metavar: Optional[str] = None,
     nargs: Optional[str] = None,
+    aliases: Tuple[str, ...] = (),
 ) -> Dict[str, Any]:
     """Field metadata for argparse generation (use as ``field(metadata=arg(...))``).
 
@@ -99,8 +100,17 @@ def arg(
         choices: allowed values; argparse reports anything else naming the flag.
         metavar: argparse metavar.
         nargs: argparse nargs (for list-valued fields).
+        aliases: further spellings of the flag (e.g. Megatron-LM's historical ones).
     """
-    return {"argparse": {"flag": flag, "choices": choices, "metavar": metavar, "nargs": nargs}}
+    return {
+        "argparse": {
+            "flag": flag,
+            "choices": choices,
+            "metavar": metavar,
+            "nargs": nargs,
+            "aliases": tuple(aliases),
+        }
+    }
 
 
 @lru_cache(maxsize=None)
@@ -189,7 +199,14 @@ def add_config_args(
                     neg, dest=dest, action="store_false", help=f"Disable: {help_text}", **override
                 )
             else:
-                group.add_argument(flag, dest=dest, action="store_true", help=help_text, **override)
+                group.add_argument(
+                    flag,
+                    *meta.get("aliases", ()),
+                    dest=dest,
+                    action="store_true",
+                    help=help_text,
+                    **override,
+                )
             continue
         kwargs: Dict[str, Any] = {"dest": dest, "default": default}
         if typing.get_origin(tp) in (list, tuple, List, Tuple):
@@ -208,7 +225,7 @@ def add_config_args(
         if default is not None and tp is not bool:
             help_text = f"{help_text} Default: {default}."
         kwargs.update(override)
-        group.add_argument(flag, help=help_text, **kwargs)
+        group.add_argument(flag, *meta.get("aliases", ()), help=help_text, **kwargs)
     return parser
 
 

@@ -536,13 +536,19 @@ class Trainer:
                 runtime=self.runtime,
                 on_mismatch=cfg.ext.checkpoint.on_mismatch,
                 model_only=cfg.checkpoint.finetune,
+                save=cfg.checkpoint.save,
             )
         if loaded is None:
             if cfg.checkpoint.finetune:
                 raise ConfigError(
                     ["--finetune", "--load"], f"no checkpoint to fine-tune in {cfg.checkpoint.load}"
                 )
-            print_rank_0(f"> no checkpoint in {cfg.checkpoint.load}; starting from scratch")
+            # Only when --load is --save (auto-resume); any other --load without a checkpoint
+            # is refused by load_checkpoint.
+            print_rank_0(
+                f"> no checkpoint in {cfg.checkpoint.load} (the --save directory) yet; "
+                "starting from scratch"
+            )
             return 0, 0
         if cfg.checkpoint.finetune:
             # The distributed optimizer's fp32 main copies were made from the initial weights.
@@ -890,6 +896,12 @@ def run_training(cfg: DriverConfig) -> Dict[str, Any]:
     from megatron_ext.child_processes import children_die_with_parent
 
     children_die_with_parent()
+    if cfg.checkpoint.load:
+        from megatron_ext.megatron.checkpoint import resolve_load
+
+        # A --load that names no checkpoint is refused here too (a typo would otherwise train
+        # from scratch and overwrite the checkpoints under --save).
+        resolve_load(cfg.checkpoint.load, save=cfg.checkpoint.save)
     trainer = Trainer(cfg)
     if not cfg.training.exit_signal_handler:
         return _build_and_train(trainer)

@@ -226,6 +226,21 @@ class TrainingArgs:
     clip_grad: float = 1.0
     """Gradient clipping by global norm (0 disables)."""
 
+    override_opt_param_scheduler: bool = field(
+        default=False, metadata=arg(aliases=("--override-opt_param-scheduler",))
+    )
+    """On --load, use this run's learning-rate schedule (--lr, --min-lr, --lr-warmup-iters,
+    --lr-decay-iters / --train-iters, --lr-decay-style, --weight-decay) instead of the
+    checkpoint's; the schedule continues from the checkpoint's step (Megatron-LM's flag).
+    Without it or --use-checkpoint-opt-param-scheduler, a schedule that differs from the
+    checkpoint's is refused."""
+
+    use_checkpoint_opt_param_scheduler: bool = field(
+        default=False, metadata=arg(aliases=("--use-checkpoint-opt_param-scheduler",))
+    )
+    """On --load, continue the checkpoint's learning-rate schedule and ignore this run's
+    schedule flags (Megatron-LM's flag)."""
+
     bf16: bool = False
     """bf16 parameters and activations with fp32 main parameters and gradients."""
 
@@ -274,6 +289,14 @@ class TrainingArgs:
             "check_weight_hash_across_dp_replicas_interval",
             self.check_weight_hash_across_dp_replicas_interval,
         )
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ConfigError(
+                [
+                    flag_of(cls, "override_opt_param_scheduler"),
+                    flag_of(cls, "use_checkpoint_opt_param_scheduler"),
+                ],
+                "give at most one: use this run's schedule or the checkpoint's",
+            )
         if self.min_lr > self.lr:
             raise ConfigError(["--min-lr", "--lr"], f"min lr {self.min_lr} > lr {self.lr}")
         decay = self.lr_decay_iters or self.train_iters
@@ -299,7 +322,10 @@ class CheckpointArgs:
     """Directory to save checkpoints to (also the default place of the reports)."""
 
     load: Optional[str] = None
-    """Directory to resume from (its latest checkpoint)."""
+    """Checkpoint to resume from: a directory (its latest checkpoint, from
+    latest_checkpointed_iteration.txt) or one of its iter_XXXXXXX directories (that
+    iteration). A --load holding no checkpoint is refused, except when it is also --save
+    (then a first run starts from scratch and later runs resume)."""
 
     save_interval: Optional[int] = None
     """Save every N iterations (and at the end)."""

@@ -15,6 +15,15 @@ What it does:
     before loading, and handled by ``--ext-state-on-mismatch`` (error, or reset with a
     warning).
 
+    Resume semantics are Megatron-LM's (:func:`resolve_load`: ``--load`` a directory or
+    one ``iter_XXXXXXX`` of it, refused when it holds no checkpoint unless it is
+    ``--save``; :func:`check_scheduler`: a differing learning-rate schedule refused unless
+    ``--override-opt-param-scheduler`` / ``--use-checkpoint-opt-param-scheduler``), and
+    what a load reads is checked: the distributed optimizer toggled is refused
+    (:func:`check_optimizer_kind`), a file that cannot be read is named
+    (:func:`load_common_state`, :func:`read_error`), and every loaded tensor must be finite
+    (:func:`check_finite`, shared with the Megatron-LM adapter).
+
 Elastic resume (another data-parallel size, same TP and PP):
     The common state also records the topology (:data:`TOPOLOGY_KEY`: sizes, the gradient
     reduction op and, per global rank, its TP / PP / DP coordinates and a digest of its RNG
@@ -44,15 +53,20 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
+import json
 import os
 import random
+import re
 import shutil
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint.api
 
 from megatron_ext import elastic
+from megatron_ext.config import ConfigError
 from megatron_ext.logging import print_rank_0
 from megatron_ext.megatron.naming import unwrap
 from megatron_ext.state import StateMismatch, fingerprint
@@ -62,10 +76,23 @@ __all__ = [
     "load_checkpoint",
     "check_free_space",
     "CheckpointSaveError",
+    "resolve_load",
+    "CheckpointError",
+    "check_scheduler",
+    "align_lr_bounds_for_load",
+    "apply_lr_bounds",
+    "check_optimizer_kind",
+    "load_common_state",
+    "read_error",
+    "unreadable_file",
+    "LOAD_ERRORS",
+    "check_finite",
+    "sharded_leaves",
     "latest_iteration",
     "checkpoint_dir",
     "ext_meta",
     "decide_load",
+    "init_optimizer_state_for_load",
     "sharded_state_object",
     "META_KEY",
     "STATE_KEY",
@@ -123,19 +150,97 @@ def sharded_state_object(runtime: Any, *, snapshot: bool = False) -> Any:
     return ShardedObject(SHARDED_OBJECT_KEY, state, (world,), (rank,), replica_id=0)
 
 
+class CheckpointError(ConfigError):
+    """A checkpoint that ``--load`` names cannot be used: absent, unreadable, truncated,
+    saved with other settings, or holding non-finite values. The message names the path
+    (file or directory) and, for values, the tensor."""
+
+    def __init__(self, message: str, flags: Sequence[str] = ("--load",)):
+        super().__init__(list(flags), message)
+
+
 def checkpoint_dir(root: str, iteration: int) -> str:
     """``<root>/iter_XXXXXXX`` (Megatron-LM's naming)."""
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
+_ITER_DIR = re.compile(r"^iter_(\d+)$")
+
+
 def latest_iteration(root: str) -> Optional[int]:
-    """Iteration in ``<root>/latest_checkpointed_iteration.txt``, or None."""
+    """Iteration in ``<root>/latest_checkpointed_iteration.txt``, or None without one.
+
+    Raises:
+        CheckpointError: the tracker is unreadable or does not hold an iteration number
+            (naming the file).
+    """
     path = os.path.join(root, _TRACKER)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        text = f.read().strip()
-    return int(text)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(64)
+        text = raw.decode("ascii").strip()
+        iteration = int(text)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(
+            f"cannot read the latest iteration from {path}: {raw[:32]!r} is not an iteration "
+            f"number ({type(exc).__name__}); write the number of an iter_XXXXXXX directory "
+            "there, or pass that directory as --load"
+        ) from None
+    if iteration < 0:
+        raise CheckpointError(f"{path} holds a negative iteration ({iteration})")
+    return iteration
+
+
+def _is_checkpoint(directory: str) -> bool:
+    """Whether ``directory`` is a dist_checkpointing checkpoint (it has metadata.json)."""
+    return os.path.isfile(os.path.join(directory, "metadata.json"))
+
+
+def resolve_load(load: str, *, save: Optional[str] = None) -> Optional[Tuple[str, int]]:
+    """The checkpoint ``--load`` names: ``(iteration directory, iteration)``.
+
+    * ``--load DIR/iter_XXXXXXX``: that iteration;
+    * ``--load DIR``: the iteration in ``DIR/latest_checkpointed_iteration.txt``;
+    * ``--load DIR`` that does not exist or holds no checkpoint: None (start from scratch)
+      only when ``DIR`` is also ``--save`` (Megatron-LM's auto-resume convention: an empty
+      or absent save directory means a first run); otherwise refused, so a typo never
+      trains from scratch and overwrites the checkpoints it was meant to resume.
+
+    Raises:
+        CheckpointError: naming the path (see above; also an unreadable tracker, or a
+            tracker naming an iteration whose directory is missing).
+    """
+    path = os.path.normpath(load)
+    match = _ITER_DIR.match(os.path.basename(path))
+    if match and os.path.isdir(path):
+        if not _is_checkpoint(path):
+            raise CheckpointError(f"{path} holds no checkpoint (no metadata.json)")
+        return path, int(match.group(1))
+    iteration = latest_iteration(path) if os.path.isdir(path) else None
+    if iteration is not None:
+        directory = checkpoint_dir(path, iteration)
+        if not _is_checkpoint(directory):
+            raise CheckpointError(
+                f"{os.path.join(path, _TRACKER)} names iteration {iteration}, but {directory} "
+                "holds no checkpoint"
+            )
+        return directory, iteration
+    if save is not None and os.path.abspath(path) == os.path.abspath(os.path.normpath(save)):
+        return None
+    if not os.path.exists(path):
+        problem = f"{path} does not exist"
+    else:
+        names = os.listdir(path) if os.path.isdir(path) else []
+        found = sorted(n for n in names if _ITER_DIR.match(n))
+        problem = f"{path} holds no checkpoint (no {_TRACKER})" + (
+            f"; it has {', '.join(found)}: pass one of them as --load" if found else ""
+        )
+    raise CheckpointError(
+        f"{problem}. To start from scratch drop --load; --load equal to --save resumes when "
+        "that directory holds a checkpoint and starts from scratch when it does not"
+    )
 
 
 def _rng_state() -> Dict[str, Any]:
@@ -350,6 +455,7 @@ def save_checkpoint(
             META_KEY: ext_meta(runtime),
             TOPOLOGY_KEY: _topology(model_chunks),
             "torch_adam_steps": _torch_adam_steps(optimizer),
+            "use_distributed_optimizer": _uses_distributed_optimizer(optimizer),
         }
     )
     sd.update(extra_common or {})
@@ -587,9 +693,359 @@ def _init_dist_opt_state(optimizer: Any) -> None:
             leaf._init_optimizer_states_with_dummy_values()
 
 
+# -- checks of what a load reads -----------------------------------------------------------------
+
+# OptimizerParamScheduler.state_dict() keys that its load_state_dict checks (_check_and_set), and
+# the driver flags that set them.
+_SCHEDULER_FLAGS = {
+    "max_lr": ("--lr",),
+    "min_lr": ("--min-lr",),
+    "lr_warmup_steps": ("--lr-warmup-iters",),
+    "lr_decay_steps": ("--lr-decay-iters", "--train-iters"),
+    "lr_decay_style": ("--lr-decay-style",),
+    "start_wd": ("--weight-decay",),
+    "end_wd": ("--weight-decay",),
+    "wd_incr_steps": ("--lr-decay-iters", "--train-iters"),
+    "wd_incr_style": ("--weight-decay",),
+}
+_OVERRIDE_FLAG = "--override-opt-param-scheduler"
+_USE_CHECKPOINT_FLAG = "--use-checkpoint-opt-param-scheduler"
+
+
+def check_scheduler(saved: Dict[str, Any], scheduler: Any, where: str) -> None:
+    """Refuse a learning-rate schedule that differs from the checkpoint's, as Megatron-LM does.
+
+    megatron-core's ``OptimizerParamScheduler.load_state_dict`` keeps the checkpoint's values
+    with ``use_checkpoint_opt_param_scheduler``, this run's with
+    ``override_opt_param_scheduler``, and asserts equality otherwise (Megatron-LM's default);
+    this check runs first, so the refusal names the flags and both values before anything
+    is loaded. Steps are in samples (iterations x global batch size).
+
+    Raises:
+        ConfigError: a value differs and neither flag is given.
+    """
+    if scheduler.override_opt_param_scheduler or scheduler.use_checkpoint_opt_param_scheduler:
+        return
+    now = scheduler.state_dict()
+    diffs, flags = [], []
+    for key, key_flags in _SCHEDULER_FLAGS.items():
+        if key in saved and saved[key] != now.get(key):
+            diffs.append(
+                f"{key} ({' / '.join(key_flags)}): checkpoint {saved[key]}, "
+                f"this run {now.get(key)}"
+            )
+            flags += [f for f in key_flags if f not in flags]
+    if diffs:
+        raise ConfigError(
+            flags + [_OVERRIDE_FLAG, _USE_CHECKPOINT_FLAG],
+            f"the learning-rate schedule differs from the one saved in {where} (steps in "
+            f"samples): {'; '.join(diffs)}. Pass {_USE_CHECKPOINT_FLAG} to continue the saved "
+            f"schedule, or {_OVERRIDE_FLAG} to use this run's values (Megatron-LM's flags)",
+        )
+
+
+def _param_group_lists(tree: Any) -> Iterator[List[Dict[str, Any]]]:
+    """Every ``param_groups`` list inside a loaded optimizer state."""
+    if isinstance(tree, dict):
+        groups = tree.get("param_groups")
+        if isinstance(groups, list):
+            yield groups
+        for key, value in tree.items():
+            if key != "param_groups":
+                yield from _param_group_lists(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _param_group_lists(value)
+
+
+def _set_lr_bounds(groups: Any, bounds: Tuple[float, float]) -> None:
+    for group in groups:
+        if "max_lr" in group:
+            group["max_lr"] = bounds[0]
+        if "min_lr" in group:
+            group["min_lr"] = bounds[1]
+
+
+def align_lr_bounds_for_load(optimizer_state: Any, scheduler: Any) -> None:
+    """Before loading the optimizer with a scheduler flag: give the loaded param groups this
+    run's ``max_lr`` / ``min_lr``.
+
+    megatron-core 0.19 matches loaded distributed-optimizer param groups to this run's by
+    keys that include ``max_lr`` and ``min_lr`` (a ``KeyError`` otherwise), so a new
+    ``--lr`` allowed by the scheduler flags would not load; :func:`apply_lr_bounds` then
+    sets the bounds the flag asks for.
+    """
+    if scheduler.override_opt_param_scheduler or scheduler.use_checkpoint_opt_param_scheduler:
+        for groups in _param_group_lists(optimizer_state):
+            _set_lr_bounds(groups, (scheduler.max_lr, scheduler.min_lr))
+
+
+def apply_lr_bounds(optimizer: Any, scheduler: Any, saved: Dict[str, Any]) -> None:
+    """After loading the optimizer, before the scheduler: the param groups' ``max_lr`` /
+    ``min_lr`` the scheduler flag asks for.
+
+    megatron-core's scheduler takes a group's ``max_lr`` / ``min_lr`` before its own. With
+    ``--override-opt-param-scheduler`` they become this run's: megatron-core 0.16 restores
+    the checkpoint's groups, so the override would change the schedule's shape but not its
+    bounds (Megatron-LM issue #1138, still so in core_v0.16 and core_v0.19; upstream later
+    fixed it the same way). With ``--use-checkpoint-opt-param-scheduler`` they are the
+    checkpoint's (``saved``: its scheduler state). Without either flag they are equal.
+    """
+    if scheduler.override_opt_param_scheduler:
+        _set_lr_bounds(optimizer.param_groups, (scheduler.max_lr, scheduler.min_lr))
+    elif scheduler.use_checkpoint_opt_param_scheduler:
+        _set_lr_bounds(optimizer.param_groups, (saved["max_lr"], saved["min_lr"]))
+
+
+def _uses_distributed_optimizer(optimizer: Any) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    leaves = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(isinstance(leaf, DistributedOptimizer) for leaf in leaves)
+
+
+def _saved_distributed_optimizer(common: Dict[str, Any], directory: str) -> bool:
+    """Whether the checkpoint holds distributed-optimizer state (recorded since this check
+    exists; older checkpoints are recognized by the distributed optimizer's tensor keys)."""
+    if "use_distributed_optimizer" in common:
+        return bool(common["use_distributed_optimizer"])
+    keys = _read_metadata(directory).state_dict_metadata
+    return any(k.startswith("optimizer.distributed.") for k in keys)
+
+
+def check_optimizer_kind(common: Dict[str, Any], optimizer: Any, directory: str) -> None:
+    """Refuse to resume a checkpoint saved with the distributed optimizer toggled.
+
+    The distributed optimizer stores its state as flat per-bucket shards, the other one
+    per parameter: neither loads into the other (megatron-core raises a ``KeyError``).
+
+    Raises:
+        ConfigError: naming ``--use-distributed-optimizer``.
+    """
+    saved = _saved_distributed_optimizer(common, directory)
+    now = _uses_distributed_optimizer(optimizer)
+    if saved != now:
+        raise ConfigError(
+            "--use-distributed-optimizer",
+            f"{directory} was saved with the distributed optimizer {'on' if saved else 'off'}, "
+            f"this run has it {'on' if now else 'off'}; its optimizer state cannot be loaded. "
+            f"Resume {'with' if saved else 'without'} --use-distributed-optimizer (or pass "
+            "--finetune to load the model weights only)",
+        )
+
+
+def _read_metadata(directory: str) -> Any:
+    """The torch_dist ``.metadata`` of ``directory`` (CheckpointError naming the file)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = os.path.join(directory, ".metadata")
+    try:
+        return FileSystemReader(directory).read_metadata()
+    except Exception as exc:  # noqa: BLE001 (any failure to read: named, re-raised)
+        raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
+
+
+def unreadable_file(directory: str) -> Optional[str]:
+    """The first file of a torch_dist checkpoint that cannot be read, with why (or None).
+
+    Called after a load failed: dist_checkpointing's errors do not name the file. Checks
+    ``metadata.json``, ``common.pt`` (megatron-core 0.16), ``.metadata``, then every stored
+    item (``__R_N.distcp`` byte ranges, each a ``torch.save`` of one tensor or object).
+    """
+    meta_json = os.path.join(directory, "metadata.json")
+    try:
+        with open(meta_json) as f:
+            json.load(f)
+    except Exception as exc:  # noqa: BLE001
+        return f"{meta_json}: {type(exc).__name__}: {exc}"
+    common = os.path.join(directory, "common.pt")
+    if os.path.exists(common):
+        try:
+            torch.load(common, map_location="cpu", weights_only=False)
+        except Exception as exc:  # noqa: BLE001
+            return f"{common}: {type(exc).__name__}: {exc}"
+    try:
+        metadata = _read_metadata(directory)
+    except CheckpointError as exc:
+        return str(exc).split(": ", 1)[1]
+    sizes: Dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        path = os.path.join(directory, info.relative_path)
+        if path not in sizes:
+            sizes[path] = os.path.getsize(path) if os.path.isfile(path) else -1
+        if sizes[path] < 0:
+            return f"{path} is missing (the checkpoint's .metadata lists it)"
+        if info.offset + info.length > sizes[path]:
+            return (
+                f"{path} is truncated: {sizes[path]} bytes, but {index.fqn} is stored at bytes "
+                f"{info.offset}-{info.offset + info.length}"
+            )
+    for index, info in metadata.storage_data.items():
+        path = os.path.join(directory, info.relative_path)
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            blob = f.read(info.length)
+        try:
+            torch.load(io.BytesIO(blob), map_location="cpu", weights_only=False)
+        except Exception as exc:  # noqa: BLE001
+            return f"{path}: {index.fqn} cannot be read ({type(exc).__name__}: {exc})"
+    return None
+
+
+# torch.distributed.checkpoint's CheckpointException (the per-rank failures of a load) is a
+# BaseException.
+LOAD_ERRORS = (Exception, torch.distributed.checkpoint.api.CheckpointException)
+
+
+def read_error(directory: str, what: str, exc: BaseException) -> CheckpointError:
+    """A CheckpointError naming the file of torch_dist ``directory`` that failed to load
+    ``what`` (or the directory and ``exc`` when every file reads)."""
+    bad = unreadable_file(directory)
+    if bad is not None:
+        return CheckpointError(f"cannot load {what} from {directory}: {bad}")
+    return CheckpointError(f"cannot load {what} from {directory}: {type(exc).__name__}: {exc}")
+
+
+def load_common_state(directory: str) -> Dict[str, Any]:
+    """dist_checkpointing's common (rank-0) state of ``directory``, naming a bad file."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        return dist_checkpointing.load_common_state_dict(directory)
+    except LOAD_ERRORS as exc:  # named and re-raised
+        raise read_error(directory, "the common state", exc) from exc
+
+
+def sharded_leaves(tree: Any, path: Tuple[Any, ...] = ()) -> Iterator[Tuple[Tuple, Any]]:
+    """``(path, leaf)`` of every dist_checkpointing object (ShardedTensor, ShardedObject,
+    factory) of a load template (``dict(sharded_leaves(template))`` for
+    :func:`check_finite`)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    if isinstance(tree, ShardedBase):
+        yield path, tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from sharded_leaves(v, path + (k,))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from sharded_leaves(v, path + (i,))
+
+
+def _non_finite_values(tree: Any, path: Tuple[Any, ...] = ()) -> Iterator[Tuple[Tuple, Any]]:
+    """``(path, tensor)`` of every floating tensor in ``tree`` with a value that is not finite
+    (Python floats are not checked: some legitimately hold inf)."""
+    if isinstance(tree, torch.Tensor):
+        if (tree.is_floating_point() or tree.is_complex()) and not bool(torch.isfinite(tree).all()):
+            yield path, tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _non_finite_values(v, path + (k,))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _non_finite_values(v, path + (i,))
+
+
+def _stored_file(directory: str, sharded: Any, value: Any) -> str:
+    """The ``__R_N.distcp`` file holding ``sharded``'s first non-finite element."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    metadata = _read_metadata(directory)
+    files = []
+    if isinstance(sharded, ShardedObject):
+        files = [
+            i.relative_path for k, i in metadata.storage_data.items() if k.fqn == sharded.unique_key
+        ]
+    elif isinstance(sharded, ShardedTensor) and isinstance(value, torch.Tensor):
+        bad = int((~torch.isfinite(value.reshape(-1))).nonzero()[0])
+        start = sharded.flattened_range.start if sharded.flattened_range is not None else 0
+        shape = tuple(sharded.local_shape)
+        local = np.unravel_index(start + bad, shape) if shape else ()
+        index = tuple(sharded.global_offset[: sharded.prepend_axis_num]) + tuple(
+            int(o) + int(i)
+            for o, i in zip(sharded.global_offset[sharded.prepend_axis_num :], local)
+        )
+        md = metadata.state_dict_metadata.get(sharded.key)
+        for chunk in getattr(md, "chunks", []):
+            if all(o <= x < o + n for o, n, x in zip(chunk.offsets, chunk.sizes, index)):
+                files = [
+                    i.relative_path
+                    for k, i in metadata.storage_data.items()
+                    if k.fqn == sharded.key and tuple(k.offset) == tuple(chunk.offsets)
+                ]
+                break
+    if not files:
+        key = getattr(sharded, "key", "")
+        files = sorted(
+            {i.relative_path for k, i in metadata.storage_data.items() if k.fqn.startswith(key)}
+        )
+    return ", ".join(os.path.join(directory, f) for f in files) or directory
+
+
+def check_finite(
+    named: Dict[Tuple, Any], state: Dict[str, Any], directory: str, file: Optional[str] = None
+) -> None:
+    """Stop unless every floating value loaded on every rank is finite (collective).
+
+    ``named`` maps the paths of the load template's sharded objects to them (taken before
+    the load, which may change the template in place), ``state`` is what the load
+    returned (model, optimizer, scheduler, megatron-ext state). A non-finite value in a
+    checkpoint (a corrupted byte range reads as NaN) would otherwise train on silently.
+    ``file`` names where values outside the template come from (default: the torch_dist
+    checkpoint's ``common.pt``, or the directory).
+
+    Raises:
+        CheckpointError: on every rank, naming the tensor (checkpoint key and path in the
+            state dict), how many values are not finite, and the file holding it.
+    """
+    problem = ""
+    for path, value in _non_finite_values(state):
+        prefix = next((path[:n] for n in range(len(path), -1, -1) if path[:n] in named), None)
+        sharded = named.get(prefix)
+        where = ".".join(map(str, path))
+        count = int((~torch.isfinite(value)).sum())
+        what = f"{count} of {value.numel()} values are not finite (NaN or inf)"
+        if sharded is not None:
+            key = sharded.key
+            source = _stored_file(directory, sharded, value)
+        else:
+            common = os.path.join(directory, "common.pt")
+            key = where
+            source = file or (common if os.path.isfile(common) else directory)
+        problem = (
+            f"non-finite values in {source}: tensor {key!r} (state {where}): {what}; the "
+            "checkpoint is corrupt, load an earlier iteration (--load DIR/iter_XXXXXXX)"
+        )
+        break
+    problems: List[str] = [""] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(problems, problem)
+    first = next((p for p in problems if p), None)
+    if first is not None:
+        raise CheckpointError(first)
+
+
+def _load_sharded(template: Dict[str, Any], directory: str, what: str) -> Dict[str, Any]:
+    """``dist_checkpointing.load`` naming the file that fails, then :func:`check_finite`."""
+    from megatron.core import dist_checkpointing
+
+    named = dict(sharded_leaves(template))
+    try:
+        state = dist_checkpointing.load(template, directory)
+    except LOAD_ERRORS as exc:  # named and re-raised
+        raise read_error(directory, what, exc) from exc
+    check_finite(named, state, directory)
+    return state
+
+
+def init_optimizer_state_for_load(optimizer: Any) -> None:
+    """Give a distributed optimizer without state (torch Adam before its first step) the
+    dummy state megatron-core's load template needs (see module docstring; Megatron-LM's
+    checkpoints need it too)."""
+    _init_dist_opt_state(optimizer)
+
+
 def _load_model(directory: str, model_chunks: Sequence[torch.nn.Module]) -> Dict[str, Any]:
     """Model weights only, from a megatron-ext train or a Megatron-LM torch_dist checkpoint."""
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     metadata = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
@@ -598,7 +1054,7 @@ def _load_model(directory: str, model_chunks: Sequence[torch.nn.Module]) -> Dict
         key: unwrap(chunk).sharded_state_dict(metadata=metadata)
         for key, chunk in zip(keys, model_chunks)
     }
-    state = dist_checkpointing.load(template, directory)
+    state = _load_sharded(template, directory, "the model weights")
     for key, chunk in zip(keys, model_chunks):
         unwrap(chunk).load_state_dict(state[key], strict=True)
     torch.distributed.barrier()
@@ -699,9 +1155,7 @@ def _can_remap(
             from megatron.core import parallel_state as ps
 
             dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
-            plan.assigned = elastic.assigned_old_dp_ranks(
-                plan.old["dp"], plan.new["dp"], dp_rank
-            )
+            plan.assigned = elastic.assigned_old_dp_ranks(plan.old["dp"], plan.new["dp"], dp_rank)
             return True
     decide_load(saved, runtime, on_mismatch, where)
     return False
@@ -793,28 +1247,36 @@ def load_checkpoint(
     runtime: Any,
     on_mismatch: str = "error",
     model_only: bool = False,
+    save: Optional[str] = None,
 ) -> Optional[Dict[str, Any]]:
-    """Restore the latest checkpoint under ``root`` (collective).
+    """Restore the checkpoint ``root`` names (collective); see :func:`resolve_load`.
+
+    Every value loaded is checked to be finite (:func:`check_finite`), and every read error
+    names the file.
 
     Args:
+        root: ``--load``: a directory with ``latest_checkpointed_iteration.txt`` (its latest
+            iteration) or an ``iter_XXXXXXX`` directory (that iteration).
         model_only: load the model weights only (fine-tuning); the checkpoint may also be
             a Megatron-LM torch_dist one, whose model state has the same layout.
+        save: ``--save``: when ``root`` is the same directory and holds no checkpoint yet,
+            None is returned (a first run) instead of an error.
 
     Returns:
-        The common state (``iteration``, ``consumed_samples``, ...), or None if ``root``
-        holds no checkpoint; with ``model_only`` iteration and consumed samples are 0.
+        The common state (``iteration``, ``consumed_samples``, ...), or None (see
+        ``save``); with ``model_only`` iteration and consumed samples are 0.
 
     Raises:
+        CheckpointError: no checkpoint at ``root``, an unreadable file, a non-finite value.
+        ConfigError: the learning-rate schedule or ``--use-distributed-optimizer`` differs.
         StateMismatch: megatron_ext state saved with another layout or settings and
             ``on_mismatch == 'error'``.
     """
-    from megatron.core import dist_checkpointing
-
-    iteration = latest_iteration(root)
-    if iteration is None:
+    resolved = resolve_load(root, save=save)
+    if resolved is None:
         return None
-    directory = checkpoint_dir(root, iteration)
-    common = dist_checkpointing.load_common_state_dict(directory)
+    directory, _ = resolved
+    common = load_common_state(directory)
     if model_only:
         return _load_model(directory, model_chunks)
     if common.get("checkpoint_version") != _FORMAT:
@@ -822,6 +1284,8 @@ def load_checkpoint(
             f"{directory} is not a megatron-ext train checkpoint "
             f"(version {common.get('checkpoint_version')!r})"
         )
+    check_optimizer_kind(common, optimizer, directory)
+    check_scheduler(common["opt_param_scheduler"], scheduler, directory)
     plan = _reshard_plan(common, directory)
     if plan is None:
         include_ext = decide_load(common.get(META_KEY), runtime, on_mismatch, directory)
@@ -833,10 +1297,16 @@ def load_checkpoint(
         model_chunks, optimizer, scheduler, runtime, is_loading=True, include_ext=include_ext
     )
     extra = _reshard_template(template, plan) if plan is not None else {}
-    state = dist_checkpointing.load(template, directory)
+    state = _load_sharded(template, directory, "the checkpoint")
     if extra:
-        # The result also holds the common state: keep only the requested entries.
-        loaded = dist_checkpointing.load(extra, directory, validate_access_integrity=False)
+        # The old ranks' megatron_ext state (elastic resume), checked like the rest. The
+        # result also holds the common state: keep only the requested entries.
+        named = dict(sharded_leaves(extra))
+        try:
+            loaded = dist_checkpointing.load(extra, directory, validate_access_integrity=False)
+        except LOAD_ERRORS as exc:  # named and re-raised
+            raise read_error(directory, "the old ranks' megatron_ext state", exc) from exc
+        check_finite(named, loaded, directory)
         state.update({key: loaded[key] for key in extra})
     if len(model_chunks) == 1:
         unwrap(model_chunks[0]).load_state_dict(state["model"], strict=True)
@@ -845,9 +1315,11 @@ def load_checkpoint(
             unwrap(chunk).load_state_dict(state[f"model{i}"], strict=True)
     # megatron-core 0.16's DistributedOptimizer.load_parameter_state_from_dp_reshardable
     # copies into views of leaf parameters without @torch.no_grad(); loading is no autograd.
+    align_lr_bounds_for_load(state["optimizer"], scheduler)
     with torch.no_grad():
         optimizer.load_state_dict(state["optimizer"])
         _restore_torch_adam_steps(optimizer, common["torch_adam_steps"])
+    apply_lr_bounds(optimizer, scheduler, state["opt_param_scheduler"])
     scheduler.load_state_dict(state["opt_param_scheduler"])
     if "rng_state" in state:
         _set_rng_state(state["rng_state"])

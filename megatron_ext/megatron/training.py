@@ -264,6 +264,8 @@ def build_optimizer(
         end_wd=t.weight_decay,
         wd_incr_steps=decay_iters * gbs,
         wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=t.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=t.override_opt_param_scheduler,
     )
     return optimizer, scheduler
 

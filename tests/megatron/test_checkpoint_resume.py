@@ -7,7 +7,15 @@ comparison is only meaningful without it). Compared bit for bit: losses of the c
 iterations, every parameter, every optimizer state tensor (main params and Adam moments),
 and megatron_ext's per-rank state (a probe object registered in the ExtState whose value
 differs on every rank, so a rank-mixing or deduplicating save would be caught).
+
+Also, in one launch: what a load reads is checked. A garbage or binary tracker, a truncated
+``common.pt`` / ``.metadata`` / ``.distcp``, a garbled stored item, 4 KB of 0xFF inside the
+stored embedding (1,024 NaN), and non-finite megatron-ext and optimizer state saved as such
+each stop the load on every rank with a ``CheckpointError`` naming the file (and tensor).
 """
+
+import os
+from pathlib import Path
 
 import pytest
 
@@ -121,3 +129,138 @@ def test_resume_is_bit_exact(case, tmp_path):
         assert out["param_diff"] is None, f"rank {rank}: {out['param_diff']}"
         assert out["opt_diff"] is None, f"rank {rank}: {out['opt_diff']}"
         assert out["probe_equal"], f"rank {rank}: per-rank megatron_ext state not restored"
+
+
+# -- what a load reads is checked (issue 26) --------------------------------------------------
+
+
+def _corrupt(root, name, directory, rank):
+    """Copy ``root`` to ``directory`` and damage it as ``name`` says (rank 0; collective)."""
+    import shutil
+
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    it = os.path.join(directory, "iter_0000002")
+    if rank == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+        shutil.copytree(root, directory)
+        items = FileSystemReader(it).read_metadata().storage_data
+        embedding = next(i for k, i in items.items() if k.fqn == "embedding.word_embeddings.weight")
+        if name == "tracker-text":
+            Path(directory, "latest_checkpointed_iteration.txt").write_text("2 # step two\n")
+        elif name == "tracker-bytes":
+            Path(directory, "latest_checkpointed_iteration.txt").write_bytes(b"\xff" * 8)
+        elif name == "common":
+            _truncate(os.path.join(it, "common.pt"), 100)
+        elif name == "metadata":
+            _truncate(os.path.join(it, ".metadata"), 100)
+        elif name == "distcp-truncated":
+            _truncate(os.path.join(it, embedding.relative_path), embedding.offset + 10)
+        elif name == "distcp-header":
+            _overwrite(os.path.join(it, embedding.relative_path), embedding.offset, 64)
+        elif name == "embedding-nan":
+            # 4 KB of 0xFF inside the stored tensor's bytes: 1,024 float32 NaN.
+            _overwrite(os.path.join(it, embedding.relative_path), embedding.offset + 8192, 4096)
+        else:
+            raise AssertionError(name)
+    torch.distributed.barrier()
+    return it, embedding.relative_path if rank == 0 else None
+
+
+def _truncate(path, size):
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+def _overwrite(path, offset, size):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(b"\xff" * size)
+
+
+_COMMON = os.path.join("iter_0000002", "common.pt")
+
+CORRUPTIONS = {
+    # name: what every rank's error must contain (besides the file)
+    "tracker-text": ["latest_checkpointed_iteration.txt", "is not an iteration number"],
+    "tracker-bytes": ["latest_checkpointed_iteration.txt", "is not an iteration number"],
+    "common": ["common.pt"],
+    "metadata": [".metadata"],
+    "distcp-truncated": ["is truncated", "embedding.word_embeddings.weight"],
+    "distcp-header": ["embedding.word_embeddings.weight cannot be read"],
+    "embedding-nan": ["'embedding.word_embeddings.weight'", "1024 of", "not finite"],
+}
+
+
+def _load_checks(rank, world, flags, root):
+    import torch
+
+    trainer = make_trainer(flags)
+    build(trainer, stock=False)
+    probe = _RankProbe()
+    trainer.runtime.state.register("test_probe", probe)
+    train(trainer, 2)
+    trainer.sync_params()
+    save_checkpoint(trainer, os.path.join(root, "good"), 2)
+    out = {}
+    for name in CORRUPTIONS:
+        if name == "common" and not os.path.exists(os.path.join(root, "good", _COMMON)):
+            out[name] = "skipped"  # megatron-core 0.19 keeps the common state in .distcp files
+            continue
+        _, stored = _corrupt(os.path.join(root, "good"), name, os.path.join(root, name), rank)
+        try:
+            load_checkpoint(trainer, os.path.join(root, name))
+            out[name] = "loaded"
+        except Exception as exc:  # noqa: BLE001 (the test reads the message)
+            out[name] = f"{type(exc).__name__}: {exc}"
+        out[f"{name}/file"] = stored
+    # Non-finite values that were saved as such: megatron-ext state and optimizer state.
+    probe.value[1] = float("inf")
+    save_checkpoint(trainer, os.path.join(root, "ext-inf"), 2)
+    probe.value[1] = 0.0
+    try:
+        load_checkpoint(trainer, os.path.join(root, "ext-inf"))
+        out["ext-inf"] = "loaded"
+    except Exception as exc:  # noqa: BLE001
+        out["ext-inf"] = f"{type(exc).__name__}: {exc}"
+    inner = trainer.optimizer.chained_optimizers[0].optimizer
+    state = next(iter(inner.state.values()))
+    state["exp_avg_sq"][0] = float("nan")
+    save_checkpoint(trainer, os.path.join(root, "opt-nan"), 2)
+    try:
+        load_checkpoint(trainer, os.path.join(root, "opt-nan"))
+        out["opt-nan"] = "loaded"
+    except Exception as exc:  # noqa: BLE001
+        out["opt-nan"] = f"{type(exc).__name__}: {exc}"
+    # The intact checkpoint still loads.
+    out["good"] = load_checkpoint(trainer, os.path.join(root, "good"))["iteration"]
+    teardown(trainer)
+    return out
+
+
+def test_load_names_the_file_and_tensor_of_a_bad_checkpoint(tmp_path):
+    """Truncated or garbage files, a garbage tracker and non-finite values stop the load on
+    every rank with a CheckpointError naming the file (and the tensor); without the checks
+    they raised EOFError / UnpicklingError / UnicodeDecodeError / ValueError naming nothing,
+    or loaded 1,024 NaN silently."""
+    results = run_ranks(_load_checks, 2, CASES["dp2-distopt-overlap"], str(tmp_path))
+    for rank, out in enumerate(results):
+        assert out["good"] == 2
+        stored = results[0]["embedding-nan/file"]
+        for name, needles in CORRUPTIONS.items():
+            message = out[name]
+            if message == "skipped":
+                continue
+            assert message.startswith("CheckpointError: --load: "), (rank, name, message)
+            assert str(tmp_path / name) in message, (rank, name, message)
+            for needle in needles:
+                assert needle in message, (rank, name, message)
+        for name in ("distcp-truncated", "distcp-header", "embedding-nan"):
+            assert stored in out[name], (rank, name, out[name])
+        message = out["ext-inf"]
+        assert message.startswith("CheckpointError") and "'megatron_ext/rank_state'" in message
+        assert "1 of 3 values are not finite" in message and ".distcp" in message, message
+        message = out["opt-nan"]
+        assert message.startswith("CheckpointError") and "optimizer." in message, message
+        assert "exp_avg_sq" in message and ".distcp" in message, message

@@ -2,11 +2,14 @@
 
 The README's main job (tiny GPT, DP=2, embedded corpus) at fewer iterations; its PP=2
 variant; resume through the command line (``--exit-interval`` then ``--load``) reproducing
-the uninterrupted losses exactly; TensorBoard and JSON outputs; bad flags stopping before
-training with exit code 2 and the flag named.
+the uninterrupted losses exactly; resume semantics as Megatron-LM's (a ``--load`` without a
+checkpoint refused, ``--load DIR/iter_XXXXXXX``, the learning-rate schedule check and its
+two flags, the distributed optimizer toggled); TensorBoard and JSON outputs; bad flags
+stopping before training with exit code 2 and the flag named.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -123,11 +126,15 @@ def test_command_line_resume_is_exact(tmp_path):
     ]
     full = _torchrun(args + ["--save", str(tmp_path / "a")], tmp_path)
     assert full.returncode == 0, full.stderr[-4000:]
+    # --load equal to --save with nothing there yet: a first run (auto-resume convention).
     first = _torchrun(
-        args + ["--save", str(tmp_path / "b"), "--save-interval", "4", "--exit-interval", "4"],
+        args
+        + ["--save", str(tmp_path / "b"), "--load", str(tmp_path / "b")]
+        + ["--save-interval", "4", "--exit-interval", "4"],
         tmp_path,
     )
     assert first.returncode == 0, first.stderr[-4000:]
+    assert "(the --save directory) yet; starting from scratch" in first.stdout
     second = _torchrun(
         args + ["--save", str(tmp_path / "b"), "--load", str(tmp_path / "b")], tmp_path
     )
@@ -258,4 +265,122 @@ def test_grass_refusals_name_the_flag_before_training(args, flag, tmp_path):
     proc = _torchrun(BASE + ["--train-iters", "4", "--grass-method", "topr"] + args, cwd=tmp_path)
     assert proc.returncode != 0
     assert "megatron-ext train: error:" in proc.stderr and flag in proc.stderr, proc.stderr[-3000:]
+    assert not _log_lines(proc.stdout)
+
+
+# -- resume semantics (issue 26) ------------------------------------------------------------
+
+
+def _records(path):
+    return {r["iteration"]: r for r in map(json.loads, Path(path).read_text().splitlines())}
+
+
+@pytest.mark.parametrize("case", ["typo", "no-tracker"])
+def test_load_without_a_checkpoint_is_refused_naming_the_path(case, tmp_path):
+    """A --load naming no checkpoint stops before anything is built (it used to train from
+    scratch and, with --save, overwrite the checkpoints it was meant to resume)."""
+    (tmp_path / "run" / "iter_0000004").mkdir(parents=True)
+    # A typo of the --save directory; a directory without the tracker, not --save.
+    load, save = {"typo": ("rnu", "run"), "no-tracker": ("run", "new")}[case]
+    load = tmp_path / load
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_ext", "train", "--cpu", "--model", "gpt-tiny"]
+        + ["--load", str(load), "--save", str(tmp_path / save)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**env, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    expected = {
+        "typo": f"--load: {load} does not exist",
+        "no-tracker": f"--load: {load} holds no checkpoint (no latest_checkpointed_iteration.txt)"
+        "; it has iter_0000004: pass one of them as --load",
+    }[case]
+    assert expected in proc.stderr, proc.stderr[-3000:]
+    assert "iteration" not in proc.stdout
+
+
+def _tiny(*extra):
+    from tests.helpers.mcore import TINY
+
+    return list(TINY) + ["--train-iters", "4", "--log-interval", "1"] + list(extra)
+
+
+@pytest.fixture(scope="module")
+def distopt_run(tmp_path_factory):
+    """4 iterations with the distributed optimizer; checkpoints at 2 and 4."""
+    root = tmp_path_factory.mktemp("distopt_run")
+    proc = _torchrun(
+        _tiny("--use-distributed-optimizer", "--save", str(root / "ckpt"))
+        + ["--save-interval", "2", "--log-json", str(root / "full.jsonl")],
+        root,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return root
+
+
+def test_load_of_an_iteration_directory_continues_the_saved_schedule(distopt_run, tmp_path):
+    """--load DIR/iter_0000002 loads iteration 2 (not the latest, 4); with
+    --use-checkpoint-opt-param-scheduler a new --lr is ignored; the distributed optimizer
+    resumes exactly (losses and learning rates of iterations 3 and 4 as uninterrupted)."""
+    proc = _torchrun(
+        _tiny("--use-distributed-optimizer", "--load", str(distopt_run / "ckpt" / "iter_0000002"))
+        + ["--lr", "5e-4", "--use-checkpoint-opt_param-scheduler"]
+        + ["--log-json", str(tmp_path / "resumed.jsonl")],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "at iteration 2" in proc.stdout, proc.stdout[-3000:]
+    full, resumed = _records(distopt_run / "full.jsonl"), _records(tmp_path / "resumed.jsonl")
+    assert sorted(resumed) == [3, 4]
+    for it in (3, 4):
+        assert (resumed[it]["lm_loss"], resumed[it]["lr"]) == (full[it]["lm_loss"], full[it]["lr"])
+
+
+def test_override_opt_param_scheduler_takes_this_runs_schedule(distopt_run, tmp_path):
+    proc = _torchrun(
+        _tiny("--use-distributed-optimizer", "--load", str(distopt_run / "ckpt" / "iter_0000002"))
+        + ["--lr", "5e-4", "--min-lr", "5e-5", "--train-iters", "6"]
+        + ["--override-opt-param-scheduler", "--log-json", str(tmp_path / "resumed.jsonl")],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    full, resumed = _records(distopt_run / "full.jsonl"), _records(tmp_path / "resumed.jsonl")
+    assert sorted(resumed) == [3, 4, 5, 6]
+    # This run's cosine from 5e-4 to 5e-5 over 6 iterations (warm-up 2), continued from the
+    # checkpoint's step: at iteration 3 (12 of 24 samples) 5e-5 + 4.5e-4 * (1 + cos(pi / 4)) / 2;
+    # the saved schedule was at 1e-4 + 9e-4 / 2 there and at its own minimum 1e-4 at 4.
+    assert resumed[3]["lr"] == pytest.approx(5e-5 + 4.5e-4 * (1 + math.cos(math.pi / 4)) / 2)
+    assert full[3]["lr"] == pytest.approx(5.5e-4)
+    assert resumed[6]["lr"] == pytest.approx(5e-5)
+
+
+@pytest.mark.parametrize(
+    "flags, needles",
+    [
+        (
+            ["--use-distributed-optimizer", "--lr", "5e-4"],
+            [
+                "--lr, --override-opt-param-scheduler, --use-checkpoint-opt-param-scheduler:",
+                "max_lr (--lr): checkpoint 0.001, this run 0.0005",
+            ],
+        ),
+        ([], ["--use-distributed-optimizer:", "saved with the distributed optimizer on"]),
+    ],
+    ids=["lr", "distopt-off"],
+)
+def test_resume_with_other_settings_is_refused_naming_the_flag(
+    distopt_run, tmp_path, flags, needles
+):
+    """Megatron-LM refuses a schedule that differs from the checkpoint's (it used to be
+    silently replaced by the checkpoint's); toggling the distributed optimizer used to end
+    in a KeyError."""
+    proc = _torchrun(_tiny("--load", str(distopt_run / "ckpt"), *flags), tmp_path)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert "megatron-ext train: error:" in proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, proc.stderr[-3000:]
     assert not _log_lines(proc.stdout)

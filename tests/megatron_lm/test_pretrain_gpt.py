@@ -13,6 +13,9 @@ off), 2 processes:
   error feedback is in that state: without it iteration 3's grad norm differs, 3.228 vs
   3.304 when measured); the same in the ``torch`` format (per-rank files), compared
   bit for bit; a resume with other settings stops, naming ``--ext-state-on-mismatch``;
+* DP=2 with ``--use-distributed-optimizer``: a resume continues exactly; 1,024 NaN written
+  into the stored embedding stop the load, naming the tensor and the ``.distcp`` file; so
+  does a truncated ``.distcp`` file, named;
 * zero-touch PP=2 through ``scripts/pretrain_gpt_ext.sh`` and the run file: pipeline bytes;
 * patched (``megatron-ext patch`` on a copy, then ``torchrun pretrain_gpt.py``): DP=2 and
   PP=2;
@@ -151,6 +154,88 @@ def test_resume_with_other_settings_stops_naming_the_flag(dp2_torch_dist, lm_dir
     assert run.returncode != 0
     assert "megatron-ext: error: megatron-ext state in" in run.stderr
     assert "--ext-state-on-mismatch reset" in run.stderr
+    assert not iterations(run.stdout)
+
+
+# -- DP=2, distributed optimizer: resume and a corrupted checkpoint (issue 26) ----------------
+
+
+@pytest.fixture(scope="module")
+def dp2_distopt(lm_dir, tmp_path_factory):
+    """Uninterrupted 4 iterations with the distributed optimizer, checkpoints at 2 and 4."""
+    root = tmp_path_factory.mktemp("dp2_distopt")
+    run = pretrain(
+        lm_dir / "pretrain_gpt.py",
+        tiny_args(save=str(root / "ckpt"), save_interval="2", grad_compression="none")
+        + ["--use-distributed-optimizer"],
+        cwd=root,
+    ).check()
+    return root, run
+
+
+def test_distributed_optimizer_resume_continues_exactly(dp2_distopt, lm_dir, tmp_path):
+    """On CPU (torch Adam) the resume used to fail in the load template
+    (``distrib_optimizer.state_dict: assert len(steps) == 1``); once loading, megatron-core's
+    shared dummy Adam step made iteration 4 differ (grad norm 0.904 vs 0.902)."""
+    root, full = dp2_distopt
+    resumed = pretrain(
+        lm_dir / "pretrain_gpt.py",
+        tiny_args(load=str(root / "ckpt"), ckpt_step="2", grad_compression="none")
+        + ["--use-distributed-optimizer"],
+        cwd=tmp_path,
+    ).check()
+    a, b = iterations(full.stdout), iterations(resumed.stdout)
+    assert sorted(b) == [3, 4]
+    assert (b[3]["loss"], b[3]["grad_norm"]) == (a[3]["loss"], a[3]["grad_norm"])
+    assert b[4]["grad_norm"] == a[4]["grad_norm"]
+    mean = (float(a[3]["loss"]) + float(a[4]["loss"])) / 2  # see module docstring
+    assert abs(float(b[4]["loss"]) - mean) <= 1e-6 * mean
+
+
+def test_non_finite_checkpoint_values_stop_the_load_naming_tensor_and_file(
+    dp2_distopt, tmp_path
+):
+    """4 KB of 0xFF inside the stored embedding (1,024 NaN) used to load silently."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    root, _ = dp2_distopt
+    shutil.copytree(root / "ckpt", tmp_path / "ckpt")
+    directory = tmp_path / "ckpt" / "iter_0000002"
+    items = FileSystemReader(str(directory)).read_metadata().storage_data
+    item = next(i for k, i in items.items() if k.fqn == "embedding.word_embeddings.weight")
+    with open(directory / item.relative_path, "r+b") as f:
+        f.seek(item.offset + 8192)
+        f.write(b"\xff" * 4096)
+    run = pretrain(
+        Path(os.environ["MEGATRON_LM_DIR"]) / "pretrain_gpt.py",
+        tiny_args(load=str(tmp_path / "ckpt"), ckpt_step="2", grad_compression="none")
+        + ["--use-distributed-optimizer"],
+        cwd=tmp_path,
+    )
+    assert run.returncode != 0
+    stored = directory / item.relative_path
+    assert f"megatron-ext: error: --load: non-finite values in {stored}" in run.stderr, run.stderr
+    assert "'embedding.word_embeddings.weight'" in run.stderr and "1024 of" in run.stderr
+    assert not iterations(run.stdout)
+
+
+def test_truncated_checkpoint_file_stops_the_load_naming_it(dp2_distopt, tmp_path):
+    """dist_checkpointing's own error (a CheckpointException per rank) names no file."""
+    root, _ = dp2_distopt
+    shutil.copytree(root / "ckpt", tmp_path / "ckpt")
+    stored = tmp_path / "ckpt" / "iter_0000002" / "__1_0.distcp"
+    with open(stored, "r+b") as f:
+        f.truncate(stored.stat().st_size // 2)
+    run = pretrain(
+        Path(os.environ["MEGATRON_LM_DIR"]) / "pretrain_gpt.py",
+        tiny_args(load=str(tmp_path / "ckpt"), ckpt_step="2", grad_compression="none")
+        + ["--use-distributed-optimizer"],
+        cwd=tmp_path,
+    )
+    assert run.returncode != 0
+    assert f"megatron-ext: error: --load: cannot load {stored.parent}: {stored} is truncated" in (
+        run.stderr
+    ), run.stderr[-3000:]
     assert not iterations(run.stdout)
 
 

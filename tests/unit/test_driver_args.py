@@ -70,6 +70,10 @@ def test_unknown_preset_lists_the_available_ones():
         (["--grass-method", "topr", "--grass-rank", "0"], "--grass-rank"),
         (["--grass-method", "norm2", "--grass-scale", "0"], "--grass-scale"),
         (["--grass-method", "topr", "--grass-sketch-size", "-1"], "--grass-sketch-size"),
+        (
+            ["--override-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"],
+            "--override-opt-param-scheduler, --use-checkpoint-opt-param-scheduler",
+        ),
     ],
 )
 def test_invalid_values_name_the_flag(argv, flag):
@@ -156,3 +160,14 @@ def test_local_spec_bf16_without_apex_softmax_is_refused_before_start_up():
     parse_args(["--bf16", "--cpu"])  # CPU runs never fuse
     parse_args(["--bf16", "--transformer-impl", "transformer_engine"])
     parse_args([])  # fp32 attention takes the unfused softmax
+
+
+@pytest.mark.parametrize(
+    "spelling", ["--override-opt-param-scheduler", "--override-opt_param-scheduler"]
+)
+def test_scheduler_flags_take_megatron_lm_spellings(spelling):
+    cfg = parse_args(["--cpu", spelling])
+    assert cfg.training.override_opt_param_scheduler
+    assert not cfg.training.use_checkpoint_opt_param_scheduler
+    cfg = parse_args(["--cpu", "--use-checkpoint-opt_param-scheduler"])
+    assert cfg.training.use_checkpoint_opt_param_scheduler

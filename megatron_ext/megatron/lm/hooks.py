@@ -30,8 +30,11 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, List, Sequence, Tuple
 
+from torch import no_grad
+
 from megatron_ext.accounting import ProcessGroupTrafficMeter
 from megatron_ext.config import ConfigError
+from megatron_ext.megatron.lm.checkpoint import LOAD_ERRORS
 from megatron_ext.megatron.lm.releases import UnsupportedReleaseError
 from megatron_ext.megatron.lm.session import MegatronLMSession
 from megatron_ext.megatron.patching import AttributePatches
@@ -291,8 +294,14 @@ def _wrap(session: MegatronLMSession, target: HookTarget, original: Callable, si
         def wrapper(*args, **kwargs):
             session.begin_load()
             try:
-                with session.clean_errors(), ProcessGroupTrafficMeter.untracked():
-                    result = original(*args, **kwargs)
+                # No autograd in a load; megatron-core 0.16's distributed optimizer copies
+                # into views of leaf parameters (fp32 on CPU) and fails under autograd.
+                with session.clean_errors(), ProcessGroupTrafficMeter.untracked(), no_grad():
+                    try:
+                        result = original(*args, **kwargs)
+                    except LOAD_ERRORS as exc:
+                        session.name_load_error(exc, _args())
+                        raise
             finally:
                 ctx = session.end_load()
             with session.clean_errors(), ProcessGroupTrafficMeter.untracked():
@@ -302,8 +311,10 @@ def _wrap(session: MegatronLMSession, target: HookTarget, original: Callable, si
     elif role == "generate_state_dict":
 
         def wrapper(*args, **kwargs):
+            arguments = bound(args, kwargs)
+            session.before_generate_state_dict(arguments["optimizer"])
             state_dict = original(*args, **kwargs)
-            session.extend_state_dict(state_dict, bound(args, kwargs)["args"])
+            session.extend_state_dict(state_dict, arguments["args"])
             return state_dict
 
     elif role == "load_base_checkpoint":

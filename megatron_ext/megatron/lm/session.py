@@ -230,6 +230,15 @@ class _LoadContext:
     reason: str = ""
     """Why state was not loaded, for the log."""
 
+    loaded_optimizer: bool = False
+    """Megatron-LM asked for the optimizer's state (a load template was built with it)."""
+
+    adam_step: Optional[float] = None
+    """The torch Adam ``step`` the checkpoint's distributed-optimizer state holds."""
+
+    sharded: Optional[Dict[Any, Any]] = None
+    """Path -> sharded object of the torch_dist load template (names what is checked)."""
+
 
 class MegatronLMSession:
     """megatron-ext inside one Megatron-LM training process (see module docstring).
@@ -256,6 +265,7 @@ class MegatronLMSession:
         self._sample_ids_fn: Optional[Callable[[int], torch.Tensor]] = None
         self._fixed: Any = None
         self._load: Optional[_LoadContext] = None
+        self._optimizer: Any = None
         self._report_written = False
 
     # -- errors ----------------------------------------------------------------------------
@@ -352,6 +362,7 @@ class MegatronLMSession:
                 "megatron-ext hooks one model and optimizer per process; Megatron-LM built a "
                 "second optimizer",
             )
+        self._optimizer = optimizer
         self.runtime = self._create_runtime(args).install(
             list(model_chunks),
             optimizer,
@@ -631,6 +642,20 @@ class MegatronLMSession:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
+    def before_generate_state_dict(self, optimizer: Any) -> None:
+        """Before ``generate_state_dict``: a load template needs optimizer state to exist.
+
+        megatron-core's distributed optimizer builds its load template from its state
+        (``DistributedOptimizer.state_dict`` asserts one common Adam ``step``); torch's Adam
+        (no TE/Apex, e.g. on CPU) has none before its first step, so resuming failed. As in
+        megatron-ext's own driver, megatron's ``_init_optimizer_states_with_dummy_values``
+        fills it; the load overwrites every value. Only when the optimizer is being loaded
+        (Megatron-LM passes None with ``--no-load-optim`` / ``--finetune``).
+        """
+        if self._load is not None and optimizer is not None:
+            self._load.loaded_optimizer = True
+            lm_ckpt.init_optimizer_state_for_load(optimizer)
+
     def extend_state_dict(self, state_dict: Dict[str, Any], args: Any) -> None:
         """Add megatron-ext entries to a dict built by ``generate_state_dict``."""
         if self.runtime is None:
@@ -640,6 +665,7 @@ class MegatronLMSession:
             # when --auto-detect-ckpt-format finds one): ask for this rank's object.
             if self._load.include:
                 state_dict[lm_ckpt.STATE_KEY] = lm_ckpt.sharded_state_object(self.runtime)
+            self._load.sharded = dict(lm_ckpt.sharded_leaves(state_dict))
             return
         state_dict[lm_ckpt.META_KEY] = lm_ckpt.ext_meta(self.runtime)
         if args.ckpt_format == "torch_dist":
@@ -696,12 +722,36 @@ class MegatronLMSession:
                 ctx.reason = "" if ctx.include else "--ext-state-on-mismatch reset"
         if not rank0:
             ctx.checkpoint_name = str(checkpoint_name)
+            ctx.adam_step = lm_ckpt.saved_adam_step(state_dict.get("optimizer"))
+            # Every loaded float finite, or every rank stops naming the tensor and the file
+            # (torch_dist: the .distcp file; torch: this rank's model_optim_rng.pt).
+            lm_ckpt.check_finite(
+                ctx.sharded or {},
+                state_dict,
+                ctx.where,
+                file=None if os.path.isdir(ctx.checkpoint_name) else ctx.checkpoint_name,
+            )
             if ctx.include and lm_ckpt.STATE_KEY in state_dict:
                 ctx.loaded = state_dict[lm_ckpt.STATE_KEY]
+
+    def name_load_error(self, exc: BaseException, args: Any) -> None:
+        """Megatron-LM's ``load_checkpoint`` raised ``exc``: raise a CheckpointError naming
+        the file of a torch_dist checkpoint that cannot be read, if one is found (else
+        return, and ``exc`` propagates). Errors of dist_checkpointing name no file."""
+        if self._load is None or isinstance(exc, (ConfigError, StateMismatch)):
+            return
+        directory = self._load.where or lm_ckpt.iteration_dir_to_load(args)
+        if not directory or not os.path.isfile(os.path.join(directory, "metadata.json")):
+            return
+        bad = lm_ckpt.unreadable_file(directory)
+        if bad is not None:
+            raise lm_ckpt.CheckpointError(f"cannot load {directory}: {bad}") from exc
 
     def end_load(self) -> Optional[_LoadContext]:
         """Megatron-LM's ``load_checkpoint`` returned (or raised)."""
         ctx, self._load = self._load, None
+        if ctx is not None and ctx.loaded_optimizer and self._optimizer is not None:
+            lm_ckpt.restore_adam_steps(self._optimizer, ctx.adam_step)
         return ctx
 
     def finish_load(self, ctx: Optional[_LoadContext], args: Any) -> None:

@@ -390,7 +390,9 @@ def _codec_steps(mode, sender, receiver, steps, first_step=0):
     their gradients back, then ``end_step`` (the commit, every step: not declared). Sample
     ids are host tensors, as the runtime computes them from ``consumed_samples``; only
     ``begin_step``, which gets every microbatch's ids, is declared ``sync_ok``: the one
-    place a step may copy them to the device."""
+    place a step may copy them to the device (AQ-SGD: one copy per codec) and read the
+    previous commit's per-sample flags on the host (AQ-SGD's visit flags; one copy per
+    codec, non-blocking on CUDA)."""
     from megatron_ext.collectives.p2p import P2PContext
 
     for step in range(first_step, first_step + steps):
@@ -416,20 +418,14 @@ def _codec_steps(mode, sender, receiver, steps, first_step=0):
             receiver.end_step()
 
 
-_AQSGD_FINDINGS = (
-    "AQ-SGD keeps its slots and visit flags on the host (a payload's size must be known "
-    "before its receive is posted): each microbatch copies small host index tensors to the "
-    "device (h2d-copy in collectives/aqsgd.py encode/decode and SampleBuffers.read), and "
-    "end_step copies the per-sample finite mask to the host (host-sync) and the written "
-    "slots to the device (SampleBuffers.write)"
-)
-
-
 @pytest.mark.parametrize(
     "method, rounding",
     [
-        pytest.param("aqsgd", "nearest", marks=_xfail_if(_AQSGD_FINDINGS)),
-        pytest.param("aqsgd", "stochastic", marks=_xfail_if(_AQSGD_FINDINGS)),
+        # Fixed: AQ-SGD copied small host index tensors to the device per microbatch and
+        # read the finite mask on the host at the commit; begin_step now prepares every
+        # microbatch's indices in one copy and the commit stays on the device.
+        pytest.param("aqsgd", "nearest"),
+        pytest.param("aqsgd", "stochastic"),
         pytest.param("directq", "nearest"),
         pytest.param("directq", "stochastic"),  # fixed: the generator is on the device
     ],
@@ -441,9 +437,11 @@ def test_pipeline_codec_steps_stay_on_device(method, rounding):
         _codec_steps(mode, sender, receiver, steps=2 * NUM // (NMB * MBS))
     _assert_clean(mode.steps)
     assert mode.named("microbatch") and all(s.device_ops for s in mode.named("microbatch"))
+    for record in mode.named("begin_step"):  # two codecs: at most one copy each way each
+        kinds = [f.kind for f in record.findings]
+        assert kinds.count("h2d-copy") <= 2 and kinds.count("host-sync") <= 2, kinds
 
 
-@pytest.mark.xfail(strict=True, reason=_AQSGD_FINDINGS)
 def test_aqsgd_resumed_from_cpu_loaded_buffers_steps_on_device():
     with StrictDeviceMode() as mode:
         sender, receiver = _codec_pair("aqsgd", checkpoint_buffers=True)

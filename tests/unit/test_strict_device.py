@@ -455,6 +455,51 @@ def test_aqsgd_resumed_from_cpu_loaded_buffers_steps_on_device():
     _assert_clean(mode.steps)
 
 
+def test_aqsgd_middle_stage_prepares_both_sides_in_one_copy():
+    """A middle stage holds a receive and a send buffer: its begin_step copies both sides'
+    indices to the device at once, and its microbatches and commit stay clean."""
+    from megatron_ext.collectives.aqsgd import AQSGDCodec
+    from megatron_ext.collectives.p2p import P2PContext
+    from megatron_ext.methods.aqsgd import AQSGDConfig
+    from megatron_ext.methods.registry import SampleSpace
+
+    samples = SampleSpace(
+        fixed=True,
+        num_samples=NUM,
+        dp_rank=0,
+        dp_size=1,
+        micro_batch_size=MBS,
+        num_microbatches=NMB,
+        seq_length=SEQ,
+    )
+    with StrictDeviceMode() as mode:
+        first, middle, last = (AQSGDCodec(AQSGDConfig(), None) for _ in range(3))
+        for stage, codec in enumerate((first, middle, last)):
+            codec.allocate(samples, SEQ, HIDDEN, stage=stage, num_stages=3, device=DEVICE)
+        for step in range(2 * NUM // (NMB * MBS)):
+            base = (step * NMB * MBS) % NUM
+
+            def ids_of(mb, base=base):
+                return torch.arange(base + mb * MBS, base + (mb + 1) * MBS)
+
+            with mode.step("begin_step", sync_ok=True) as begin:
+                middle.begin_step(ids_of)
+            first.begin_step(ids_of), last.begin_step(ids_of)  # outside the record
+            for mb in range(NMB):
+                fwd = P2PContext("forward", mb, ids_of(mb), step, False)
+                x = torch.randn(SEQ, MBS, HIDDEN, device=DEVICE)
+                with mode.step("microbatch"):
+                    shape = tuple(x.shape)
+                    middle.payload_spec(shape, x.dtype, fwd)
+                    y = middle.decode(first.encode(x, fwd), fwd, shape, x.dtype)
+                    last.payload_spec(shape, x.dtype, fwd)
+                    last.decode(middle.encode(y, fwd), fwd, shape, x.dtype)
+            with mode.step("end_step"):
+                first.end_step(), middle.end_step(), last.end_step()
+            assert [f.kind for f in begin.findings].count("h2d-copy") == 1
+    _assert_clean(mode.steps)
+
+
 # -- Grass: forward/backward, selection, optimizer write -----------------------------------
 
 GRASS_K = 3  # selection interval

@@ -10,7 +10,8 @@ full-precision first visits again. Robustness: stochastic rounding draws on the 
 device; device buffers are indexed only with indices on their device; a value that does
 not fit the buffer dtype is clamped, a non-finite one never stored, a skipped step never
 committed; buffers hold this rank's context-parallel shard of the sequence; the buffers
-default to the activations' dtype.
+default to the activations' dtype; a step announced by ``begin_step`` (indices prepared
+once, visit flags read at the next step) gives the same bytes as one that is not.
 """
 
 import pytest

@@ -896,7 +896,7 @@ class AQSGDCodec(_QuantizingCodec):
     def begin_step(self, sample_ids_fn) -> None:
         """A training step starts: read the previous step's visit flags (its commit left
         them on the device), prepare every microbatch's indices on both sides (one
-        host-to-device copy per side), remember how to find the next microbatches'
+        host-to-device copy for all of them), remember how to find the next microbatches'
         samples, and prefetch the first one's rows (host and disk buffers).
 
         Between this call and :meth:`end_step`, encode / decode / payload_spec of the
@@ -921,6 +921,8 @@ class AQSGDCodec(_QuantizingCodec):
             if bool(torch.isin(now, late).any()):  # host tensors: no device sync
                 self._finish_copies()
         sides = [side for side in ("send", "recv") if getattr(self, side) is not None]
+        if not sides:
+            return
         keys = [(side, mb) for side in sides for mb in range(len(slots))]
         device = getattr(self, sides[0]).device
         plans = self._make_plans([(side, slots[mb]) for side, mb in keys], device)

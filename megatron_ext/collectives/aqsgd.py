@@ -46,8 +46,14 @@ Constraints:
     torch only (torch.distributed only to read this rank's pipeline position and, once at
     set-up, to agree across ranks whether the buffers fit; never Megatron). Slot indices
     and visit flags live on the host (payload sizes must be known before a receive is
-    posted); device tensors are indexed with device copies of them, and the steady-state
-    step synchronizes with the device once, at the commit. Needs the non-interleaved
+    posted). :meth:`AQSGDCodec.begin_step` builds every microbatch's indices of the step
+    on the host and copies them to the device at once (one pinned, non-blocking copy);
+    the commit writes device buffers with a ``where`` on the device, and the host reads
+    the per-sample finite flags (which decide the visit flags) at the next
+    ``begin_step``, non-blocking on CUDA, waiting for them only when a sample of the
+    commit comes back in the very next step. So a step announced by ``begin_step`` copies
+    nothing between host and device in its microbatches and at its commit (device
+    buffers; host and disk buffers copy rows by design). Needs the non-interleaved
     schedule and sample ids (the P2P seam refuses otherwise) and fixed-sample mode (refused
     at install, naming ``--fixed-samples``).
 """
@@ -116,8 +122,9 @@ class SampleBuffers:
 
     The visit flags and the slot indices that callers pass live on the host: the payload
     size of a transfer depends on them and must be known before the receive is posted.
-    Device buffers are indexed with a copy of the slots on their device (one small
-    host-to-device copy per access, no device-to-host synchronization). Host and disk
+    Device buffers are indexed with the same slots on their device, passed by the caller
+    (prepared once per step), or else copied there per access (a small host-to-device
+    copy, no device-to-host synchronization). Host and disk
     buffers gather the rows into a pinned staging tensor (two of them, used in turn, each
     reused only once the copy out of it has completed) and copy that to the device
     asynchronously: indexing a host tensor returns pageable memory, whose
@@ -225,11 +232,14 @@ class SampleBuffers:
             self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         self._prefetched[key] = self._executor.submit(self._load, slots.clone())
 
-    def read(self, slots: torch.Tensor) -> torch.Tensor:
+    def read(self, slots: torch.Tensor, index: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Rows of ``slots`` (host int64) on the device, ``[k, rows, cols]`` (a prefetched
-        read if any)."""
+        read if any). ``index``: the same slots already on the device (device buffers
+        then copy nothing to the device)."""
         if self.where == "device":
-            return self._data.index_select(0, slots.to(self.device, non_blocking=True))
+            if index is None:
+                index = slots.to(self.device, non_blocking=True)
+            return self._data.index_select(0, index)
         future = self._prefetched.pop(_key(slots), None)
         rows, done = future.result() if future is not None else self._load(slots)
         if done is not None:
@@ -237,15 +247,38 @@ class SampleBuffers:
             torch.cuda.current_stream(self.device).wait_event(done)
         return rows
 
-    def write(self, slots: torch.Tensor, values: torch.Tensor) -> None:
+    def write(
+        self,
+        slots: torch.Tensor,
+        values: torch.Tensor,
+        index: Optional[torch.Tensor] = None,
+        keep: Optional[torch.Tensor] = None,
+    ) -> None:
         """Store ``values`` (``[k, rows, cols]``, the storage dtype) at ``slots`` (host
-        int64, distinct)."""
+        int64, distinct).
+
+        Args:
+            slots: host int64 slots.
+            values: rows to store.
+            index: device buffers: the same slots on the device (no host-to-device copy).
+            keep: device buffers: a device bool ``[k]``; rows where it is False keep their
+                old value (a ``where`` on the device: the host never reads the mask).
+        """
         if self._memmap is not None:
+            if keep is not None:
+                raise ValueError("a device mask is only for device buffers")
             raw = values.detach().to("cpu").contiguous().view(torch.uint8)
             self._memmap[slots.numpy()] = raw.reshape(slots.numel(), -1).numpy()
-        else:
+            return
+        if index is None:
             index = slots.to(self._data.device, non_blocking=True)
-            self._data.index_copy_(0, index, values.detach().to(self._data.device))
+        values = values.detach().to(self._data.device)
+        if keep is not None:
+            if self.where != "device":
+                raise ValueError("a device mask is only for device buffers")
+            old = self._data.index_select(0, index)
+            values = torch.where(keep.view(-1, 1, 1), values, old)
+        self._data.index_copy_(0, index, values)
 
     def checksum(self) -> float:
         """Sum of the stored values and visit flags (for the bit-identity tests)."""
@@ -290,14 +323,48 @@ class _Staged:
     slots: torch.Tensor
     """Host int64 slots."""
 
-    values: torch.Tensor
-    """``[k, rows, cols]`` in the buffer dtype (clamped to its range), on the device."""
+    values: Optional[torch.Tensor]
+    """``[k, rows, cols]`` in the buffer dtype (clamped to its range), on the device; None
+    once written."""
 
     finite: torch.Tensor
     """Device bool ``[k]``: the sample's value was finite (only those are written)."""
 
     clamped: torch.Tensor
     """Device bool ``[k]``: the value was clamped to the buffer dtype's range."""
+
+    index: Optional[torch.Tensor] = None
+    """The slots on the device (from :meth:`AQSGDCodec.begin_step`), or None."""
+
+    written: bool = False
+    """The rows were written on the device already (only the visit flags are pending)."""
+
+
+@dataclass
+class _Plan:
+    """One microbatch's indices on one side, prepared by :meth:`AQSGDCodec.begin_step`:
+    host copies decide payload sizes, device copies index device tensors."""
+
+    slots: torch.Tensor
+    """Host int64 slots of the microbatch's samples."""
+
+    num_first: int
+    """How many of them are first visits (travel raw)."""
+
+    revisit_slots: torch.Tensor
+    """Host int64 slots of the revisits (host / disk buffer reads)."""
+
+    first: torch.Tensor
+    """Device positions (in the microbatch) of the first visits."""
+
+    revisit: torch.Tensor
+    """Device positions of the revisits."""
+
+    revisit_index: torch.Tensor
+    """Device slots of the revisits."""
+
+    index: torch.Tensor
+    """Device slots of every sample (the commit's write)."""
 
 
 def _segment_nbytes(rows: int, cols: int, bits: int, granularity: str) -> int:
@@ -508,6 +575,12 @@ class AQSGDCodec(_QuantizingCodec):
         self.recv: Optional[SampleBuffers] = None
         self._staged: Dict[str, List[_Staged]] = {"send": [], "recv": []}
         self._warned = {"nonfinite": False, "range": False}
+        # (side, microbatch) -> the step's indices, prepared by begin_step.
+        self._plans: Dict[Tuple[str, int], _Plan] = {}
+        # Committed updates whose per-sample flags the host has not read yet, and the
+        # copies of such flags on their way to the host: (entries, host flags, CUDA event).
+        self._pending: List[Tuple[str, _Staged]] = []
+        self._inflight: List[Tuple[List[Tuple[str, _Staged]], torch.Tensor, Any]] = []
         self.samples = None
         self.buffer_dtype: Optional[torch.dtype] = None
 
@@ -686,13 +759,6 @@ class AQSGDCodec(_QuantizingCodec):
             raise RuntimeError("AQ-SGD needs the sample ids of every microbatch")
         return self.samples.slots(ctx.sample_ids).cpu()
 
-    def _forward_nbytes(self, shape, dtype, visited: torch.Tensor) -> int:
-        s, b, h = shape
-        raw = s * h * torch.tensor([], dtype=dtype).element_size()
-        delta = _segment_nbytes(s, h, self.cfg.fw_bits, self.cfg.granularity)
-        revisits = int(visited.sum())  # host flags: no device synchronization
-        return revisits * delta + (visited.numel() - revisits) * raw
-
     def _check_rows(self, buffers: SampleBuffers, s: int, h: int) -> None:
         if (s, h) != (buffers.rows, buffers.cols):
             raise RuntimeError(
@@ -701,17 +767,54 @@ class AQSGDCodec(_QuantizingCodec):
                 "tensor-parallel size with --sequence-parallel, by hidden size)"
             )
 
+    def _plan(self, side: str, ctx: P2PContext) -> _Plan:
+        """The transfer's indices: prepared by :meth:`begin_step` (device copies made
+        there), or, for a caller that did not announce the step, built here (small
+        host-to-device copies of the indices)."""
+        slots = self._slots(ctx)
+        plan = self._plans.get((side, ctx.microbatch))
+        if plan is not None and torch.equal(plan.slots, slots):
+            return plan
+        self._settle()
+        return self._make_plans([(side, slots)], getattr(self, side).device)[0]
+
+    def _make_plans(
+        self, requests: List[Tuple[str, torch.Tensor]], device: torch.device
+    ) -> List[_Plan]:
+        """Plans of microbatches ``(side, host slots)``: every host index is built first,
+        then all travel to ``device`` in one copy (pinned and non-blocking on CUDA)."""
+        host: List[torch.Tensor] = []
+        for side, slots in requests:
+            flags = getattr(self, side).visited[slots]
+            revisit = flags.nonzero().view(-1)
+            host += [(~flags).nonzero().view(-1), revisit, slots[revisit], slots]
+        flat = torch.cat(host)
+        if device.type == "cuda":
+            flat = flat.pin_memory()
+        flat = flat.to(device, non_blocking=True)
+        plans, offset = [], 0
+        for i, (_, slots) in enumerate(requests):
+            views = []
+            for part in host[4 * i : 4 * i + 4]:
+                views.append(flat[offset : offset + part.numel()])
+                offset += part.numel()
+            plans.append(_Plan(slots, host[4 * i].numel(), host[4 * i + 2], *views[:2], *views[2:]))
+        return plans
+
     def payload_spec(self, shape, dtype, ctx):
         if ctx.direction == "backward":
             return self._grad_spec(shape, dtype)
         if ctx.forward_only:
             return tuple(shape), dtype
         # Called by the receiving side; the sender's visit flags are the same.
-        buffers = self._side(ctx, sending=False)
-        visited = buffers.visited[self._slots(ctx)]
-        return (self._forward_nbytes(shape, dtype, visited),), torch.uint8
+        plan = self._plan("recv", ctx)
+        s, _, h = shape
+        raw = s * h * torch.tensor([], dtype=dtype).element_size()
+        delta = _segment_nbytes(s, h, self.cfg.fw_bits, self.cfg.granularity)
+        revisits = plan.slots.numel() - plan.num_first
+        return (revisits * delta + plan.num_first * raw,), torch.uint8
 
-    def _stage(self, side: str, slots: torch.Tensor, value: torch.Tensor) -> None:
+    def _stage(self, side: str, plan: _Plan, value: torch.Tensor) -> None:
         """Stage ``value`` (fp32 ``[k, rows, cols]``, what both sides agree on) for
         :meth:`end_step`: samples with a non-finite value are marked to be skipped, finite
         values beyond the buffer dtype's range are clamped to it (never stored as inf)."""
@@ -722,7 +825,9 @@ class AQSGDCodec(_QuantizingCodec):
             top = torch.finfo(buffers.dtype).max
             clamped = (value.abs() > top).flatten(1).any(dim=1) & finite
             value = value.clamp(-top, top)
-        self._staged[side].append(_Staged(slots, value.to(buffers.dtype), finite, clamped))
+        self._staged[side].append(
+            _Staged(plan.slots, value.to(buffers.dtype), finite, clamped, plan.index)
+        )
 
     def encode(self, tensor, ctx):
         if ctx.direction == "backward":
@@ -730,27 +835,23 @@ class AQSGDCodec(_QuantizingCodec):
         if ctx.forward_only:
             return tensor
         buffers = self._side(ctx, sending=True)
-        slots = self._slots(ctx)
-        visited = buffers.visited[slots]
-        first, revisit = (~visited).nonzero().view(-1), visited.nonzero().view(-1)
+        plan = self._plan("send", ctx)
         x = tensor.detach().transpose(0, 1)  # [b, s, h]
         self._check_rows(buffers, x.shape[1], x.shape[2])
         value = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         parts: List[torch.Tensor] = []
         # Payload: the first visits' raw activations, then the revisits' quantized deltas.
-        if first.numel():
-            index = first.to(x.device, non_blocking=True)
-            rows = x.index_select(0, index)
+        if plan.num_first:
+            rows = x.index_select(0, plan.first)
             parts.append(self._raw(rows))
-            value.index_copy_(0, index, rows.float())
-        if revisit.numel():
-            index = revisit.to(x.device, non_blocking=True)
-            m = buffers.read(slots[revisit]).float()
+            value.index_copy_(0, plan.first, rows.float())
+        if plan.revisit_slots.numel():
+            m = buffers.read(plan.revisit_slots, plan.revisit_index).float()
             gen = self._generator(ctx, "forward", x.device)
-            q = self._quantize(x.index_select(0, index).float() - m, self.cfg.fw_bits, gen)
+            q = self._quantize(x.index_select(0, plan.revisit).float() - m, self.cfg.fw_bits, gen)
             parts.append(self._pack_samples(q))
-            value.index_copy_(0, index, m + dequantize(q))
-        self._stage("send", slots, value)
+            value.index_copy_(0, plan.revisit, m + dequantize(q))
+        self._stage("send", plan, value)
         self._prefetch_next(buffers, ctx)
         return torch.cat(parts)
 
@@ -760,27 +861,24 @@ class AQSGDCodec(_QuantizingCodec):
         if ctx.forward_only:
             return payload
         buffers = self._side(ctx, sending=False)
-        slots = self._slots(ctx)
-        visited = buffers.visited[slots]
-        first, revisit = (~visited).nonzero().view(-1), visited.nonzero().view(-1)
+        plan = self._plan("recv", ctx)
         s, b, h = shape
         self._check_rows(buffers, s, h)
         out = torch.empty(b, s, h, dtype=dtype, device=payload.device)
         value = torch.empty(b, s, h, dtype=torch.float32, device=payload.device)
         offset = 0
-        if first.numel():
-            index = first.to(payload.device, non_blocking=True)
-            offset = first.numel() * s * h * torch.tensor([], dtype=dtype).element_size()
-            x = self._from_raw(payload[:offset], (first.numel(), s, h), dtype)
-            out.index_copy_(0, index, x)
-            value.index_copy_(0, index, x.float())
-        if revisit.numel():
-            index = revisit.to(payload.device, non_blocking=True)
-            m = buffers.read(slots[revisit]).float()
-            v = m + self._unpack_samples(payload[offset:], revisit.numel(), s, h, self.cfg.fw_bits)
-            out.index_copy_(0, index, v.to(dtype))
-            value.index_copy_(0, index, v)
-        self._stage("recv", slots, value)
+        if plan.num_first:
+            offset = plan.num_first * s * h * torch.tensor([], dtype=dtype).element_size()
+            x = self._from_raw(payload[:offset], (plan.num_first, s, h), dtype)
+            out.index_copy_(0, plan.first, x)
+            value.index_copy_(0, plan.first, x.float())
+        k = plan.revisit_slots.numel()
+        if k:
+            m = buffers.read(plan.revisit_slots, plan.revisit_index).float()
+            v = m + self._unpack_samples(payload[offset:], k, s, h, self.cfg.fw_bits)
+            out.index_copy_(0, plan.revisit, v.to(dtype))
+            value.index_copy_(0, plan.revisit, v)
+        self._stage("recv", plan, value)
         self._prefetch_next(buffers, ctx)
         return out.transpose(0, 1)
 
@@ -796,15 +894,43 @@ class AQSGDCodec(_QuantizingCodec):
     _next_ids = None
 
     def begin_step(self, sample_ids_fn) -> None:
-        """A training step starts: remember how to find the next microbatches' samples and
-        prefetch the first one's rows."""
+        """A training step starts: read the previous step's visit flags (its commit left
+        them on the device), prepare every microbatch's indices on both sides (one
+        host-to-device copy for all of them), remember how to find the next microbatches'
+        samples, and prefetch the first one's rows (host and disk buffers).
+
+        Between this call and :meth:`end_step`, encode / decode / payload_spec of the
+        announced microbatches copy nothing between host and device (device buffers)."""
         self._next_ids = sample_ids_fn
+        self._plans.clear()
+        # The flags copied at the previous begin_step have long arrived (they were queued
+        # before that step's forward); this step's copy is only waited for when one of its
+        # samples comes back in this very step.
+        self._finish_copies()
+        self._start_copy()
         if sample_ids_fn is None:
+            self._finish_copies()
             return
-        for buffers in (self.send, self.recv):
-            if buffers is not None and buffers.where != "device":
-                slots = self.samples.slots(sample_ids_fn(0)).cpu()
-                buffers.prefetch(slots[buffers.visited[slots]])
+        slots = [
+            self.samples.slots(sample_ids_fn(mb)).cpu()
+            for mb in range(self.samples.num_microbatches)
+        ]
+        if self._inflight:
+            now = torch.cat(slots)
+            late = torch.cat([st.slots for entries, _, _ in self._inflight for _, st in entries])
+            if bool(torch.isin(now, late).any()):  # host tensors: no device sync
+                self._finish_copies()
+        sides = [side for side in ("send", "recv") if getattr(self, side) is not None]
+        if not sides:
+            return
+        keys = [(side, mb) for side in sides for mb in range(len(slots))]
+        device = getattr(self, sides[0]).device
+        plans = self._make_plans([(side, slots[mb]) for side, mb in keys], device)
+        self._plans.update(zip(keys, plans))
+        for side in sides:
+            buffers = getattr(self, side)
+            if buffers.where != "device":
+                buffers.prefetch(slots[0][buffers.visited[slots[0]]])
 
     def end_step(self, commit: bool = True) -> None:
         """Commit the step's buffer updates and visit flags, or drop them.
@@ -817,33 +943,86 @@ class AQSGDCodec(_QuantizingCodec):
 
         Samples whose value was non-finite on arrival are never written (both sides saw
         the same value, so both skip them; a first visit stays unvisited and is sent in
-        full precision again next time). One device-to-host copy of the per-sample flags
-        per step.
+        full precision again next time). Device buffers are written on the device (a
+        ``where`` keeps the old row of a non-finite sample), and the per-sample flags the
+        visit flags need are read by the host at the next :meth:`begin_step` (or at the
+        next read of the flags): a step announced by ``begin_step`` never waits for the
+        device here. Host and disk buffers, and a step not announced by ``begin_step``,
+        read the flags here (one device-to-host copy).
         """
         staged = [(side, st) for side in ("send", "recv") for st in self._staged[side]]
+        announced = bool(self._plans)
+        self._plans.clear()
         for side in ("send", "recv"):
             self._staged[side].clear()
             if getattr(self, side) is not None:
                 getattr(self, side).drop_prefetched()  # read before this commit: stale
         if not commit or not staged:
             return
-        finite = torch.cat([st.finite for _, st in staged])
-        clamped = torch.cat([st.clamped for _, st in staged])
-        flags = torch.stack([finite, clamped]).cpu()
-        finite, clamped = flags[0], flags[1]
-        offset = 0
+        defer = announced
         for side, st in staged:
+            buffers = getattr(self, side)
+            if buffers.where == "device":
+                buffers.write(st.slots, st.values, index=st.index, keep=st.finite)
+                st.written, st.values = True, None  # only the flags are still needed
+            else:
+                defer = False
+            self._pending.append((side, st))
+        if not defer:
+            self._settle()
+
+    def _start_copy(self) -> None:
+        """Start copying the committed steps' per-sample flags to the host (pinned and
+        non-blocking on CUDA; elsewhere the copy is done when this returns)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        finite = torch.cat([st.finite for _, st in pending])
+        clamped = torch.cat([st.clamped for _, st in pending])
+        flags = torch.stack([finite, clamped])
+        event = None
+        if flags.device.type == "cuda":
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(flags.device))
+        else:
+            host = flags.cpu()
+        self._inflight.append((pending, host, event))
+
+    def _settle(self) -> None:
+        """Read every committed step's per-sample flags on the host now."""
+        self._start_copy()
+        self._finish_copies()
+
+    def _finish_copies(self) -> None:
+        """Wait for the flag copies under way and apply them: set the visit flags of the
+        finite samples, write the rows of host and disk buffers, and warn about skipped or
+        clamped samples."""
+        inflight, self._inflight = self._inflight, []
+        for pending, flags, event in inflight:
+            if event is not None:
+                event.synchronize()
+            self._apply_flags(pending, flags[0], flags[1])
+
+    def _apply_flags(
+        self, pending: List[Tuple[str, _Staged]], finite: torch.Tensor, clamped: torch.Tensor
+    ) -> None:
+        """Apply host flags ``finite`` / ``clamped`` (bool, one per sample of ``pending``)."""
+        offset = 0
+        for side, st in pending:
             buffers = getattr(self, side)
             k = st.slots.numel()
             keep = finite[offset : offset + k]
             offset += k
-            if bool(keep.all()):
-                buffers.write(st.slots, st.values)
-            elif bool(keep.any()):
-                rows = keep.nonzero().view(-1)
-                buffers.write(
-                    st.slots[rows], st.values.index_select(0, rows.to(st.values.device))
-                )
+            if not st.written:
+                if bool(keep.all()):
+                    buffers.write(st.slots, st.values)
+                elif bool(keep.any()):
+                    rows = keep.nonzero().view(-1)
+                    buffers.write(
+                        st.slots[rows], st.values.index_select(0, rows.to(st.values.device))
+                    )
             buffers.visited[st.slots[keep]] = True
         skipped, over = int((~finite).sum()), int(clamped.sum())
         if skipped and not self._warned["nonfinite"]:
@@ -865,11 +1044,13 @@ class AQSGDCodec(_QuantizingCodec):
 
     def checksums(self) -> Dict[str, float]:
         """Checksum of each buffer (send / recv) of this rank."""
+        self._settle()
         return {
             side: getattr(self, side).checksum() for side in ("send", "recv") if getattr(self, side)
         }
 
     def state_dict(self) -> Dict[str, Any]:
+        self._settle()
         if not self.cfg.checkpoint_buffers:
             return {"policy": "rebuild"}
         out: Dict[str, Any] = {"policy": "saved"}
@@ -895,6 +1076,8 @@ class AQSGDCodec(_QuantizingCodec):
             raise ValueError(
                 f"AQ-SGD state keys differ: saved {sorted(state)}, expected {sorted(expected)}"
             )
+        self._settle()
+        self._plans.clear()
         for side in ("send", "recv"):
             buffers = getattr(self, side)
             if buffers is None:

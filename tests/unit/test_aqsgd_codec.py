@@ -10,7 +10,8 @@ full-precision first visits again. Robustness: stochastic rounding draws on the 
 device; device buffers are indexed only with indices on their device; a value that does
 not fit the buffer dtype is clamped, a non-finite one never stored, a skipped step never
 committed; buffers hold this rank's context-parallel shard of the sequence; the buffers
-default to the activations' dtype.
+default to the activations' dtype; a step announced by ``begin_step`` (indices prepared
+once, visit flags read at the next step) gives the same bytes as one that is not.
 """
 
 import pytest
@@ -143,6 +144,64 @@ def test_staged_updates_commit_only_at_step_end():
     assert not bool(sender.send.visited[ids].any())  # a replayed step would start from here
     sender.end_step()
     assert bool(sender.send.visited[ids].all())
+
+
+# Steps of NMB microbatches: samples 0-3 come back in the very next step (the commit's
+# flags must be read before it starts), 4-7 two steps later (read while the step runs).
+_SCHEDULE = [
+    [[0, 1], [2, 3], [4, 5], [6, 7]],
+    [[0, 1], [2, 3], [8, 9], [10, 11]],
+    [[12, 13], [14, 15], [4, 5], [6, 7]],
+    [[8, 9], [10, 11], [2, 3], [0, 1]],
+    [[5, 4], [7, 6], [3, 2], [13, 12]],
+]
+_SPIKES = {(0, 2): float("inf"), (2, 5): float("nan"), (2, 14): float("inf"), (4, 12): float("inf")}
+
+
+def _run_schedule(announce):
+    """Run :data:`_SCHEDULE` (non-finite samples from :data:`_SPIKES`, step 3 skipped by the
+    optimizer); returns each transfer's payload and output, and the codecs."""
+    sender, receiver = _pair(fw_bits=4)
+    records = []
+    for step, microbatches in enumerate(_SCHEDULE):
+        if announce:
+            for codec in (sender, receiver):
+                codec.begin_step(lambda mb, step=step: torch.tensor(_SCHEDULE[step][mb]))
+        for mb, ids in enumerate(microbatches):
+            ids = torch.tensor(ids)
+            x = _activation(ids, step, lambda s: 0.3)
+            for i, sample in enumerate(ids.tolist()):
+                if (step, sample) in _SPIKES:
+                    x[3, i, 5] = _SPIKES[(step, sample)]
+            ctx = P2PContext("forward", mb, ids, step, False)
+            shape, _ = receiver.payload_spec(tuple(x.shape), x.dtype, ctx)
+            payload = sender.encode(x, ctx)
+            assert tuple(payload.shape) == tuple(shape)
+            records.append((payload, receiver.decode(payload, ctx, tuple(x.shape), x.dtype)))
+        for codec in (sender, receiver):
+            codec.end_step(commit=step != 3)
+        if announce and step != 3:
+            assert sender._pending and receiver._pending  # flags not read at the commit
+    return records, sender, receiver
+
+
+@pytest.mark.filterwarnings("ignore:aqsgd")
+def test_announced_steps_read_visit_flags_late_with_the_same_result():
+    """Issue 25: a step announced by ``begin_step`` commits device buffers on the device and
+    reads the visit flags later; payloads, outputs, buffers and flags must be bit-identical
+    to steps that read them at the commit, non-finite samples and a skipped step included."""
+    late, a_s, a_r = _run_schedule(announce=True)
+    now, b_s, b_r = _run_schedule(announce=False)
+    assert len(late) == len(now)
+    for (p1, o1), (p2, o2) in zip(late, now):
+        assert torch.equal(p1, p2)
+        torch.testing.assert_close(o1, o2, rtol=0, atol=0, equal_nan=True)
+    assert a_s.checksums() == b_s.checksums() and a_r.checksums() == b_r.checksums()
+    for x, y in ((a_s.send, b_s.send), (a_r.recv, b_r.recv), (a_s.send, a_r.recv)):
+        assert torch.equal(x.contents(), y.contents()) and torch.isfinite(x.contents()).all()
+        assert torch.equal(x.visited, y.visited)
+    # 14's only visit was non-finite: never stored; 2's first visit too, its second not.
+    assert not bool(a_s.send.visited[14]) and bool(a_s.send.visited[2])
 
 
 def test_gradients_are_quantized_without_a_buffer():
@@ -375,9 +434,7 @@ def test_buffers_hold_this_ranks_context_parallel_shard():
     with pytest.raises(RuntimeError, match="--context-parallel-size"):
         codec.encode(shard, P2PContext("forward", 0, ids, 0, False))
     sender = AQSGDCodec(cfg, None)
-    sender.allocate(
-        _samples(), SEQ // 2, HIDDEN, stage=0, num_stages=2, device=torch.device("cpu")
-    )
+    sender.allocate(_samples(), SEQ // 2, HIDDEN, stage=0, num_stages=2, device=torch.device("cpu"))
     sender.encode(shard, P2PContext("forward", 0, ids, 0, False))
     sender.end_step()
     assert bool(sender.send.visited[ids].all())

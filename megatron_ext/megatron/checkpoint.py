@@ -1301,6 +1301,8 @@ def load_checkpoint(
     if extra:
         # The old ranks' megatron_ext state (elastic resume), checked like the rest. The
         # result also holds the common state: keep only the requested entries.
+        from megatron.core import dist_checkpointing
+
         named = dict(sharded_leaves(extra))
         try:
             loaded = dist_checkpointing.load(extra, directory, validate_access_integrity=False)

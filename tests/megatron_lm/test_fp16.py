@@ -6,9 +6,10 @@ the overflowing gradient entered each compressor's state and every later iterati
 overflowed too (measured on core_v0.16.1, 40 iterations: SEPARATE, PowerSGD and the
 quantized exchange skipped 40 of 40 and drove the scale to 1.0; Radius stopped with
 "optimizer state missing"). Here each method must come out of the overflow phase like
-uncompressed training does: no skipped iteration in the last 10, a loss scale far above 1,
-a falling loss. (Measured: ``none`` skips 17 of 40 iterations, 16 in the first 16 and one
-later when the scale probes too high; every compressed method now does the same, 16-17.)
+uncompressed training does: at most two skipped iterations in the last 20 (the scale probing
+too high), a loss scale far above 1, a falling loss. (Measured: ``none`` skips 17 of 40
+iterations, 16 in the first 16 and one later when the scale probes too high, at iteration 27;
+every compressed method now does the same, 16-17; Radius's late one fell at iteration 37.)
 
 Needs ``MEGATRON_LM_DIR`` (skipped otherwise); ~10 s per method.
 """
@@ -55,6 +56,8 @@ def test_fp16_trains_through_the_overflowing_start(method, tmp_path):
     assert len(late) <= 2, late
     assert sum(skipped.values()) <= 20, skipped
     assert scale[40] >= 2.0**14, scale
-    losses = [float(iters[it]["loss"]) for it in range(31, 41)]
+    # A skipped iteration logs no loss.
+    losses = [float(iters[it]["loss"]) for it in range(31, 41) if not skipped[it]]
+    assert len(losses) >= 8, losses
     first = next(float(iters[it]["loss"]) for it in sorted(iters) if "loss" in iters[it])
     assert all(loss == loss for loss in losses) and max(losses) < first, (first, losses)

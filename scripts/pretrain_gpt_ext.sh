@@ -8,26 +8,51 @@
 # Flags come from the run file CONFIG (a YAML mapping of Megatron-LM / megatron-ext flag names
 # to values, see megatron_ext/megatron/lm/runfile.py), then from this script's arguments, which
 # override the file's (the last value of a flag wins). Multi-node: start it once per node with
-# NODE_RANK set (scripts/slurm/pretrain_gpt_ext.sbatch does that under Slurm).
+# NNODES, NODE_RANK and MASTER_ADDR set (scripts/slurm/pretrain_gpt_ext.sbatch does that under
+# Slurm).
 #
 # Environment (default):
 #   MEGATRON_LM_DIR   Megatron-LM checkout at a supported tag, e.g. core_v0.16.1 (required)
 #   CONFIG            run file (none: only the flags given here)
 #   MODE              zero-touch: 'megatron-ext pretrain' runs the unmodified pretrain_gpt.py;
 #                     patched: runs pretrain_gpt.py patched by 'megatron-ext patch' (zero-touch)
-#   NNODES (1)  NODE_RANK (0)  GPUS_PER_NODE (8)  MASTER_ADDR (localhost)  MASTER_PORT (6000)
+#   NNODES (1)  GPUS_PER_NODE (8)  MASTER_PORT (6000)
+#   NODE_RANK, MASTER_ADDR  this node's rank and the first node's address: required when
+#                     NNODES > 1 (one node: 0 and localhost)
 #   CPU               1: run on CPU with gloo, GPUS_PER_NODE processes (debugging) (0)
 #   PYTHON            interpreter with megatron-ext and torch installed (python3)
 #   TORCHRUN          torchrun command ("$PYTHON -m torch.distributed.run")
-#   DRY_RUN           1: print the command instead of running it (0)
+#   DRY_RUN           1: check, then print the command instead of running it (0)
+#
+# Before torchrun starts (python -m megatron_ext.megatron.lm.preflight, also in the dry run):
+# a run whose --save holds a checkpoint resumes from it (--load <save>, --finetune dropped:
+# requeued and restarted jobs continue); the nodes must hold the parallel layout; data and
+# tokenizer files must exist; the memory AQ-SGD's buffers need is printed and, outside the dry
+# run, compared with this node's available memory.
 set -euo pipefail
+# bash >= 4.4 ('set -u' with empty arrays); RHEL/CentOS 7 ships 4.2.
+if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 404)); then
+    echo "$0: needs bash >= 4.4, this is bash $BASH_VERSION; run it with a newer bash" \
+        "(e.g. 'module load bash', then: bash $0)" >&2
+    exit 2
+fi
 
 : "${MEGATRON_LM_DIR:?set MEGATRON_LM_DIR to a Megatron-LM checkout (e.g. tag core_v0.16.1)}"
 CONFIG=${CONFIG:-}
 MODE=${MODE:-zero-touch}
 NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+if [[ "$NNODES" != 1 ]]; then
+    # Every node would otherwise wait for its own localhost at the rendezvous.
+    : "${NODE_RANK:?NNODES=$NNODES: set NODE_RANK to the rank of this node (0 .. NNODES-1)}"
+    : "${MASTER_ADDR:?NNODES=$NNODES: set MASTER_ADDR to the address of the node with NODE_RANK=0}"
+    if [[ "$MASTER_ADDR" == localhost || "$MASTER_ADDR" == 127.* ]]; then
+        echo "pretrain_gpt_ext.sh: NNODES=$NNODES needs MASTER_ADDR set to the address of" \
+            "node 0, not $MASTER_ADDR" >&2
+        exit 2
+    fi
+fi
+NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
 CPU=${CPU:-0}
@@ -52,14 +77,22 @@ DISTRIBUTED_ARGS=(
     --master-port "$MASTER_PORT"
 )
 
-RUN_ARGS=()
+# The run file's arguments, then this script's, checked and with the resume applied
+# (NUL-separated, so values with spaces survive; a refusal stops here with its message).
+PREFLIGHT_ARGS=(--null --nodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE")
 if [[ -n "$CONFIG" ]]; then
-    run_args_file=$(mktemp)
-    trap 'rm -f "$run_args_file"' EXIT
-    # NUL-separated, so values with spaces survive; a bad file stops here with its message.
-    $PYTHON -m megatron_ext.megatron.lm.runfile --null "$CONFIG" > "$run_args_file"
-    mapfile -d '' -t RUN_ARGS < "$run_args_file"
+    PREFLIGHT_ARGS+=(--config "$CONFIG")
 fi
+if [[ "$DRY_RUN" == 1 ]]; then
+    PREFLIGHT_ARGS+=(--dry-run)
+fi
+run_args_file=$(mktemp)
+trap 'rm -f "$run_args_file"' EXIT
+$PYTHON -m megatron_ext.megatron.lm.preflight "${PREFLIGHT_ARGS[@]}" -- "$@" > "$run_args_file"
+RUN_ARGS=()
+while IFS= read -r -d '' arg; do
+    RUN_ARGS+=("$arg")
+done < "$run_args_file"
 
 case "$MODE" in
     zero-touch)
@@ -87,7 +120,7 @@ case "$MODE" in
 esac
 
 # shellcheck disable=SC2206  # TORCHRUN is a command line on purpose
-COMMAND=($TORCHRUN "${DISTRIBUTED_ARGS[@]}" "${LAUNCH_ARGS[@]}" "${RUN_ARGS[@]}" "$@")
+COMMAND=($TORCHRUN "${DISTRIBUTED_ARGS[@]}" "${LAUNCH_ARGS[@]}" "${RUN_ARGS[@]}")
 if [[ "$DRY_RUN" == 1 ]]; then
     printf '%q ' "${COMMAND[@]}"
     printf '\n'

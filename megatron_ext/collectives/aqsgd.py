@@ -88,6 +88,7 @@ __all__ = [
     "SampleBuffers",
     "AQSGDCodec",
     "DirectQCodec",
+    "boundary_sides",
     "buffer_nbytes",
     "format_bytes",
     "local_rows",
@@ -110,6 +111,17 @@ def format_bytes(n: float) -> str:
 def buffer_nbytes(num_slots: int, rows: int, cols: int, dtype: torch.dtype) -> int:
     """Bytes of one boundary's buffer."""
     return num_slots * rows * cols * torch.tensor([], dtype=dtype).element_size()
+
+
+def boundary_sides(stage: int, num_stages: int) -> List[str]:
+    """The buffers a pipeline stage keeps: "send" unless it is the last stage, "recv" unless
+    it is the first (the forward activations of the boundaries it touches)."""
+    sides = []
+    if stage < num_stages - 1:
+        sides.append("send")
+    if stage > 0:
+        sides.append("recv")
+    return sides
 
 
 def _key(slots: torch.Tensor) -> bytes:
@@ -673,11 +685,7 @@ class AQSGDCodec(_QuantizingCodec):
         self.stage = stage
         self.buffer_dtype = resolve_buffer_dtype(self.cfg.buffer_dtype, activation_dtype)
         where = self.cfg.buffer
-        sides = []
-        if stage < num_stages - 1:
-            sides.append("send")
-        if stage > 0:
-            sides.append("recv")
+        sides = boundary_sides(stage, num_stages)
         per_side = buffer_nbytes(samples.num_slots, rows, cols, self.buffer_dtype)
         problem = self._check_fits(per_side * len(sides), where, reserve_nbytes)
         _agree_on_fit(problem, group)

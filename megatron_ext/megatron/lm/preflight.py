@@ -1,0 +1,343 @@
+"""Checks of a Megatron-LM launch made once per node, before ``torchrun`` starts any rank.
+
+What it does:
+    ``python -m megatron_ext.megatron.lm.preflight [--config FILE] [--nodes N]
+    [--gpus-per-node G] [--dry-run] [--null] -- [ARGS...]`` prints the arguments
+    ``pretrain_gpt.py`` gets (NUL-separated with ``--null``, else one shell-quoted line) and
+    says on stderr what it changed and what the run needs. ``scripts/pretrain_gpt_ext.sh``
+    calls it on every node (its ``DRY_RUN=1`` prints the result instead of launching):
+
+    1. **arguments**: the run file's (:func:`~megatron_ext.megatron.lm.runfile.
+       run_file_args`), then ``ARGS``, which override them (argparse keeps the last value);
+    2. **resume** (:func:`resume_args`): when the last ``--save`` directory holds
+       ``latest_checkpointed_iteration.txt``, the run continues from it: every ``--load`` is
+       replaced by ``--load <save>`` and ``--finetune`` is dropped. A requeued or restarted
+       job thus resumes from its own checkpoints whatever the run file's initial ``load`` /
+       ``finetune`` (AQ-SGD's run file fine-tunes a pretrained GPT-2 XL the first time);
+    3. **layout** (:func:`check_layout`): nodes x GPUs per node must be a whole, non-zero
+       number of ``TP x CP x PP`` model replicas, and the global batch a multiple of
+       micro-batch x data-parallel size; multi-node launches need ``NODE_RANK`` and a
+       ``MASTER_ADDR`` other than localhost (checked by the shell script);
+    4. **inputs** (:func:`check_inputs`): the ``--data-path`` prefixes' ``.bin`` / ``.idx``,
+       ``--vocab-file``, ``--merge-file``, a SentencePiece ``--tokenizer-model`` and the
+       ``--load`` directory of a ``--finetune`` run exist;
+    5. **memory** (:func:`memory_needs`): AQ-SGD's per-sample buffers, per node (host or
+       disk) or per GPU (device), from :func:`megatron_ext.megatron.memory.
+       aqsgd_buffer_plan` (the codec's and ``benchmarks/state_memory.py``'s computation).
+       Printed always; outside a dry run the node's available host memory
+       (``MemAvailable``) or the buffer directory's free space is compared, and the launch
+       refused when it is smaller.
+
+Why:
+    A run that cannot work should stop before a multi-node job waits in a queue, starts
+    64 processes and fails in one of them: with the reason, the flag and the figure.
+
+Constraints:
+    Never imports Megatron (megatron-ext's own flags come from its config dataclasses, for
+    their defaults). Megatron-LM's flags are read with a small parser of the few it needs;
+    Megatron-LM's own parser still validates everything at start. Exit code 2 on refusal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import sys
+from typing import Dict, List, Optional, Sequence, Tuple
+
+__all__ = [
+    "PreflightError",
+    "resume_args",
+    "check_layout",
+    "check_inputs",
+    "memory_needs",
+    "available_host_memory",
+    "main",
+]
+
+CHECKPOINT_TRACKER = "latest_checkpointed_iteration.txt"
+"""The file Megatron-LM writes in ``--save`` after each checkpoint."""
+
+
+class PreflightError(ValueError):
+    """A launch that cannot work; the message names the flag or variable to change."""
+
+
+def _megatron_subset(args: Sequence[str]) -> argparse.Namespace:
+    """The few Megatron-LM flags the checks read (the last value of each wins)."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for flag, default in [
+        ("--tensor-model-parallel-size", 1),
+        ("--pipeline-model-parallel-size", 1),
+        ("--context-parallel-size", 1),
+        ("--micro-batch-size", None),
+        ("--global-batch-size", None),
+        ("--seq-length", None),
+        ("--hidden-size", None),
+    ]:
+        p.add_argument(flag, type=int, default=default)
+    for flag in ("--bf16", "--fp16", "--sequence-parallel", "--use-tp-pp-dp-mapping", "--finetune"):
+        p.add_argument(flag, action="store_true")
+    for flag in ("--save", "--load", "--vocab-file", "--merge-file", "--tokenizer-type"):
+        p.add_argument(flag)
+    p.add_argument("--tokenizer-model")
+    p.add_argument("--data-path", nargs="*")
+    return p.parse_known_args(list(args))[0]
+
+
+def _ext_args(args: Sequence[str]) -> argparse.Namespace:
+    """megatron-ext's flags with their defaults (the config dataclasses')."""
+    from megatron_ext.megatron.lm import megatron_lm_extra_args
+
+    parser = megatron_lm_extra_args(None)(argparse.ArgumentParser(add_help=False))
+    return parser.parse_known_args(list(args))[0]
+
+
+def resume_args(args: Sequence[str]) -> Tuple[List[str], Optional[str]]:
+    """``args`` resuming from the run's own checkpoints when ``--save`` holds one.
+
+    Returns:
+        The arguments, and a note saying what changed (None when nothing did).
+    """
+    save = _megatron_subset(args).save
+    if not save or not os.path.isfile(os.path.join(save, CHECKPOINT_TRACKER)):
+        return list(args), None
+    with open(os.path.join(save, CHECKPOINT_TRACKER), encoding="utf-8") as f:
+        iteration = f.read().strip()
+    out: List[str] = []
+    dropped: List[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--finetune":
+            dropped.append(arg)
+        elif arg == "--load":
+            dropped += args[i : i + 2]
+            i += 1
+        elif arg.startswith("--load="):
+            dropped.append(arg)
+        else:
+            out.append(arg)
+        i += 1
+    out += ["--load", save]
+    note = f"resuming from this run's checkpoint in {save} (iteration {iteration}): --load {save}"
+    if dropped:
+        note += f" (instead of {shlex.join(dropped)})"
+    return out, note
+
+
+def check_layout(args: Sequence[str], nodes: int, gpus_per_node: int) -> int:
+    """Refuse a layout the nodes cannot hold; returns the data-parallel size.
+
+    Raises:
+        PreflightError: naming the flags and ``NNODES`` / ``GPUS_PER_NODE``.
+    """
+    a = _megatron_subset(args)
+    tp, pp, cp = (
+        a.tensor_model_parallel_size,
+        a.pipeline_model_parallel_size,
+        a.context_parallel_size,
+    )
+    world = nodes * gpus_per_node
+    model = tp * pp * cp
+    if world < model or world % model:
+        raise PreflightError(
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} x "
+            f"--context-parallel-size {cp} = {model} ranks per model replica, but NNODES "
+            f"{nodes} x GPUS_PER_NODE {gpus_per_node} = {world} ranks "
+            + ("is fewer" if world < model else "is not a multiple of it")
+            + f": use {-(-model // gpus_per_node)} or more nodes (a multiple of "
+            f"{model} ranks in all) or smaller parallel sizes"
+        )
+    dp = world // model
+    if a.global_batch_size and a.micro_batch_size:
+        if a.global_batch_size % (a.micro_batch_size * dp):
+            raise PreflightError(
+                f"--global-batch-size {a.global_batch_size} is not a multiple of "
+                f"--micro-batch-size {a.micro_batch_size} x data-parallel size {dp} "
+                f"({world} ranks / {model} per replica)"
+            )
+    return dp
+
+
+def check_inputs(args: Sequence[str]) -> None:
+    """Refuse inputs that do not exist (data, tokenizer files, the model to fine-tune).
+
+    Raises:
+        PreflightError: naming the flag and the path.
+    """
+    a = _megatron_subset(args)
+    missing = []
+    for prefix in a.data_path or []:
+        try:
+            float(prefix)  # a blend weight
+            continue
+        except ValueError:
+            pass
+        for ext in (".bin", ".idx"):
+            if not os.path.isfile(prefix + ext):
+                missing.append(f"--data-path {prefix}: {prefix}{ext} not found")
+    for flag, path in [("--vocab-file", a.vocab_file), ("--merge-file", a.merge_file)]:
+        if path and not os.path.exists(path):
+            missing.append(f"{flag} {path}: not found")
+    if a.tokenizer_type == "SentencePieceTokenizer" and a.tokenizer_model:
+        if not os.path.exists(a.tokenizer_model):
+            missing.append(f"--tokenizer-model {a.tokenizer_model}: not found")
+    if a.finetune and a.load and not os.path.isdir(a.load):
+        missing.append(f"--load {a.load} (loaded with --finetune): no such directory")
+    if missing:
+        raise PreflightError("; ".join(missing))
+
+
+def available_host_memory() -> Optional[int]:
+    """This node's available memory in bytes (``MemAvailable``), None if unknown."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # noqa: BLE001  (no psutil or no /proc: unknown, not an error)
+        return None
+
+
+def _free_disk(directory: str) -> Optional[int]:
+    path = os.path.abspath(directory)
+    while path and not os.path.isdir(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+    return shutil.disk_usage(path).free
+
+
+def memory_needs(args: Sequence[str], nodes: int, gpus_per_node: int) -> List[Dict[str, object]]:
+    """What the run keeps beyond the model and optimizer, per node or per GPU.
+
+    Returns:
+        One entry per need: ``where`` ("host", "disk" or "device"), ``nbytes`` (per node for
+        host and disk, per GPU for device), ``what`` (a sentence), ``flags`` (to change it)
+        and ``directory`` (disk).
+    """
+    import torch
+
+    from megatron_ext.collectives.aqsgd import format_bytes
+    from megatron_ext.megatron.memory import aqsgd_buffer_plan
+
+    ext = _ext_args(args)
+    if ext.p2p_compression != "aqsgd" or not ext.fixed_samples:
+        return []
+    a = _megatron_subset(args)
+    if not a.seq_length or not a.hidden_size:
+        return []
+    dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
+    plan = aqsgd_buffer_plan(
+        num_samples=ext.fixed_samples,
+        seq_length=a.seq_length,
+        hidden_size=a.hidden_size,
+        activation_dtype=dtype,
+        buffer_dtype=ext.aqsgd_buffer_dtype,
+        tensor_parallel=a.tensor_model_parallel_size,
+        pipeline_parallel=a.pipeline_model_parallel_size,
+        context_parallel=a.context_parallel_size,
+        sequence_parallel=a.sequence_parallel,
+        world_size=nodes * gpus_per_node,
+        ranks_per_node=gpus_per_node,
+        tp_pp_dp_mapping=a.use_tp_pp_dp_mapping,
+    )
+    where = ext.aqsgd_buffer
+    side = (
+        f"{plan.slots} samples per data-parallel rank x {plan.rows} tokens x "
+        f"{a.hidden_size} x {plan.itemsize} B = {format_bytes(plan.per_side)} per boundary side"
+    )
+    flags = "--aqsgd-buffer, --fixed-samples, more data-parallel ranks"
+    if where == "device":
+        return [
+            dict(
+                where="device",
+                nbytes=plan.per_rank_max,
+                what=f"AQ-SGD buffers ({side}, 2 sides on a middle stage)",
+                flags=flags,
+            )
+        ]
+    place = "host memory" if where == "host" else f"disk in {ext.aqsgd_buffer_dir}"
+    return [
+        dict(
+            where=where,
+            nbytes=plan.per_node_max,
+            what=f"AQ-SGD buffers in {place} ({side}; {gpus_per_node} ranks a node)",
+            flags=flags + (", --aqsgd-buffer-dir" if where == "disk" else ""),
+            directory=ext.aqsgd_buffer_dir,
+        )
+    ]
+
+
+def _report_memory(needs, dry_run: bool) -> None:
+    from megatron_ext.collectives.aqsgd import format_bytes
+
+    for need in needs:
+        unit = "per GPU" if need["where"] == "device" else "per node"
+        kind = {"host": "host memory", "disk": "disk", "device": "GPU memory"}[need["where"]]
+        print(
+            f"megatron-ext: needs ~{format_bytes(need['nbytes'])} of {kind} {unit} for "
+            f"{need['what']}",
+            file=sys.stderr,
+        )
+        if dry_run:
+            continue
+        if need["where"] == "host":
+            free, what = available_host_memory(), "available memory on this node"
+        elif need["where"] == "disk":
+            free, what = _free_disk(need["directory"] or "."), f"free in {need['directory']}"
+        else:
+            continue  # the codec checks the GPU's free memory at install
+        if free is not None and need["nbytes"] > free:
+            raise PreflightError(
+                f"{need['what']}: need ~{format_bytes(need['nbytes'])} {unit} but "
+                f"{format_bytes(free)} is {what}; change {need['flags']}"
+            )
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console entry point; returns the exit code (2: refused)."""
+    from megatron_ext.megatron.lm.runfile import RunFileError, run_file_args
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: List[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1 :]
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_ext.megatron.lm.preflight",
+        description="Check a Megatron-LM launch and print pretrain_gpt.py's arguments.",
+    )
+    parser.add_argument("--config", default="", help="run file (YAML), read first")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes (NNODES)")
+    parser.add_argument("--gpus-per-node", type=int, default=1, help="ranks per node")
+    parser.add_argument("--dry-run", action="store_true", help="print needs, do not compare")
+    parser.add_argument("--null", action="store_true", help="NUL-separated output")
+    opts = parser.parse_args(argv)
+    try:
+        if opts.nodes < 1 or opts.gpus_per_node < 1:
+            raise PreflightError(
+                f"NNODES ({opts.nodes}) and GPUS_PER_NODE ({opts.gpus_per_node}) must be >= 1"
+            )
+        args = (run_file_args(opts.config) if opts.config else []) + extra
+        args, note = resume_args(args)
+        if note:
+            print(f"megatron-ext: {note}", file=sys.stderr)
+        check_layout(args, opts.nodes, opts.gpus_per_node)
+        check_inputs(args)
+        _report_memory(memory_needs(args, opts.nodes, opts.gpus_per_node), opts.dry_run)
+    except (OSError, RunFileError, PreflightError) as exc:
+        print(f"megatron-ext: error: {exc}", file=sys.stderr)
+        return 2
+    if opts.null:
+        sys.stdout.write("".join(v + "\0" for v in args))
+    else:
+        print(shlex.join(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,26 +14,49 @@
 # needed. triton is not installed: on CPU megatron-ext registers stand-ins for the two
 # megatron-core modules that import it only to define GPU kernels.
 #
-# Environment: PYTHON (python3), TORCH_SPEC (torch==2.13.0: the local CPU wheel).
+# Environment: PYTHON (python3), TORCH_SPEC (torch==2.13.0: the local CPU wheel), DRY_RUN (1:
+# print the commands instead of running them).
 set -euo pipefail
+# bash >= 4.4 ('set -u' with empty arrays); RHEL/CentOS 7 ships 4.2.
+if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 404)); then
+    echo "$0: needs bash >= 4.4, this is bash $BASH_VERSION; run it with a newer bash" \
+        "(e.g. 'module load bash', then: bash $0)" >&2
+    exit 2
+fi
 cd "$(dirname "$0")/.."
 version=${1:?usage: $0 MEGATRON_CORE_VERSION [pytest args...]}
 shift
 python=${PYTHON:-python3}
 torch_spec=${TORCH_SPEC:-torch==2.13.0}
 venv=".venv-mcore-${version}"
+DRY_RUN=${DRY_RUN:-0}
+# run CMD...: run it, or print it (DRY_RUN=1).
+run() {
+    if [[ "$DRY_RUN" == 1 ]]; then
+        printf '%q ' "$@"
+        printf '\n'
+    else
+        "$@"
+    fi
+}
 if [ ! -x "$venv/bin/python" ]; then
-    "$python" -m venv "$venv"
+    run "$python" -m venv "$venv"
 fi
-# shellcheck disable=SC1091
-. "$venv/bin/activate"
-pip install -q "$torch_spec"
-pip install -q --no-deps --ignore-requires-python "megatron-core==${version}"
-pip install -q numpy packaging
-pip install -q --no-deps -e .
+if [[ "$DRY_RUN" == 1 ]]; then
+    echo ". $venv/bin/activate"
+else
+    # shellcheck disable=SC1091
+    . "$venv/bin/activate"
+fi
+run pip install -q "$torch_spec"
+run pip install -q --no-deps --ignore-requires-python "megatron-core==${version}"
+run pip install -q numpy packaging
+run pip install -q --no-deps -e .
 # megatron-ext's own dependencies and the test extra, without letting pip touch megatron-core.
-pip install -q sentencepiece datasets pyyaml psutil pytest tensorboard matplotlib
-installed=$(python -c "from megatron_ext.megatron.version import mcore_version; print(mcore_version())")
-echo "megatron-ext tests against megatron-core ${installed} (Python $(python -c 'import sys; print(sys.version.split()[0])'))"
-python -m pytest -q -p no:cacheprovider tests/megatron tests/megatron_lm \
+run pip install -q sentencepiece datasets pyyaml psutil pytest tensorboard matplotlib
+if [[ "$DRY_RUN" != 1 ]]; then
+    installed=$(python -c "from megatron_ext.megatron.version import mcore_version; print(mcore_version())")
+    echo "megatron-ext tests against megatron-core ${installed} (Python $(python -c 'import sys; print(sys.version.split()[0])'))"
+fi
+run python -m pytest -q -p no:cacheprovider tests/megatron tests/megatron_lm \
     tests/unit/test_flags.py tests/unit/test_cpu_execution.py tests/unit/test_mcore_releases.py "$@"

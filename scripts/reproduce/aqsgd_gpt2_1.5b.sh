@@ -21,8 +21,26 @@
 # (10) epochs of it. Environment: RUNS ("none fw3bw6 fw4bw8"; add "fw3bw6+dp4 fw4bw8+dp4" for
 # the quantized 4-bit DP exchange, which needs DP > 1, i.e. NODES x GPUS_PER_NODE > 8),
 # RUNS_DIR (runs/aqsgd_gpt2_1.5b_<data>), EPOCHS, GLOBAL_BATCH_SIZE (32), BUFFER (host),
-# SUBMIT (local | slurm), NODES (1), GPUS_PER_NODE (8), and what pretrain_gpt_ext.sh reads.
+# SUBMIT (local | slurm), NODES (1), GPUS_PER_NODE (8), DRY_RUN (1: check and print the
+# commands; scripts/reproduce/common.sh), and what pretrain_gpt_ext.sh reads.
+#
+# Memory: with BUFFER=host every rank keeps its stages' activations of every fixed sample in
+# host memory: about 105 GB per node for WikiText2 on 8 GPUs (8 stages, 14 boundary sides x
+# 7.5 GB), about 320 GB for arXiv abstracts. The exact figure is printed before training
+# (also in the dry run and before sbatch), and a node with less available memory refuses to
+# start; BUFFER=disk (BUFFER_DIR_ROOT on a large local disk) or more nodes (data-parallel
+# ranks split the samples) need less per node.
+#
+# Requeue and restart: the first run fine-tunes PRETRAINED (--finetune --load); once
+# RUN_DIR/checkpoints holds a checkpoint, scripts/pretrain_gpt_ext.sh loads it instead (no
+# --finetune), so a requeued Slurm job or a second start continues the run.
 set -euo pipefail
+# bash >= 4.4 ('set -u' with empty arrays); RHEL/CentOS 7 ships 4.2.
+if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 404)); then
+    echo "$0: needs bash >= 4.4, this is bash $BASH_VERSION; run it with a newer bash" \
+        "(e.g. 'module load bash', then: bash $0)" >&2
+    exit 2
+fi
 
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -39,23 +57,32 @@ PYTHON=${PYTHON:-python}
 RUNS=${RUNS:-"none fw3bw6 fw4bw8"}
 RUNS_DIR=${RUNS_DIR:-$ROOT/runs/aqsgd_gpt2_1.5b_$DATA}
 EPOCHS=${EPOCHS:-10}
-SUBMIT=${SUBMIT:-local}
-NODES=${NODES:-1}
+NODES=${NODES:-${NNODES:-1}}
 export GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-32}
 export SPLIT=${SPLIT:-98,2,0}
 export CONFIG=${CONFIG:-$ROOT/configs/megatron_lm/gpt2_1.5b_aqsgd_8gpu.yaml}
 export GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 export PRETRAINED VOCAB_FILE MERGE_FILE
+# shellcheck source=scripts/reproduce/common.sh
+. "$HERE/common.sh"
 
 if [[ -z "${DATA_PREFIX:-}" ]]; then
     : "${INPUT:?set DATA_PREFIX (an indexed dataset) or INPUT (the corpus files to tokenize)}"
     DATA_PREFIX="$RUNS_DIR/data/${DATA}_text_document"
     if [[ ! -f "$DATA_PREFIX.idx" ]]; then
+        # shellcheck disable=SC2206  # INPUT and PREPARE_FLAGS are word lists
+        PREPARE=("$PYTHON" -m megatron_ext prepare-data --tokenizer-type GPT2BPETokenizer
+            --vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE"
+            --input $INPUT --output-prefix "$DATA_PREFIX" ${PREPARE_FLAGS:-})
+        if [[ "${DRY_RUN:-0}" == 1 ]]; then
+            printf 'would run:'
+            printf ' %q' "${PREPARE[@]}"
+            printf '\n(the runs depend on the sample count of the tokenized data: run once'
+            printf ' without DRY_RUN to tokenize, or set DATA_PREFIX, then DRY_RUN=1 again)\n'
+            exit 0
+        fi
         mkdir -p "$RUNS_DIR/data"
-        # shellcheck disable=SC2086  # INPUT and PREPARE_FLAGS are word lists
-        "$PYTHON" -m megatron_ext prepare-data --tokenizer-type GPT2BPETokenizer \
-            --vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE" \
-            --input $INPUT --output-prefix "$DATA_PREFIX" ${PREPARE_FLAGS:-}
+        "${PREPARE[@]}"
     fi
 fi
 export DATA_PREFIX
@@ -93,15 +120,7 @@ for run in $RUNS; do
             fi ;;
         *) echo "aqsgd_gpt2_1.5b.sh: unknown run '$run' (none, fw<k>bw<k>[+dp<k>])" >&2; exit 2 ;;
     esac
-    export RUN_DIR="$RUNS_DIR/$run"
-    export BUFFER_DIR="${BUFFER_DIR_ROOT:-$RUN_DIR}/aqsgd_buffers"
-    mkdir -p "$RUN_DIR"
-    echo "== AQ-SGD GPT2-1.5B $DATA: $run -> $RUN_DIR ($SUBMIT)"
-    if [[ "$SUBMIT" == slurm ]]; then
-        (cd "$ROOT" && sbatch --nodes "$NODES" --gpus-per-node "$GPUS_PER_NODE" \
-            --job-name "aqsgd-$DATA-$run" --output "$RUN_DIR/slurm-%j.out" \
-            scripts/slurm/pretrain_gpt_ext.sbatch "${RUN_FLAGS[@]}" "$@")
-    else
-        "$ROOT/scripts/pretrain_gpt_ext.sh" "${RUN_FLAGS[@]}" "$@" 2>&1 | tee "$RUN_DIR/train.log"
-    fi
+    export BUFFER_DIR="${BUFFER_DIR_ROOT:-$RUNS_DIR/$run}/aqsgd_buffers"
+    echo "== AQ-SGD GPT2-1.5B $DATA: $run -> $RUNS_DIR/$run ($SUBMIT)"
+    launch_run "aqsgd-$DATA-$run" "$RUNS_DIR/$run" "${RUN_FLAGS[@]}" "$@"
 done

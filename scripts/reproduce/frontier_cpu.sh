@@ -6,14 +6,32 @@
 # a quiet machine (they run at --priority -10).
 #
 # Usage: scripts/reproduce/frontier_cpu.sh [RUNS_DIR]   (default runs/frontier-16)
+# DRY_RUN=1: print the commands instead of running them.
 set -euo pipefail
+# bash >= 4.4 ('set -u' with empty arrays); RHEL/CentOS 7 ships 4.2.
+if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 404)); then
+    echo "$0: needs bash >= 4.4, this is bash $BASH_VERSION; run it with a newer bash" \
+        "(e.g. 'module load bash', then: bash $0)" >&2
+    exit 2
+fi
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${1:-$ROOT/runs/frontier-16}
 cd "$ROOT"
 B8=(--batch-sizes 8 --iters 8=300)
 B32=(--batch-sizes 32 --iters 32=150)
-run() { python benchmarks/frontier.py "$@"; }
+PYTHON=${PYTHON:-python}
+DRY_RUN=${DRY_RUN:-0}
+# run CMD...: run it, or print it (DRY_RUN=1).
+run_cmd() {
+    if [[ "$DRY_RUN" == 1 ]]; then
+        printf '%q ' "$@"
+        printf '\n'
+    else
+        "$@"
+    fi
+}
+run() { run_cmd "$PYTHON" benchmarks/frontier.py "$@"; }
 
 # Frontier, 1,024 tokens a step, 300 steps (loss only: loopback).
 run "${B8[@]}" --out "$OUT/b8" --points separate:ratio=2,4,8,32 powersgd:approx_rank=7,55 \
@@ -46,6 +64,6 @@ run "${B32[@]}" --out "$OUT/b32" --points none separate:ratio=16 powersgd:approx
 # PowerSGD at 4,096 tokens: a lower rank, and rank 14 dense for 10% of the steps (not 30).
 run "${B32[@]}" --out "$OUT/b32-powersgd" --points powersgd:approx_rank=7 \
     powersgd:approx_rank=14:start_step=15
-megatron-ext report "$OUT"/b8 "$OUT"/b8-extra "$OUT"/b8-seeds "$OUT"/ttt-1gbit \
+run_cmd megatron-ext report "$OUT"/b8 "$OUT"/b8-extra "$OUT"/b8-seeds "$OUT"/ttt-1gbit \
     "$OUT"/ttt-100mbit "$OUT"/ttt-100mbit-none "$OUT"/ttt-10mbit "$OUT"/ttt-10mbit-none \
     "$OUT"/b32 "$OUT"/b32-powersgd --out "$OUT/report"

@@ -12,8 +12,16 @@
 # $TOKENIZER_MODEL --input c4-train.*.json.gz --output-prefix /data/c4' (local files).
 #
 # Environment: RUNS ("full grass" for 60m/350m/1b, "grass" for 13b; 'full' is --grass-method
-# none), RUNS_DIR (runs/grass_llama_<size>), and everything scripts/pretrain_gpt_ext.sh reads (GPUS_PER_NODE...).
+# none), RUNS_DIR (runs/grass_llama_<size>), SUBMIT (local | slurm), NODES (1), DRY_RUN (1:
+# check and print the commands; scripts/reproduce/common.sh), GPUS_PER_NODE (8; 1 for 13b)
+# and what scripts/pretrain_gpt_ext.sh reads.
 set -euo pipefail
+# bash >= 4.4 ('set -u' with empty arrays); RHEL/CentOS 7 ships 4.2.
+if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 404)); then
+    echo "$0: needs bash >= 4.4, this is bash $BASH_VERSION; run it with a newer bash" \
+        "(e.g. 'module load bash', then: bash $0)" >&2
+    exit 2
+fi
 
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -30,7 +38,10 @@ RUNS=${RUNS:-$DEFAULT_RUNS}
 RUNS_DIR=${RUNS_DIR:-$ROOT/runs/grass_llama_$SIZE}
 export CONFIG=${CONFIG:-$ROOT/configs/megatron_lm/$CONFIG_FILE}
 export GPUS_PER_NODE=${GPUS_PER_NODE:-$GPUS}
+NODES=${NODES:-${NNODES:-1}}
 export DATA_PREFIX TOKENIZER_MODEL
+# shellcheck source=scripts/reproduce/common.sh
+. "$HERE/common.sh"
 
 for run in $RUNS; do
     case "$run" in
@@ -38,9 +49,6 @@ for run in $RUNS; do
         grass) RUN_FLAGS=() ;;
         *) echo "grass_llama.sh: RUNS holds 'full' and/or 'grass', got '$run'" >&2; exit 2 ;;
     esac
-    export RUN_DIR="$RUNS_DIR/$run"
-    mkdir -p "$RUN_DIR"
-    echo "== Grass LLaMA $SIZE: $run -> $RUN_DIR"
-    "$ROOT/scripts/pretrain_gpt_ext.sh" "${RUN_FLAGS[@]}" "$@" 2>&1 \
-        | tee "$RUN_DIR/train.log"
+    echo "== Grass LLaMA $SIZE: $run -> $RUNS_DIR/$run ($SUBMIT)"
+    launch_run "grass-$SIZE-$run" "$RUNS_DIR/$run" "${RUN_FLAGS[@]}" "$@"
 done

@@ -8,21 +8,38 @@
 #   MEGATRON_LM_DIR=/path/to/Megatron-LM DATA_PREFIX=/data/c4_text_document \
 #   VOCAB_FILE=/data/gpt2-vocab.json MERGE_FILE=/data/gpt2-merges.txt \
 #   scripts/reproduce/protocol_models.sh 2b [more flags...]
-#   (8b: TOKENIZER_MODEL instead of VOCAB_FILE / MERGE_FILE, and NNODES=8 NODE_RANK=...)
+#
+# 8b: TOKENIZER_MODEL instead of VOCAB_FILE / MERGE_FILE, and 32 pipeline stages x 2
+# replicas = 64 GPUs on NODES (8) nodes of GPUS_PER_NODE (8) GPUs. Under Slurm:
+#   SUBMIT=slurm MEGATRON_LM_DIR=... DATA_PREFIX=... TOKENIZER_MODEL=... \
+#   scripts/reproduce/protocol_models.sh 8b
+# Without Slurm, start it on each of the 8 nodes with the same environment plus
+# NODE_RANK (0 .. 7) and MASTER_ADDR (the address of the node with NODE_RANK=0):
+#   NODE_RANK=0 MASTER_ADDR=node0.example MEGATRON_LM_DIR=... DATA_PREFIX=... \
+#   TOKENIZER_MODEL=... scripts/reproduce/protocol_models.sh 8b
+# Fewer nodes x GPUs than the layout needs (TP x PP x CP, e.g. 32 for 8b) is refused.
 #
 # Environment: RUNS ("protocol none" for 2b, "protocol" otherwise; 'none' is the
-# uncompressed baseline with the same settings), RUNS_DIR (runs/protocol_<size>), and
-# everything scripts/pretrain_gpt_ext.sh reads (GPUS_PER_NODE, NNODES, ...).
+# uncompressed baseline with the same settings), RUNS_DIR (runs/protocol_<size>),
+# SUBMIT (local | slurm), NODES (1; 8 for 8b), GPUS_PER_NODE (8), DRY_RUN (1: check and
+# print the commands; scripts/reproduce/common.sh), and what scripts/pretrain_gpt_ext.sh
+# reads (MASTER_PORT, ...).
 set -euo pipefail
+# bash >= 4.4 ('set -u' with empty arrays); RHEL/CentOS 7 ships 4.2.
+if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 404)); then
+    echo "$0: needs bash >= 4.4, this is bash $BASH_VERSION; run it with a newer bash" \
+        "(e.g. 'module load bash', then: bash $0)" >&2
+    exit 2
+fi
 
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 SIZE=${1:?usage: protocol_models.sh 2b|640m|8b [more flags...]}
 shift
 case "$SIZE" in
-    2b) DEFAULT_RUNS="protocol none"; CONFIG_FILE=llama_2b_protocol_8gpu.yaml ;;
-    640m) DEFAULT_RUNS="protocol"; CONFIG_FILE=llama_640m_protocol_8gpu.yaml ;;
-    8b) DEFAULT_RUNS="protocol"; CONFIG_FILE=llama_8b_protocol_64gpu.yaml ;;
+    2b) DEFAULT_RUNS="protocol none"; DEFAULT_NODES=1; CONFIG_FILE=llama_2b_protocol_8gpu.yaml ;;
+    640m) DEFAULT_RUNS="protocol"; DEFAULT_NODES=1; CONFIG_FILE=llama_640m_protocol_8gpu.yaml ;;
+    8b) DEFAULT_RUNS="protocol"; DEFAULT_NODES=8; CONFIG_FILE=llama_8b_protocol_64gpu.yaml ;;
     *) echo "protocol_models.sh: size must be 2b, 640m or 8b, got '$SIZE'" >&2; exit 2 ;;
 esac
 : "${DATA_PREFIX:?set DATA_PREFIX to the data in the Megatron indexed format (..._text_document)}"
@@ -38,7 +55,10 @@ RUNS=${RUNS:-$DEFAULT_RUNS}
 RUNS_DIR=${RUNS_DIR:-$ROOT/runs/protocol_$SIZE}
 export CONFIG=${CONFIG:-$ROOT/configs/megatron_lm/$CONFIG_FILE}
 export GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+NODES=${NODES:-${NNODES:-$DEFAULT_NODES}}
 export DATA_PREFIX
+# shellcheck source=scripts/reproduce/common.sh
+. "$HERE/common.sh"
 
 for run in $RUNS; do
     case "$run" in
@@ -46,8 +66,6 @@ for run in $RUNS; do
         protocol) RUN_FLAGS=() ;;
         *) echo "protocol_models.sh: RUNS holds 'protocol' and/or 'none', got '$run'" >&2; exit 2 ;;
     esac
-    export RUN_DIR="$RUNS_DIR/$run"
-    mkdir -p "$RUN_DIR"
-    echo "== Protocol Models $SIZE: $run -> $RUN_DIR"
-    "$ROOT/scripts/pretrain_gpt_ext.sh" "${RUN_FLAGS[@]}" "$@" 2>&1 | tee "$RUN_DIR/train.log"
+    echo "== Protocol Models $SIZE: $run -> $RUNS_DIR/$run ($SUBMIT, $NODES nodes)"
+    launch_run "protocol-$SIZE-$run" "$RUNS_DIR/$run" "${RUN_FLAGS[@]}" "$@"
 done

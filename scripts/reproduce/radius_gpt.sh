@@ -10,8 +10,15 @@
 #
 # Environment: DENSITIES (0.4 for 2.0b, 0.5 for 355m; e.g. "0.5 0.4 0.3" for the sweep),
 # BASELINE (1: also the dense all-reduce run), RUNS_DIR (runs/radius_gpt_<size>),
-# SUBMIT (slurm | local), NODES (16), GPUS_PER_NODE (4), and what pretrain_gpt_ext.sh reads.
+# SUBMIT (slurm | local), NODES (16), GPUS_PER_NODE (4), DRY_RUN (1: check and print the
+# commands; scripts/reproduce/common.sh), and what pretrain_gpt_ext.sh reads.
 set -euo pipefail
+# bash >= 4.4 ('set -u' with empty arrays); RHEL/CentOS 7 ships 4.2.
+if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 404)); then
+    echo "$0: needs bash >= 4.4, this is bash $BASH_VERSION; run it with a newer bash" \
+        "(e.g. 'module load bash', then: bash $0)" >&2
+    exit 2
+fi
 
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -29,10 +36,12 @@ DENSITIES=${DENSITIES:-$DEFAULT_DENSITIES}
 BASELINE=${BASELINE:-1}
 RUNS_DIR=${RUNS_DIR:-$ROOT/runs/radius_gpt_$SIZE}
 SUBMIT=${SUBMIT:-slurm}
-NODES=${NODES:-16}
+NODES=${NODES:-${NNODES:-16}}
 export CONFIG=${CONFIG:-$ROOT/configs/megatron_lm/gpt_${SIZE}_radius_64gpu.yaml}
 export GPUS_PER_NODE=${GPUS_PER_NODE:-4}
 export DATA_PREFIX VOCAB_FILE MERGE_FILE
+# shellcheck source=scripts/reproduce/common.sh
+. "$HERE/common.sh"
 
 RUNS=()
 if [[ "$BASELINE" == 1 ]]; then
@@ -44,19 +53,12 @@ done
 
 for run in "${RUNS[@]}"; do
     if [[ "$run" == dense ]]; then
-        export RUN_DIR="$RUNS_DIR/dense"
+        run_dir="$RUNS_DIR/dense"
         RUN_FLAGS=(--grad-compression none)
     else
-        export RUN_DIR="$RUNS_DIR/density_$run"
+        run_dir="$RUNS_DIR/density_$run"
         RUN_FLAGS=(--radius-density "$run")
     fi
-    mkdir -p "$RUN_DIR"
-    echo "== Radius GPT-$SIZE: $run -> $RUN_DIR ($SUBMIT)"
-    if [[ "$SUBMIT" == slurm ]]; then
-        (cd "$ROOT" && sbatch --nodes "$NODES" --gpus-per-node "$GPUS_PER_NODE" \
-            --job-name "radius-$SIZE-$run" --output "$RUN_DIR/slurm-%j.out" \
-            scripts/slurm/pretrain_gpt_ext.sbatch "${RUN_FLAGS[@]}" "$@")
-    else
-        "$ROOT/scripts/pretrain_gpt_ext.sh" "${RUN_FLAGS[@]}" "$@" 2>&1 | tee "$RUN_DIR/train.log"
-    fi
+    echo "== Radius GPT-$SIZE: $run -> $run_dir ($SUBMIT)"
+    launch_run "radius-$SIZE-$run" "$run_dir" "${RUN_FLAGS[@]}" "$@"
 done

@@ -10,8 +10,15 @@
 #
 # Environment: RUNS ("dense 8 16 64 128": which runs, 'dense' is --grad-compression none),
 # RUNS_DIR (runs/separate_gpt2_345m: one folder per run with checkpoints, TensorBoard and
-# comm_report.json), and everything scripts/pretrain_gpt_ext.sh reads (GPUS_PER_NODE, ...).
+# comm_report.json), SUBMIT (local | slurm), NODES (1), DRY_RUN (1: check and print the
+# commands; scripts/reproduce/common.sh), GPUS_PER_NODE (8) and what pretrain_gpt_ext.sh reads.
 set -euo pipefail
+# bash >= 4.4 ('set -u' with empty arrays); RHEL/CentOS 7 ships 4.2.
+if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 404)); then
+    echo "$0: needs bash >= 4.4, this is bash $BASH_VERSION; run it with a newer bash" \
+        "(e.g. 'module load bash', then: bash $0)" >&2
+    exit 2
+fi
 
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -20,19 +27,21 @@ ROOT=$(cd "$HERE/../.." && pwd)
 : "${MERGE_FILE:?set MERGE_FILE to the GPT-2 merges (gpt2-merges.txt)}"
 RUNS=${RUNS:-"dense 8 16 64 128"}
 RUNS_DIR=${RUNS_DIR:-$ROOT/runs/separate_gpt2_345m}
+NODES=${NODES:-${NNODES:-1}}
 export CONFIG=${CONFIG:-$ROOT/configs/megatron_lm/gpt2_345m_separate_8gpu.yaml}
 export GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 export DATA_PREFIX VOCAB_FILE MERGE_FILE
+# shellcheck source=scripts/reproduce/common.sh
+. "$HERE/common.sh"
 
 for run in $RUNS; do
     if [[ "$run" == dense ]]; then
-        export RUN_DIR="$RUNS_DIR/dense"
+        run_dir="$RUNS_DIR/dense"
         RUN_FLAGS=(--grad-compression none)
     else
-        export RUN_DIR="$RUNS_DIR/ratio_$run"
+        run_dir="$RUNS_DIR/ratio_$run"
         RUN_FLAGS=(--separate-ratio "$run")
     fi
-    mkdir -p "$RUN_DIR"
-    echo "== SEPARATE GPT-2 345M: $run -> $RUN_DIR"
-    "$ROOT/scripts/pretrain_gpt_ext.sh" "${RUN_FLAGS[@]}" "$@" 2>&1 | tee "$RUN_DIR/train.log"
+    echo "== SEPARATE GPT-2 345M: $run -> $run_dir ($SUBMIT)"
+    launch_run "separate-345m-$run" "$run_dir" "${RUN_FLAGS[@]}" "$@"
 done

@@ -35,7 +35,10 @@ What it does:
       the full weights' gradient and Adam state.
     * ``aqsgd``: :class:`~megatron_ext.collectives.aqsgd.AQSGDCodec`'s per-sample buffers
       (``samples x seq x hidden x bytes`` per boundary side, ``--aqsgd-samples`` samples
-      per DP rank, fp16) of one middle pipeline stage (a send and a receive side).
+      per DP rank, bf16) of one middle pipeline stage (a send and a receive side), and
+      (``per_node_8_stages``) what a node of 8 GPUs holding 8 stages keeps, from
+      :func:`megatron_ext.megatron.memory.aqsgd_buffer_plan`, the figure the launch scripts
+      print before a job starts.
     * ``protocol``: :class:`~megatron_ext.compressors.subspace.Subspace` (``U``, ``A``,
       ``T_fixed``) and :class:`~megatron_ext.optim.subspace.SubspaceOptimizerHook`'s step on
       the constrained parameters (word and position embeddings, every layer's attention
@@ -605,6 +608,7 @@ def measure_aqsgd(model: str, samples: int, options: Dict[str, Any]) -> Dict[str
     import torch
 
     from megatron_ext.collectives.aqsgd import AQSGDCodec
+    from megatron_ext.megatron.memory import aqsgd_buffer_plan
     from megatron_ext.methods.aqsgd import AQSGDConfig
     from megatron_ext.methods.registry import SampleSpace
 
@@ -631,12 +635,19 @@ def measure_aqsgd(model: str, samples: int, options: Dict[str, Any]) -> Dict[str
         measure.step(allocate)
         persistent = measure.persistent
     itemsize = torch.tensor([], dtype=codec.send.dtype).element_size()
+    # What the launch scripts print before a job starts (megatron_ext.preflight), from the
+    # functions the codec allocated with: 8 stages on one 8-GPU node (the AQ-SGD paper's).
+    plan = aqsgd_buffer_plan(
+        num_samples=samples, seq_length=m["seq"], hidden_size=m["hidden"],
+        activation_dtype=torch.bfloat16, pipeline_parallel=8, world_size=8, ranks_per_node=8,
+    )  # fmt: skip
     return {
         "persistent": persistent,
         "transient": None,
         "samples": samples,
         "sides": result["sides"],
         "per_side": result["per_side"],
+        "per_node_8_stages": plan.per_node_max,
         "per_side_formula": f"{samples} x {m['seq']} x {m['hidden']} x {itemsize} B",
         "settings": {"buffer_dtype": str(codec.send.dtype), "buffer": cfg.buffer},
         "num_params": sum(_numel(s) for _, s in model_params(model)),
@@ -679,8 +690,14 @@ def measure_protocol(model: str, options: Dict[str, Any]) -> Dict[str, Any]:
     for name, shape in params:
         if name in ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight"):
             constrained[name] = 1
-        elif name.endswith(("self_attention.linear_proj.weight", "mlp.linear_fc2.weight",
-                            "self_attention.linear_proj.bias", "mlp.linear_fc2.bias")):
+        elif name.endswith(
+            (
+                "self_attention.linear_proj.weight",
+                "mlp.linear_fc2.weight",
+                "self_attention.linear_proj.bias",
+                "mlp.linear_fc2.bias",
+            )
+        ):
             if int(name.split(".")[2]) < free:
                 constrained[name] = 0
     shapes = dict(params)

@@ -6,7 +6,7 @@
 #   MEGATRON_LM_DIR=/path/to/Megatron-LM scripts/pretrain_gpt_ext.sh [more flags...]
 #
 # Flags come from the run file CONFIG (a YAML mapping of Megatron-LM / megatron-ext flag names
-# to values, see megatron_ext/megatron/lm/runfile.py), then from this script's arguments, which
+# to values, see megatron_ext/runfile.py), then from this script's arguments, which
 # override the file's (the last value of a flag wins). Multi-node: start it once per node with
 # NNODES, NODE_RANK and MASTER_ADDR set (scripts/slurm/pretrain_gpt_ext.sbatch does that under
 # Slurm).
@@ -24,7 +24,7 @@
 #   TORCHRUN          torchrun command ("$PYTHON -m torch.distributed.run")
 #   DRY_RUN           1: check, then print the command instead of running it (0)
 #
-# Before torchrun starts (python -m megatron_ext.megatron.lm.preflight, also in the dry run):
+# Before torchrun starts (python -m megatron_ext.preflight, also in the dry run):
 # a run whose --save holds a checkpoint resumes from it (--load <save>, --finetune dropped:
 # requeued and restarted jobs continue); the nodes must hold the parallel layout; data and
 # tokenizer files must exist; the memory AQ-SGD's buffers need is printed and, outside the dry
@@ -88,7 +88,7 @@ if [[ "$DRY_RUN" == 1 ]]; then
 fi
 run_args_file=$(mktemp)
 trap 'rm -f "$run_args_file"' EXIT
-$PYTHON -m megatron_ext.megatron.lm.preflight "${PREFLIGHT_ARGS[@]}" -- "$@" > "$run_args_file"
+$PYTHON -m megatron_ext.preflight "${PREFLIGHT_ARGS[@]}" -- "$@" > "$run_args_file"
 RUN_ARGS=()
 while IFS= read -r -d '' arg; do
     RUN_ARGS+=("$arg")

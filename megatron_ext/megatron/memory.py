@@ -6,7 +6,7 @@ What it does:
     (:func:`~megatron_ext.collectives.aqsgd.boundary_sides`, ``buffer_nbytes``,
     ``local_rows``, ``resolve_buffer_dtype`` and the
     :class:`~megatron_ext.methods.registry.SampleSpace` slot count), so the launch scripts
-    (:mod:`megatron_ext.megatron.lm.preflight`) and ``benchmarks/state_memory.py`` state the
+    (:mod:`megatron_ext.preflight`) and ``benchmarks/state_memory.py`` state the
     figure the codec will allocate, before a job starts. Ranks map to pipeline stages as
     Megatron-LM's ``initialize_model_parallel`` orders them (``tp-cp-ep-dp-pp``, or
     ``tp-cp-ep-pp-dp`` with ``--use-tp-pp-dp-mapping``), nodes hold consecutive ranks.

@@ -6,7 +6,9 @@ would after saving. Checked: the script parses (``bash -n``); its ``#SBATCH`` li
 SIGUSR1 to the batch shell before the time limit, requeueing and appended logs; Megatron-LM
 gets ``--exit-signal-handler``; SIGUSR1 makes the script forward SIGTERM to srun, wait for it
 and requeue the job; SIGTERM forwards without requeueing; torchrun's shutdown timeout is
-shorter than the signal's lead time.
+shorter than the signal's lead time; the log path is valid in a fresh submit directory and a
+job started outside the checkout says to set EXT_DIR. (The resume from the run's own
+checkpoint and the dry run: tests/unit/test_launch_scripts.py.)
 """
 
 import os
@@ -56,6 +58,21 @@ def test_sbatch_header_asks_for_a_warning_signal_and_requeueing():
     assert 30 < default_timeout < lead
 
 
+def test_log_path_is_valid_in_a_fresh_submit_directory(tmp_path):
+    # Slurm opens --output before the script runs: a folder in it must exist at submission.
+    output = next(o for o in _sbatch_options() if o.startswith("--output="))[len("--output=") :]
+    folder = os.path.dirname(output.replace("%x", "name").replace("%j", "1"))
+    assert folder == "" or (REPO / folder).is_dir() and not os.path.isabs(folder), output
+
+
+def test_refuses_to_run_outside_the_checkout_naming_ext_dir(tmp_path):
+    env = {**os.environ, "MEGATRON_LM_DIR": str(tmp_path), "SLURM_SUBMIT_DIR": str(tmp_path)}
+    env.pop("EXT_DIR", None)
+    proc = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True)  # fmt: skip
+    assert proc.returncode == 2 and "set EXT_DIR" in proc.stderr
+
+
 def _run(tmp_path, sig):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -69,6 +86,7 @@ def _run(tmp_path, sig):
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
         "FAKE_LOG": str(log),
         "MEGATRON_LM_DIR": str(tmp_path),
+        "SLURM_SUBMIT_DIR": str(REPO),  # where sbatch was run: the checkout
         "SLURM_JOB_ID": "4242",
         "SLURM_JOB_NODELIST": "node001",
         "SLURM_NNODES": "1",

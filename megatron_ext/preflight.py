@@ -1,13 +1,13 @@
 """Checks of a Megatron-LM launch made once per node, before ``torchrun`` starts any rank.
 
 What it does:
-    ``python -m megatron_ext.megatron.lm.preflight [--config FILE] [--nodes N]
+    ``python -m megatron_ext.preflight [--config FILE] [--nodes N]
     [--gpus-per-node G] [--dry-run] [--null] -- [ARGS...]`` prints the arguments
     ``pretrain_gpt.py`` gets (NUL-separated with ``--null``, else one shell-quoted line) and
     says on stderr what it changed and what the run needs. ``scripts/pretrain_gpt_ext.sh``
     calls it on every node (its ``DRY_RUN=1`` prints the result instead of launching):
 
-    1. **arguments**: the run file's (:func:`~megatron_ext.megatron.lm.runfile.
+    1. **arguments**: the run file's (:func:`~megatron_ext.runfile.
        run_file_args`), then ``ARGS``, which override them (argparse keeps the last value);
     2. **resume** (:func:`resume_args`): when the last ``--save`` directory holds
        ``latest_checkpointed_iteration.txt``, the run continues from it: every ``--load`` is
@@ -33,9 +33,12 @@ Why:
     64 processes and fails in one of them: with the reason, the flag and the figure.
 
 Constraints:
-    Never imports Megatron (megatron-ext's own flags come from its config dataclasses, for
-    their defaults). Megatron-LM's flags are read with a small parser of the few it needs;
-    Megatron-LM's own parser still validates everything at start. Exit code 2 on refusal.
+    Never imports Megatron, and torch only to size AQ-SGD's buffers: it runs on every node
+    before torchrun and in every dry run, so it stays outside ``megatron_ext.megatron``
+    (whose import brings torch). megatron-ext's own flags come from its config dataclasses,
+    for their defaults; Megatron-LM's flags are read with a small parser of the few it
+    needs, and Megatron-LM's own parser still validates everything at start. Exit code 2 on
+    refusal.
 """
 
 from __future__ import annotations
@@ -88,10 +91,12 @@ def _megatron_subset(args: Sequence[str]) -> argparse.Namespace:
 
 
 def _ext_args(args: Sequence[str]) -> argparse.Namespace:
-    """megatron-ext's flags with their defaults (the config dataclasses')."""
-    from megatron_ext.megatron.lm import megatron_lm_extra_args
+    """megatron-ext's flags with their defaults (the config dataclasses'), and the data flag
+    ``--fixed-samples`` that Megatron-LM runs get from megatron-ext (default None)."""
+    from megatron_ext.config import add_args
 
-    parser = megatron_lm_extra_args(None)(argparse.ArgumentParser(add_help=False))
+    parser = add_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
+    parser.add_argument("--fixed-samples", type=int, default=None)
     return parser.parse_known_args(list(args))[0]
 
 
@@ -219,17 +224,17 @@ def memory_needs(args: Sequence[str], nodes: int, gpus_per_node: int) -> List[Di
         host and disk, per GPU for device), ``what`` (a sentence), ``flags`` (to change it)
         and ``directory`` (disk).
     """
-    import torch
-
-    from megatron_ext.collectives.aqsgd import format_bytes
-    from megatron_ext.megatron.memory import aqsgd_buffer_plan
-
     ext = _ext_args(args)
     if ext.p2p_compression != "aqsgd" or not ext.fixed_samples:
         return []
     a = _megatron_subset(args)
     if not a.seq_length or not a.hidden_size:
         return []
+    import torch
+
+    from megatron_ext.collectives.aqsgd import format_bytes
+    from megatron_ext.megatron.memory import aqsgd_buffer_plan
+
     dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
     plan = aqsgd_buffer_plan(
         num_samples=ext.fixed_samples,
@@ -273,6 +278,8 @@ def memory_needs(args: Sequence[str], nodes: int, gpus_per_node: int) -> List[Di
 
 
 def _report_memory(needs, dry_run: bool) -> None:
+    if not needs:
+        return
     from megatron_ext.collectives.aqsgd import format_bytes
 
     for need in needs:
@@ -300,7 +307,7 @@ def _report_memory(needs, dry_run: bool) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry point; returns the exit code (2: refused)."""
-    from megatron_ext.megatron.lm.runfile import RunFileError, run_file_args
+    from megatron_ext.runfile import RunFileError, run_file_args
 
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: List[str] = []
@@ -308,7 +315,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1 :]
     parser = argparse.ArgumentParser(
-        prog="python -m megatron_ext.megatron.lm.preflight",
+        prog="python -m megatron_ext.preflight",
         description="Check a Megatron-LM launch and print pretrain_gpt.py's arguments.",
     )
     parser.add_argument("--config", default="", help="run file (YAML), read first")
@@ -323,6 +330,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f"NNODES ({opts.nodes}) and GPUS_PER_NODE ({opts.gpus_per_node}) must be >= 1"
             )
         args = (run_file_args(opts.config) if opts.config else []) + extra
+        if opts.config:
+            print(f"megatron-ext: run file {opts.config}", file=sys.stderr)
         args, note = resume_args(args)
         if note:
             print(f"megatron-ext: {note}", file=sys.stderr)

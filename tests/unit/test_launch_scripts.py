@@ -365,8 +365,9 @@ def test_the_printed_aqsgd_figure_is_what_the_codec_allocates():
     # Ranks to stages as Megatron-LM orders them: 3 stages x DP 2 on 3 nodes of 2 GPUs.
     small = dict(num_samples=4, seq_length=2, hidden_size=1, activation_dtype=torch.float32)
     default = aqsgd_buffer_plan(**small, pipeline_parallel=3, world_size=6, ranks_per_node=2)
-    assert default.per_side == 2 * 2 * 4 and default.per_node == [2 * 8, 4 * 8, 2 * 8]
+    side = 2 * 2 * 1 * 4  # 2 samples per DP rank x 2 tokens x hidden 1 x fp32
+    assert default.per_side == side and default.per_node == [2 * side, 4 * side, 2 * side]
     mapped = aqsgd_buffer_plan(
         **small, pipeline_parallel=3, world_size=6, ranks_per_node=2, tp_pp_dp_mapping=True
     )
-    assert mapped.per_node == [3 * 8, 2 * 8, 3 * 8]
+    assert mapped.per_node == [3 * side, 2 * side, 3 * side]

@@ -38,13 +38,14 @@ FULL = [
 LAYOUTS = {
     "dp2": [],
     "dp2-overlap": ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"],
-    # column-parallel QKV and fc1 (columns of X), row-parallel fc2 (rows of dY): all 64 wide
+    # column-parallel QKV (Q, K, V: 64 rows each, 32 on each rank), fc1 (its 64 input
+    # columns, shared by the ranks), row-parallel fc2 (its 64 rows, shared): all 64 wide
     "tp2": ["--tensor-model-parallel-size", "2", "--grass-layers", "linear_(qkv|fc1|fc2)$"],
-    # the row-parallel attention output at TP=2 is 64 x 32: its 32 columns
+    # the row-parallel attention output is 64 x 64 (64 x 32 on each rank): its 64 rows
     "tp2-proj": ["--tensor-model-parallel-size", "2", "--grass-layers", "linear_proj$"],
     "pp2": ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"],
 }
-FULL_RANK = {"dp2": 64, "dp2-overlap": 64, "tp2": 64, "tp2-proj": 32, "pp2": 64}
+FULL_RANK = {"dp2": 64, "dp2-overlap": 64, "tp2": 64, "tp2-proj": 64, "pp2": 64}
 
 
 def _stock_vs_grass(rank, world, flags, steps):

@@ -21,11 +21,13 @@ What it does:
 
     Selection (:func:`select`) every ``K`` steps from the row norms of the step's gradient:
     Top-r; multinomial by row norm or squared norm with replacement (``rho = 1/sqrt(r q_j)``,
-    unbiased) or without (``rho = 1``); uniform with replacement. The norms come from a
-    sketch accumulated in the backward without forming ``G`` for more than one microbatch
-    of one layer: ``G Omega = dY^T (X Omega)`` with a seeded Gaussian ``Omega`` (``n x s``),
-    which sums exactly over microbatches and data-parallel ranks (an ``m x s``
-    all-reduce), or with ``s = 0`` the exact ``G`` (tests, small models).
+    unbiased) or without (``rho = 1``); uniform with replacement or without (``rho = 1``).
+    The norms come from a sketch accumulated in the backward without forming ``G`` for more
+    than one microbatch of one layer: ``G Omega = dY^T (X Omega)`` with a seeded Gaussian
+    ``Omega`` (``n x s``), which sums exactly over microbatches and data-parallel ranks (an
+    ``m x s`` all-reduce), or with ``s = 0`` the exact ``G`` (tests, small models). A fused
+    weight (Q/K/V, gate/up) is selected part by part, ``r`` indices each from each part's
+    own norms, as the paper's separate layers (:class:`GrassLayer`).
 
 Shapes:
     input ``[..., n]``, weight ``[m, n]``, output ``[..., m]``; tokens = product of the
@@ -50,7 +52,8 @@ On a GPU:
 Constraints:
     Pure torch; never imports Megatron. Tensor-parallel communication of megatron's
     column- and row-parallel layers is re-done here (sequence-parallel gather and
-    reduce-scatter, data-gradient all-reduce), with the process group passed in.
+    reduce-scatter, data-gradient all-reduce, and the sketch sum of ranks that share the
+    projected dimension), with the process group passed in.
 """
 
 from __future__ import annotations

@@ -21,11 +21,13 @@ What it does:
 
     Selection (:func:`select`) every ``K`` steps from the row norms of the step's gradient:
     Top-r; multinomial by row norm or squared norm with replacement (``rho = 1/sqrt(r q_j)``,
-    unbiased) or without (``rho = 1``); uniform with replacement. The norms come from a
-    sketch accumulated in the backward without forming ``G`` for more than one microbatch
-    of one layer: ``G Omega = dY^T (X Omega)`` with a seeded Gaussian ``Omega`` (``n x s``),
-    which sums exactly over microbatches and data-parallel ranks (an ``m x s``
-    all-reduce), or with ``s = 0`` the exact ``G`` (tests, small models).
+    unbiased) or without (``rho = 1``); uniform with replacement or without (``rho = 1``).
+    The norms come from a sketch accumulated in the backward without forming ``G`` for more
+    than one microbatch of one layer: ``G Omega = dY^T (X Omega)`` with a seeded Gaussian
+    ``Omega`` (``n x s``), which sums exactly over microbatches and data-parallel ranks (an
+    ``m x s`` all-reduce), or with ``s = 0`` the exact ``G`` (tests, small models). A fused
+    weight (Q/K/V, gate/up) is selected part by part, ``r`` indices each from each part's
+    own norms, as the paper's separate layers (:class:`GrassLayer`).
 
 Shapes:
     input ``[..., n]``, weight ``[m, n]``, output ``[..., m]``; tokens = product of the
@@ -50,7 +52,8 @@ On a GPU:
 Constraints:
     Pure torch; never imports Megatron. Tensor-parallel communication of megatron's
     column- and row-parallel layers is re-done here (sequence-parallel gather and
-    reduce-scatter, data-gradient all-reduce), with the process group passed in.
+    reduce-scatter, data-gradient all-reduce, and the sketch sum of ranks that share the
+    projected dimension), with the process group passed in.
 """
 
 from __future__ import annotations
@@ -69,11 +72,13 @@ __all__ = [
     "select",
     "needs_sketch",
     "projected_dim",
+    "virtual_shape",
 ]
 
-SELECTION_METHODS = ("topr", "norm", "norm2", "norm-nr", "norm2-nr", "uniform")
+SELECTION_METHODS = ("topr", "norm", "norm2", "norm-nr", "norm2-nr", "uniform", "uniform-nr")
 """``--grass-method`` values: Top-r; Multinomial-Norm / -Norm2 with replacement (unbiased
-``rho``) or without (``-nr``, ``rho = 1``); uniform with replacement."""
+``rho``) or without (``-nr``, ``rho = 1``); uniform with replacement (``rho =
+sqrt(size / r)``) or without (``uniform-nr``, ``rho = 1``)."""
 
 
 def projected_dim(shape: Tuple[int, int]) -> Tuple[str, int]:
@@ -84,9 +89,9 @@ def projected_dim(shape: Tuple[int, int]) -> Tuple[str, int]:
 
 
 def needs_sketch(method: str, rank: int, size: int) -> bool:
-    """Whether the selection depends on the gradient (uniform, and choosing every index
-    without replacement, do not)."""
-    if method == "uniform":
+    """Whether the selection depends on the gradient (the uniform rules, and choosing every
+    index without replacement, do not)."""
+    if method in ("uniform", "uniform-nr"):
         return False
     if rank >= size and method in ("topr", "norm-nr", "norm2-nr"):
         return False
@@ -103,8 +108,8 @@ def select(
     """Choose ``rank`` of ``size`` indices and their scales ``rho``.
 
     Args:
-        norms_sq: squared row norms of the gradient (fp32, ``[size]``); unused by 'uniform'
-            and when every index is chosen without replacement.
+        norms_sq: squared row norms of the gradient (fp32, ``[size]``); unused by the
+            uniform rules and when every index is chosen without replacement.
         size: number of rows (or columns) to choose from.
         rank: ``r``.
         method: one of :data:`SELECTION_METHODS`.
@@ -129,6 +134,11 @@ def select(
         if method == "uniform":
             index = torch.randint(size, (rank,), generator=generator)
             return index, torch.full((rank,), math.sqrt(size / rank))
+        if method == "uniform-nr" and rank < size:
+            # r distinct indices, every r-subset equally likely; rho = 1 as for the other
+            # rules without replacement (the paper's Uniform-NR)
+            index = torch.randperm(size, generator=generator)[:rank]
+            return torch.sort(index).values, ones
         return torch.arange(size), ones
     # A selection step: the norms come to the host (a synchronization every K steps).
     scores = norms_sq.detach().to("cpu", torch.float64)
@@ -188,19 +198,58 @@ def _slot_table(inverse: torch.Tensor, num_unique: int) -> torch.Tensor:
     return torch.where(valid, order[position], torch.full_like(position, r))
 
 
+def virtual_shape(
+    mode: str, weight_shape: Tuple[int, int], rank: int, num_parts: int = 1
+) -> Tuple[int, int]:
+    """Shape of the virtual parameter ``V`` of a (local) weight with ``num_parts`` parts of
+    ``rank`` selections each: ``[parts * r, n]`` for rows, ``[m / parts, parts * r]`` for
+    columns (:class:`GrassLayer`)."""
+    m, n = weight_shape
+    if mode == "row":
+        return (num_parts * rank, n)
+    return (m // num_parts, num_parts * rank)
+
+
 @dataclass
 class GrassLayer:
     """One projected weight: its selection, virtual parameter and sketch (see module doc).
 
+    A weight may hold several matrices that the paper trains as separate layers (the fused
+    Q, K, V of attention; the gate and up projections of SwiGLU). Each such *part* gets its
+    own ``r`` indices, chosen by the rule from its own norms:
+
+    * ``mode == 'row'`` with ``part_rows``: each part is a set of rows of the weight (Q, K
+      and V interleave per query group in megatron-core); the selected rows of every part
+      are the slots of ``V`` (``[parts * r, n]``), part by part.
+    * ``mode == 'col'`` with ``num_col_parts = P > 1``: the weight is ``P`` equal blocks of
+      ``f = m / P`` rows (gate, up), each choosing its own ``r`` columns. The selectable
+      units are the ``P * n`` columns of the blocks placed side by side (``[f, P n]``):
+      unit ``k`` is column ``k % n`` of block ``k // n``; ``V`` is ``[f, P r]``.
+
+    Tensor parallelism: ``tp_shared`` says that the projected dimension is not split over
+    the ``tp_size`` ranks of ``tp_group`` (rows of a row-parallel layer, columns of a
+    column-parallel one): the ranks then sum their sketches (exactly the unsharded
+    sketch: ``Omega`` is drawn for the unsharded other dimension and each rank takes its
+    slice) and draw from the same generator, so they choose the same indices as one
+    unsharded rank would. Otherwise each rank selects among its own shard's indices
+    (``rank`` is then the per-shard count) with a generator that also depends on its
+    tensor-parallel rank.
+
     Args:
         fqn: the layer's global FQN (state keys).
         weight: the frozen weight ``[m, n]`` (the model's tensor, updated in place).
-        param: the virtual parameter ``V`` (``[r, n]`` or ``[m, r]``).
-        mode: 'row' or 'col' (:func:`projected_dim`).
-        rank: ``r``.
+        param: the virtual parameter ``V`` (:func:`virtual_shape`).
+        mode: 'row' or 'col' (:func:`projected_dim` of each part's unsharded shape).
+        rank: ``r`` of each part on this rank.
         method: selection rule.
         sketch_size: columns of the Gaussian sketch (0: the exact gradient).
         seed: run seed of sketches and sampling.
+        part_rows: row mode only: the CPU int64 rows of each part (None: one part).
+        num_col_parts: col mode only: ``P``.
+        tp_group: tensor-parallel group (for ``tp_shared`` with ``tp_size > 1``).
+        tp_size: tensor-parallel size of the layer.
+        tp_rank: this rank's index in ``tp_group``.
+        tp_shared: the projected dimension is replicated over ``tp_group``.
     """
 
     fqn: str
@@ -211,6 +260,12 @@ class GrassLayer:
     method: str
     sketch_size: int
     seed: int
+    part_rows: Optional[Tuple[torch.Tensor, ...]] = None
+    num_col_parts: int = 1
+    tp_group: Any = None
+    tp_size: int = 1
+    tp_rank: int = 0
+    tp_shared: bool = False
     # The selection, on the weight's device (set_selection / load_state_dict): the r
     # indices, their scales, the sorted unique rows, the slots of each unique row
     # (_slot_table) and the rows' fp32 values at selection time.
@@ -222,18 +277,64 @@ class GrassLayer:
     sketching: bool = False
     sketch: Optional[torch.Tensor] = None
     omega: Optional[torch.Tensor] = None
+    # col mode with P > 1: the column of each slot, and block / column of each unique unit
+    _slot_col: Optional[torch.Tensor] = None
+    _unit_block: Optional[torch.Tensor] = None
+    _unit_col: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        if self.mode not in ("row", "col"):
+            raise ValueError(f"Grass mode must be 'row' or 'col', got {self.mode!r}")
+        m, n = self.weight.shape
+        if self.part_rows is not None and self.mode != "row":
+            raise ValueError("part_rows is for row mode")
+        if self.num_col_parts != 1 and (self.mode != "col" or m % self.num_col_parts):
+            raise ValueError(f"{self.num_col_parts} column parts do not split {m} rows")
+        if self.part_rows is not None:
+            self.part_rows = tuple(p.to("cpu", torch.int64) for p in self.part_rows)
+        expected = virtual_shape(self.mode, (m, n), self.rank, self.num_parts)
+        if tuple(self.param.shape) != expected:
+            raise ValueError(
+                f"virtual parameter of {self.fqn} is {tuple(self.param.shape)}, expected "
+                f"{expected}"
+            )
+
+    @property
+    def num_parts(self) -> int:
+        """Number of parts, each with its own ``r`` indices."""
+        if self.mode == "row":
+            return 1 if self.part_rows is None else len(self.part_rows)
+        return self.num_col_parts
 
     @property
     def size(self) -> int:
-        """Rows (or columns) selected from."""
-        return self.weight.shape[0] if self.mode == "row" else self.weight.shape[1]
+        """Units (rows, or columns of the parts side by side) selected from."""
+        m, n = self.weight.shape
+        return m if self.mode == "row" else self.num_col_parts * n
+
+    def part_units(self) -> Tuple[torch.Tensor, ...]:
+        """The CPU int64 units of each part (indices into :attr:`size`)."""
+        if self.mode == "row":
+            return self.part_rows if self.part_rows is not None else (torch.arange(self.size),)
+        n = self.weight.shape[1]
+        return tuple(torch.arange(p * n, (p + 1) * n) for p in range(self.num_col_parts))
+
+    @property
+    def _other(self) -> int:
+        """Length of a unit (the dimension not projected, per part)."""
+        m, n = self.weight.shape
+        return n if self.mode == "row" else m // self.num_col_parts
 
     @property
     def needs_sketch(self) -> bool:
         """Whether this layer's selection depends on the gradient."""
-        return needs_sketch(self.method, self.rank, self.size)
+        return any(needs_sketch(self.method, self.rank, part.numel()) for part in self.part_units())
 
     # -- backward ---------------------------------------------------------------------------
+
+    def _blocks(self, dy: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """``dy`` ``[tokens, m]`` split into the column parts' output blocks."""
+        return dy.split(self._other, dim=1)
 
     def projected_grad(self, dy: torch.Tensor, x: torch.Tensor) -> Optional[torch.Tensor]:
         """``G_C`` from output gradients ``dy`` ``[tokens, m]`` and inputs ``x``
@@ -247,49 +348,102 @@ class GrassLayer:
         rho = self.rho.to(dy.dtype)
         if self.mode == "row":
             return (dy.index_select(1, self.index) * rho).t().matmul(x)
-        return dy.t().matmul(x.index_select(1, self.index) * rho)
+        if self.num_col_parts == 1:
+            return dy.t().matmul(x.index_select(1, self.index) * rho)
+        # block p's slots are p*r .. (p+1)*r - 1 (part-major, see reselect)
+        xs = (x.index_select(1, self._slot_col) * rho).split(self.rank, dim=1)
+        return torch.cat([b.t().matmul(c) for b, c in zip(self._blocks(dy), xs)], dim=1)
 
     def _add_sketch(self, dy: torch.Tensor, x: torch.Tensor) -> None:
         dy32, x32 = dy.float(), x.float()
-        if self.sketch_size == 0:
-            part = dy32.t().matmul(x32)
-        elif self.mode == "row":
-            part = dy32.t().matmul(x32.matmul(self.omega))
+        if self.mode == "row":
+            if self.sketch_size == 0:
+                part = dy32.t().matmul(x32)
+            else:
+                part = dy32.t().matmul(x32.matmul(self.omega))
         else:
-            part = self.omega.t().matmul(dy32.t()).matmul(x32)
+            parts = []
+            for b in self._blocks(dy32):
+                left = b.t() if self.sketch_size == 0 else b.matmul(self.omega).t()
+                parts.append(left.matmul(x32))
+            part = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         self.sketch = part if self.sketch is None else self.sketch.add_(part)
+
+    def _generator(self, seed: int, step: int, a: int, b: int) -> torch.Generator:
+        key = self.fqn if self.tp_shared or self.tp_size == 1 else f"{self.fqn}@tp{self.tp_rank}"
+        return torch.Generator().manual_seed((seed * a + step * b + _stable_hash(key)) % (2**63))
 
     def start_sketch(self, step: int) -> None:
         """Accumulate a sketch of this step's gradient (cleared by :meth:`reselect`)."""
         self.sketching = self.needs_sketch
         self.sketch = None
         if self.sketching and self.sketch_size > 0:
-            m, n = self.weight.shape
-            other = n if self.mode == "row" else m
+            other = self._other
             gen = torch.Generator().manual_seed(
                 (self.seed * 1_000_003 + step * 7919 + _stable_hash(self.fqn)) % (2**63)
             )
             # A selection step: drawn on the CPU (the same bits on every rank and device)
-            # and copied to the device once for the step's microbatches.
-            self.omega = torch.randn(other, self.sketch_size, generator=gen).to(self.weight.device)
+            # and copied to the device once for the step's microbatches. Where the ranks
+            # of tp_group sum their sketches, Omega is drawn for the unsharded dimension
+            # and each takes its slice, so that the sum is the unsharded G Omega.
+            if self.tp_shared and self.tp_size > 1:
+                omega = torch.randn(other * self.tp_size, self.sketch_size, generator=gen)
+                omega = omega[self.tp_rank * other : (self.tp_rank + 1) * other]
+            else:
+                omega = torch.randn(other, self.sketch_size, generator=gen)
+            self.omega = omega.to(self.weight.device)
             self._sketch_step = step
 
+    def reduce_sketch_over_tp(self) -> None:
+        """Sum the sketch over ``tp_group`` where the projected dimension is shared
+        (collective over the tensor-parallel group; a no-op otherwise)."""
+        if self.sketching and self.tp_shared and self.tp_size > 1:
+            if self.sketch is None:
+                self.sketch = self.empty_sketch()
+            torch.distributed.all_reduce(self.sketch, group=self.tp_group)
+
     def sketch_norms(self) -> torch.Tensor:
-        """Squared row (or column) norms estimated from the (reduced) sketch."""
+        """Squared norms of the units estimated from the (reduced) sketch."""
         dim = 1 if self.mode == "row" else 0
         return self.sketch.pow(2).sum(dim=dim)
 
     def empty_sketch(self) -> torch.Tensor:
         """A zero sketch of the right shape (a rank whose backward did not reach the layer)."""
-        m, n = self.weight.shape
         s = self.sketch_size
-        shape = (m, n) if s == 0 else ((m, s) if self.mode == "row" else (s, n))
+        if self.mode == "row":
+            shape = (self.size, self._other if s == 0 else s)
+        else:
+            shape = (self._other if s == 0 else s, self.size)
         return torch.zeros(shape, dtype=torch.float32, device=self.weight.device)
 
     # -- the weight ------------------------------------------------------------------------
 
     def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        """``V`` (or a tensor shaped like it) with one slot per row."""
         return t if self.mode == "row" else t.t()
+
+    def _gather_units(self, unique: torch.Tensor) -> torch.Tensor:
+        """The weight's units ``unique`` (on its device) as rows ``[u, other]``."""
+        w = self.weight
+        if self.mode == "row":
+            return w.index_select(0, unique)
+        if self.num_col_parts == 1:
+            return w.t().index_select(0, unique)
+        blocks = w.view(self.num_col_parts, self._other, w.shape[1]).transpose(1, 2)
+        return blocks[self._unit_block, self._unit_col]
+
+    def _scatter_units(self, rows: torch.Tensor) -> None:
+        """Write ``rows`` ``[u, other]`` into the weight's selected unique units."""
+        w = self.weight
+        with torch.no_grad():
+            # distinct indices: index_copy_ and index_put_ are deterministic
+            if self.mode == "row":
+                w.index_copy_(0, self.unique, rows)
+            elif self.num_col_parts == 1:
+                w.t().index_copy_(0, self.unique, rows)
+            else:
+                blocks = w.view(self.num_col_parts, self._other, w.shape[1]).transpose(1, 2)
+                blocks.index_put_((self._unit_block, self._unit_col), rows)
 
     @property
     def master_dtype(self) -> torch.dtype:
@@ -318,39 +472,63 @@ class GrassLayer:
         """Write ``base + P V`` into the selected rows of the frozen weight."""
         if self.index is None:
             return
-        rows = self.current_rows(v).to(self.weight.dtype)
-        with torch.no_grad():
-            # distinct indices: index_copy_ is deterministic
-            self._rows(self.weight).index_copy_(0, self.unique, rows)
+        self._scatter_units(self.current_rows(v).to(self.weight.dtype))
+
+    def _adopt(self, index: torch.Tensor, unique: torch.Tensor, device: Any) -> None:
+        """Set ``index``, ``unique`` and the column-part helpers on ``device``."""
+        self.index = index.to(device)
+        self.unique = unique.to(device)
+        if self.mode == "col" and self.num_col_parts > 1:
+            n = self.weight.shape[1]
+            self._slot_col = (index % n).to(device)
+            self._unit_block = (unique // n).to(device)
+            self._unit_col = (unique % n).to(device)
 
     def set_selection(self, index: torch.Tensor, rho: torch.Tensor, v: torch.Tensor) -> None:
         """Adopt a new selection: fold ``V`` into the weight, take the new rows' fp32 values
         as ``base`` (rows kept from the old selection keep their fp32 values) and zero ``V``.
 
         ``index`` and ``rho`` come from :func:`select` (CPU); they are moved to the weight's
-        device here, once per selection.
+        device here, once per selection. With several parts, ``index`` lists the ``r``
+        slots of each part in turn (:meth:`reselect`).
         """
         device = self.weight.device
         index = index.detach().to("cpu", torch.int64)
         unique, inverse = torch.unique(index, sorted=True, return_inverse=True)
         slots = _slot_table(inverse, unique.numel())
-        unique = unique.to(device)
         old_unique, values = None, None
         if self.index is not None:
             values = self.current_rows(v)
             self.write_rows(v)
             old_unique = self.unique
-        base = self._rows(self.weight).index_select(0, unique).to(self.master_dtype)
+        self._adopt(index, unique, device)
+        base = self._gather_units(self.unique).to(self.master_dtype)
         if old_unique is not None:
             # Find each new row among the old (sorted) ones on the device.
-            pos = torch.searchsorted(old_unique, unique).clamp_max(old_unique.numel() - 1)
-            kept = old_unique.index_select(0, pos).eq(unique)
+            pos = torch.searchsorted(old_unique, self.unique).clamp_max(old_unique.numel() - 1)
+            kept = old_unique.index_select(0, pos).eq(self.unique)
             base = torch.where(kept[:, None], values.index_select(0, pos), base)
-        self.index = index.to(device)
         self.rho = rho.detach().to(device, torch.float32)
-        self.unique, self.slots, self.base = unique, slots.to(device), base
+        self.slots, self.base = slots.to(device), base
         with torch.no_grad():
             v.zero_()
+
+    def choose(self, step: int, norms: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The selection for ``step`` (CPU ``index``, ``rho``): :func:`select` of each part
+        from its own norms, the parts' ``r`` slots one after another."""
+        gen = self._generator(self.seed, step, 1_000_033, 104_729)
+        parts = self.part_units()
+        if len(parts) == 1:
+            return select(norms, self.size, self.rank, self.method, gen)
+        if norms is not None:
+            norms = norms.detach().to("cpu")
+        indices, rhos = [], []
+        for part in parts:
+            own = None if norms is None else norms.index_select(0, part)
+            index, rho = select(own, part.numel(), self.rank, self.method, gen)
+            indices.append(part.index_select(0, index))
+            rhos.append(rho)
+        return torch.cat(indices), torch.cat(rhos)
 
     def reselect(self, step: int, v: torch.Tensor, norms: Optional[torch.Tensor] = None) -> None:
         """Choose the next selection (from the reduced sketch where one was taken).
@@ -360,14 +538,11 @@ class GrassLayer:
             v: the virtual parameter's fp32 values (folded into the weight, then zeroed).
             norms: :meth:`sketch_norms`, if the caller has them already.
         """
-        gen = torch.Generator().manual_seed(
-            (self.seed * 1_000_033 + step * 104_729 + _stable_hash(self.fqn)) % (2**63)
-        )
         if not self.sketching:
             norms = None
         elif norms is None:
             norms = self.sketch_norms()
-        index, rho = select(norms, self.size, self.rank, self.method, gen)
+        index, rho = self.choose(step, norms)
         self.set_selection(index, rho, v)
         self.sketching, self.sketch, self.omega = False, None, None
 
@@ -390,13 +565,15 @@ class GrassLayer:
             return
         index = state["index"].to("cpu", torch.int64)
         unique, inverse = torch.unique(index, sorted=True, return_inverse=True)
-        if state["base"].shape != (unique.numel(), self._rows(self.weight).shape[1]):
+        if index.numel() != self.num_parts * self.rank or state["base"].shape != (
+            unique.numel(),
+            self._other,
+        ):
             raise ValueError(f"Grass state of {self.fqn} does not fit its weight")
         # moved to the weight's device once, here
         device = self.weight.device
-        self.index = index.to(device)
+        self._adopt(index, unique, device)
         self.rho = state["rho"].to(device, torch.float32)
-        self.unique = unique.to(device)
         self.slots = _slot_table(inverse, unique.numel()).to(device)
         self.base = state["base"].to(device, self.master_dtype)
         self.sketching, self.sketch, self.omega = False, None, None

@@ -1,4 +1,4 @@
-"""Grass (``--grass-method topr|norm|norm2|norm-nr|norm2-nr|uniform``): options, factory, registration.
+"""Grass (``--grass-method topr|norm|norm2|norm-nr|norm2-nr|uniform|uniform-nr``): options, factory, registration.
 
 The algorithm is ``megatron_ext.autograd.grass`` (selection, the row-sparse backward, the
 fp32 rows) and ``megatron_ext.optim.grass`` (the subspace step, re-warm-up, reselection);
@@ -31,8 +31,11 @@ class GrassConfig:
     ARG_PREFIX: ClassVar[str] = "grass"
 
     rank: int = 128
-    """Rows r of each projected weight trained at a time (of the smaller dimension of the
-    weight on each tensor-parallel rank; paper: 128 for 60M/350M, 256 for 1B)."""
+    """Rows r of each projected matrix trained at a time, of its smaller dimension in the
+    unsharded model (the same at every tensor-parallel size; where TP ranks hold disjoint
+    rows of it, each selects r / TP of its own, so r must divide). Fused weights count as
+    their parts: Q, K and V of linear_qkv and gate and up of a SwiGLU linear_fc1 each get r
+    (paper: 128 for 60M/350M, 256 for 1B)."""
 
     update_interval: int = 200
     """Every this many steps K the rows are selected again from the gradient (paper: 200;
@@ -151,6 +154,7 @@ _SUMMARIES = {
     "norm-nr": "rows sampled by gradient norm, without replacement",
     "norm2-nr": "rows sampled by squared gradient norm, without replacement",
     "uniform": "rows sampled uniformly, with replacement (unbiased)",
+    "uniform-nr": "rows sampled uniformly, without replacement",
 }
 
 METHODS = tuple(

@@ -157,6 +157,8 @@ class GrassOptimizerHook(OptimizerHook):
             for layer, part in zip(layers, parts):
                 layer.sketch = flat[offset : offset + part.numel()].view_as(part)
                 offset += part.numel()
+            for layer in layers:  # tensor-parallel ranks sharing a projected dimension
+                layer.reduce_sketch_over_tp()
         norms = {id(layer): layer.sketch_norms() for layer in layers}
         # One host synchronization on a selection step: is every norm finite?
         if norms and not bool(torch.isfinite(torch.cat(list(norms.values()))).all()):

@@ -38,13 +38,14 @@ FULL = [
 LAYOUTS = {
     "dp2": [],
     "dp2-overlap": ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"],
-    # column-parallel QKV and fc1 (columns of X), row-parallel fc2 (rows of dY): all 64 wide
+    # column-parallel QKV (Q, K, V: 64 rows each, 32 on each rank), fc1 (its 64 input
+    # columns, shared by the ranks), row-parallel fc2 (its 64 rows, shared): all 64 wide
     "tp2": ["--tensor-model-parallel-size", "2", "--grass-layers", "linear_(qkv|fc1|fc2)$"],
-    # the row-parallel attention output at TP=2 is 64 x 32: its 32 columns
+    # the row-parallel attention output is 64 x 64 (64 x 32 on each rank): its 64 rows
     "tp2-proj": ["--tensor-model-parallel-size", "2", "--grass-layers", "linear_proj$"],
     "pp2": ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"],
 }
-FULL_RANK = {"dp2": 64, "dp2-overlap": 64, "tp2": 64, "tp2-proj": 32, "pp2": 64}
+FULL_RANK = {"dp2": 64, "dp2-overlap": 64, "tp2": 64, "tp2-proj": 64, "pp2": 64}
 
 
 def _stock_vs_grass(rank, world, flags, steps):
@@ -187,3 +188,128 @@ def test_resume_bit_exact_across_reselection(layout, tmp_path):
     results = run_ranks(_resume, 2, flags, str(tmp_path / "ckpt"))
     for out in results:
         assert_resumed_exactly(out)
+
+
+def _set_tp_invariant_params(trainer, tp, tp_rank):
+    """Give every parameter this rank's shard of one seeded unsharded model (the same at
+    every tensor-parallel size; megatron-core's own initialization draws per shard)."""
+    import zlib
+
+    import torch
+
+    from megatron_ext.megatron.naming import global_param_names
+
+    for chunk in trainer.model:
+        for p, name in global_param_names(chunk).items():
+            if name.endswith(".grass_weight"):
+                continue
+            split = getattr(p, "tensor_model_parallel", False)
+            dim = p.partition_dim if split else 0
+            shape = list(p.shape)
+            shape[dim] *= tp if split else 1
+            gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            full = torch.randn(shape, generator=gen, dtype=torch.float64) * 0.05
+            if "norm" in name and name.endswith("weight"):
+                full += 1
+            if not split:
+                local = full
+            elif "linear_fc1" in name:  # SwiGLU: each rank holds [gate shard; up shard]
+                size = p.shape[0] // 2
+                gate, up = full.chunk(2)
+                rows = slice(tp_rank * size, (tp_rank + 1) * size)
+                local = torch.cat([gate[rows], up[rows]])
+            else:
+                local = full.narrow(dim, tp_rank * p.shape[dim], p.shape[dim])
+            with torch.no_grad():
+                p.copy_(local.to(p.dtype))
+
+
+def _qkv_layout(trainer):
+    """Rows of Q, K and V in linear_qkv as megatron-core's attention splits them: a marker
+    weight whose row i outputs i + 1 through ``get_query_key_value_tensors``."""
+    import torch
+
+    from megatron_ext.megatron.naming import global_module_names
+
+    for name, module in global_module_names(trainer.model[0]):
+        if name.endswith("layers.0.self_attention"):
+            qkv = module.linear_qkv
+            saved = {k: v.detach().clone() for k, v in qkv.named_parameters()}
+            with torch.no_grad():
+                for v in qkv.parameters():
+                    v.zero_()
+                qkv.weight[:, 0] = torch.arange(1, qkv.weight.shape[0] + 1)
+                hidden = torch.zeros(1, 1, qkv.weight.shape[1])
+                hidden[..., 0] = 1
+                q, k, v = module.get_query_key_value_tensors(hidden)[:3]
+                for key, value in qkv.named_parameters():
+                    value.copy_(saved[key])
+            return {
+                part: sorted((t.flatten().round().long() - 1).tolist())
+                for part, t in (("query", q), ("key", k), ("value", v))
+            }, f"{name}.linear_qkv"
+    raise AssertionError("no self-attention module")
+
+
+def _tp_selection_run(rank, world, flags):
+    from megatron.core import parallel_state
+
+    trainer = make_trainer(flags)
+    build(trainer, stock=False)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    _set_tp_invariant_params(trainer, tp, tp_rank)
+    layers = trainer.runtime.components["linear"].optimizer_hooks[0].layers
+    layout, qkv_fqn = _qkv_layout(trainer)
+    part_rows = [sorted(p.tolist()) for p in layers[qkv_fqn].part_rows]
+    train(trainer, 1)  # step 0 sketches and selects
+    out = {
+        "layout": layout,
+        "part_rows": part_rows,
+        "layers": {
+            fqn: {
+                "mode": lay.mode,
+                "shared": lay.tp_shared,
+                "parts": lay.num_parts,
+                "rank": lay.rank,
+                "index": lay.index.tolist(),
+            }
+            for fqn, lay in layers.items()
+        },
+    }
+    teardown(trainer)
+    return out
+
+
+def test_tp1_and_tp2_choose_the_same_dimension_and_rows():
+    """The projected dimension comes from the unsharded shape: at TP=1 and TP=2 every layer
+    projects the same dimension (the paper's rule on the unsharded part shapes), and where
+    the TP ranks share it they select exactly the rows/columns TP=1 selects from the same
+    model and data (the sketch, Omega included, sums to the unsharded one). Fused layers
+    select per part (SwiGLU gate/up, GQA Q/K/V), r per part in all, split r / TP where the
+    ranks hold disjoint rows; the Q/K/V rows are those megatron-core's attention splits."""
+    flags = SPARSE + ["--swiglu", "--group-query-attention", "--num-query-groups", "2"]
+    flags += ["--global-batch-size", "4"]
+    tp1 = run_ranks(_tp_selection_run, 2, flags)  # DP=2
+    tp2 = run_ranks(_tp_selection_run, 2, flags + ["--tensor-model-parallel-size", "2"])
+    # hidden 64, ffn 256 (gate and up 256 x 64 each), Q 64 x 64, K and V 32 x 64
+    expected = {"linear_qkv": "row", "linear_proj": "row", "linear_fc1": "col"}
+    expected["linear_fc2"] = "row"
+    r = 8
+    for out in tp1 + tp2:
+        assert out["layout"] and [sorted(v) for v in out["layout"].values()] == out["part_rows"]
+    a = tp1[0]["layers"]
+    assert set(a) == set(tp2[0]["layers"]) and len(a) == 8
+    for fqn, lay in a.items():
+        kind = fqn.rsplit(".", 1)[-1]
+        parts = {"linear_qkv": 3, "linear_fc1": 2}.get(kind, 1)
+        assert lay["mode"] == expected[kind] and lay["parts"] == parts and lay["rank"] == r
+        for out in tp2:
+            other = out["layers"][fqn]
+            assert other["mode"] == lay["mode"] and other["parts"] == parts, (fqn, other)
+            if other["shared"]:  # fc1 columns, fc2 and proj rows
+                assert kind != "linear_qkv" and other["rank"] == r
+                assert other["index"] == lay["index"], (fqn, other["index"], lay["index"])
+            else:  # Q, K, V rows: r / 2 on each rank, of its own shard of each part
+                assert kind == "linear_qkv" and other["rank"] == r // 2
+                assert len(other["index"]) == 3 * r // 2

@@ -4,7 +4,10 @@ The projected gradient equals the rho-scaled selected rows (or columns) of the f
 gradient for every rule; the backward passes gradcheck in float64 against the explicit
 parametrization ``W = W0 + P V``; the with-replacement rules are unbiased
 (``E[P P^T G] = G``); the sketch ranks rows like the exact norms; folding ``V`` into the
-weight keeps the fp32 values of rows that stay selected.
+weight keeps the fp32 values of rows that stay selected. Fused weights (Q/K/V interleaved
+per query group with GQA; SwiGLU gate/up) select each part by the paper's rule from that
+part's own gradient, checked in float64 against the rule written out from the paper; and
+Uniform-NR draws r distinct rows uniformly, alike on every replica.
 """
 
 import math
@@ -421,3 +424,173 @@ def test_selection_on_a_non_finite_sketch_is_postponed_to_the_next_step(skip):
         assert a["index"] == b["index"], step
         assert torch.equal(a["weight"], b["weight"]), step
         assert not torch.isnan(a["weight"]).any(), step
+
+
+# -- the paper's rules, stated independently of megatron_ext (issue 27) ------------------------
+#
+# Grass (section 3.2) selects, for each projected matrix G (m x n, rows projected):
+#   Top-r: the r rows of largest norm, rho = 1;
+#   Multinomial-Norm(2) with replacement: sigma_j iid with q_k = ||G_k|| / sum_i ||G_i||
+#     (squared norms for Norm2), rho_jj = 1 / sqrt(r q_{sigma_j});
+#   Uniform-R: q_k = 1/m, the same rho; Uniform-NR and every -NR rule: distinct rows, rho = 1.
+# In the paper's LLaMA every q/k/v/gate/up projection is its own layer with its own rows.
+
+
+def _paper_top_r(g, r):
+    """Indices of the r rows of ``g`` with the largest norms (set)."""
+    return set(torch.topk(g.norm(dim=1), r).indices.tolist())
+
+
+def _paper_rho(g, rows, r, squared):
+    """rho_jj = 1 / sqrt(r q_sigma_j), q from the row norms of ``g`` alone."""
+    norms = g.norm(dim=1)
+    q = norms.pow(2) if squared else norms
+    q = q / q.sum()
+    return 1.0 / torch.sqrt(r * q[rows])
+
+
+def _fused_qkv(groups=2, q_heads_per_group=2, hn=3, n=16):
+    """Separate Q, K, V and their fused weight, interleaved per query group as megatron-core
+    lays out linear_qkv: [q heads of group 0, k0, v0, q heads of group 1, k1, v1, ...]."""
+    torch.manual_seed(1)
+    q_rows = q_heads_per_group * hn
+    mats = {
+        "q": torch.randn(groups * q_rows, n, dtype=torch.float64),
+        "k": torch.randn(groups * hn, n, dtype=torch.float64),
+        "v": torch.randn(groups * hn, n, dtype=torch.float64),
+    }
+    where = {"q": [], "k": [], "v": []}  # fused row of each part's row
+    blocks, row = [], 0
+    for g in range(groups):
+        for name, size in (("q", q_rows), ("k", hn), ("v", hn)):
+            blocks.append(mats[name][g * size : (g + 1) * size])
+            where[name] += list(range(row, row + size))
+            row += size
+    return mats, torch.cat(blocks), {k: torch.tensor(v) for k, v in where.items()}
+
+
+def _parts_layer(weight, mode, r, method, **kw):
+    m, n = weight.shape
+    parts = len(kw["part_rows"]) if "part_rows" in kw else kw.get("num_col_parts", 1)
+    shape = (parts * r, n) if mode == "row" else (m // parts, parts * r)
+    param = torch.zeros(shape, dtype=weight.dtype, requires_grad=True)
+    return GrassLayer(
+        fqn="decoder.layers.0.self_attention.linear_qkv",
+        weight=weight,
+        param=param,
+        mode=mode,
+        rank=r,
+        method=method,
+        sketch_size=0,
+        seed=5,
+        **kw,
+    )
+
+
+def _select_from_gradient(layer, x, dy):
+    layer.start_sketch(0)
+    layer.projected_grad(dy, x)
+    layer.reselect(0, layer.param.data)
+
+
+@pytest.mark.parametrize("method", ["topr", "norm", "norm2", "norm2-nr", "uniform-nr"])
+def test_fused_qkv_selects_each_of_q_k_v_by_its_own_rule(method):
+    """GQA (K and V narrower than Q): r rows of each of Q, K and V, chosen from that matrix's
+    own gradient; the projected gradient is rho G_part[sigma] of each part."""
+    mats, fused, where = _fused_qkv()
+    r = 2
+    tokens = 20
+    x = torch.randn(tokens, fused.shape[1], dtype=torch.float64)
+    dys = {k: torch.randn(tokens, v.shape[0], dtype=torch.float64) for k, v in mats.items()}
+    dys["q"] = dys["q"] * torch.linspace(0.1, 4, dys["q"].shape[1], dtype=torch.float64)
+    dy = torch.zeros(tokens, fused.shape[0], dtype=torch.float64)
+    for k in mats:
+        dy[:, where[k]] = dys[k]
+    grads = {k: dys[k].t() @ x for k in mats}  # each matrix's own full gradient
+    layer = _parts_layer(fused.clone(), "row", r, method, part_rows=tuple(where.values()))
+    _select_from_gradient(layer, x, dy)
+
+    assert layer.index.numel() == 3 * r
+    out = grass_linear(x, layer.weight, None, layer)
+    out.backward(dy)
+    for p, k in enumerate(mats):
+        slots = slice(p * r, (p + 1) * r)
+        fused_rows = layer.index[slots].tolist()
+        # each slot of part k is one of k's rows
+        assert set(fused_rows) <= set(where[k].tolist()), (k, fused_rows)
+        own = [where[k].tolist().index(i) for i in fused_rows]
+        rho = layer.rho[slots].double()
+        if method == "topr":
+            assert set(own) == _paper_top_r(grads[k], r)
+        if method in ("norm", "norm2"):
+            ref = _paper_rho(grads[k], torch.tensor(own), r, squared=method == "norm2")
+            torch.testing.assert_close(rho, ref, rtol=1e-6, atol=0)
+        if method in ("topr", "norm2-nr", "uniform-nr"):
+            assert len(set(own)) == r and torch.all(rho == 1)
+        expected = grads[k][own] * rho[:, None]
+        torch.testing.assert_close(layer.param.grad[slots], expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["topr", "norm"])
+def test_fused_swiglu_fc1_selects_gate_and_up_columns_separately(method):
+    """gate and up (f x n, f > n: their columns are projected) each get r columns of their
+    own; V is [f, 2r]; the rows written back are W0 + P V of each matrix."""
+    torch.manual_seed(2)
+    f, n, r, tokens = 10, 6, 2, 30
+    gate, up = torch.randn(f, n, dtype=torch.float64), torch.randn(f, n, dtype=torch.float64)
+    x = torch.randn(tokens, n, dtype=torch.float64)
+    dy_gate = torch.randn(tokens, f, dtype=torch.float64)
+    dy_up = 0.2 * torch.randn(tokens, f, dtype=torch.float64)  # up's gradient is smaller
+    g_gate, g_up = dy_gate.t() @ x, dy_up.t() @ x  # each matrix's own full gradient
+    # the two matrices rank their columns differently: one joint choice cannot fit both
+    assert _paper_top_r(g_gate.t(), r) != _paper_top_r(g_up.t(), r)
+    fused = torch.cat([gate, up])  # megatron-core's local fc1: [gate; up]
+    layer = _parts_layer(fused.clone(), "col", r, method, num_col_parts=2)
+    dy = torch.cat([dy_gate, dy_up], dim=1)
+    _select_from_gradient(layer, x, dy)
+    assert layer.index.numel() == 2 * r and tuple(layer.param.shape) == (f, 2 * r)
+    out = grass_linear(x, layer.weight, None, layer)
+    out.backward(dy)
+    v = torch.randn(f, 2 * r, dtype=torch.float64)
+    layer.write_rows(v)
+    for p, (g, w0) in enumerate(((g_gate, gate), (g_up, up))):
+        slots = slice(p * r, (p + 1) * r)
+        cols = (layer.index[slots] - p * n).tolist()
+        assert all(0 <= c < n for c in cols)
+        rho = layer.rho[slots].double()
+        if method == "topr":
+            assert set(cols) == _paper_top_r(g.t(), r)
+        else:
+            ref = _paper_rho(g.t(), torch.tensor(cols), r, squared=False)
+            torch.testing.assert_close(rho, ref, rtol=1e-6, atol=0)
+        expected = g[:, cols] * rho[None, :]
+        torch.testing.assert_close(layer.param.grad[:, slots], expected, rtol=1e-12, atol=1e-12)
+        # W = W0 + P V: column c_j of this matrix moves by rho_j V[:, j] (duplicates add)
+        w_ref = w0.clone()
+        for j, c in enumerate(cols):
+            w_ref[:, c] += rho[j] * v[:, p * r + j]
+        torch.testing.assert_close(layer.weight[p * f : (p + 1) * f], w_ref, rtol=0, atol=1e-12)
+
+
+def test_uniform_nr_is_uniform_without_replacement_and_agrees_across_ranks():
+    """Uniform-NR: r distinct rows, each row with probability r/m, rho = 1; two replicas
+    of a layer (two data-parallel ranks) choose alike from (seed, step, fqn)."""
+    m, r, draws = 10, 3, 4000
+    counts = torch.zeros(m, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(draws):
+        index, rho = select(None, m, r, "uniform-nr", gen)
+        assert index.unique().numel() == r and torch.all(rho == 1)
+        counts[index] += 1
+    # inclusion probability r/m = 0.3; std of the frequency sqrt(0.3 * 0.7 / 4000) = 0.007
+    assert (counts / draws - r / m).abs().max() < 0.035
+    assert not needs_sketch("uniform-nr", r, m)
+    a, b = _layer(m, 7, r, "uniform-nr"), _layer(m, 7, r, "uniform-nr")
+    for lay in (a, b):
+        lay.reselect(4, lay.param.data)
+    assert a.index.tolist() == b.index.tolist() and a.index.unique().numel() == r
+    b.reselect(5, b.param.data)
+    other = _layer(m, 7, r, "uniform-nr")
+    other.load_state_dict(b.state_dict())
+    assert other.index.tolist() == b.index.tolist()
+    torch.testing.assert_close(other.rho, b.rho, rtol=0, atol=0)

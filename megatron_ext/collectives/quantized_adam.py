@@ -4,8 +4,10 @@ What it does (the AQ-SGD authors' data-parallel compression, ``DS3Lab/AC-SGD``
 ``data_parallel/dist_dp_sharded_ps_compressed.py``; Tang et al. 2021, "1-bit Adam", at
 ``bits`` bits):
 
-    * Warm-up (iterations ``t < warmup_steps``): megatron-core's dense gradient all-reduce
-      (:class:`QuantizedAdamReducer` issues megatron's collectives) and megatron's own Adam.
+    * Warm-up (the first ``warmup_steps`` applied optimizer steps; an fp16 step skipped
+      for overflow does not count, so the frozen variance is always one Adam computed):
+      megatron-core's dense gradient all-reduce (:class:`QuantizedAdamReducer` issues
+      megatron's collectives) and megatron's own Adam.
     * Afterwards, per iteration, with ``m`` the momentum every rank holds (identical on all),
       ``v`` Adam's variance as the warm-up left it (frozen) and ``g_i`` rank ``i``'s own
       gradient (not all-reduced: the reducer only exchanges a 4-byte non-finite flag and
@@ -43,7 +45,8 @@ How it reaches megatron's optimizer:
     to the model), and only the wrapped torch optimizer's ``step()`` is replaced by the
     update above. Momentum and variance stay in that optimizer's state (``exp_avg``,
     ``exp_avg_sq``, ``step``), so megatron checkpoints them; the hook's own state is the
-    error residuals, keyed by parameter FQN (``worker_error/<fqn>``, ``server_error/<fqn>``).
+    error residuals, keyed by parameter FQN (``worker_error/<fqn>``, ``server_error/<fqn>``),
+    and the count of applied steps (``applied_steps``).
 
 Skipped steps:
     After the warm-up gradients are rank-local, so a rank's overflow is not every rank's:
@@ -51,7 +54,8 @@ Skipped steps:
     non-finite when any rank's is (:meth:`CompressedReduction.poison`). megatron's loss
     scaler then skips the step on every rank, the torch optimizer's ``step()`` is not
     called and nothing of QuantizedAdam's state (momentum, variance, step, residuals) is
-    touched. Without loss scaling training stops (``ReducerStepHook``).
+    touched, and the step does not count toward the warm-up. Without loss scaling training
+    stops (``ReducerStepHook``).
 
 Constraints:
     torch.distributed only; never imports Megatron. All-reduce reduction only (no
@@ -95,9 +99,15 @@ class QuantizedAdamReducer(GradReducer):
     def __init__(self, cfg: Any):
         super().__init__()
         self.cfg = cfg
+        self.applied_steps = 0
+        """Optimizer steps applied so far (counted by :class:`QuantizedAdamHook`)."""
+
+    def compressing(self) -> bool:
+        """Past the warm-up: gradients stay local, the momentum is exchanged."""
+        return self.applied_steps >= self.cfg.warmup_steps
 
     def _bind(self, spec: BucketGroupSpec) -> BoundReduction:
-        return _LocalAfterWarmup(self.cfg, spec)
+        return _LocalAfterWarmup(self, spec)
 
     def slices(self) -> List[ParamSlice]:
         """Every bound parameter (FQN and shape), in bucket order."""
@@ -107,13 +117,13 @@ class QuantizedAdamReducer(GradReducer):
 class _LocalAfterWarmup(CompressedReduction):
     """One bucket group: megatron's dense collective in the warm-up, then local gradients."""
 
-    def __init__(self, cfg: Any, spec: BucketGroupSpec):
+    def __init__(self, owner: QuantizedAdamReducer, spec: BucketGroupSpec):
         super().__init__(spec)
-        self.cfg = cfg
+        self.owner = owner
         self.dense = DenseGradReducer()._bind(spec)
 
     def launch(self, step: int, force_all_reduce: bool = False) -> Optional[Any]:
-        if step < self.cfg.warmup_steps:
+        if not self.owner.compressing():
             return self.dense.launch(step, force_all_reduce)
         spec = self.spec
         device = spec.buckets[0].grad.device
@@ -246,9 +256,13 @@ class QuantizedAdamHook(OptimizerHook):
     # -- the update -------------------------------------------------------------------------
 
     def update_override(self, view: OptimizerView) -> Optional[Callable[[Sequence[str]], None]]:
-        if view.step < self.cfg.warmup_steps:
+        if not self.reducer.compressing():
             return None
         return lambda fqns: self.update(view, fqns)
+
+    def post_step(self, view: OptimizerView, update_successful: bool) -> None:
+        if update_successful:
+            self.reducer.applied_steps += 1
 
     def _exchanges(self, states: Sequence[ParamOptimState]) -> List[MomentumExchange]:
         key = tuple(st.fqn for st in states)
@@ -302,7 +316,7 @@ class QuantizedAdamHook(OptimizerHook):
     # -- state --------------------------------------------------------------------------------
 
     def state_dict(self) -> Dict[str, Any]:
-        out: Dict[str, Any] = {}
+        out: Dict[str, Any] = {"applied_steps": self.reducer.applied_steps}
         for exchanges in self.exchanges.values():
             for ex in exchanges:
                 out.update(ex.state_dict())
@@ -324,6 +338,7 @@ class QuantizedAdamHook(OptimizerHook):
                 f"missing {missing}, unexpected {unexpected}"
             )
         remaining = dict(state)
+        self.reducer.applied_steps = int(remaining.pop("applied_steps"))
         for exchanges in self.exchanges.values():
             for ex in exchanges:
                 ex.load_state_dict({k: remaining.pop(k) for k in set(ex.state_dict())})

@@ -47,10 +47,11 @@ class QuantizedAdamConfig:
     """Values per fp16 max-abs scale (the authors' bucket of 512)."""
 
     warmup_steps: int = 1000
-    """Iterations of dense gradient all-reduce and ordinary Adam before the variance is
-    frozen and the momentum is exchanged quantized (at least 1: the frozen variance is the
-    one Adam reached). The authors warm up for one epoch of ten (10% of training); set it
-    to about 10% of --train-iters."""
+    """Applied optimizer steps of dense gradient all-reduce and ordinary Adam before the
+    variance is frozen and the momentum is exchanged quantized (at least 1: the frozen
+    variance is the one Adam reached; fp16 steps skipped for overflow do not count). The
+    authors warm up for one epoch of ten (10% of training); set it to about 10% of
+    --train-iters."""
 
     def __post_init__(self):
         cls = type(self)

@@ -310,7 +310,11 @@ def run_one(args: argparse.Namespace, method: str, out_dir: str) -> Dict[str, An
 def add_gaps(results: List[Dict[str, Any]]) -> None:
     """``gap_pct``: (final loss - final loss of none) / final loss of none, in percent."""
     base = next(
-        (r.get("final_loss") for r in results if r["method"] == "none" and not r.get("grad_method")),
+        (
+            r.get("final_loss")
+            for r in results
+            if r["method"] == "none" and not r.get("grad_method")
+        ),
         None,
     )
     for r in results:

@@ -297,6 +297,8 @@ class QuantizedAdamHook(OptimizerHook):
         for st in states:
             if "exp_avg" not in st.state or "exp_avg_sq" not in st.state:
                 raise RuntimeError(f"quantized-adam: {st.fqn} has no Adam state after the warm-up")
+            if "step" not in st.state and "step" not in st.group:
+                raise RuntimeError(f"quantized-adam: {st.fqn} has no Adam step count")
             if st.main_param.grad is None:
                 raise RuntimeError(f"quantized-adam: {st.fqn} has no gradient")
         for ex in self._exchanges(states):
@@ -310,6 +312,13 @@ class QuantizedAdamHook(OptimizerHook):
             for s in ex.params:
                 m = by_fqn[s.fqn].state["exp_avg"]
                 m.copy_(ex.buffer[s.start : s.end].view_as(m))
+        # Adam's step count: per parameter (torch), or per param group (Apex, Transformer
+        # Engine), counted once per group.
+        counted = set()
+        for st in states:
+            if "step" not in st.state and "step" in st.group and id(st.group) not in counted:
+                st.group["step"] += 1
+                counted.add(id(st.group))
         for st in states:
             _apply(st)
 
@@ -347,16 +356,19 @@ class QuantizedAdamHook(OptimizerHook):
 
 
 def _apply(st: ParamOptimState) -> None:
-    """Step 3 of the module docstring on one parameter (frozen variance)."""
+    """Step 3 of the module docstring on one parameter (frozen variance); advances the
+    parameter's own step count (torch) or reads its group's (Apex, Transformer Engine)."""
     group, state = st.group, st.state
     beta1, beta2 = group["betas"]
-    step = state.get("step")
-    if isinstance(step, torch.Tensor):
-        step.add_(1)
-        t = float(step)
-    else:
-        t = float(step or 0) + 1
-        state["step"] = t if isinstance(step, float) else int(t)
+    if "step" in state:
+        step = state["step"]
+        if isinstance(step, torch.Tensor):
+            step.add_(1)
+        else:
+            state["step"] = step + 1
+        t = float(state["step"])
+    else:  # the group's count, already advanced for this step
+        t = float(group["step"])
     lr = group["lr"]
     size = lr * math.sqrt(1.0 - beta2**t) / (1.0 - beta1**t)
     p = st.main_param

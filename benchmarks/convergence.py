@@ -18,10 +18,18 @@ What it does:
     0.4, dense for the first 20% of the steps, reselection every 50); ``powersgd`` (the
     rank that sends about the bytes of SEPARATE-16 on gpt-tiny, 14, from step 30).
 
+    With ``--family p2p`` (or ``subspace``, ``linear``) ``--grad-methods`` adds the data-parallel
+    half: each method of ``--methods`` other than ``none`` runs once per gradient method
+    listed (label ``<method>+<grad method>``), ``none`` runs with dense gradients only (the
+    baseline), e.g. AQ-SGD with each data-parallel option at PP=2 x DP=2 (``--nproc 4``).
+
 Usage:
     python benchmarks/convergence.py                       # 4 methods x 300 steps (~12 min)
     python benchmarks/convergence.py --quick               # smoke run: 20 steps, 2 methods
     python benchmarks/convergence.py --methods none,separate --iters 1000
+    python benchmarks/convergence.py --family p2p --methods none,aqsgd --nproc 4 \
+        --pipeline-model-parallel-size 2 --fixed-samples 256 \
+        --grad-methods none,quantized,quantized-adam
 """
 
 from __future__ import annotations
@@ -80,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods",
         default=None,
         help="Comma-separated subset of the family's registered methods (default: all).",
+    )
+    p.add_argument(
+        "--grad-methods",
+        default=None,
+        help="With a family other than grad: run each method of --methods other than none "
+        "once per gradient method of this comma-separated list (none runs with dense "
+        f"gradients only). Choices: {method_choices('grad')}.",
     )
     p.add_argument(
         "--pipeline-model-parallel-size",
@@ -146,15 +161,46 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _split(method: str) -> tuple:
+    """``(method, grad method or None)`` of a run name ``method[+grad]``."""
+    name, _, grad = method.partition("+")
+    return name, (grad or None)
+
+
 def method_flags(method: str, args: argparse.Namespace) -> List[str]:
-    """Driver flags of ``method`` with this benchmark's options."""
-    return MethodSettings(args, args.family).flags(method)
+    """Driver flags of ``method`` (``method+grad`` with a gradient method, see
+    ``--grad-methods``) with this benchmark's options."""
+    name, grad = _split(method)
+    out = MethodSettings(args, args.family).flags(name)
+    if grad is not None:
+        out += MethodSettings(args, "grad").flags(grad)
+    return out
 
 
 def label(method: str, args: argparse.Namespace) -> str:
     """Short name of a configured method, e.g. ``separate-16``, ``g-separate-16`` (with
-    ``--separate-adaptive`` among the extra driver flags), ``powersgd-r14``."""
-    return MethodSettings(args, args.family).label(method, args.extra_train_args.split())
+    ``--separate-adaptive`` among the extra driver flags), ``powersgd-r14``,
+    ``aqsgd-fw4bw8+quantized-adam-4bit``."""
+    name, grad = _split(method)
+    extra = args.extra_train_args.split()
+    out = MethodSettings(args, args.family).label(name, extra)
+    if grad is not None:
+        out += "+" + MethodSettings(args, "grad").label(grad, extra)
+    return out
+
+
+def run_names(methods: List[str], grad_methods: Optional[List[str]]) -> List[str]:
+    """The runs: ``methods``, or with ``grad_methods`` each non-none method paired with each
+    gradient method (``method+grad``; ``+none`` left out) and ``none`` alone."""
+    if not grad_methods:
+        return list(methods)
+    out = []
+    for m in methods:
+        if m == "none":
+            out.append(m)
+            continue
+        out += [m if g == "none" else f"{m}+{g}" for g in grad_methods]
+    return out
 
 
 def train_command(args: argparse.Namespace, method: str, run_dir: str) -> List[str]:
@@ -232,8 +278,10 @@ def run_one(args: argparse.Namespace, method: str, out_dir: str) -> Dict[str, An
     shown = ["torchrun"] + [
         "python" if c == sys.executable else c for c in cmd[3:] if c != "torch.distributed.run"
     ]
+    base, grad = _split(method)
     result: Dict[str, Any] = {
-        "method": method,
+        "method": base,
+        "grad_method": grad,
         "label": name,
         "flags": method_flags(method, args),
         "exit_code": code,
@@ -261,11 +309,25 @@ def run_one(args: argparse.Namespace, method: str, out_dir: str) -> Dict[str, An
 
 def add_gaps(results: List[Dict[str, Any]]) -> None:
     """``gap_pct``: (final loss - final loss of none) / final loss of none, in percent."""
-    base = next((r.get("final_loss") for r in results if r["method"] == "none"), None)
+    base = next(
+        (
+            r.get("final_loss")
+            for r in results
+            if r["method"] == "none" and not r.get("grad_method")
+        ),
+        None,
+    )
     for r in results:
         f = r.get("final_loss")
         r["gap_pct"] = 100.0 * (f - base) / base if base and f is not None else None
-        bv = next((x.get("final_valid_loss") for x in results if x["method"] == "none"), None)
+        bv = next(
+            (
+                x.get("final_valid_loss")
+                for x in results
+                if x["method"] == "none" and not x.get("grad_method")
+            ),
+            None,
+        )
         v = r.get("final_valid_loss")
         r["valid_gap_pct"] = 100.0 * (v - bv) / bv if bv and v is not None else None
 
@@ -337,6 +399,18 @@ def main(argv: Optional[List[str]] = None) -> int:
                 f"{method_choices(args.family)})"
             )
             return 2
+    grad_methods = parse_list(args.grad_methods) if args.grad_methods else None
+    if grad_methods:
+        if args.family == "grad":
+            print("convergence.py: error: --grad-methods needs --family p2p, linear or subspace")
+            return 2
+        for g in grad_methods:
+            if g not in method_choices("grad"):
+                print(
+                    f"convergence.py: error: unknown grad method {g!r} (choose from "
+                    f"{method_choices('grad')})"
+                )
+                return 2
     if "none" not in methods:
         print("convergence.py: note: without 'none' there is no baseline for the gap")
     out = args.out or default_out_dir("convergence")
@@ -344,6 +418,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     chosen = MethodSettings(args, args.family)
     settings["method_options"] = {m: chosen.options(m) for m in methods}
+    if grad_methods:
+        grad_chosen = MethodSettings(args, "grad")
+        settings["grad_method_options"] = {g: grad_chosen.options(g) for g in grad_methods}
+    methods = run_names(methods, grad_methods)
     settings["final_loss_definition"] = (
         f"mean of the logged training losses (one per iteration) of the last "
         f"{args.final_fraction:.0%} of the iterations"

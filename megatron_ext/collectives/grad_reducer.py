@@ -417,6 +417,10 @@ class GradReducer(abc.ABC):
 
     name: str = "base"
     supports: Tuple[str, ...] = ("all_reduce", "reduce_scatter")
+    #: Whether the reduced gradient is (an estimate of) the mean gradient; False for a
+    #: method that leaves gradients local and exchanges something else at the optimizer
+    #: step (QuantizedAdam's momentum).
+    reduces_gradient: bool = True
 
     def __init__(self) -> None:
         self.bound: List[BoundReduction] = []

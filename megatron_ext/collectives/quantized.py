@@ -1,7 +1,10 @@
 """k-bit quantized data-parallel gradient exchange with worker and server error compensation.
 
-What it does (the family of QuantizedAdam, Tang et al. 2021, which the AQ-SGD paper pairs
-with AQ-SGD for end-to-end compression, section 4.3), per bucket:
+What it does (quantized gradients with worker and server error compensation, the exchange
+of Tang et al. 2021 applied to the raw gradient under unmodified Adam; not QuantizedAdam,
+which the AQ-SGD paper pairs with AQ-SGD, section 4.3: error compensation does not carry
+through Adam's variance, so QuantizedAdam freezes the variance and exchanges the momentum,
+``--grad-compression quantized-adam``, which reuses this collective), per bucket:
 
     1. worker: ``h = g + e_w`` (this rank's gradient share plus its worker error); the flat
        bucket is split into one partition per rank (megatron's shards with the distributed

@@ -4,7 +4,10 @@ What it does:
     :func:`install_optimizer_hooks` overrides ``step`` on the optimizer *instance* (the
     ``ChainedOptimizer`` megatron-core returns) so that every
     :class:`~megatron_ext.optim.hooks.OptimizerHook` runs ``pre_step`` once gradients are
-    final and ``post_step`` after the update. :class:`MegatronOptimizerView` gives hooks
+    final and ``post_step`` after the update; a hook's ``update_override`` replaces the
+    wrapped torch optimizer's ``step()`` (each leaf's, with that leaf's FQNs) for the step,
+    so megatron's own gradient preparation, skip and parameter copy stay in force.
+    :class:`MegatronOptimizerView` gives hooks
     per-parameter optimizer state keyed by global FQN for every megatron optimizer type:
     ``FP32Optimizer`` (state on the model parameter), ``Float16OptimizerWithFloat16Params``
     (state on the fp32 main parameter) and ``DistributedOptimizer`` (state on this rank's
@@ -63,6 +66,7 @@ class MegatronOptimizerView(OptimizerView):
         self._clock = clock
         self._leaves = _leaf_optimizers(optimizer)
         self._by_fqn: Dict[str, tuple] = {}
+        self._leaf_fqns: List[tuple] = []
         names: Dict[Any, str] = {}
         for chunk in model_chunks:
             names.update(global_param_names(chunk))
@@ -97,8 +101,17 @@ class MegatronOptimizerView(OptimizerView):
                             gi,
                         )
 
+        for leaf in self._leaves:
+            mine = sorted(f for f, entry in self._by_fqn.items() if entry[1] is leaf)
+            if mine:
+                self._leaf_fqns.append((leaf, mine))
+
     def fqns(self) -> List[str]:
         return sorted(self._by_fqn)
+
+    def leaf_fqns(self) -> List[tuple]:
+        """``(leaf, fqns)`` of every megatron optimizer leaf with parameters on this rank."""
+        return list(self._leaf_fqns)
 
     def param_state(self, fqn: str) -> Optional[ParamOptimState]:
         entry = self._by_fqn.get(fqn)
@@ -182,7 +195,27 @@ def install_optimizer_hooks(
     def step(self):
         for hook in handle.hooks:
             hook.pre_step(view)
-        result = original_step()
+        overrides = [(h, h.update_override(view)) for h in handle.hooks]
+        overrides = [(h, fn) for h, fn in overrides if fn is not None]
+        if len(overrides) > 1:
+            names = ", ".join(h.name for h, _ in overrides)
+            raise RuntimeError(f"megatron-ext: several hooks replace the optimizer update: {names}")
+        patched = []
+        if overrides:
+            update = overrides[0][1]
+            for leaf, fqns in view.leaf_fqns():
+                inner = leaf.optimizer
+
+                def inner_step(closure=None, _fqns=fqns):
+                    update(_fqns)
+
+                inner.step = inner_step
+                patched.append(inner)
+        try:
+            result = original_step()
+        finally:
+            for inner in patched:
+                del inner.step
         update_successful = bool(result[0]) if isinstance(result, tuple) else bool(result)
         for hook in reversed(handle.hooks):
             hook.post_step(view, update_successful)

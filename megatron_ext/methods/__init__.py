@@ -11,6 +11,7 @@ BUILTIN = (
     "megatron_ext.methods.radius",
     "megatron_ext.methods.powersgd",
     "megatron_ext.methods.quantized",
+    "megatron_ext.methods.quantized_adam",
     "megatron_ext.methods.aqsgd",
     "megatron_ext.methods.grass",
     "megatron_ext.methods.protocol",

@@ -2,8 +2,11 @@
 
 The collective is ``megatron_ext.collectives.quantized`` (all-to-all of k-bit partitions,
 server reduction, all-gather, with worker and server error compensation) on
-``megatron_ext.compressors.quantize``. It is the data-parallel half of AQ-SGD's
-end-to-end compression (``--p2p-compression aqsgd --grad-compression quantized``).
+``megatron_ext.compressors.quantize``. It quantizes the raw gradient and leaves megatron's
+Adam as it is; the AQ-SGD authors' end-to-end runs use QuantizedAdam instead (frozen Adam
+variance, the momentum exchanged: ``--grad-compression quantized-adam``,
+``megatron_ext.methods.quantized_adam``), since error compensation on the gradient does not
+carry through Adam's variance.
 """
 
 from __future__ import annotations

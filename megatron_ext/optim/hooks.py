@@ -7,7 +7,11 @@ What it does:
     keeps state for selected rows only. An :class:`OptimizerHook` runs before and after the
     wrapped optimizer's ``step()`` and reads or edits per-parameter optimizer state through
     an :class:`OptimizerView`, which hides how megatron stores it (fp32 optimizer, fp16/bf16
-    optimizer with fp32 main params, distributed optimizer with flat shards).
+    optimizer with fp32 main params, distributed optimizer with flat shards). A hook can
+    also take over the parameter update of a step (:meth:`OptimizerHook.update_override`,
+    QuantizedAdam after its warm-up): megatron's step still prepares the gradients (loss
+    unscaling, the found-inf skip, clipping) and copies the parameters back, only the
+    wrapped torch optimizer's ``step()`` is replaced.
 
 Constraints:
     Pure torch; never imports Megatron. Hooks keep their own state keyed by FQN in
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -90,6 +94,16 @@ class OptimizerHook:
 
     def pre_step(self, view: OptimizerView) -> None:
         """After gradients are final, before the update (default: nothing)."""
+
+    def update_override(self, view: OptimizerView) -> Optional[Callable[[Sequence[str]], None]]:
+        """A replacement of this step's parameter update, or None to keep the optimizer's.
+
+        Called after :meth:`pre_step`. The returned function is called in place of each
+        wrapped optimizer's ``step()`` with the FQNs that optimizer updates (their gradients
+        final: unscaled, clipped), and only when the step is applied: a step megatron skips
+        (fp16 overflow) never calls it. At most one hook may override a step.
+        """
+        return None
 
     def post_step(self, view: OptimizerView, update_successful: bool) -> None:
         """After the update (default: nothing)."""

@@ -60,10 +60,12 @@ def make_reducer(method: str, **options: Any):
 
 
 def compressed_grad_methods() -> Sequence[str]:
-    """Every registered gradient method except the pass-through."""
+    """Every registered gradient method that compresses the gradient itself: all but the
+    pass-through and reducers with ``reduces_gradient = False`` (quantized-adam leaves
+    gradients local and exchanges the momentum; tests/distributed/test_quantized_adam.py)."""
     from megatron_ext.methods import registry
 
-    return [m for m in registry.choices("grad") if m != "none"]
+    return [m for m in registry.choices("grad") if m != "none" and make_reducer(m).reduces_gradient]
 
 
 def bind(

@@ -32,6 +32,9 @@ METHODS = {
     "separate": {},
     "powersgd": {"powersgd_start_step": "2"},
     "quantized": {},
+    # Warm-up counted in applied steps: the overflowing start (skipped) does not count, the
+    # frozen variance is Adam's; afterwards a rank's overflow skips the step on every rank.
+    "quantized-adam": {"quantized_adam_warmup_steps": "3"},
     # Both Radius paper run files use fp16; reselect inside the run.
     "radius": {"radius_interval": "10"},
 }

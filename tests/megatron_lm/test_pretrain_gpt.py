@@ -608,6 +608,17 @@ def test_bad_flag_stops_before_training(lm_dir, tmp_path):
     assert not iterations(run.stdout)
 
 
+def test_quantized_adam_with_sgd_stops_before_training(lm_dir, tmp_path):
+    run = pretrain(
+        lm_dir / "pretrain_gpt.py",
+        tiny_args(grad_compression="quantized-adam", optimizer="sgd"),
+        cwd=tmp_path,
+    )
+    assert run.returncode != 0
+    assert "megatron-ext: error: --grad-compression, --optimizer:" in run.stderr, run.output[-3000:]
+    assert not iterations(run.stdout)
+
+
 @pytest.mark.skipif(
     __import__("importlib").util.find_spec("scaled_masked_softmax_cuda") is not None,
     reason="Apex's fused softmax extension is installed here",

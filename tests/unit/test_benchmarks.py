@@ -241,6 +241,25 @@ def test_protocol_runs_through_the_subspace_family():
     assert step_time._layout_methods("dp2", sargs.family) == ("none",)
 
 
+def test_convergence_pairs_pipeline_methods_with_gradient_methods():
+    cargs = convergence.build_parser().parse_args(
+        ["--family", "p2p", "--iters", "200", "--quantized-adam-warmup-steps", "32"]
+    )
+    runs = convergence.run_names(["none", "aqsgd"], ["none", "quantized", "quantized-adam"])
+    assert runs == ["none", "aqsgd", "aqsgd+quantized", "aqsgd+quantized-adam"]
+    assert convergence.label("aqsgd+quantized-adam", cargs) == "aqsgd-fw4bw8+quantized-adam-4bit"
+    flags = " ".join(convergence.method_flags("aqsgd+quantized-adam", cargs))
+    assert "--p2p-compression aqsgd" in flags
+    assert "--grad-compression quantized-adam" in flags
+    assert "--quantized-adam-warmup-steps 32" in flags
+    assert convergence.method_flags("none", cargs) == ["--p2p-compression", "none"]
+    # The benchmark default warm-up: the authors' 10% of training.
+    dargs = convergence.build_parser().parse_args(["--family", "p2p", "--iters", "200"])
+    assert "--quantized-adam-warmup-steps 20" in " ".join(
+        convergence.method_flags("aqsgd+quantized-adam", dargs)
+    )
+
+
 def test_subspace_overhead_times_every_operation(tmp_path):
     argv = ["--hidden-size", "32", "--rank", "4", "--ffn-hidden-size", "64", "--tokens", "16",
             "--vocab-size", "50", "--repeats", "1", "--out", str(tmp_path)]  # fmt: skip

@@ -1,0 +1,146 @@
+"""QuantizedAdam (``--grad-compression quantized-adam``): options, factory, registration.
+
+QuantizedAdam is the data-parallel half of the AQ-SGD authors' end-to-end compression
+(AQ-SGD paper, section 4.3; Tang et al. 2021, "1-bit Adam", with k-bit quantization): Adam
+runs densely for ``--quantized-adam-warmup-steps``, then its variance is frozen, gradients
+stay local, and each rank's locally updated momentum is exchanged quantized with worker
+and server error compensation. The algorithm is ``megatron_ext.collectives.quantized_adam``
+(on the quantized collective of ``megatron_ext.collectives.quantized``).
+
+Constraints (refused before training, naming the flag): no ``--use-distributed-optimizer``
+(the exchange needs every rank's whole momentum), an Adam optimizer with decoupled weight
+decay (``--optimizer adam``, AdamW mode), one data-parallel group for every parameter (no
+expert data parallelism). One ``--grad-compression`` method runs at a time, so no other
+data-parallel method can be combined with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Dict
+
+from megatron_ext.config import ConfigError, arg, check_positive, flag_of
+from megatron_ext.methods.registry import (
+    BenchContext,
+    Components,
+    Method,
+    MethodContext,
+    register,
+)
+
+__all__ = ["QuantizedAdamConfig", "METHOD"]
+
+_FLAG = "--grad-compression"
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantizedAdamConfig:
+    """QuantizedAdam: frozen Adam variance, k-bit momentum exchange with error compensation."""
+
+    ARG_GROUP: ClassVar[str] = "megatron-ext: QuantizedAdam (--grad-compression quantized-adam)"
+    ARG_PREFIX: ClassVar[str] = "quantized-adam"
+
+    bits: int = field(default=4, metadata=arg(choices=(2, 3, 4, 8)))
+    """Bits per momentum value on the wire (the AQ-SGD paper's end-to-end runs: 4)."""
+
+    block_size: int = 512
+    """Values per fp16 max-abs scale (the authors' bucket of 512)."""
+
+    warmup_steps: int = 1000
+    """Applied optimizer steps of dense gradient all-reduce and ordinary Adam before the
+    variance is frozen and the momentum is exchanged quantized (at least 1: the frozen
+    variance is the one Adam reached; fp16 steps skipped for overflow do not count). The
+    authors warm up for one epoch of ten (10% of training); set it to about 10% of
+    --train-iters."""
+
+    def __post_init__(self):
+        cls = type(self)
+        if self.bits not in (2, 3, 4, 8):
+            raise ConfigError(flag_of(cls, "bits"), f"invalid choice {self.bits!r} (2, 3, 4, 8)")
+        check_positive(cls, "block_size", self.block_size)
+        check_positive(cls, "warmup_steps", self.warmup_steps)
+
+
+def _validate(cfg: Any, layout: Any) -> None:
+    if layout.use_distributed_optimizer:
+        raise ConfigError(
+            [_FLAG, "--use-distributed-optimizer"],
+            "'quantized-adam' updates every rank's whole momentum and exchanges it; the "
+            "distributed optimizer keeps only a shard of it on each rank. Leave "
+            "--use-distributed-optimizer off",
+        )
+
+
+def check_adam(optimizer: Any) -> None:
+    """Refuse an optimizer QuantizedAdam cannot take over (not Adam, or L2 weight decay).
+
+    Args:
+        optimizer: megatron-core optimizer (a ``ChainedOptimizer`` or one leaf).
+
+    Raises:
+        ConfigError: naming ``--optimizer``.
+    """
+    import torch
+
+    for leaf in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(leaf, "optimizer", None)
+        if inner is None:
+            continue
+        groups = inner.param_groups
+        if not all("betas" in g and "eps" in g for g in groups):
+            raise ConfigError(
+                [_FLAG, "--optimizer"],
+                f"'quantized-adam' replaces Adam's update after warm-up; the optimizer is "
+                f"{type(inner).__name__}. Use --optimizer adam",
+            )
+        decoupled = (
+            isinstance(inner, torch.optim.AdamW)
+            or bool(getattr(inner, "adam_w_mode", False))
+            or all(g.get("decoupled_weight_decay", False) for g in groups)
+        )
+        if not decoupled:
+            raise ConfigError(
+                [_FLAG, "--optimizer"],
+                f"'quantized-adam' applies decoupled (AdamW) weight decay as the authors do; "
+                f"the optimizer {type(inner).__name__} adds L2 decay to the gradient",
+            )
+        if any(g.get("amsgrad", False) or g.get("maximize", False) for g in groups):
+            raise ConfigError(
+                [_FLAG, "--optimizer"], "'quantized-adam' supports neither amsgrad nor maximize"
+            )
+
+
+def _build(ctx: MethodContext) -> Components:
+    from megatron_ext.collectives.quantized_adam import (
+        QuantizedAdamHook,
+        QuantizedAdamReducer,
+    )
+
+    reducer = QuantizedAdamReducer(ctx.options)
+    hook = QuantizedAdamHook(ctx.options, reducer)
+
+    def on_install() -> None:
+        check_adam(ctx.handles.optimizer)
+        hook.check_groups()
+
+    return Components(reducer=reducer, optimizer_hooks=[hook], on_install=on_install)
+
+
+def _bench_defaults(bench: BenchContext) -> Dict[str, Any]:
+    # The authors' warm-up: one epoch of ten, 10% of training.
+    return {"warmup_steps": max(1, int(round(0.1 * bench.iters)))}
+
+
+METHOD = register(
+    Method(
+        name="quantized-adam",
+        family="grad",
+        build=_build,
+        options=QuantizedAdamConfig,
+        summary="QuantizedAdam: dense Adam warm-up, then frozen variance and k-bit momentum "
+        "with worker and server error compensation",
+        validate=_validate,
+        bench_defaults=_bench_defaults,
+        bench_label=lambda o: f"quantized-adam-{o.bits}bit",
+    )
+)

@@ -49,6 +49,10 @@ Contract (what a bound reduction must guarantee):
       Radius entry waiting in the residual). No host synchronization: the flag stays on the
       device; :meth:`GradReducer.nonfinite` gives it to the optimizer hook, which stops
       training when no loss scaler can skip the step.
+    * **Dense warm-up.** Launches of steps before :attr:`GradReducer.dense_before_step`
+      (set by the runtime from AQ-SGD's ``--aqsgd-warmup-epochs``) run megatron-core's own
+      collectives (:class:`DenseGradReducer`'s), whatever the reducer: the compressed
+      reduction is not launched, stages nothing and its state stays as initialised.
 
 Constraints:
     torch.distributed only; never imports Megatron.
@@ -420,13 +424,28 @@ class GradReducer(abc.ABC):
 
     def __init__(self) -> None:
         self.bound: List[BoundReduction] = []
+        self.dense_before_step = 0
+        """Steps before this one are reduced densely (megatron-core's collectives): the
+        uncompressed warm-up of ``--aqsgd-warmup-epochs``. Set by the runtime at install;
+        0: compress from the first step."""
+
+    def dense_at(self, step: int) -> bool:
+        """Step ``step`` is reduced densely (the warm-up is still running)."""
+        return step < self.dense_before_step
 
     def bind(self, spec: BucketGroupSpec) -> BoundReduction:
         """Bind one bucket group (at install, before any checkpoint load); may check
-        cross-rank agreement and raise."""
+        cross-rank agreement and raise.
+
+        Returns the reduction megatron's bucket group launches: the bound reduction itself,
+        behind a gate that launches the dense collectives instead during the warm-up
+        (:attr:`dense_before_step`). ``self.bound`` keeps the bound reductions (their state,
+        staged steps and flags)."""
         bound = self._bind(spec)
         self.bound.append(bound)
-        return bound
+        if isinstance(bound, _DenseReduction):
+            return bound
+        return _WarmupGate(bound, self)
 
     @abc.abstractmethod
     def _bind(self, spec: BucketGroupSpec) -> BoundReduction:
@@ -507,6 +526,22 @@ class _DenseReduction(BoundReduction):
             # the coalescing manager does not wait on.
             return handle
         return cm
+
+
+class _WarmupGate(BoundReduction):
+    """A compressed reduction that launches megatron-core's dense collectives instead while
+    its reducer's warm-up runs (:meth:`GradReducer.dense_at`)."""
+
+    def __init__(self, inner: BoundReduction, reducer: GradReducer):
+        super().__init__(inner.spec)
+        self.inner = inner
+        self.reducer = reducer
+        self._dense = _DenseReduction(inner.spec)
+
+    def launch(self, step: int, force_all_reduce: bool = False) -> Optional[Any]:
+        if self.reducer.dense_at(step):
+            return self._dense.launch(step, force_all_reduce)
+        return self.inner.launch(step, force_all_reduce)
 
 
 class DenseGradReducer(GradReducer):

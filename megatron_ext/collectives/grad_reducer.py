@@ -437,15 +437,27 @@ class GradReducer(abc.ABC):
         """Bind one bucket group (at install, before any checkpoint load); may check
         cross-rank agreement and raise.
 
-        Returns the reduction megatron's bucket group launches: the bound reduction itself,
-        behind a gate that launches the dense collectives instead during the warm-up
-        (:attr:`dense_before_step`). ``self.bound`` keeps the bound reductions (their state,
-        staged steps and flags)."""
+        The returned reduction's ``launch`` is gated on this instance: during the warm-up
+        (:attr:`dense_before_step`) it launches megatron-core's dense collectives instead, and
+        the compressed reduction stages nothing."""
         bound = self._bind(spec)
         self.bound.append(bound)
-        if isinstance(bound, _DenseReduction):
-            return bound
-        return _WarmupGate(bound, self)
+        if not isinstance(bound, _DenseReduction):
+            self._gate(bound)
+        return bound
+
+    def _gate(self, bound: BoundReduction) -> None:
+        """Route ``bound.launch`` to the dense collectives for warm-up steps (the instance's
+        attribute; the class and its other methods stay as they are)."""
+        compressed = bound.launch
+        dense = _DenseReduction(bound.spec)
+
+        def launch(step: int, force_all_reduce: bool = False) -> Optional[Any]:
+            if self.dense_at(step):
+                return dense.launch(step, force_all_reduce)
+            return compressed(step, force_all_reduce)
+
+        bound.launch = launch  # type: ignore[method-assign]
 
     @abc.abstractmethod
     def _bind(self, spec: BucketGroupSpec) -> BoundReduction:
@@ -526,22 +538,6 @@ class _DenseReduction(BoundReduction):
             # the coalescing manager does not wait on.
             return handle
         return cm
-
-
-class _WarmupGate(BoundReduction):
-    """A compressed reduction that launches megatron-core's dense collectives instead while
-    its reducer's warm-up runs (:meth:`GradReducer.dense_at`)."""
-
-    def __init__(self, inner: BoundReduction, reducer: GradReducer):
-        super().__init__(inner.spec)
-        self.inner = inner
-        self.reducer = reducer
-        self._dense = _DenseReduction(inner.spec)
-
-    def launch(self, step: int, force_all_reduce: bool = False) -> Optional[Any]:
-        if self.reducer.dense_at(step):
-            return self._dense.launch(step, force_all_reduce)
-        return self.inner.launch(step, force_all_reduce)
 
 
 class DenseGradReducer(GradReducer):

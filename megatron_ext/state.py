@@ -45,6 +45,17 @@ class StepClock:
     step: int = 0
     """0-based iteration currently being computed."""
 
+    dense_before_step: int = 0
+    """Iterations before this one are a warm-up without compression (AQ-SGD's
+    ``--aqsgd-warmup-epochs``): every seam sends full precision then. Set at install by
+    the method that asks for it; the runtime hands it to the gradient reducer
+    (:attr:`~megatron_ext.collectives.grad_reducer.GradReducer.dense_before_step`)."""
+
+    @property
+    def warming_up(self) -> bool:
+        """The current iteration is in the uncompressed warm-up."""
+        return self.step < self.dense_before_step
+
 
 class StateMismatch(ValueError):
     """A checkpoint's megatron_ext state does not fit this run (layout or settings)."""

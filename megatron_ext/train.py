@@ -414,6 +414,7 @@ class Trainer:
                     micro_batch_size=self.cfg.training.micro_batch_size,
                     num_microbatches=self.sizes["num_microbatches"],
                     seq_length=self.cfg.model.seq_length,
+                    train_iters=self.cfg.training.train_iters,
                 ),
             )
             for line in self.runtime.descriptions():

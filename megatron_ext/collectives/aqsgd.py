@@ -12,12 +12,19 @@ What it does (aq-sgd.txt Algorithm 1; methods.md section 4):
     * Forward, first visit of a sample: its activation travels in full precision and both
       sides store it (in the buffer dtype: by default the activations' own).
     * Forward, later visits: the sender quantizes ``delta = a - m`` to ``fw`` bits (fp16
-      max-abs scale per hidden channel over the sequence, or per token), both sides set
+      max-abs scale per sample and hidden channel over the sequence, per hidden channel over
+      the micro-batch's samples and the sequence as the authors' code does, or per token;
+      :func:`scale_groups`), both sides set
       ``m <- m + dequantize(codes)``; the receiver computes with that value. Sender and
       receiver run the same operations on the same codes, so their buffers stay
-      bit-identical (a test checks their checksums).
+      bit-identical (the tests compare them element by element, bitwise).
     * Backward: activation gradients quantized directly to ``bw`` bits, no buffer.
     * Evaluation (forward only): activations travel in full precision, buffers untouched.
+    * Warm-up (``--aqsgd-warmup-epochs``, the authors' first epoch; steps before
+      ``warmup_steps``): activations and gradients travel in full precision and both
+      buffers store every sample's exact activation (the authors' ``no_compress`` /
+      ``no_decompress`` write the cache), so the first compressed step sends deltas
+      against them. :func:`warmup_steps` converts epochs to steps.
 
     :class:`DirectQCodec` is the baseline that quantizes the activations themselves.
 
@@ -86,6 +93,8 @@ from megatron_ext.config import ConfigError
 
 __all__ = [
     "SampleBuffers",
+    "scale_groups",
+    "warmup_steps",
     "AQSGDCodec",
     "DirectQCodec",
     "boundary_sides",
@@ -379,12 +388,66 @@ class _Plan:
     """Device slots of every sample (the commit's write)."""
 
 
-def _segment_nbytes(rows: int, cols: int, bits: int, granularity: str) -> int:
-    """Wire bytes of one quantized ``[rows, cols]`` sample: packed codes and fp16 scales."""
-    scales = 1
-    for d in scale_shape((rows, cols), granularity):
-        scales *= d
-    return packed_nbytes(rows * cols, bits) + 2 * scales
+def scale_groups(k: int, rows: int, cols: int, granularity: str) -> Tuple[int, ...]:
+    """Shape of the fp16 scales of ``k`` quantized ``[rows, cols]`` samples.
+
+    'channel': ``[k, 1, cols]`` (per sample and hidden channel); 'microbatch': ``[1, 1,
+    cols]`` (per channel over the ``k`` samples and the sequence: the public AQ-SGD code's
+    ``scale_dims=(0, 1)`` of a ``[micro-batch, seq, hidden]`` tensor); 'token': ``[k, rows,
+    1]``. A micro-batch scale covers the samples quantized together: all of a DirectQ
+    micro-batch or of its gradients, the revisited samples of an AQ-SGD micro-batch."""
+    if granularity == "microbatch":
+        return (1, 1, cols)
+    return (k,) + scale_shape((rows, cols), granularity)
+
+
+def _quantized_nbytes(k: int, rows: int, cols: int, bits: int, granularity: str) -> int:
+    """Wire bytes of ``k`` quantized ``[rows, cols]`` samples: every sample's packed codes
+    (padded to a multiple of 8 values) and the fp16 scales (none when ``k`` is 0)."""
+    if k == 0:
+        return 0
+    n = rows * cols
+    scales = int(np.prod(scale_groups(k, rows, cols, granularity)))
+    return k * packed_nbytes(n + (-n) % 8, bits) + 2 * scales
+
+
+def warmup_steps(epochs: int, samples: Any) -> int:
+    """Steps of a warm-up of ``epochs`` epochs (``--aqsgd-warmup-epochs``).
+
+    An epoch is every fixed sample once: ``num_samples`` (``--fixed-samples`` rounded down
+    to a multiple of the data-parallel size) over the global batch (``dp x micro-batch x
+    microbatches``). The warm-up lasts ``ceil(epochs x num_samples / global batch)`` steps,
+    so every sample has had ``epochs`` full-precision visits when it ends (an epoch that
+    ends inside a step finishes with that step).
+
+    Args:
+        epochs: warm-up epochs (0: none).
+        samples: the :class:`~megatron_ext.methods.registry.SampleSpace` of training
+            (its ``train_iters``, when known, must outlast the warm-up).
+
+    Raises:
+        ConfigError: naming ``--aqsgd-warmup-epochs`` when epochs are not defined (no
+            ``--fixed-samples``) or the warm-up would not end before training does.
+    """
+    if epochs == 0:
+        return 0
+    if samples is None or not samples.fixed:
+        raise ConfigError(
+            ["--aqsgd-warmup-epochs", "--fixed-samples"],
+            f"a warm-up of {epochs} epoch(s) counts epochs of the fixed samples; add "
+            "--fixed-samples N, or --aqsgd-warmup-epochs 0 to compress from the first step",
+        )
+    per_step = samples.dp_size * samples.micro_batch_size * samples.num_microbatches
+    steps = -(-epochs * samples.num_samples // per_step)
+    train_iters = samples.train_iters
+    if train_iters is not None and steps >= train_iters:
+        raise ConfigError(
+            ["--aqsgd-warmup-epochs", "--train-iters"],
+            f"a warm-up of {epochs} epoch(s) of {samples.num_samples} fixed samples at "
+            f"{per_step} a step lasts {steps} steps, but training has {train_iters}: "
+            "nothing would ever be compressed; lower --aqsgd-warmup-epochs or train longer",
+        )
+    return steps
 
 
 def local_rows(seq_length: int, config: Any) -> int:
@@ -467,6 +530,31 @@ class _QuantizingCodec(P2PCodec):
         self.cfg = cfg
         self.ctx = ctx
         self.stage = 0
+        self.warmup_steps = 0
+        """Training steps before this one travel uncompressed (set from
+        ``--aqsgd-warmup-epochs`` at install; :func:`warmup_steps`)."""
+
+    def warming_up(self, ctx: P2PContext) -> bool:
+        """The transfer belongs to a training step of the uncompressed warm-up."""
+        return not ctx.forward_only and ctx.step < self.warmup_steps
+
+    def set_warmup(self, samples: Any) -> None:
+        """Set :attr:`warmup_steps` from ``--aqsgd-warmup-epochs`` and ``samples`` (checked
+        against its ``train_iters``) and publish it on the method's step clock, so the
+        data-parallel exchange stays dense as long (the runtime reads the clock)."""
+        self.warmup_steps = warmup_steps(self.cfg.warmup_epochs, samples)
+        clock = getattr(self.ctx, "clock", None)
+        if clock is not None:
+            clock.dense_before_step = max(clock.dense_before_step, self.warmup_steps)
+
+    def describe_warmup(self) -> str:
+        """The warm-up in words (for the install log line)."""
+        if not self.warmup_steps:
+            return "no warm-up"
+        return (
+            f"warm-up {self.cfg.warmup_epochs} epoch(s) = {self.warmup_steps} steps "
+            "uncompressed (pipeline and data-parallel)"
+        )
 
     def _generator(
         self, ctx: P2PContext, direction: str, device: torch.device
@@ -481,10 +569,23 @@ class _QuantizingCodec(P2PCodec):
         )
 
     def _quantize(self, x: torch.Tensor, bits: int, gen) -> Quantized:
+        """Quantize ``k`` samples ``[k, rows, cols]`` with scales :func:`scale_groups`."""
+        granularity = self.cfg.granularity
+        if granularity == "microbatch":
+            # One scale per channel over every row of every sample: the per-channel scale
+            # of the samples stacked along the sequence.
+            k, rows, cols = x.shape
+            q = self._quantize_rows(x.reshape(k * rows, cols), bits, "channel", gen)
+            return Quantized(
+                codes=q.codes.view(k, rows, cols), scales=q.scales.view(1, 1, cols), bits=bits
+            )
+        return self._quantize_rows(x, bits, granularity, gen)
+
+    def _quantize_rows(self, x: torch.Tensor, bits: int, granularity: str, gen) -> Quantized:
         return quantize(
             x,
             bits,
-            granularity=self.cfg.granularity,
+            granularity=granularity,
             stochastic=self.cfg.rounding == "stochastic",
             generator=gen,
         )
@@ -511,21 +612,27 @@ class _QuantizingCodec(P2PCodec):
         padded = n + (-n) % 8
         ncodes = k * packed_nbytes(padded, bits)
         codes = unpack_bits(payload[:ncodes], bits, k * padded).view(k, padded)[:, :n]
-        sshape = (k,) + scale_shape((rows, cols), self.cfg.granularity)
+        sshape = scale_groups(k, rows, cols, self.cfg.granularity)
         nscales = 2 * int(np.prod(sshape))
         scales = payload[ncodes : ncodes + nscales].clone().view(torch.float16).view(sshape)
         q = Quantized(codes=codes.reshape(k, rows, cols), scales=scales, bits=bits)
         return dequantize(q)
 
-    def _grad_spec(self, shape, dtype) -> Tuple[Tuple[int, ...], torch.dtype]:
+    def _grad_spec(self, shape, dtype, ctx) -> Tuple[Tuple[int, ...], torch.dtype]:
+        if self.warming_up(ctx):
+            return tuple(shape), dtype
         s, b, h = shape
-        return (b * _segment_nbytes(s, h, self.cfg.bw_bits, self.cfg.granularity),), torch.uint8
+        return (_quantized_nbytes(b, s, h, self.cfg.bw_bits, self.cfg.granularity),), torch.uint8
 
     def _encode_grad(self, g: torch.Tensor, ctx: P2PContext) -> torch.Tensor:
+        if self.warming_up(ctx):
+            return g
         gen = self._generator(ctx, "backward", g.device)
         return self._pack_samples(self._quantize(g.transpose(0, 1), self.cfg.bw_bits, gen))
 
-    def _decode_grad(self, payload, shape, dtype) -> torch.Tensor:
+    def _decode_grad(self, payload, shape, dtype, ctx) -> torch.Tensor:
+        if self.warming_up(ctx):
+            return payload
         s, b, h = shape
         out = self._unpack_samples(payload, b, s, h, self.cfg.bw_bits)
         return out.transpose(0, 1).to(dtype)
@@ -546,24 +653,24 @@ class DirectQCodec(_QuantizingCodec):
 
     def payload_spec(self, shape, dtype, ctx):
         if ctx.direction == "backward":
-            return self._grad_spec(shape, dtype)
-        if ctx.forward_only:
+            return self._grad_spec(shape, dtype, ctx)
+        if ctx.forward_only or self.warming_up(ctx):
             return tuple(shape), dtype
         s, b, h = shape
-        return (b * _segment_nbytes(s, h, self.cfg.fw_bits, self.cfg.granularity),), torch.uint8
+        return (_quantized_nbytes(b, s, h, self.cfg.fw_bits, self.cfg.granularity),), torch.uint8
 
     def encode(self, tensor, ctx):
         if ctx.direction == "backward":
             return self._encode_grad(tensor, ctx)
-        if ctx.forward_only:
+        if ctx.forward_only or self.warming_up(ctx):
             return tensor
         gen = self._generator(ctx, "forward", tensor.device)
         return self._pack_samples(self._quantize(tensor.transpose(0, 1), self.cfg.fw_bits, gen))
 
     def decode(self, payload, ctx, shape, dtype):
         if ctx.direction == "backward":
-            return self._decode_grad(payload, shape, dtype)
-        if ctx.forward_only:
+            return self._decode_grad(payload, shape, dtype, ctx)
+        if ctx.forward_only or self.warming_up(ctx):
             return payload
         s, b, h = shape
         return self._unpack_samples(payload, b, s, h, self.cfg.fw_bits).transpose(0, 1).to(dtype)
@@ -616,6 +723,7 @@ class AQSGDCodec(_QuantizingCodec):
                 "aqsgd keeps an activation per training sample; it needs fixed-sample mode "
                 "(--fixed-samples N), where a sample id means the same tokens in every epoch",
             )
+        self.set_warmup(samples)
         config = handles.model_config
         pp = self.ctx.groups.pp
         rows = local_rows(samples.seq_length, config)
@@ -642,7 +750,7 @@ class AQSGDCodec(_QuantizingCodec):
             f"{format_bytes(per_side)} per boundary side per rank ({', '.join(sides)} on "
             f"stage {self.stage}) in {self.cfg.buffer} memory; forward {self.cfg.fw_bits} "
             f"bits, backward {self.cfg.bw_bits} bits, scales per {self.cfg.granularity}, "
-            f"{self.cfg.rounding} rounding"
+            f"{self.cfg.rounding} rounding, {self.describe_warmup()}"
         )
 
     def allocate(
@@ -811,16 +919,18 @@ class AQSGDCodec(_QuantizingCodec):
 
     def payload_spec(self, shape, dtype, ctx):
         if ctx.direction == "backward":
-            return self._grad_spec(shape, dtype)
+            return self._grad_spec(shape, dtype, ctx)
         if ctx.forward_only:
             return tuple(shape), dtype
         # Called by the receiving side; the sender's visit flags are the same.
         plan = self._plan("recv", ctx)
         s, _, h = shape
         raw = s * h * torch.tensor([], dtype=dtype).element_size()
-        delta = _segment_nbytes(s, h, self.cfg.fw_bits, self.cfg.granularity)
+        if self.warming_up(ctx):
+            return (plan.slots.numel() * raw,), torch.uint8
         revisits = plan.slots.numel() - plan.num_first
-        return (revisits * delta + plan.num_first * raw,), torch.uint8
+        delta = _quantized_nbytes(revisits, s, h, self.cfg.fw_bits, self.cfg.granularity)
+        return (delta + plan.num_first * raw,), torch.uint8
 
     def _stage(self, side: str, plan: _Plan, value: torch.Tensor) -> None:
         """Stage ``value`` (fp32 ``[k, rows, cols]``, what both sides agree on) for
@@ -846,6 +956,11 @@ class AQSGDCodec(_QuantizingCodec):
         plan = self._plan("send", ctx)
         x = tensor.detach().transpose(0, 1)  # [b, s, h]
         self._check_rows(buffers, x.shape[1], x.shape[2])
+        if self.warming_up(ctx):
+            # Every sample in full precision; both buffers store the exact activation.
+            self._stage("send", plan, x.float())
+            self._prefetch_next(buffers, ctx)
+            return self._raw(x)
         value = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         parts: List[torch.Tensor] = []
         # Payload: the first visits' raw activations, then the revisits' quantized deltas.
@@ -865,13 +980,18 @@ class AQSGDCodec(_QuantizingCodec):
 
     def decode(self, payload, ctx, shape, dtype):
         if ctx.direction == "backward":
-            return self._decode_grad(payload, shape, dtype)
+            return self._decode_grad(payload, shape, dtype, ctx)
         if ctx.forward_only:
             return payload
         buffers = self._side(ctx, sending=False)
         plan = self._plan("recv", ctx)
         s, b, h = shape
         self._check_rows(buffers, s, h)
+        if self.warming_up(ctx):
+            x = self._from_raw(payload, (b, s, h), dtype)
+            self._stage("recv", plan, x.float())
+            self._prefetch_next(buffers, ctx)
+            return x.transpose(0, 1)
         out = torch.empty(b, s, h, dtype=dtype, device=payload.device)
         value = torch.empty(b, s, h, dtype=torch.float32, device=payload.device)
         offset = 0

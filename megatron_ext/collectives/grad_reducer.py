@@ -49,6 +49,10 @@ Contract (what a bound reduction must guarantee):
       Radius entry waiting in the residual). No host synchronization: the flag stays on the
       device; :meth:`GradReducer.nonfinite` gives it to the optimizer hook, which stops
       training when no loss scaler can skip the step.
+    * **Dense warm-up.** Launches of steps before :attr:`GradReducer.dense_before_step`
+      (set by the runtime from AQ-SGD's ``--aqsgd-warmup-epochs``) run megatron-core's own
+      collectives (:class:`DenseGradReducer`'s), whatever the reducer: the compressed
+      reduction is not launched, stages nothing and its state stays as initialised.
 
 Constraints:
     torch.distributed only; never imports Megatron.
@@ -424,13 +428,40 @@ class GradReducer(abc.ABC):
 
     def __init__(self) -> None:
         self.bound: List[BoundReduction] = []
+        self.dense_before_step = 0
+        """Steps before this one are reduced densely (megatron-core's collectives): the
+        uncompressed warm-up of ``--aqsgd-warmup-epochs``. Set by the runtime at install;
+        0: compress from the first step."""
+
+    def dense_at(self, step: int) -> bool:
+        """Step ``step`` is reduced densely (the warm-up is still running)."""
+        return step < self.dense_before_step
 
     def bind(self, spec: BucketGroupSpec) -> BoundReduction:
         """Bind one bucket group (at install, before any checkpoint load); may check
-        cross-rank agreement and raise."""
+        cross-rank agreement and raise.
+
+        The returned reduction's ``launch`` is gated on this instance: during the warm-up
+        (:attr:`dense_before_step`) it launches megatron-core's dense collectives instead, and
+        the compressed reduction stages nothing."""
         bound = self._bind(spec)
         self.bound.append(bound)
+        if not isinstance(bound, _DenseReduction):
+            self._gate(bound)
         return bound
+
+    def _gate(self, bound: BoundReduction) -> None:
+        """Route ``bound.launch`` to the dense collectives for warm-up steps (the instance's
+        attribute; the class and its other methods stay as they are)."""
+        compressed = bound.launch
+        dense = _DenseReduction(bound.spec)
+
+        def launch(step: int, force_all_reduce: bool = False) -> Optional[Any]:
+            if self.dense_at(step):
+                return dense.launch(step, force_all_reduce)
+            return compressed(step, force_all_reduce)
+
+        bound.launch = launch  # type: ignore[method-assign]
 
     @abc.abstractmethod
     def _bind(self, spec: BucketGroupSpec) -> BoundReduction:

@@ -12,9 +12,10 @@ What it does:
       with nearest rounding (half a step, one step where ``2^(b-1) * scale`` clips).
 
     Groups (``granularity``): ``"channel"``, one scale per column of the last dimension
-    taken over the second-to-last (per sample and hidden channel over the sequence, the
-    public code's per-channel scale); ``"token"``, one scale per row (over the hidden
-    channels of a token).
+    taken over the second-to-last (per sample and hidden channel over the sequence for a
+    ``[k, seq, hidden]`` tensor; the public AQ-SGD code's per-channel scale when its
+    micro-batch is 1, since it takes the maximum over the micro-batch too); ``"token"``,
+    one scale per row (over the hidden channels of a token).
 
     :func:`pack_bits` / :func:`unpack_bits` store ``b``-bit codes densely: every 8 codes
     become ``b`` bytes (4 bits: two codes a byte; 3 bits: eight codes in three bytes; 2 bits:

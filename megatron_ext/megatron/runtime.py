@@ -359,6 +359,9 @@ class ExtRuntime(Runtime):
             for comp in self.components.values():
                 if comp.on_install is not None:
                     comp.on_install()
+            # A method's uncompressed warm-up (AQ-SGD's --aqsgd-warmup-epochs, set on the
+            # clock by its on_install) covers the data-parallel exchange too.
+            self.reducer.dense_before_step = self.clock.dense_before_step
         except Exception:
             self.remove()
             raise

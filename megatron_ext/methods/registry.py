@@ -114,6 +114,9 @@ class SampleSpace:
     seq_length: int
     """Tokens per sample."""
 
+    train_iters: Optional[int] = None
+    """Training iterations of the run (None where the caller does not know them)."""
+
     @property
     def num_slots(self) -> int:
         """Fixed samples this rank owns (ids ``dp_rank + dp_size * slot``)."""

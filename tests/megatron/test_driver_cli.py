@@ -171,9 +171,11 @@ def test_bad_flags_stop_before_training(args, flag, tmp_path):
     [
         ([], "--fixed-samples"),  # a sample id must mean the same tokens every epoch
         (
-            ["--fixed-samples", "32", "--aqsgd-buffer", "disk", "--aqsgd-buffer-dir", "FILE"],
+            ["--fixed-samples", "16", "--aqsgd-buffer", "disk", "--aqsgd-buffer-dir", "FILE"],
             "--aqsgd-buffer-dir",
         ),
+        # A warm-up epoch of 32 samples at 8 a step outlasts the 4 training steps.
+        (["--fixed-samples", "32"], "--aqsgd-warmup-epochs, --train-iters"),
     ],
 )
 def test_aqsgd_refusals_name_the_flag_before_training(args, flag, tmp_path):

@@ -12,6 +12,10 @@ not fit the buffer dtype is clamped, a non-finite one never stored, a skipped st
 committed; buffers hold this rank's context-parallel shard of the sequence; the buffers
 default to the activations' dtype; a step announced by ``begin_step`` (indices prepared
 once, visit flags read at the next step) gives the same bytes as one that is not.
+Warm-up (``--aqsgd-warmup-epochs``): epochs convert to steps (refused without fixed samples
+or when longer than training); its steps send activations and gradients in full precision
+and leave each sample's exact activation in both buffers. Scales per channel over the
+micro-batch (``--aqsgd-granularity microbatch``) are the public code's.
 """
 
 import pytest
@@ -284,6 +288,107 @@ def test_directq_quantizes_the_activations_themselves():
     out = codec.decode(payload, ctx, tuple(x.shape), x.dtype)
     # Two bits of the activation itself: a coarse copy (the baseline that diverges).
     assert 0.05 < (out - x).abs().mean() < 1.0
+
+
+def test_microbatch_scales_are_the_authors_per_channel_over_the_microbatch():
+    codec = DirectQCodec(AQSGDConfig(fw_bits=4, granularity="microbatch"), None)
+    x = torch.randn(SEQ, MBS, HIDDEN, generator=torch.Generator().manual_seed(5))
+    ctx = P2PContext("forward", 0, None, 0, False)
+    payload = codec.encode(x, ctx)
+    assert codec.payload_spec(tuple(x.shape), x.dtype, ctx) == ((payload.numel(),), torch.uint8)
+    assert payload.numel() == MBS * packed_nbytes(SEQ * HIDDEN, 4) + 2 * HIDDEN
+    # The public code's scale: max |x| over dims (0, 1) of [micro-batch, seq, hidden].
+    expected = x.transpose(0, 1).abs().amax(dim=(0, 1)).half()
+    assert torch.equal(payload[-2 * HIDDEN :].view(torch.float16), expected)
+    out = codec.decode(payload, ctx, tuple(x.shape), x.dtype)
+    assert bool(((out - x).abs() <= expected.float() / 8 + 1e-3).all())  # one 4-bit step
+
+
+def test_microbatch_granularity_keeps_the_buffers_identical():
+    sender, receiver = _pair(fw_bits=3, granularity="microbatch")
+    records = _epochs(sender, receiver, epochs=3)
+    delta = NMB * (MBS * packed_nbytes(SEQ * HIDDEN, 3) + 2 * HIDDEN)
+    assert all(r["same"] for r in records)
+    assert all(r["bytes"] == delta for r in records if r["epoch"] > 0)
+
+
+# -- warm-up (--aqsgd-warmup-epochs) ----------------------------------------------------------
+
+
+def _steps_samples(num_samples, dp, train_iters=None, fixed=True):
+    return SampleSpace(
+        fixed=fixed,
+        num_samples=num_samples,
+        dp_rank=0,
+        dp_size=dp,
+        micro_batch_size=MBS,
+        num_microbatches=NMB,
+        seq_length=SEQ,
+        train_iters=train_iters,
+    )
+
+
+def test_warmup_epochs_convert_to_steps_and_refuse_what_cannot_work():
+    # An epoch is the fixed samples over the global batch (dp x MBS x NMB = 16 at dp 2).
+    assert aqsgd_module.warmup_steps(1, _steps_samples(128, 2)) == 8
+    assert aqsgd_module.warmup_steps(2, _steps_samples(100, 2)) == 13  # ceil(200 / 16)
+    assert aqsgd_module.warmup_steps(0, None) == 0
+    with pytest.raises(ConfigError, match="--aqsgd-warmup-epochs.*--fixed-samples"):
+        aqsgd_module.warmup_steps(1, _steps_samples(0, 2, fixed=False))
+    with pytest.raises(ConfigError, match="--aqsgd-warmup-epochs.*--train-iters"):
+        aqsgd_module.warmup_steps(1, _steps_samples(128, 2, train_iters=8))
+    assert aqsgd_module.warmup_steps(1, _steps_samples(128, 2, train_iters=9)) == 8
+    with pytest.raises(ConfigError, match="--aqsgd-warmup-epochs"):
+        AQSGDConfig(warmup_epochs=-1)
+
+
+def test_warmup_sends_full_precision_and_fills_the_buffers_exactly():
+    sender, receiver = _pair(fw_bits=2, bw_bits=4)
+    steps = NUM // (MBS * NMB)
+    for codec in (sender, receiver):
+        codec.warmup_steps = 2 * steps  # two epochs
+    records = _epochs(sender, receiver, epochs=3)
+    raw = NMB * MBS * SEQ * HIDDEN * 4
+    delta = NMB * MBS * (packed_nbytes(SEQ * HIDDEN, 2) + 2 * HIDDEN)
+    # Revisits inside the warm-up travel in full precision too; then 2-bit deltas.
+    assert [r["bytes"] for r in records] == [raw] * (2 * steps) + [delta] * steps
+    assert all(r["error"] == 0.0 for r in records[: 2 * steps])
+    assert all(r["same"] for r in records)
+    # Both buffers hold each sample's exact activation of its last warm-up visit.
+    last = {}
+    order = torch.arange(NUM)
+    for epoch in range(2):
+        perm = order[torch.randperm(NUM, generator=torch.Generator().manual_seed(epoch))]
+        for i, sample in enumerate(perm.tolist()):
+            last[sample] = epoch * steps + i // (MBS * NMB)
+    sender2, receiver2 = _pair(fw_bits=2, bw_bits=4)
+    for codec in (sender2, receiver2):
+        codec.warmup_steps = 2 * steps
+    _epochs(sender2, receiver2, epochs=2)
+    drift = lambda step: 0.5 / (1 + step)  # noqa: E731 (_epochs' default)
+    for sample, step in last.items():
+        x = _activation(torch.tensor([sample]), step, drift)[:, 0]
+        assert torch.equal(sender2.send.contents()[sample], x), sample
+        assert torch.equal(receiver2.recv.contents()[sample], x), sample
+    assert bool(sender2.send.visited.all())
+    # Gradients of a warm-up step: the tensor itself, exactly.
+    g = torch.randn(SEQ, MBS, HIDDEN, generator=torch.Generator().manual_seed(7))
+    ctx = P2PContext("backward", 0, torch.tensor([0, 1]), 2 * steps - 1, False)
+    assert sender.payload_spec(tuple(g.shape), g.dtype, ctx) == (tuple(g.shape), g.dtype)
+    out = sender.decode(receiver.encode(g, ctx), ctx, tuple(g.shape), g.dtype)
+    assert torch.equal(out, g)
+    late = P2PContext("backward", 0, torch.tensor([0, 1]), 2 * steps, False)
+    assert sender.payload_spec(tuple(g.shape), g.dtype, late)[1] == torch.uint8
+
+
+def test_directq_warmup_sends_the_activations_themselves():
+    codec = DirectQCodec(AQSGDConfig(fw_bits=2), None)
+    codec.warmup_steps = 3
+    x = torch.randn(SEQ, MBS, HIDDEN, generator=torch.Generator().manual_seed(3))
+    for step, exact in ((0, True), (2, True), (3, False)):
+        ctx = P2PContext("forward", 0, None, step, False)
+        out = codec.decode(codec.encode(x, ctx), ctx, tuple(x.shape), x.dtype)
+        assert torch.equal(out, x) == exact, step
 
 
 # -- robustness ------------------------------------------------------------------------------

@@ -408,6 +408,7 @@ class MegatronLMSession:
             micro_batch_size=args.micro_batch_size,
             num_microbatches=_microbatches(args, dp_size),
             seq_length=args.seq_length,
+            train_iters=getattr(args, "train_iters", None),
         )
 
     def train_data_loader(self, dataset: Any, consumed_samples: int, args: Any) -> Any:

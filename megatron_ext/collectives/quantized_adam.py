@@ -102,8 +102,17 @@ class QuantizedAdamReducer(GradReducer):
         self.applied_steps = 0
         """Optimizer steps applied so far (counted by :class:`QuantizedAdamHook`)."""
 
-    def compressing(self) -> bool:
-        """Past the warm-up: gradients stay local, the momentum is exchanged."""
+    def compressing(self, step: Optional[int] = None) -> bool:
+        """Past the warm-up: gradients stay local, the momentum is exchanged.
+
+        Args:
+            step: the training iteration; when given, a step inside another method's
+                uncompressed warm-up (:meth:`GradReducer.dense_at`, AQ-SGD's
+                ``--aqsgd-warmup-epochs``) is not compressed either: its gradient was
+                all-reduced densely, so megatron's own Adam applies it.
+        """
+        if step is not None and self.dense_at(step):
+            return False
         return self.applied_steps >= self.cfg.warmup_steps
 
     def _bind(self, spec: BucketGroupSpec) -> BoundReduction:
@@ -123,7 +132,7 @@ class _LocalAfterWarmup(CompressedReduction):
         self.dense = DenseGradReducer()._bind(spec)
 
     def launch(self, step: int, force_all_reduce: bool = False) -> Optional[Any]:
-        if not self.owner.compressing():
+        if not self.owner.compressing(step):
             return self.dense.launch(step, force_all_reduce)
         spec = self.spec
         device = spec.buckets[0].grad.device
@@ -256,7 +265,7 @@ class QuantizedAdamHook(OptimizerHook):
     # -- the update -------------------------------------------------------------------------
 
     def update_override(self, view: OptimizerView) -> Optional[Callable[[Sequence[str]], None]]:
-        if not self.reducer.compressing():
+        if not self.reducer.compressing(view.step):
             return None
         return lambda fqns: self.update(view, fqns)
 

@@ -181,14 +181,25 @@ def test_aqsgd_8_bits_within_rounding_of_uncompressed():
         assert abs(a - b) / abs(b) < 5e-3, (ours, stock)
 
 
-def test_aqsgd_pp2_dp2_each_replica_keeps_its_samples_and_warms_up_dp_too():
+@pytest.mark.parametrize(
+    "dp",
+    [
+        ["--grad-compression", "quantized", "--quantized-bits", "4"],
+        # QuantizedAdam's own warm-up (1 applied step) ends inside AQ-SGD's: its momentum
+        # exchange must wait for AQ-SGD's, or step 2 would send the momentum on top of the
+        # densely reduced gradient.
+        ["--grad-compression", "quantized-adam", "--quantized-adam-warmup-steps", "1"],
+    ],
+    ids=["quantized", "quantized-adam"],
+)
+def test_aqsgd_pp2_dp2_each_replica_keeps_its_samples_and_warms_up_dp_too(dp):
     flags = PP2 + FIXED + ["--p2p-compression", "aqsgd", "--aqsgd-fw-bits", "2"]
     flags += ["--global-batch-size", "16"]  # 2 steps an epoch per replica pair
-    flags += ["--grad-compression", "quantized", "--quantized-bits", "4"]
+    flags += dp
     results = run_ranks(_run, 4, flags, 6)
     assert _boundaries_identical(results[0]["sums"]) == 2
     # The warm-up epoch (2 steps) reduces the gradients densely, whatever the DP method;
-    # from step 3 on they travel as 4-bit partitions.
+    # from step 3 on they (QuantizedAdam: the momenta) travel as 4-bit partitions.
     for r in results:
         dense = [d for _, d in r["dp"]]
         assert [s for s, _ in r["dp"][:2]] == dense[:2], r["dp"]

@@ -69,6 +69,7 @@ __all__ = [
     "CPU_UNFUSED",
     "MegatronLMCpuHandle",
     "cpu_requested_by_env",
+    "no_cuda_message",
     "enable_megatron_lm_cpu",
     "disable_megatron_lm_cpu",
     "check_cpu_args",
@@ -101,6 +102,29 @@ CPU_UNFUSED: Tuple[Tuple[str, str, Any], ...] = (
 def cpu_requested_by_env() -> bool:
     """Whether ``MEGATRON_EXT_CPU`` asks for CPU execution (1/true/yes/on)."""
     return os.environ.get(CPU_ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def no_cuda_message(how: str) -> Optional[str]:
+    """The refusal for a GPU run on a machine where torch sees no CUDA device, else None.
+
+    Megatron-LM's ``initialize_megatron`` would stop with a bare ``AssertionError: Megatron
+    requires CUDA.`` (or, before it, an import error about triton, which only GPU builds
+    bring); the fix is CPU execution, named here.
+
+    Args:
+        how: how this launch switches CPU execution on (``"--cpu"``, ``"MEGATRON_EXT_CPU=1"``).
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return (
+        f"torch sees no CUDA device ({torch.__version__}) and CPU execution is off: Megatron-LM "
+        f"needs CUDA unless megatron-ext runs it on CPU. To run here, add {how} and the flags "
+        "CPU execution needs: "
+        + " ".join(flag for flag, _, _ in CPU_REQUIRED_FLAGS)
+        + " (configs/megatron_lm/gpt_tiny_separate_cpu.yaml has them)"
+    )
 
 
 def _compile_helpers() -> None:

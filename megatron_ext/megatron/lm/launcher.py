@@ -198,6 +198,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     checkout = os.path.dirname(script)
     cpu = options["cpu"] or cpu_requested_by_env()
+    if not cpu:
+        from megatron_ext.megatron.lm.cpu import no_cuda_message
+
+        message = no_cuda_message("--cpu (megatron-ext pretrain --cpu PATH/pretrain_gpt.py ...)")
+        if message:
+            report_refusal(f"megatron-ext pretrain: error: {message}")
+            return 2
     try:
         release = detect_checkout_release(checkout)
         core_from = setup_sys_path(checkout, release.version, options["core_from"])

@@ -61,6 +61,8 @@ __all__ = [
     "missing_requirements",
     "format_missing",
     "check_local_spec_kernels",
+    "TOKENIZER_PACKAGES",
+    "check_tokenizer_package",
     "main",
 ]
 
@@ -162,6 +164,31 @@ def check_local_spec_kernels(
             "are not installed here; pass " + " and ".join(lines) + ", or use "
             "--transformer-impl transformer_engine where the methods allow it (Grass and "
             "Protocol Models need the local spec)",
+        )
+
+
+TOKENIZER_PACKAGES: Dict[str, Tuple[str, str]] = {
+    "HuggingFaceTokenizer": ("transformers", "hf"),
+}
+"""``--tokenizer-type`` -> (the module Megatron-LM's tokenizer of that name imports when it is
+built, the ``setup.py`` extra that installs it). Megatron-LM imports it only after start-up
+(0.16: ``megatron/training/tokenizer``; 0.19: ``megatron/core/tokenizers``)."""
+
+
+def check_tokenizer_package(tokenizer_type: Optional[str]) -> None:
+    """Refuse a ``--tokenizer-type`` whose package is not installed, naming the extra.
+
+    Raises:
+        ConfigError: naming ``--tokenizer-type``.
+    """
+    from megatron_ext.config import ConfigError
+
+    module, extra = TOKENIZER_PACKAGES.get(tokenizer_type or "", (None, None))
+    if module is not None and importlib.util.find_spec(module) is None:
+        raise ConfigError(
+            "--tokenizer-type",
+            f"{tokenizer_type} needs the {module} package, which is not installed: "
+            f"pip install 'megatron-ext[{extra}]' (or: pip install {module})",
         )
 
 

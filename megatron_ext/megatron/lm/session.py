@@ -150,8 +150,12 @@ def check_megatron_lm_args(args: Any, cfg: ExtConfig) -> None:
                     "(scaled low-precision moments, or on the host behind a wrapper), so the "
                     "selection would be wrong. Drop the flag or choose another method",
                 )
-    from megatron_ext.megatron.lm.requirements import check_local_spec_kernels
+    from megatron_ext.megatron.lm.requirements import (
+        check_local_spec_kernels,
+        check_tokenizer_package,
+    )
 
+    check_tokenizer_package(getattr(args, "tokenizer_type", None))
     check_local_spec_kernels(
         transformer_impl=args.transformer_impl,
         half=bool(args.fp16 or args.bf16),

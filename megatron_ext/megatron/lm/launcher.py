@@ -55,6 +55,9 @@ launcher options (before the script path):
   --cpu          run on CPU with gloo (also MEGATRON_EXT_CPU=1); needs
                  --distributed-backend gloo --transformer-impl local
                  --no-gradient-accumulation-fusion --no-persist-layer-norm
+                 and sets --no-masked-softmax-fusion --no-rope-fusion itself
+                 (CUDA-only fusions). Without it, a machine where torch sees
+                 no CUDA device is refused before Megatron-LM is imported.
   --core-from    where megatron.core comes from: the checkout, the installed
                  megatron-core wheel (a version of the checkout's tag; 0.19 wheels
                  also bring megatron.training), or auto (the wheel if its version

@@ -36,15 +36,15 @@ Constraints:
     * Must run before ``megatron.training`` is first imported where triton is missing
       (``initialize.py`` fails to import otherwise).
     * The Megatron-LM flags CPU execution needs are checked after argument parsing
-      (:data:`CPU_REQUIRED_FLAGS`: a run that names none of them is refused with one message
-      naming all four, rather than changed behind the user's back, because each of them has
-      a GPU meaning a launch line may have been written for). Fused paths that exist only as
-      CUDA kernels and whose unfused path computes the same values are switched off instead
-      (:data:`CPU_UNFUSED`: ``--no-masked-softmax-fusion``: with ``--bf16``/``--fp16`` the
-      fused softmax imports ``scaled_masked_softmax_cuda`` at the first forward;
+      (:data:`CPU_REQUIRED_FLAGS`: a run missing any of them is refused with one message
+      naming every missing one, rather than changed behind the user's back, because each
+      has a GPU meaning a launch line may have been written for). Fused paths that exist
+      only as CUDA kernels and whose unfused path computes the same values are switched off
+      instead (:data:`CPU_UNFUSED`: ``--no-masked-softmax-fusion``: with ``--bf16``/``--fp16``
+      the fused softmax imports ``scaled_masked_softmax_cuda`` at the first forward;
       ``--no-rope-fusion``: with ``--position-embedding-type rope`` the fused RoPE needs
-      Transformer Engine, also at the first forward). The
-      limits of :mod:`megatron_ext.megatron.cpu` apply.
+      Transformer Engine, also at the first forward). The limits of
+      :mod:`megatron_ext.megatron.cpu` apply.
 """
 
 from __future__ import annotations

@@ -55,6 +55,9 @@ def test_fp16_trains_through_the_overflowing_start(method, tmp_path):
     assert len(late) <= 2, late
     assert sum(skipped.values()) <= 20, skipped
     assert scale[40] >= 2.0**14, scale
-    losses = [float(iters[it]["loss"]) for it in range(31, 41)]
+    # A skipped iteration's line has no loss (Radius on core_v0.16.1 skips iteration 37 when
+    # the scale probes too high; this read failed with KeyError on main before).
+    losses = [float(iters[it]["loss"]) for it in range(31, 41) if "loss" in iters[it]]
+    assert len(losses) >= 8, losses
     first = next(float(iters[it]["loss"]) for it in sorted(iters) if "loss" in iters[it])
     assert all(loss == loss for loss in losses) and max(losses) < first, (first, losses)

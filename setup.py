@@ -42,7 +42,12 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]"],
-        "test": ["pytest", "tensorboard", "matplotlib"],
+        # transformers: the tests of --tokenizer-type HuggingFaceTokenizer (a tokenizer built
+        # locally; no download).
+        "test": ["pytest", "tensorboard", "matplotlib", "transformers"],
+        # --tokenizer-type HuggingFaceTokenizer (prepare-data, the driver; Megatron-LM's own
+        # HuggingFaceTokenizer needs it too).
+        "hf": ["transformers"],
         "report": ["matplotlib", "tensorboard"],
         # What Megatron-LM's pretrain_gpt.py / megatron/training import beyond megatron-core
         # (megatron_ext/megatron/lm/requirements.py; pyyaml and psutil are required above):

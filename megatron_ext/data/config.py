@@ -42,7 +42,11 @@ __all__ = [
     "DataConfig",
 ]
 
-TOKENIZER_TYPES: Tuple[str, ...] = ("SentencePieceTokenizer", "GPT2BPETokenizer")
+TOKENIZER_TYPES: Tuple[str, ...] = (
+    "SentencePieceTokenizer",
+    "GPT2BPETokenizer",
+    "HuggingFaceTokenizer",
+)
 """Values of ``--tokenizer-type`` (Megatron-LM's names for the same tokenizers)."""
 
 CACHE_ENV_VAR: str = "MEGATRON_EXT_CACHE"
@@ -132,12 +136,15 @@ class TokenizerConfig:
     tokenizer_type: str = field(
         default="SentencePieceTokenizer", metadata=arg(choices=TOKENIZER_TYPES)
     )
-    """Tokenizer: 'SentencePieceTokenizer' (see --tokenizer-model) or 'GPT2BPETokenizer'
-    (GPT-2 byte-level BPE from --vocab-file and --merge-file)."""
+    """Tokenizer: 'SentencePieceTokenizer' (see --tokenizer-model), 'GPT2BPETokenizer'
+    (GPT-2 byte-level BPE from --vocab-file and --merge-file) or 'HuggingFaceTokenizer'
+    (transformers.AutoTokenizer from --tokenizer-model, a folder or a model name; needs
+    pip install 'megatron-ext[hf]')."""
 
     tokenizer_model: Optional[str] = None
-    """SentencePiece .model file. Default: train a byte-fallback BPE model on the embedded
-    corpus (a few seconds, once; cached under --data-cache-path)."""
+    """SentencePiece .model file, or with HuggingFaceTokenizer a tokenizer folder or model
+    name. Default (SentencePiece): train a byte-fallback BPE model on the embedded corpus (a
+    few seconds, once; cached under --data-cache-path)."""
 
     vocab_file: Optional[str] = None
     """GPT-2 vocabulary (encoder.json / vocab.json) for GPT2BPETokenizer."""
@@ -181,6 +188,12 @@ class TokenizerConfig:
                         flag_of(cls, name),
                         "is only used with --tokenizer-type GPT2BPETokenizer",
                     )
+            if self.tokenizer_type == "HuggingFaceTokenizer" and self.tokenizer_model is None:
+                raise ConfigError(
+                    [flag_of(cls, "tokenizer_type"), flag_of(cls, "tokenizer_model")],
+                    "HuggingFaceTokenizer needs --tokenizer-model (a folder written by "
+                    "save_pretrained, or a model name such as meta-llama/Meta-Llama-3-8B)",
+                )
             if self.tokenizer_model is None and self.vocab_size < _MIN_TRAINED_VOCAB_SIZE:
                 raise ConfigError(
                     flag_of(cls, "vocab_size"),
@@ -246,8 +259,9 @@ class DataConfig(TokenizerConfig):
             raise ConfigError(
                 [flag_of(cls, "data_path"), flag_of(cls, "tokenizer_model")],
                 "indexed datasets hold token ids of a specific tokenizer; pass the one they "
-                "were made with (--tokenizer-model, or --tokenizer-type GPT2BPETokenizer with "
-                "--vocab-file/--merge-file)",
+                "were made with (--tokenizer-model, --tokenizer-type GPT2BPETokenizer with "
+                "--vocab-file/--merge-file, or --tokenizer-type HuggingFaceTokenizer with "
+                "--tokenizer-model)",
             )
         if self.data_files is not None and not self.data_files:
             raise ConfigError(flag_of(cls, "data_files"), "needs at least one file")

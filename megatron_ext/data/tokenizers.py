@@ -1,4 +1,4 @@
-"""Tokenizers for GPT pretraining: SentencePiece and GPT-2 byte-level BPE.
+"""Tokenizers for GPT pretraining: SentencePiece, GPT-2 byte-level BPE, Hugging Face.
 
 What it does:
     :class:`Tokenizer` is the small interface that megatron-core's ``GPTDataset`` and our
@@ -13,6 +13,12 @@ What it does:
     * :class:`GPT2BPETokenizer` is GPT-2's byte-level BPE from an ``encoder.json``/``vocab.json``
       and a ``merges.txt``, implemented in pure Python (the algorithm of OpenAI's
       ``encoder.py``, also used by Megatron-LM's ``gpt2_tokenization.py``).
+    * :class:`HuggingFaceTokenizer` is Megatron-LM's ``HuggingFaceTokenizer``:
+      ``transformers.AutoTokenizer`` from a model name or a local folder, with the same
+      ``tokenize`` (``input_ids``, the special tokens the tokenizer adds itself included, e.g.
+      LLaMA-3's ``<|begin_of_text|>``), ``eod`` (its end-of-sequence token) and
+      ``vocab_size`` (``len(tokenizer)``), so data made here matches Megatron-LM's
+      ``tools/preprocess_data.py`` token for token.
 
     :func:`tokenize_documents` tokenizes a stream of documents, optionally in parallel, in
     input order.
@@ -26,6 +32,10 @@ Why:
 
 Constraints:
     * Pure Python plus ``sentencepiece``; never imports Megatron or torch.
+      :class:`HuggingFaceTokenizer` imports ``transformers`` (the ``hf`` extra:
+      ``pip install 'megatron-ext[hf]'``) when it is built, never at module import; without
+      it the constructor raises :class:`MissingPackageError` naming the extra. A model name
+      is resolved by ``transformers`` (its cache, or the Hub); a local folder needs no network.
     * GPT-2 pretokenization uses the standard library's ``re`` (the ``regex`` package is not
       a dependency). ``re`` has no ``\\p{L}``/``\\p{N}``; :data:`GPT2_PRETOKENIZE_PATTERN`
       spells letters as ``[^\\W\\d_]`` and numbers as ``\\d``. For ASCII and for text whose
@@ -69,6 +79,10 @@ __all__ = [
     "Tokenizer",
     "SentencePieceTokenizer",
     "GPT2BPETokenizer",
+    "HuggingFaceTokenizer",
+    "HF_EXTRA",
+    "MissingPackageError",
+    "check_transformers",
     "GPT2_PRETOKENIZE_PATTERN",
     "GPT2_EOD_TOKEN",
     "bytes_to_unicode",
@@ -507,6 +521,130 @@ class GPT2BPETokenizer(Tokenizer):
     @property
     def unique_identifiers(self) -> Dict[str, Any]:
         """Class name and the SHA-256 of both files."""
+        return dict(self._identifiers)
+
+
+HF_EXTRA: str = "hf"
+"""The ``setup.py`` extra that installs ``transformers`` for :class:`HuggingFaceTokenizer`."""
+
+
+class MissingPackageError(ImportError):
+    """A tokenizer needs a Python package that is not installed (the message says which)."""
+
+
+def check_transformers() -> None:
+    """Raise :class:`MissingPackageError` (naming the extra) unless ``transformers`` imports.
+
+    Only looks for the package (``find_spec``); nothing is imported.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        raise MissingPackageError(
+            "HuggingFaceTokenizer needs the transformers package, which is not installed: "
+            f"pip install 'megatron-ext[{HF_EXTRA}]' (or: pip install transformers)"
+        )
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    """A Hugging Face tokenizer (``transformers.AutoTokenizer``), as Megatron-LM's.
+
+    ``tokenize`` is ``tokenizer(text).input_ids``: special tokens the tokenizer adds by itself
+    (a beginning-of-text token) are kept, as Megatron-LM's ``HuggingFaceTokenizer`` and its
+    ``tools/preprocess_data.py`` keep them. The end-of-document id is the tokenizer's
+    end-of-sequence token; the vocabulary size is ``len(tokenizer)`` (added tokens included).
+
+    Args:
+        name_or_path: a local folder written by ``save_pretrained`` (``tokenizer.json`` /
+            ``tokenizer_config.json``), or a model name ``transformers`` resolves.
+
+    Raises:
+        MissingPackageError: ``transformers`` is not installed.
+        ValueError: the tokenizer cannot be loaded or has no end-of-sequence token.
+    """
+
+    def __init__(self, name_or_path: str):
+        self.name_or_path = os.fspath(name_or_path)
+        self._load()
+
+    def _load(self) -> None:
+        check_transformers()
+        import transformers
+
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(self.name_or_path)
+        except (OSError, ValueError) as err:
+            raise ValueError(
+                f"{self.name_or_path}: cannot load a Hugging Face tokenizer ({err})"
+            ) from err
+        if tokenizer.eos_token_id is None:
+            raise ValueError(
+                f"{self.name_or_path}: the tokenizer has no end-of-sequence token "
+                "(eos_token), which is needed as end-of-document token"
+            )
+        self._tok = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            blob = backend.to_str()
+        else:
+            blob = json.dumps(sorted(tokenizer.get_vocab().items()))
+        self._identifiers = {
+            "class": type(self).__name__,
+            "tokenizer_class": type(tokenizer).__name__,
+            "tokenizer_sha256": hashlib.sha256(blob.encode("utf-8")).hexdigest(),
+            "special_tokens": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+        }
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {"name_or_path": self.name_or_path}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.name_or_path = state["name_or_path"]
+        self._load()
+
+    def tokenize(self, text: str) -> List[int]:
+        """``tokenizer(text).input_ids`` (no end-of-document id)."""
+        # verbose=False: no warning per document longer than the model's context.
+        return list(self._tok(text, verbose=False).input_ids)
+
+    def tokenize_batch(self, texts: Sequence[str], num_threads: int = 1) -> List[List[int]]:
+        """Token ids of several texts, in one call of the tokenizer."""
+        return [list(ids) for ids in self._tok(list(texts), verbose=False).input_ids]
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """Text of token ids (special tokens included)."""
+        return self._tok.decode([int(i) for i in ids])
+
+    @property
+    def vocab_size(self) -> int:
+        """``len(tokenizer)``: the base vocabulary plus added tokens (as Megatron-LM)."""
+        return len(self._tok)
+
+    @property
+    def eod(self) -> int:
+        """The end-of-sequence token's id."""
+        return int(self._tok.eos_token_id)
+
+    @property
+    def bos(self) -> int:
+        """The beginning-of-sequence id, or -1 when the tokenizer has none."""
+        bos = self._tok.bos_token_id
+        return -1 if bos is None else int(bos)
+
+    @property
+    def pad(self) -> int:
+        """The pad token's id, or :data:`NO_PAD_ID`."""
+        pad = self._tok.pad_token_id
+        return NO_PAD_ID if pad is None else int(pad)
+
+    @property
+    def vocab(self) -> Dict[str, int]:
+        """Token string to id."""
+        return self._tok.get_vocab()
+
+    @property
+    def unique_identifiers(self) -> Dict[str, Any]:
+        """Class names, the SHA-256 of the serialized tokenizer and its special tokens."""
         return dict(self._identifiers)
 
 

@@ -82,6 +82,8 @@ from megatron_ext.data.corpus import (
 from megatron_ext.data.readers import files_fingerprint, iter_file_documents
 from megatron_ext.data.tokenizers import (
     GPT2BPETokenizer,
+    HuggingFaceTokenizer,
+    MissingPackageError,
     SentencePieceTokenizer,
     Tokenizer,
     tokenize_documents,
@@ -393,6 +395,13 @@ def build_tokenizer(data_cfg: TokenizerConfig, cache_dir: Optional[str] = None) 
             return GPT2BPETokenizer(vocab, merges)
         except ValueError as err:
             raise ConfigError(["--vocab-file", "--merge-file"], str(err)) from err
+    if data_cfg.tokenizer_type == "HuggingFaceTokenizer":
+        try:
+            return HuggingFaceTokenizer(data_cfg.tokenizer_model)
+        except MissingPackageError as err:
+            raise ConfigError("--tokenizer-type", str(err)) from None
+        except ValueError as err:
+            raise ConfigError("--tokenizer-model", str(err)) from err
     if data_cfg.tokenizer_model is not None:
         model = _existing_file(data_cfg.tokenizer_model, "--tokenizer-model")
         try:

@@ -5,13 +5,18 @@ What it does:
     compressed) through Hugging Face ``datasets``, tokenizes every document with
 
     * GPT-2 byte-level BPE (``--tokenizer-type GPT2BPETokenizer --vocab-file --merge-file``),
+    * a Hugging Face tokenizer (``--tokenizer-type HuggingFaceTokenizer --tokenizer-model
+      FOLDER_OR_NAME``; needs ``transformers``: ``pip install 'megatron-ext[hf]'``, checked
+      before anything is read),
     * a SentencePiece model (``--tokenizer-model``), or
     * a SentencePiece model trained here on the input itself (``--vocab-size``; saved as
       ``<output-prefix>.model``),
 
     and writes ``<output-prefix>.bin``/``.idx`` with an end-of-document token after each
     document. It prints the document and token counts and the time taken. The result is
-    used with ``--data-path <output-prefix>`` and the same tokenizer flags.
+    used with ``--data-path <output-prefix>`` and the same tokenizer flags, in
+    ``megatron-ext train`` and in Megatron-LM (whose ``--tokenizer-type`` names these
+    tokenizers the same way; the tokens are the ones its ``tools/preprocess_data.py`` writes).
 
 Why:
     Megatron-LM's ``tools/preprocess_data.py`` reads only JSON lines and needs Megatron-LM's
@@ -43,7 +48,12 @@ from typing import ClassVar, List, Optional, Sequence, Tuple
 from megatron_ext.config import ConfigError, add_config_args, config_from_args, flag_of
 from megatron_ext.data.config import TokenizerConfig
 from megatron_ext.data.readers import check_files, iter_file_documents
-from megatron_ext.data.tokenizers import SentencePieceTokenizer, train_sentencepiece
+from megatron_ext.data.tokenizers import (
+    MissingPackageError,
+    SentencePieceTokenizer,
+    check_transformers,
+    train_sentencepiece,
+)
 
 __all__ = ["PrepareDataConfig", "build_parser", "prepare_data", "main"]
 
@@ -56,8 +66,9 @@ class PrepareDataConfig(TokenizerConfig):
     ARG_PREFIX: ClassVar[str] = ""
 
     tokenizer_model: Optional[str] = None
-    """SentencePiece .model file. Default (with SentencePieceTokenizer): train a byte-fallback
-    BPE model with --vocab-size pieces on the input and save it as <output-prefix>.model."""
+    """SentencePiece .model file, or with HuggingFaceTokenizer a tokenizer folder or model
+    name. Default (with SentencePieceTokenizer): train a byte-fallback BPE model with
+    --vocab-size pieces on the input and save it as <output-prefix>.model."""
 
     input: Optional[Tuple[str, ...]] = None
     """Input files: .txt (one document per file), .json/.jsonl/.csv/.parquet (one document per
@@ -113,12 +124,12 @@ def _format_bytes(num: int) -> str:
     return f"{num} B"
 
 
-def prepare_data(cfg: PrepareDataConfig, out=sys.stdout) -> Tuple[int, int]:
+def prepare_data(cfg: PrepareDataConfig, out=None) -> Tuple[int, int]:
     """Run ``prepare-data`` for a parsed configuration.
 
     Args:
         cfg: the configuration.
-        out: where the report is printed.
+        out: where the report is printed (default: ``sys.stdout`` at the time of the call).
 
     Returns:
         ``(num_documents, num_tokens)`` written.
@@ -126,6 +137,13 @@ def prepare_data(cfg: PrepareDataConfig, out=sys.stdout) -> Tuple[int, int]:
     Raises:
         ConfigError: for missing or unreadable inputs or tokenizer files, naming the flag.
     """
+    out = sys.stdout if out is None else out
+    cls = type(cfg)
+    if cfg.tokenizer_type == "HuggingFaceTokenizer":
+        try:  # before megatron-core is imported and any input is read
+            check_transformers()
+        except MissingPackageError as err:
+            raise ConfigError(flag_of(cls, "tokenizer_type"), str(err)) from None
     with warnings.catch_warnings():
         # megatron-core warns at import about optional GPU libraries this command never uses.
         warnings.simplefilter("ignore")
@@ -138,7 +156,6 @@ def prepare_data(cfg: PrepareDataConfig, out=sys.stdout) -> Tuple[int, int]:
         )
 
     start = time.time()
-    cls = type(cfg)
     input_flag, key_flag = flag_of(cls, "input"), flag_of(cls, "data_text_key")
     files: List[str] = check_files(cfg.input, input_flag)
     output_prefix = os.path.abspath(os.path.expanduser(cfg.output_prefix))

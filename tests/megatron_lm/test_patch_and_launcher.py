@@ -296,6 +296,61 @@ def test_requirements_are_named_all_at_once_before_anything_runs(tmp_path, monke
     assert requirements.main([str(checkout19), "--cpu", "--core-from", "checkout"]) == 0
 
 
+def test_missing_triton_points_at_cpu_execution_not_at_pip(tmp_path, monkeypatch, capsys):
+    # triton is in no extra and pip's triton does not make a CPU machine run Megatron-LM:
+    # the fix on a machine without a GPU is CPU execution, which the message names.
+    from megatron_ext.megatron.lm import requirements
+
+    monkeypatch.setattr(
+        requirements.importlib.util, "find_spec", lambda name: None if name == "triton" else 1
+    )
+    checkout19 = _fake_checkout(tmp_path, (0, 19, 1))
+    assert requirements.main([str(checkout19), "--core-from", "checkout"]) == 2
+    err = capsys.readouterr().err
+    assert "triton (pip: triton)" in err and "GPU runs only" in err
+    assert "pip install" not in err and "megatron-ext[megatron-lm]" not in err
+    assert "megatron-ext pretrain --cpu" in err and "MEGATRON_EXT_CPU=1" in err
+    # With a package pip does install, that one is named with its command and the extra.
+    message = requirements.format_missing(
+        "core_v0.16.1", [r for r in requirements.REQUIREMENTS["core_v0.16.1"] if r.module in (
+            "six", "triton")]  # fmt: skip
+    )
+    assert "pip install six   (or: pip install 'megatron-ext[megatron-lm]')" in message
+    assert "pip install six triton" not in message and "--cpu" in message
+    # The extra named is the one setup.py declares.
+    setup_py = (Path(__file__).resolve().parents[2] / "setup.py").read_text()
+    assert '"megatron-lm": ' + str(list(requirements.EXTRA_PACKAGES)).replace("'", '"') in setup_py
+
+
+def test_gpu_launch_without_cuda_names_cpu_execution_before_importing_megatron_lm(
+    tmp_path, monkeypatch, capsys
+):
+    # Without it: "No module named 'triton'" (0.16's initialize.py) or Megatron-LM's bare
+    # "AssertionError: Megatron requires CUDA." after start-up.
+    import torch
+
+    from megatron_ext.megatron.lm import install_megatron_lm_hooks
+    from megatron_ext.megatron.lm.launcher import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("MEGATRON_EXT_CPU", raising=False)
+    checkout = _fake_checkout(tmp_path, script="raise SystemExit('must not run')\n")
+    assert main([str(checkout / "pretrain_gpt.py"), "--num-layers", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megatron-ext pretrain: error: torch sees no CUDA device"), err
+    assert "add --cpu (megatron-ext pretrain --cpu PATH/pretrain_gpt.py ...)" in err
+    assert "--distributed-backend gloo --transformer-impl local" in err
+    assert str(checkout) not in os.sys.path
+    # A patched pretrain_gpt.py calls install_megatron_lm_hooks() first thing.
+    with pytest.raises(SystemExit) as info:
+        install_megatron_lm_hooks()
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megatron-ext: error: torch sees no CUDA device") and (
+        "add MEGATRON_EXT_CPU=1" in err
+    ), err
+
+
 def test_cli_lists_patch_and_pretrain():
     from megatron_ext.cli import SUBCOMMANDS
 

@@ -156,6 +156,26 @@ def test_local_spec_without_apex_is_refused_naming_the_flags(overrides, flags):
     check_megatron_lm_args(_megatron_args(**te), ExtConfig())
 
 
+def test_huggingface_tokenizer_without_transformers_is_refused_naming_the_extra(monkeypatch):
+    # Megatron-LM imports transformers only when it builds the tokenizer, after start-up
+    # (configs/megatron_lm/llama_8b_protocol_64gpu.yaml uses it).
+    from megatron_ext.megatron.lm import requirements
+
+    args = _megatron_args(tokenizer_type="HuggingFaceTokenizer")
+    real = requirements.importlib.util.find_spec
+    monkeypatch.setattr(
+        requirements.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "transformers" else real(name, *a),
+    )
+    with pytest.raises(ConfigError) as info:
+        check_megatron_lm_args(args, ExtConfig())
+    assert info.value.flags == ("--tokenizer-type",)
+    assert "pip install 'megatron-ext[hf]'" in str(info.value)
+    monkeypatch.setattr(requirements.importlib.util, "find_spec", real)
+    check_megatron_lm_args(_megatron_args(tokenizer_type="GPT2BPETokenizer"), ExtConfig())
+
+
 @pytest.mark.parametrize("impl", ["local", "transformer_engine"])
 def test_grass_refuses_cuda_graphs(impl):
     from megatron_ext.config import ext_config_from_flags

@@ -135,6 +135,8 @@ def install_megatron_lm_hooks(cpu: Optional[bool] = None) -> Any:
     Raises:
         UnsupportedReleaseError: the imported megatron-core (or the checkout holding
             ``megatron.training``) is not a supported release.
+        SystemExit: (2) CPU execution is off and torch sees no CUDA device; the message
+            naming ``MEGATRON_EXT_CPU=1`` is printed first.
     """
     global _HOOKS
     if _HOOKS is not None:
@@ -152,6 +154,17 @@ def install_megatron_lm_hooks(cpu: Optional[bool] = None) -> Any:
 
     if cpu is None:
         cpu = cpu_requested_by_env()
+    if not cpu:
+        from megatron_ext.megatron.lm.cpu import no_cuda_message
+
+        message = no_cuda_message("MEGATRON_EXT_CPU=1 (MEGATRON_EXT_CPU=1 torchrun ...)")
+        if message:
+            # Before Megatron-LM is imported: its triton import or its CUDA assertion would
+            # come first and name neither the cause nor the fix.
+            from megatron_ext.refusal import report_refusal
+
+            report_refusal(f"megatron-ext: error: {message}")
+            raise SystemExit(2)
     release = release_for_version(_core_version_on_disk(), "the imported megatron-core")
     # Before anything imports megatron.training (0.19 on Python 3.11: typing.override).
     shims = apply_python_shims(release.requires_python)

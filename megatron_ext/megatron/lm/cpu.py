@@ -36,7 +36,15 @@ Constraints:
     * Must run before ``megatron.training`` is first imported where triton is missing
       (``initialize.py`` fails to import otherwise).
     * The Megatron-LM flags CPU execution needs are checked after argument parsing
-      (:data:`CPU_REQUIRED_FLAGS`); the limits of :mod:`megatron_ext.megatron.cpu` apply.
+      (:data:`CPU_REQUIRED_FLAGS`: a run missing any of them is refused with one message
+      naming every missing one, rather than changed behind the user's back, because each
+      has a GPU meaning a launch line may have been written for). Fused paths that exist
+      only as CUDA kernels and whose unfused path computes the same values are switched off
+      instead (:data:`CPU_UNFUSED`: ``--no-masked-softmax-fusion``: with ``--bf16``/``--fp16``
+      the fused softmax imports ``scaled_masked_softmax_cuda`` at the first forward;
+      ``--no-rope-fusion``: with ``--position-embedding-type rope`` the fused RoPE needs
+      Transformer Engine, also at the first forward). The limits of
+      :mod:`megatron_ext.megatron.cpu` apply.
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ import os
 import subprocess
 import sys
 import sysconfig
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from megatron_ext.config import ConfigError
 from megatron_ext.megatron.cpu import register_triton_stand_ins
@@ -58,8 +66,10 @@ from megatron_ext.megatron.patching import AttributePatches
 __all__ = [
     "CPU_ENV_VAR",
     "CPU_REQUIRED_FLAGS",
+    "CPU_UNFUSED",
     "MegatronLMCpuHandle",
     "cpu_requested_by_env",
+    "no_cuda_message",
     "enable_megatron_lm_cpu",
     "disable_megatron_lm_cpu",
     "check_cpu_args",
@@ -81,9 +91,40 @@ CPU_REQUIRED_FLAGS: Tuple[Tuple[str, str, Any], ...] = (
 )
 
 
+# (flag, args attribute, value): CUDA-only fused paths whose unfused path gives the same
+# values; CPU execution sets them itself.
+CPU_UNFUSED: Tuple[Tuple[str, str, Any], ...] = (
+    ("--no-masked-softmax-fusion", "masked_softmax_fusion", False),
+    ("--no-rope-fusion", "apply_rope_fusion", False),
+)
+
+
 def cpu_requested_by_env() -> bool:
     """Whether ``MEGATRON_EXT_CPU`` asks for CPU execution (1/true/yes/on)."""
     return os.environ.get(CPU_ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def no_cuda_message(how: str) -> Optional[str]:
+    """The refusal for a GPU run on a machine where torch sees no CUDA device, else None.
+
+    Megatron-LM's ``initialize_megatron`` would stop with a bare ``AssertionError: Megatron
+    requires CUDA.`` (or, before it, an import error about triton, which only GPU builds
+    bring); the fix is CPU execution, named here.
+
+    Args:
+        how: how this launch switches CPU execution on (``"--cpu"``, ``"MEGATRON_EXT_CPU=1"``).
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return (
+        f"torch sees no CUDA device ({torch.__version__}) and CPU execution is off: Megatron-LM "
+        f"needs CUDA unless megatron-ext runs it on CPU. To run here, add {how} and the flags "
+        "CPU execution needs: "
+        + " ".join(flag for flag, _, _ in CPU_REQUIRED_FLAGS)
+        + " (configs/megatron_lm/gpt_tiny_separate_cpu.yaml has them)"
+    )
 
 
 def _compile_helpers() -> None:
@@ -188,8 +229,21 @@ def disable_megatron_lm_cpu() -> None:
         _ACTIVE = None
 
 
-def check_cpu_args(args: Any) -> None:
-    """Raise :class:`ConfigError` naming every Megatron-LM flag CPU execution still needs."""
+def check_cpu_args(args: Any) -> List[str]:
+    """Check and complete Megatron-LM's parsed args for CPU execution.
+
+    Sets the :data:`CPU_UNFUSED` flags (CUDA-only fusions) and checks
+    :data:`CPU_REQUIRED_FLAGS`.
+
+    Args:
+        args: Megatron-LM's parsed and validated args (changed in place).
+
+    Returns:
+        The flags it set (for the start-up log), e.g. ``["--no-masked-softmax-fusion"]``.
+
+    Raises:
+        ConfigError: naming every required flag that is missing.
+    """
     missing = [flag for flag, attr, value in CPU_REQUIRED_FLAGS if getattr(args, attr) != value]
     if missing:
         raise ConfigError(
@@ -198,3 +252,9 @@ def check_cpu_args(args: Any) -> None:
             + " ".join(missing)
             + " (no NCCL, Transformer Engine or Apex on CPU)",
         )
+    changed = []
+    for flag, attr, value in CPU_UNFUSED:
+        if getattr(args, attr, value) != value:
+            setattr(args, attr, value)
+            changed.append(flag)
+    return changed

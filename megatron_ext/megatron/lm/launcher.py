@@ -55,6 +55,9 @@ launcher options (before the script path):
   --cpu          run on CPU with gloo (also MEGATRON_EXT_CPU=1); needs
                  --distributed-backend gloo --transformer-impl local
                  --no-gradient-accumulation-fusion --no-persist-layer-norm
+                 and sets --no-masked-softmax-fusion --no-rope-fusion itself
+                 (CUDA-only fusions). Without it, a machine where torch sees
+                 no CUDA device is refused before Megatron-LM is imported.
   --core-from    where megatron.core comes from: the checkout, the installed
                  megatron-core wheel (a version of the checkout's tag; 0.19 wheels
                  also bring megatron.training), or auto (the wheel if its version
@@ -198,6 +201,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     checkout = os.path.dirname(script)
     cpu = options["cpu"] or cpu_requested_by_env()
+    if not cpu:
+        from megatron_ext.megatron.lm.cpu import no_cuda_message
+
+        message = no_cuda_message("--cpu (megatron-ext pretrain --cpu PATH/pretrain_gpt.py ...)")
+        if message:
+            report_refusal(f"megatron-ext pretrain: error: {message}")
+            return 2
     try:
         release = detect_checkout_release(checkout)
         core_from = setup_sys_path(checkout, release.version, options["core_from"])

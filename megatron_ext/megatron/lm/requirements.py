@@ -56,8 +56,13 @@ __all__ = [
     "Requirement",
     "REQUIREMENTS",
     "LOCAL_SPEC_KERNELS",
+    "CPU_HINT",
+    "EXTRA_PACKAGES",
     "missing_requirements",
+    "format_missing",
     "check_local_spec_kernels",
+    "TOKENIZER_PACKAGES",
+    "check_tokenizer_package",
     "main",
 ]
 
@@ -162,6 +167,31 @@ def check_local_spec_kernels(
         )
 
 
+TOKENIZER_PACKAGES: Dict[str, Tuple[str, str]] = {
+    "HuggingFaceTokenizer": ("transformers", "hf"),
+}
+"""``--tokenizer-type`` -> (the module Megatron-LM's tokenizer of that name imports when it is
+built, the ``setup.py`` extra that installs it). Megatron-LM imports it only after start-up
+(0.16: ``megatron/training/tokenizer``; 0.19: ``megatron/core/tokenizers``)."""
+
+
+def check_tokenizer_package(tokenizer_type: Optional[str]) -> None:
+    """Refuse a ``--tokenizer-type`` whose package is not installed, naming the extra.
+
+    Raises:
+        ConfigError: naming ``--tokenizer-type``.
+    """
+    from megatron_ext.config import ConfigError
+
+    module, extra = TOKENIZER_PACKAGES.get(tokenizer_type or "", (None, None))
+    if module is not None and importlib.util.find_spec(module) is None:
+        raise ConfigError(
+            "--tokenizer-type",
+            f"{tokenizer_type} needs the {module} package, which is not installed: "
+            f"pip install 'megatron-ext[{extra}]' (or: pip install {module})",
+        )
+
+
 def _helpers_built(checkout: str) -> bool:
     folder = os.path.join(checkout, "megatron", "core", "datasets")
     if not os.path.isdir(folder):  # no megatron/core there: nothing to build
@@ -186,18 +216,40 @@ def missing_requirements(
     return [r for r in wanted if importlib.util.find_spec(r.module) is None]
 
 
+CPU_HINT: str = (
+    "No GPU here? Run on CPU instead: 'megatron-ext pretrain --cpu ...', MEGATRON_EXT_CPU=1 "
+    "for a patched pretrain_gpt.py, CPU=1 for scripts/pretrain_gpt_ext.sh"
+)
+"""Where CPU execution is switched on, for messages about GPU-only requirements."""
+
+EXTRA_PACKAGES: Tuple[str, ...] = ("six", "regex", "pydantic", "pybind11")
+"""What the ``megatron-lm`` extra of ``setup.py`` installs (keep the two in step)."""
+
+
 def format_missing(tag: str, missing: Sequence[Requirement]) -> str:
-    """One message naming every missing package and the command that installs them."""
-    names = " ".join(sorted({r.package for r in missing}))
+    """One message naming every missing package and what fixes it.
+
+    Packages pip installs are named with their ``pip install`` command (and the
+    ``megatron-ext[megatron-lm]`` extra when it holds them all). GPU-only ones (triton) are
+    not installed with pip: a CUDA build of torch brings them, and a machine without a GPU
+    needs CPU execution instead (:data:`CPU_HINT`).
+    """
     lines = [f"Megatron-LM {tag} needs Python packages that are not installed:"]
     lines += [
         f"  {r.module} (pip: {r.package}): {r.why}"
-        + ("; CUDA builds of torch bring it, not needed with --cpu" if r.gpu_only else "")
+        + ("; GPU runs only: CUDA builds of torch bring it" if r.gpu_only else "")
         for r in missing
     ]
-    lines.append(
-        f"Install them: pip install {names}   (or: pip install 'megatron-ext[megatron-lm]')"
-    )
+    names = sorted({r.package for r in missing if not r.gpu_only})
+    if names:
+        extra = (
+            "   (or: pip install 'megatron-ext[megatron-lm]')"
+            if set(names) <= set(EXTRA_PACKAGES)
+            else ""
+        )
+        lines.append(f"Install them: pip install {' '.join(names)}{extra}")
+    if any(r.gpu_only for r in missing):
+        lines.append(CPU_HINT)
     return "\n".join(lines)
 
 

@@ -150,8 +150,12 @@ def check_megatron_lm_args(args: Any, cfg: ExtConfig) -> None:
                     "(scaled low-precision moments, or on the host behind a wrapper), so the "
                     "selection would be wrong. Drop the flag or choose another method",
                 )
-    from megatron_ext.megatron.lm.requirements import check_local_spec_kernels
+    from megatron_ext.megatron.lm.requirements import (
+        check_local_spec_kernels,
+        check_tokenizer_package,
+    )
 
+    check_tokenizer_package(getattr(args, "tokenizer_type", None))
     check_local_spec_kernels(
         transformer_impl=args.transformer_impl,
         half=bool(args.fp16 or args.bf16),
@@ -251,6 +255,7 @@ class MegatronLMSession:
     def __init__(self, release: MegatronLMRelease, cpu: bool):
         self.release = release
         self.cpu = cpu
+        self.cpu_set_flags: List[str] = []
         self.cfg: Optional[ExtConfig] = None
         self.runtime: Any = None
         self._created: Any = None
@@ -289,13 +294,15 @@ class MegatronLMSession:
         Raises:
             ConfigError: naming the flag(s).
         """
+        if self.cpu:
+            # First: it sets the CUDA-only fusions off, which the checks below read, and a
+            # missing CPU flag is the fix to name before any GPU-side advice.
+            from megatron_ext.megatron.lm.cpu import check_cpu_args
+
+            self.cpu_set_flags = check_cpu_args(args)
         cfg = ext_config_from_args(args)
         validate_ext_config(cfg, layout_from_args(args))
         check_megatron_lm_args(args, cfg)
-        if self.cpu:
-            from megatron_ext.megatron.lm.cpu import check_cpu_args
-
-            check_cpu_args(args)
         self.cfg = cfg
         return cfg
 
@@ -478,7 +485,9 @@ class MegatronLMSession:
             f"> megatron-ext: seams: {'; '.join(seams)}\n"
             f"> megatron-ext: checkpointed state ({args.ckpt_format}): {ckpt}; state objects: "
             f"{', '.join(rt.state.names) or 'none'}\n"
-            f"> megatron-ext: CPU execution {'on' if self.cpu else 'off'}; communication "
+            f"> megatron-ext: CPU execution {'on' if self.cpu else 'off'}"
+            + (f" (set: {' '.join(self.cpu_set_flags)})" if self.cpu_set_flags else "")
+            + "; communication "
             f"report: {self.report_path(args) if cfg.comm.accounting else 'off'}"
         )
         for line in rt.descriptions():

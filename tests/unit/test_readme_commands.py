@@ -1,0 +1,176 @@
+"""The shell commands of ``README.md`` and ``patches/README.md``, checked without training.
+
+Every ``bash`` block is split into commands (continuation lines joined, ``&&`` chains and
+comments split off). Then, cheaply (no process is started, nothing trains):
+
+* each ``torchrun ... -m megatron_ext.train`` command is parsed and validated exactly as the
+  driver does before it starts (flags, run-file and model presets, the parallel layout for
+  its ``--nproc-per-node``, method/layout combinations): a renamed flag, a bad value or a
+  refused combination in the README fails here;
+* each Megatron-LM command (zero-touch ``-m megatron_ext pretrain``, a patched
+  ``pretrain_gpt.py``) uses only flags that Megatron-LM's parser at a supported tag has
+  (``tests/data/megatron_lm_<tag>_flags.txt``) or that megatron-ext adds to it, and the
+  launcher options (``--cpu``) where the launcher reads them;
+* ``megatron-ext`` subcommands exist, ``pip install`` extras exist in ``setup.py``, and the
+  files and environment variables the commands name exist or are read by the scripts.
+
+The two long commands (the first training run and the test suite) are what CI runs anyway.
+"""
+
+import re
+import shlex
+from pathlib import Path
+from typing import List, Tuple
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DOCS = [REPO / "README.md", REPO / "patches" / "README.md"]
+_BLOCK = re.compile(r"```bash\n(.*?)```", re.S)
+
+
+def _commands(path: Path) -> List[Tuple[str, List[str]]]:
+    """(the command's text, its words) for every command of every bash block of ``path``."""
+    out = []
+    for block in _BLOCK.findall(path.read_text(encoding="utf-8")):
+        lines, joined = [], ""
+        for raw in block.splitlines():
+            line = raw.split("  #")[0].rstrip() if not raw.lstrip().startswith("#") else ""
+            if line.endswith("\\"):
+                joined += line[:-1] + " "
+                continue
+            joined += line
+            if joined.strip():
+                lines.append(joined.strip())
+            joined = ""
+        for line in lines:
+            for part in line.split(" && "):
+                words = shlex.split(part.replace("<", "'<").replace(">", ">'"))
+                out.append((part, words))
+    return out
+
+
+ALL = [(path.name, text, words) for path in DOCS for text, words in _commands(path)]
+
+
+def _env_and_rest(words: List[str]) -> Tuple[dict, List[str]]:
+    env, i = {}, 0
+    while i < len(words) and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[i]):
+        key, value = words[i].split("=", 1)
+        env[key] = value
+        i += 1
+    return env, words[i:]
+
+
+def test_the_docs_have_the_commands_this_test_checks():
+    kinds = [" ".join(w) for _, _, w in ALL]
+    assert sum("megatron_ext.train" in k for k in kinds) >= 5, kinds
+    assert any("megatron_ext pretrain" in " ".join(w) for _, _, w in ALL)
+    assert any(w and w[0] == "MEGATRON_EXT_CPU=1" for _, _, w in ALL)
+
+
+def _torchrun(words: List[str]) -> Tuple[int, List[str]]:
+    assert words[0] == "torchrun", words
+    nproc = int(words[words.index("--nproc-per-node") + 1])
+    return nproc, words[words.index("--nproc-per-node") + 2 :]
+
+
+_DRIVER = [(t, w) for _, t, w in ALL if "megatron_ext.train" in w]
+
+
+@pytest.mark.parametrize(
+    "text, words", _DRIVER, ids=[" ".join(w[5:9]) or "first" for _, w in _DRIVER]
+)
+def test_driver_commands_parse_and_validate_for_their_layout(text, words, monkeypatch):
+    from megatron_ext.config import ParallelLayout, validate_ext_config
+    from megatron_ext.train import _layout_sizes, parse_args
+
+    monkeypatch.chdir(REPO)
+    nproc, rest = _torchrun(_env_and_rest(words)[1])
+    assert rest[:2] == ["-m", "megatron_ext.train"], text
+    cfg = parse_args(rest[2:])
+    sizes = _layout_sizes(cfg, nproc)
+    validate_ext_config(
+        cfg.ext,
+        ParallelLayout(
+            tensor_model_parallel_size=sizes["tp"],
+            pipeline_model_parallel_size=sizes["pp"],
+            data_parallel_size=sizes["dp"],
+            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+            overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+            transformer_impl=cfg.model.transformer_impl,
+        ),
+    )
+    assert cfg.training.cpu, f"a laptop command without --cpu: {text}"
+
+
+def _megatron_lm_flags() -> set:
+    import argparse
+
+    from megatron_ext.megatron.lm import megatron_lm_extra_args
+
+    flags = set()
+    for path in (REPO / "tests" / "data").glob("megatron_lm_*_flags.txt"):
+        flags |= {f for f in path.read_text().split() if f.startswith("--")}
+    parser = megatron_lm_extra_args(None)(argparse.ArgumentParser())
+    flags |= {s for a in parser._actions for s in a.option_strings}
+    return flags
+
+
+def test_megatron_lm_commands_use_flags_megatron_lm_or_megatron_ext_has():
+    from megatron_ext.megatron.lm.launcher import parse_launcher_args
+
+    known = _megatron_lm_flags()
+    checked = 0
+    for _, text, words in ALL:
+        env, rest = _env_and_rest(words)
+        if not rest or rest[0] != "torchrun" or "megatron_ext.train" in rest:
+            continue
+        _, rest = _torchrun(rest)
+        if rest[:3] == ["-m", "megatron_ext", "pretrain"]:
+            options, script, args = parse_launcher_args(rest[3:])
+            assert options["cpu"] or "MEGATRON_EXT_CPU" not in env, text
+        else:
+            script, args = rest[0], rest[1:]
+        assert script.endswith("pretrain_gpt.py"), text
+        unknown = [a for a in args if a.startswith("--") and a.split("=")[0] not in known]
+        assert not unknown, (text, unknown)
+        if "--distributed-backend" in args:  # a CPU command: switched on, with its flags
+            from megatron_ext.megatron.lm.cpu import CPU_REQUIRED_FLAGS
+
+            assert options["cpu"] if rest[0] == "-m" else env.get("MEGATRON_EXT_CPU") == "1"
+            for flag, _, _ in CPU_REQUIRED_FLAGS:
+                assert flag.split()[0] in args, (text, flag)
+        checked += 1
+    assert checked >= 4, checked
+
+
+def _setup_extras() -> set:
+    text = (REPO / "setup.py").read_text()
+    block = text[text.index("extras_require") :]
+    block = block[: block.index("},") + 1]
+    return set(re.findall(r'^\s*"([a-z0-9-]+)": \[', block, re.M))
+
+
+def test_pip_extras_megatron_ext_subcommands_and_named_files_exist():
+    from megatron_ext.cli import SUBCOMMANDS
+
+    extras = _setup_extras()
+    assert {"test", "hf", "megatron-lm", "report"} <= extras, extras
+    script_vars = (REPO / "scripts" / "pretrain_gpt_ext.sh").read_text()
+    for name, text, words in ALL:
+        env, rest = _env_and_rest(words)
+        if rest[:2] == ["pip", "install"]:
+            for word in rest[2:]:
+                found = re.fullmatch(r"\.\[([a-z0-9,-]+)\]", word)
+                if found:
+                    assert set(found.group(1).split(",")) <= extras, (name, text)
+        if rest and rest[0] == "megatron-ext":
+            assert rest[1] in SUBCOMMANDS, (name, text)
+        for word in words:
+            value = word.split("=", 1)[-1]
+            if re.match(r"(scripts|configs|benchmarks|patches)/", value):
+                assert (REPO / value.split(":")[0]).exists(), (name, text, value)
+        if rest and rest[0].endswith("pretrain_gpt_ext.sh"):
+            for key in env:
+                assert re.search(rf"\b{key}\b", script_vars), (text, key)

@@ -20,8 +20,12 @@ What it does:
       stage's and its embedding-group gradient all-reduce is unchanged. An untied head only
       reads the stream and stays as it is.
 
-    The last ``--subspace-uncompressed-last-layers`` layers stay unconstrained; they must
-    lie on the last pipeline stage, so every stage boundary stays inside ``S``.
+    By default (``--subspace-uncompressed-last-layers -1``) every transformer layer of the
+    last pipeline stage stays unconstrained: its output never crosses a boundary (the
+    reference code, one layer a stage, leaves the last stage's layer full rank). A count
+    ``N >= 0`` leaves the last ``N`` layers free instead; they must lie on the last pipeline
+    stage, so every stage boundary stays inside ``S``. The embedding is always ``T_fixed +
+    T_S``.
 
     :func:`check_fixed_agrees` checks once, at install, that every rank drew the same
     ``T_fixed`` (it is drawn on the model's device by that device's generator, never sent):
@@ -77,7 +81,7 @@ def check_config(config: Any, rank: int, uncompressed_last_layers: int = 0) -> N
     """Refuse a model whose residual stream cannot be confined to a rank-``rank`` subspace
     (the same verdict on every rank: before any collective)."""
     last = _layers_on_last_stage(config)
-    if uncompressed_last_layers > last:
+    if uncompressed_last_layers >= 0 and uncompressed_last_layers > last:
         raise ConfigError(
             ["--subspace-uncompressed-last-layers", "--pipeline-model-parallel-size"],
             f"{uncompressed_last_layers} layers left uncompressed, but the last pipeline stage "
@@ -191,8 +195,11 @@ def constrain_model(
         if config.hidden_size != subspace.d:
             raise ValueError(f"hidden size {config.hidden_size} != subspace's {subspace.d}")
         names = global_param_names(chunk)
-        first_free = config.num_layers - uncompressed_last_layers  # layers > this: free
         post = bool(getattr(chunk, "post_process", True))
+        if uncompressed_last_layers < 0:  # the last stage's layers: no boundary after them
+            first_free = 0 if post else config.num_layers
+        else:
+            first_free = config.num_layers - uncompressed_last_layers  # layers > this: free
         params: List[tuple] = []
         for module in chunk.modules():
             if not isinstance(module, TransformerLayer):

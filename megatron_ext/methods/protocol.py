@@ -55,9 +55,11 @@ class SubspaceConfig:
     eigenvalue: 0.5 is about one subspace-iteration step towards the gradients' top-k
     directions)."""
 
-    uncompressed_last_layers: int = 1
-    """Transformer layers before the head left unconstrained (paper: the last one); they must
-    be on the last pipeline stage."""
+    uncompressed_last_layers: int = -1
+    """Transformer layers before the head left unconstrained. -1 (default): every layer on the
+    last pipeline stage, whose outputs never cross a boundary (as the reference code, one layer
+    a stage, leaves its last stage free); N >= 0: the last N layers, which must be on the last
+    stage (1 constrains the rest of the last stage, as this option's former default)."""
 
     reproject_interval: int = 100
     """Every this many steps the constrained weights and their first moments are projected
@@ -65,8 +67,13 @@ class SubspaceConfig:
 
     def __post_init__(self):
         cls = type(self)
-        for name in ("rank", "seed", "update_interval", "uncompressed_last_layers"):
+        for name in ("rank", "seed", "update_interval"):
             check_positive(cls, name, getattr(self, name), allow_zero=True)
+        if self.uncompressed_last_layers < -1:
+            raise ConfigError(
+                flag_of(cls, "uncompressed_last_layers"),
+                f"must be -1 (the last stage's layers) or >= 0, got {self.uncompressed_last_layers!r}",
+            )
         check_positive(cls, "reproject_interval", self.reproject_interval, allow_zero=True)
         if not self.compression_rate >= 1:
             raise ConfigError(

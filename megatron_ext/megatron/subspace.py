@@ -14,11 +14,15 @@ What it does:
       ``--init-method-std``, generated from ``--subspace-seed`` on every stage, on the
       model's device in its dtype, never checkpointed); learned position embeddings are
       projected and constrained too (RoPE needs nothing);
-    * with tied embeddings the LM head is ``T_fixed + T_S`` (the output layer's weight
-      argument gets this tensor-parallel rank's vocabulary rows of ``T_fixed`` added);
-      megatron-core's copy of ``T_S`` on the last stage is constrained like the first
-      stage's and its embedding-group gradient all-reduce is unchanged. An untied head only
-      reads the stream and stays as it is.
+    * with tied embeddings the head is untied by default (``--subspace-head untied``, as
+      the reference code's full ``V x d`` head): it becomes its own full-rank weight,
+      initialized to ``T_fixed + T_S`` (the tied model's function), and megatron-core no
+      longer all-reduces the embedding's gradient with it. With ``--subspace-head tied``
+      the LM head is ``T_fixed + T_S`` (the output layer's weight argument gets this
+      tensor-parallel rank's vocabulary rows of ``T_fixed`` added), so its trainable part is
+      only rank ``k``; megatron-core's copy of ``T_S`` on the last stage is constrained like
+      the first stage's and its embedding-group gradient all-reduce is unchanged. A head the
+      model already unties only reads the stream and stays as it is.
 
     By default (``--subspace-uncompressed-last-layers -1``) every transformer layer of the
     last pipeline stage stays unconstrained: its output never crosses a boundary (the
@@ -171,12 +175,49 @@ def _wrap_tied_head(output_layer: torch.nn.Module, subspace: Subspace) -> None:
     output_layer.forward = forward
 
 
+def _untie_head(chunk: torch.nn.Module, subspace: Subspace, pre: bool, post: bool) -> None:
+    """Give a tied model's LM head its own full-rank weight ``T_fixed + T_S`` (this rank's
+    vocabulary rows), as an untied model has, and stop megatron-core treating the embedding
+    and the head as one parameter (no embedding-group gradient all-reduce). Runs after the
+    embedding ``T_S`` was projected onto ``S``, so the model computes the same function as
+    the tied one at initialization."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    chunk.share_embeddings_and_output_weights = False
+    if pre:
+        emb = chunk.embedding.word_embeddings.weight
+        for attr in ("shared_embedding", "zero_out_wgrad"):
+            if hasattr(emb, attr):
+                delattr(emb, attr)
+    if not post:
+        return
+    head = chunk.output_layer
+    source = chunk.embedding.word_embeddings.weight if pre else head.weight
+    fixed = subspace.on(source.device).fixed
+    rows = source.shape[0]
+    r = _tp_rank()
+    with torch.no_grad():
+        value = source.detach() + fixed[r * rows : (r + 1) * rows].to(source.dtype)
+    if pre:  # one stage: megatron allocated no head weight (it read the embedding's)
+        weight = torch.nn.Parameter(value.clone())
+        set_tensor_model_parallel_attributes(weight, True, 0, 1)
+        weight.is_embedding_or_output_parameter = True
+        head.weight = weight
+    else:  # the last stage's copy of T_S becomes the head
+        with torch.no_grad():
+            head.weight.copy_(value)
+        for attr in ("shared", "shared_embedding"):
+            if hasattr(head.weight, attr):
+                delattr(head.weight, attr)
+
+
 def constrain_model(
     model_chunks: Sequence[torch.nn.Module],
     subspace: Subspace,
     codec: SubspaceCodec,
     *,
     uncompressed_last_layers: int,
+    untie_head: bool = True,
 ) -> Dict[str, int]:
     """Confine the chunks' residual writers to ``S`` (module docstring). The caller has
     checked the model config with :func:`check_config` (before building ``subspace``).
@@ -232,7 +273,7 @@ def constrain_model(
             if pos is not None:
                 params.append((pos.weight, 1))
             _wrap_embedding(emb, subspace, codec)
-        if post and tied:
+        if post and tied and not untie_head:
             _wrap_tied_head(chunk.output_layer, subspace)
             if not pre:
                 params.append((chunk.output_layer.weight, 1))
@@ -241,6 +282,11 @@ def constrain_model(
             for param, axis in params:
                 param.copy_(project(param, subspace.u, axis))
                 constrained[names[param]] = axis
+            if tied and untie_head and not pre:  # the copy of T_S the head starts from
+                weight = chunk.output_layer.weight
+                weight.copy_(project(weight, subspace.u, 1))
+        if tied and untie_head:
+            _untie_head(chunk, subspace, pre, post)
     return constrained
 
 

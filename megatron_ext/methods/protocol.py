@@ -11,10 +11,10 @@ and exchanges the new ``U``. The method implies its own pipeline codec, so
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict
 
-from megatron_ext.config import ConfigError, check_positive, flag_of
+from megatron_ext.config import ConfigError, arg, check_positive, flag_of
 from megatron_ext.methods.registry import (
     Components,
     Method,
@@ -25,6 +25,7 @@ from megatron_ext.methods.registry import (
 __all__ = ["SubspaceConfig", "METHOD"]
 
 _FLAG = "--subspace-method"
+HEADS = ("untied", "tied")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +62,12 @@ class SubspaceConfig:
     a stage, leaves its last stage free); N >= 0: the last N layers, which must be on the last
     stage (1 constrains the rest of the last stage, as this option's former default)."""
 
+    head: str = field(default="untied", metadata=arg(choices=HEADS))
+    """The LM head of a model with tied embeddings. untied (default, as the reference code):
+    the head becomes its own full-rank weight, initialized to T_fixed + T_S; tied: the head
+    stays T_fixed + T_S, whose trainable part T_S is only rank k. A model with untied
+    embeddings is unaffected. The pipeline bytes are the same either way."""
+
     reproject_interval: int = 100
     """Every this many steps the constrained weights and their first moments are projected
     onto S again, against rounding drift (0: never)."""
@@ -78,6 +85,10 @@ class SubspaceConfig:
         if not self.compression_rate >= 1:
             raise ConfigError(
                 flag_of(cls, "compression_rate"), f"must be >= 1, got {self.compression_rate!r}"
+            )
+        if self.head not in HEADS:
+            raise ConfigError(
+                flag_of(cls, "head"), f"must be one of {', '.join(HEADS)}, got {self.head!r}"
             )
         if not self.lr > 0:
             raise ConfigError(flag_of(cls, "lr"), f"must be > 0, got {self.lr!r}")
@@ -162,6 +173,7 @@ def _build(ctx: MethodContext) -> Components:
             subspace,
             codec,
             uncompressed_last_layers=opts.uncompressed_last_layers,
+            untie_head=opts.head == "untied",
         )
         codec.subspace = hook.subspace = subspace
         hook.constrained.update(constrained)

@@ -201,6 +201,89 @@ def test_resume_bit_exact_across_a_subspace_update(tmp_path):
         assert out["updates"] == 2
 
 
+def _defaults_against_the_former_ones(rank, world, flags, variants, steps):
+    """Per variant (extra flags): the constrained parameters, whether the head is tied, the
+    head's rank-k test and the losses and pipeline bytes of ``steps`` steps."""
+    import torch
+
+    from megatron_ext.megatron.naming import global_param_names
+    from megatron_ext.train import parse_args
+    from tests.helpers.mcore import TINY
+
+    trainer = make_trainer(flags)
+    out = {}
+    for name, extra in variants.items():
+        trainer.cfg = parse_args(list(TINY) + list(flags) + list(extra))
+        build(trainer, stock=False)
+        runtime = trainer.runtime
+        hook = runtime.components["subspace"].optimizer_hooks[0]
+        k = hook.subspace.k
+        chunk = trainer.model[0].module
+        post = bool(chunk.post_process)
+        head = chunk.output_layer.weight if post else None
+        head_name = global_param_names(chunk)[head] if head is not None else None
+        before = head.detach().clone() if head is not None else None
+        gbs = trainer.sizes["gbs"]
+        iterator = trainer._iterator(trainer.train_ds, 0)
+        losses, act = [], []
+        for it in range(steps):
+            loss, _, ok = trainer.train_step(it, it * gbs, iterator)
+            assert ok
+            traffic = runtime.end_step()
+            losses.append(None if loss is None else float(loss))
+            if "pp-act" in traffic:
+                act.append(traffic["pp-act"].sent)
+        change_rank = None
+        if head is not None:
+            s = torch.linalg.svdvals((head.detach() - before).float())
+            change_rank = int((s > s[0] * 1e-4).sum())
+        out[name] = {
+            "constrained": sorted(hook.constrained),
+            "tied": bool(chunk.share_embeddings_and_output_weights),
+            "head": head_name,
+            "k": k,
+            "change_rank": change_rank,
+            "losses": losses,
+            "act": act,
+        }
+        teardown(trainer)
+    return out
+
+
+def test_defaults_free_the_last_stage_and_untie_the_head():
+    """Defaults as the reference code: every layer of the last stage unconstrained (here
+    layers 3 and 4 of 4 at PP=2), and a tied model's head its own full-rank weight that
+    starts as ``T_fixed + T_S`` (the same first loss as the tied head, the same bytes); the
+    former behaviour stays available through the flags."""
+    flags = PROTOCOL + PP2 + ["--num-layers", "4", "--lr", "1e-2"]
+    variants = {
+        "default": [],
+        "tied": ["--subspace-head", "tied"],
+        "former": ["--subspace-head", "tied", "--subspace-uncompressed-last-layers", "1"],
+    }
+    first, last = run_ranks(_defaults_against_the_former_ones, 2, flags, variants, 3)
+    writers = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+    for out, stage in ((first, 0), (last, 1)):
+        for name, got in out.items():
+            layers = {c.split(".")[2] for c in got["constrained"] if c.startswith("decoder.")}
+            expected = {"0", "1"} if stage == 0 else {"2"} if name == "former" else set()
+            assert layers == expected, (name, stage, got["constrained"])
+            for layer in expected:
+                for w in writers:
+                    assert f"decoder.layers.{layer}.{w}" in got["constrained"], (name, layer, w)
+    d = last["default"]
+    assert not d["tied"] and not first["default"]["tied"]
+    assert d["head"] == "output_layer.weight" and d["head"] not in d["constrained"]
+    assert d["change_rank"] > 4 * d["k"], d["change_rank"]  # the head trains at full rank
+    t = last["tied"]
+    assert t["tied"] and t["head"] in t["constrained"]
+    assert t["change_rank"] <= t["k"], t["change_rank"]  # only T_S moves
+    # untying keeps the initial function and the pipeline bytes
+    assert abs(d["losses"][0] - t["losses"][0]) <= 1e-6 * abs(t["losses"][0])
+    assert d["losses"][-1] != t["losses"][-1]
+    assert first["default"]["act"] == first["tied"]["act"] and first["default"]["act"]
+
+
 def _build_error(rank, world, flags):
     from megatron_ext.config import ConfigError
 

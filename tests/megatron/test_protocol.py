@@ -72,11 +72,18 @@ def _grads_with_and_without_codec(rank, world, flags):
 
 @pytest.mark.parametrize(
     "layout",
-    ["gpt-pp2", "llama-pp2", "gpt-pp4", "llama-tp2-pp2"],
+    ["gpt-pp2", "llama-pp2", "gpt-pp4", "llama-tp2-pp2", "gpt-pp2-bf16"],
 )
 def test_codec_is_lossless_and_the_stream_stays_in_s(layout):
+    """Lossless up to rounding: in fp32 the gradients agree to 1e-4 (measured <= 4.3e-7);
+    in bf16 each round trip rounds the ``k`` coordinates and the rebuilt stream to bf16, and
+    every parameter gradient differs from dense bf16 transfers by 0.13-1.1% (measured max
+    1.10e-2; llama-pp2 7.5e-3), the stream leaves ``S`` by 6.3e-3 (the bf16 rounding of
+    ``X``): the bounds, 2.5e-2 and 2e-2, fail if that error grows tenfold."""
+    grad_tol, residual_tol = (2.5e-2, 2e-2) if layout.endswith("bf16") else (1e-4, 1e-5)
     flags, world = {
         "gpt-pp2": (PP2, 2),
+        "gpt-pp2-bf16": (PP2 + ["--bf16"], 2),
         "llama-pp2": (PP2 + LLAMA, 2),
         "gpt-pp4": (["--pipeline-model-parallel-size", "4", "--num-layers", "4"], 4),
         "llama-tp2-pp2": (PP2 + LLAMA + ["--tensor-model-parallel-size", "2"], 4),
@@ -84,9 +91,10 @@ def test_codec_is_lossless_and_the_stream_stays_in_s(layout):
     results = run_ranks(_grads_with_and_without_codec, world, PROTOCOL + flags)
     for out in results:
         assert out["n"] > 0
-        bad = {k: v for k, v in out["diffs"].items() if not v < 1e-4}
+        bad = {k: v for k, v in out["diffs"].items() if not v < grad_tol}
         assert not bad, bad
-        assert out["residual"] < 1e-5  # X - T_fixed[tokens] in S at the boundary it sends
+        # X - T_fixed[tokens] in S at the boundary it sends
+        assert out["residual"] < residual_tol, out["residual"]
 
 
 def _train_and_inspect(rank, world, flags, steps):

@@ -222,7 +222,7 @@ METHOD = register(
         build=_build,
         options=SubspaceConfig,
         summary="residual stream confined to a shared k-dimensional subspace: k of d numbers "
-        "per token between pipeline stages, losslessly",
+        "per token between pipeline stages, lossless in fp32 (bf16: one rounding a hop)",
         validate=_validate,
         bench_label=lambda o: "protocol-"
         + (f"k{o.rank}" if o.rank else f"x{o.compression_rate:g}")

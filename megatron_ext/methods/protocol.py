@@ -36,11 +36,18 @@ class SubspaceConfig:
     ARG_PREFIX: ClassVar[str] = "subspace"
 
     rank: int = 0
-    """k, the dimension of the shared subspace S (0: hidden size / compression rate)."""
+    """k, the dimension of the shared subspace S (0: hidden size / compression rate, but at
+    least --subspace-min-rank)."""
 
     compression_rate: float = 100.0
-    """d / k when --subspace-rank is 0 (paper: 100; 4096 -> 41, Node0 sets k = 40; at least
-    one dimension)."""
+    """d / k when --subspace-rank is 0 (paper: 100; 4096 -> 41, Node0 sets k = 40)."""
+
+    min_rank: int = 32
+    """The smallest k the compression rate may give, capped at a quarter of the hidden size
+    (at least 4x compression): d / 100 is what the paper runs at d = 4096 (k = 41), but it
+    leaves a small model 1 to 10 dimensions (d 256 -> 3), a setting with no counterpart in
+    the paper or the reference code (k 160 at d 1024). 32 keeps d >= 3200 at the paper's
+    rate and gives d 256 k 32 (x8), d 1024 k 32 (x32); 0 applies the rate alone."""
 
     seed: int = 0
     """Seed of the initial basis U and of the frozen token embedding T_fixed (the same on
@@ -74,7 +81,7 @@ class SubspaceConfig:
 
     def __post_init__(self):
         cls = type(self)
-        for name in ("rank", "seed", "update_interval"):
+        for name in ("rank", "min_rank", "seed", "update_interval"):
             check_positive(cls, name, getattr(self, name), allow_zero=True)
         if self.uncompressed_last_layers < -1:
             raise ConfigError(
@@ -94,10 +101,12 @@ class SubspaceConfig:
             raise ConfigError(flag_of(cls, "lr"), f"must be > 0, got {self.lr!r}")
 
     def rank_for(self, hidden_size: int) -> int:
-        """k for a model of ``hidden_size``."""
+        """k for a model of ``hidden_size``: ``--subspace-rank``, else ``d / rate`` raised to
+        ``min(--subspace-min-rank, d // 4)`` (at least 1)."""
         if self.rank:
             return self.rank
-        return max(1, round(hidden_size / self.compression_rate))
+        k = round(hidden_size / self.compression_rate)
+        return max(1, k, min(self.min_rank, hidden_size // 4))
 
 
 def _validate(cfg: Any, layout: Any) -> None:

@@ -307,6 +307,7 @@ def test_unsupported_combinations_are_refused_naming_the_flags(cfg, layout, flag
     "kwargs, flag",
     [
         ({"compression_rate": 0.5}, "--subspace-compression-rate"),
+        ({"min_rank": -1}, "--subspace-min-rank"),
         ({"lr": 0.0}, "--subspace-lr"),
         ({"rank": -1}, "--subspace-rank"),
     ],
@@ -317,10 +318,16 @@ def test_bad_values_name_the_flag(kwargs, flag):
 
 
 def test_rank_from_the_compression_rate():
-    assert SubspaceConfig().rank_for(4096) == 41
-    assert SubspaceConfig(compression_rate=8).rank_for(256) == 32
+    assert SubspaceConfig().rank_for(4096) == 41  # the paper's rate where it gives >= 32
+    assert SubspaceConfig().rank_for(8192) == 82
+    # small models: at least --subspace-min-rank, at most a quarter of d
+    assert SubspaceConfig().rank_for(256) == 32
+    assert SubspaceConfig().rank_for(1024) == 32
+    assert SubspaceConfig().rank_for(64) == 16
+    assert SubspaceConfig(min_rank=0).rank_for(256) == 3  # the rate alone
+    assert SubspaceConfig(min_rank=0).rank_for(64) == 1
+    assert SubspaceConfig(compression_rate=4).rank_for(256) == 64
     assert SubspaceConfig(rank=5).rank_for(256) == 5
-    assert SubspaceConfig().rank_for(64) == 1
 
 
 def test_optimizer_step_keeps_no_full_size_copy_of_a_constrained_weight():

@@ -282,7 +282,7 @@ def constrain_model(
             for param, axis in params:
                 param.copy_(project(param, subspace.u, axis))
                 constrained[names[param]] = axis
-            if tied and untie_head and not pre:  # the copy of T_S the head starts from
+            if tied and untie_head and post and not pre:  # the copy of T_S the head starts from
                 weight = chunk.output_layer.weight
                 weight.copy_(project(weight, subspace.u, 1))
         if tied and untie_head:

@@ -1,9 +1,11 @@
 """Protocol Models inside megatron-core's 1F1B pipeline on CPU/gloo, through the driver.
 
 The residual stream minus ``T_fixed[tokens]`` lies in ``S`` at every boundary; the codec is
-lossless (the same constrained model with dense pipeline transfers gets the same parameter
-gradients) for a GPT with tied embeddings, learned positions and biases and for a LLaMA-style
-model with untied head and RoPE, at PP=2, PP=4 and TP=2 x PP=2; the wire carries k of d
+lossless in fp32 (the same constrained model with dense pipeline transfers gets the same
+parameter gradients) for a GPT with tied embeddings, learned positions and biases and for a
+LLaMA-style model with untied head and RoPE, at PP=2, PP=4 and TP=2 x PP=2, and within its
+measured rounding in bf16; by default the last stage's layers stay free and a tied head is
+untied (same first loss and bytes as the tied head, full-rank updates); the wire carries k of d
 numbers per token plus the ids; the modified AdamW keeps the constrained weights in ``S``
 without re-projection; Grassmann updates at PP=2 x DP=2 (with and without PowerSGD on the
 data-parallel gradients) give every rank the same orthonormal ``U`` and are counted; a resumed run is bit-exact across an update; bad settings stop before

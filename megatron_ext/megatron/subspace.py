@@ -14,14 +14,22 @@ What it does:
       ``--init-method-std``, generated from ``--subspace-seed`` on every stage, on the
       model's device in its dtype, never checkpointed); learned position embeddings are
       projected and constrained too (RoPE needs nothing);
-    * with tied embeddings the LM head is ``T_fixed + T_S`` (the output layer's weight
-      argument gets this tensor-parallel rank's vocabulary rows of ``T_fixed`` added);
-      megatron-core's copy of ``T_S`` on the last stage is constrained like the first
-      stage's and its embedding-group gradient all-reduce is unchanged. An untied head only
-      reads the stream and stays as it is.
+    * with tied embeddings the head is untied by default (``--subspace-head untied``, as
+      the reference code's full ``V x d`` head): it becomes its own full-rank weight,
+      initialized to ``T_fixed + T_S`` (the tied model's function), and megatron-core no
+      longer all-reduces the embedding's gradient with it. With ``--subspace-head tied``
+      the LM head is ``T_fixed + T_S`` (the output layer's weight argument gets this
+      tensor-parallel rank's vocabulary rows of ``T_fixed`` added), so its trainable part is
+      only rank ``k``; megatron-core's copy of ``T_S`` on the last stage is constrained like
+      the first stage's and its embedding-group gradient all-reduce is unchanged. A head the
+      model already unties only reads the stream and stays as it is.
 
-    The last ``--subspace-uncompressed-last-layers`` layers stay unconstrained; they must
-    lie on the last pipeline stage, so every stage boundary stays inside ``S``.
+    By default (``--subspace-uncompressed-last-layers -1``) every transformer layer of the
+    last pipeline stage stays unconstrained: its output never crosses a boundary (the
+    reference code, one layer a stage, leaves the last stage's layer full rank). A count
+    ``N >= 0`` leaves the last ``N`` layers free instead; they must lie on the last pipeline
+    stage, so every stage boundary stays inside ``S``. The embedding is always ``T_fixed +
+    T_S``.
 
     :func:`check_fixed_agrees` checks once, at install, that every rank drew the same
     ``T_fixed`` (it is drawn on the model's device by that device's generator, never sent):
@@ -77,7 +85,7 @@ def check_config(config: Any, rank: int, uncompressed_last_layers: int = 0) -> N
     """Refuse a model whose residual stream cannot be confined to a rank-``rank`` subspace
     (the same verdict on every rank: before any collective)."""
     last = _layers_on_last_stage(config)
-    if uncompressed_last_layers > last:
+    if uncompressed_last_layers >= 0 and uncompressed_last_layers > last:
         raise ConfigError(
             ["--subspace-uncompressed-last-layers", "--pipeline-model-parallel-size"],
             f"{uncompressed_last_layers} layers left uncompressed, but the last pipeline stage "
@@ -167,12 +175,49 @@ def _wrap_tied_head(output_layer: torch.nn.Module, subspace: Subspace) -> None:
     output_layer.forward = forward
 
 
+def _untie_head(chunk: torch.nn.Module, subspace: Subspace, pre: bool, post: bool) -> None:
+    """Give a tied model's LM head its own full-rank weight ``T_fixed + T_S`` (this rank's
+    vocabulary rows), as an untied model has, and stop megatron-core treating the embedding
+    and the head as one parameter (no embedding-group gradient all-reduce). Runs after the
+    embedding ``T_S`` was projected onto ``S``, so the model computes the same function as
+    the tied one at initialization."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    chunk.share_embeddings_and_output_weights = False
+    if pre:
+        emb = chunk.embedding.word_embeddings.weight
+        for attr in ("shared_embedding", "zero_out_wgrad"):
+            if hasattr(emb, attr):
+                delattr(emb, attr)
+    if not post:
+        return
+    head = chunk.output_layer
+    source = chunk.embedding.word_embeddings.weight if pre else head.weight
+    fixed = subspace.on(source.device).fixed
+    rows = source.shape[0]
+    r = _tp_rank()
+    with torch.no_grad():
+        value = source.detach() + fixed[r * rows : (r + 1) * rows].to(source.dtype)
+    if pre:  # one stage: megatron allocated no head weight (it read the embedding's)
+        weight = torch.nn.Parameter(value.clone())
+        set_tensor_model_parallel_attributes(weight, True, 0, 1)
+        weight.is_embedding_or_output_parameter = True
+        head.weight = weight
+    else:  # the last stage's copy of T_S becomes the head
+        with torch.no_grad():
+            head.weight.copy_(value)
+        for attr in ("shared", "shared_embedding"):
+            if hasattr(head.weight, attr):
+                delattr(head.weight, attr)
+
+
 def constrain_model(
     model_chunks: Sequence[torch.nn.Module],
     subspace: Subspace,
     codec: SubspaceCodec,
     *,
     uncompressed_last_layers: int,
+    untie_head: bool = True,
 ) -> Dict[str, int]:
     """Confine the chunks' residual writers to ``S`` (module docstring). The caller has
     checked the model config with :func:`check_config` (before building ``subspace``).
@@ -191,8 +236,11 @@ def constrain_model(
         if config.hidden_size != subspace.d:
             raise ValueError(f"hidden size {config.hidden_size} != subspace's {subspace.d}")
         names = global_param_names(chunk)
-        first_free = config.num_layers - uncompressed_last_layers  # layers > this: free
         post = bool(getattr(chunk, "post_process", True))
+        if uncompressed_last_layers < 0:  # the last stage's layers: no boundary after them
+            first_free = 0 if post else config.num_layers
+        else:
+            first_free = config.num_layers - uncompressed_last_layers  # layers > this: free
         params: List[tuple] = []
         for module in chunk.modules():
             if not isinstance(module, TransformerLayer):
@@ -225,7 +273,7 @@ def constrain_model(
             if pos is not None:
                 params.append((pos.weight, 1))
             _wrap_embedding(emb, subspace, codec)
-        if post and tied:
+        if post and tied and not untie_head:
             _wrap_tied_head(chunk.output_layer, subspace)
             if not pre:
                 params.append((chunk.output_layer.weight, 1))
@@ -234,6 +282,11 @@ def constrain_model(
             for param, axis in params:
                 param.copy_(project(param, subspace.u, axis))
                 constrained[names[param]] = axis
+            if tied and untie_head and post and not pre:  # the copy of T_S the head starts from
+                weight = chunk.output_layer.weight
+                weight.copy_(project(weight, subspace.u, 1))
+        if tied and untie_head:
+            _untie_head(chunk, subspace, pre, post)
     return constrained
 
 

@@ -11,10 +11,10 @@ and exchanges the new ``U``. The method implies its own pipeline codec, so
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict
 
-from megatron_ext.config import ConfigError, check_positive, flag_of
+from megatron_ext.config import ConfigError, arg, check_positive, flag_of
 from megatron_ext.methods.registry import (
     Components,
     Method,
@@ -25,6 +25,7 @@ from megatron_ext.methods.registry import (
 __all__ = ["SubspaceConfig", "METHOD"]
 
 _FLAG = "--subspace-method"
+HEADS = ("untied", "tied")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,11 +36,18 @@ class SubspaceConfig:
     ARG_PREFIX: ClassVar[str] = "subspace"
 
     rank: int = 0
-    """k, the dimension of the shared subspace S (0: hidden size / compression rate)."""
+    """k, the dimension of the shared subspace S (0: hidden size / compression rate, but at
+    least --subspace-min-rank)."""
 
     compression_rate: float = 100.0
-    """d / k when --subspace-rank is 0 (paper: 100; 4096 -> 41, Node0 sets k = 40; at least
-    one dimension)."""
+    """d / k when --subspace-rank is 0 (paper: 100; 4096 -> 41, Node0 sets k = 40)."""
+
+    min_rank: int = 32
+    """The smallest k the compression rate may give, capped at a quarter of the hidden size
+    (at least 4x compression): d / 100 is what the paper runs at d = 4096 (k = 41), but it
+    leaves a small model 1 to 10 dimensions (d 256 -> 3), a setting with no counterpart in
+    the paper or the reference code (k 160 at d 1024). 32 keeps d >= 3200 at the paper's
+    rate and gives d 256 k 32 (x8), d 1024 k 32 (x32); 0 applies the rate alone."""
 
     seed: int = 0
     """Seed of the initial basis U and of the frozen token embedding T_fixed (the same on
@@ -55,9 +63,17 @@ class SubspaceConfig:
     eigenvalue: 0.5 is about one subspace-iteration step towards the gradients' top-k
     directions)."""
 
-    uncompressed_last_layers: int = 1
-    """Transformer layers before the head left unconstrained (paper: the last one); they must
-    be on the last pipeline stage."""
+    uncompressed_last_layers: int = -1
+    """Transformer layers before the head left unconstrained. -1 (default): every layer on the
+    last pipeline stage, whose outputs never cross a boundary (as the reference code, one layer
+    a stage, leaves its last stage free); N >= 0: the last N layers, which must be on the last
+    stage (1 constrains the rest of the last stage, as this option's former default)."""
+
+    head: str = field(default="untied", metadata=arg(choices=HEADS))
+    """The LM head of a model with tied embeddings. untied (default, as the reference code):
+    the head becomes its own full-rank weight, initialized to T_fixed + T_S; tied: the head
+    stays T_fixed + T_S, whose trainable part T_S is only rank k. A model with untied
+    embeddings is unaffected. The pipeline bytes are the same either way."""
 
     reproject_interval: int = 100
     """Every this many steps the constrained weights and their first moments are projected
@@ -65,21 +81,32 @@ class SubspaceConfig:
 
     def __post_init__(self):
         cls = type(self)
-        for name in ("rank", "seed", "update_interval", "uncompressed_last_layers"):
+        for name in ("rank", "min_rank", "seed", "update_interval"):
             check_positive(cls, name, getattr(self, name), allow_zero=True)
+        if self.uncompressed_last_layers < -1:
+            raise ConfigError(
+                flag_of(cls, "uncompressed_last_layers"),
+                f"must be -1 (the last stage's layers) or >= 0, got {self.uncompressed_last_layers!r}",
+            )
         check_positive(cls, "reproject_interval", self.reproject_interval, allow_zero=True)
         if not self.compression_rate >= 1:
             raise ConfigError(
                 flag_of(cls, "compression_rate"), f"must be >= 1, got {self.compression_rate!r}"
             )
+        if self.head not in HEADS:
+            raise ConfigError(
+                flag_of(cls, "head"), f"must be one of {', '.join(HEADS)}, got {self.head!r}"
+            )
         if not self.lr > 0:
             raise ConfigError(flag_of(cls, "lr"), f"must be > 0, got {self.lr!r}")
 
     def rank_for(self, hidden_size: int) -> int:
-        """k for a model of ``hidden_size``."""
+        """k for a model of ``hidden_size``: ``--subspace-rank``, else ``d / rate`` raised to
+        ``min(--subspace-min-rank, d // 4)`` (at least 1)."""
         if self.rank:
             return self.rank
-        return max(1, round(hidden_size / self.compression_rate))
+        k = round(hidden_size / self.compression_rate)
+        return max(1, k, min(self.min_rank, hidden_size // 4))
 
 
 def _validate(cfg: Any, layout: Any) -> None:
@@ -155,6 +182,7 @@ def _build(ctx: MethodContext) -> Components:
             subspace,
             codec,
             uncompressed_last_layers=opts.uncompressed_last_layers,
+            untie_head=opts.head == "untied",
         )
         codec.subspace = hook.subspace = subspace
         hook.constrained.update(constrained)
@@ -203,7 +231,7 @@ METHOD = register(
         build=_build,
         options=SubspaceConfig,
         summary="residual stream confined to a shared k-dimensional subspace: k of d numbers "
-        "per token between pipeline stages, losslessly",
+        "per token between pipeline stages, lossless in fp32 (bf16: one rounding a hop)",
         validate=_validate,
         bench_label=lambda o: "protocol-"
         + (f"k{o.rank}" if o.rank else f"x{o.compression_rate:g}")

@@ -1,9 +1,11 @@
 """Protocol Models inside megatron-core's 1F1B pipeline on CPU/gloo, through the driver.
 
 The residual stream minus ``T_fixed[tokens]`` lies in ``S`` at every boundary; the codec is
-lossless (the same constrained model with dense pipeline transfers gets the same parameter
-gradients) for a GPT with tied embeddings, learned positions and biases and for a LLaMA-style
-model with untied head and RoPE, at PP=2, PP=4 and TP=2 x PP=2; the wire carries k of d
+lossless in fp32 (the same constrained model with dense pipeline transfers gets the same
+parameter gradients) for a GPT with tied embeddings, learned positions and biases and for a
+LLaMA-style model with untied head and RoPE, at PP=2, PP=4 and TP=2 x PP=2, and within its
+measured rounding in bf16; by default the last stage's layers stay free and a tied head is
+untied (same first loss and bytes as the tied head, full-rank updates); the wire carries k of d
 numbers per token plus the ids; the modified AdamW keeps the constrained weights in ``S``
 without re-projection; Grassmann updates at PP=2 x DP=2 (with and without PowerSGD on the
 data-parallel gradients) give every rank the same orthonormal ``U`` and are counted; a resumed run is bit-exact across an update; bad settings stop before
@@ -72,11 +74,18 @@ def _grads_with_and_without_codec(rank, world, flags):
 
 @pytest.mark.parametrize(
     "layout",
-    ["gpt-pp2", "llama-pp2", "gpt-pp4", "llama-tp2-pp2"],
+    ["gpt-pp2", "llama-pp2", "gpt-pp4", "llama-tp2-pp2", "gpt-pp2-bf16"],
 )
 def test_codec_is_lossless_and_the_stream_stays_in_s(layout):
+    """Lossless up to rounding: in fp32 the gradients agree to 1e-4 (measured <= 4.3e-7);
+    in bf16 each round trip rounds the ``k`` coordinates and the rebuilt stream to bf16, and
+    every parameter gradient differs from dense bf16 transfers by 0.13-1.1% (measured max
+    1.10e-2; llama-pp2 7.5e-3), the stream leaves ``S`` by 6.3e-3 (the bf16 rounding of
+    ``X``): the bounds, 2.5e-2 and 2e-2, fail if that error grows tenfold."""
+    grad_tol, residual_tol = (2.5e-2, 2e-2) if layout.endswith("bf16") else (1e-4, 1e-5)
     flags, world = {
         "gpt-pp2": (PP2, 2),
+        "gpt-pp2-bf16": (PP2 + ["--bf16"], 2),
         "llama-pp2": (PP2 + LLAMA, 2),
         "gpt-pp4": (["--pipeline-model-parallel-size", "4", "--num-layers", "4"], 4),
         "llama-tp2-pp2": (PP2 + LLAMA + ["--tensor-model-parallel-size", "2"], 4),
@@ -84,9 +93,10 @@ def test_codec_is_lossless_and_the_stream_stays_in_s(layout):
     results = run_ranks(_grads_with_and_without_codec, world, PROTOCOL + flags)
     for out in results:
         assert out["n"] > 0
-        bad = {k: v for k, v in out["diffs"].items() if not v < 1e-4}
+        bad = {k: v for k, v in out["diffs"].items() if not v < grad_tol}
         assert not bad, bad
-        assert out["residual"] < 1e-5  # X - T_fixed[tokens] in S at the boundary it sends
+        # X - T_fixed[tokens] in S at the boundary it sends
+        assert out["residual"] < residual_tol, out["residual"]
 
 
 def _train_and_inspect(rank, world, flags, steps):
@@ -199,6 +209,89 @@ def test_resume_bit_exact_across_a_subspace_update(tmp_path):
     for out in results:
         assert_resumed_exactly(out)
         assert out["updates"] == 2
+
+
+def _defaults_against_the_former_ones(rank, world, flags, variants, steps):
+    """Per variant (extra flags): the constrained parameters, whether the head is tied, the
+    head's rank-k test and the losses and pipeline bytes of ``steps`` steps."""
+    import torch
+
+    from megatron_ext.megatron.naming import global_param_names
+    from megatron_ext.train import parse_args
+    from tests.helpers.mcore import TINY
+
+    trainer = make_trainer(flags)
+    out = {}
+    for name, extra in variants.items():
+        trainer.cfg = parse_args(list(TINY) + list(flags) + list(extra))
+        build(trainer, stock=False)
+        runtime = trainer.runtime
+        hook = runtime.components["subspace"].optimizer_hooks[0]
+        k = hook.subspace.k
+        chunk = trainer.model[0].module
+        post = bool(chunk.post_process)
+        head = chunk.output_layer.weight if post else None
+        head_name = global_param_names(chunk)[head] if head is not None else None
+        before = head.detach().clone() if head is not None else None
+        gbs = trainer.sizes["gbs"]
+        iterator = trainer._iterator(trainer.train_ds, 0)
+        losses, act = [], []
+        for it in range(steps):
+            loss, _, ok = trainer.train_step(it, it * gbs, iterator)
+            assert ok
+            traffic = runtime.end_step()
+            losses.append(None if loss is None else float(loss))
+            if "pp-act" in traffic:
+                act.append(traffic["pp-act"].sent)
+        change_rank = None
+        if head is not None:
+            s = torch.linalg.svdvals((head.detach() - before).float())
+            change_rank = int((s > s[0] * 1e-4).sum())
+        out[name] = {
+            "constrained": sorted(hook.constrained),
+            "tied": bool(chunk.share_embeddings_and_output_weights),
+            "head": head_name,
+            "k": k,
+            "change_rank": change_rank,
+            "losses": losses,
+            "act": act,
+        }
+        teardown(trainer)
+    return out
+
+
+def test_defaults_free_the_last_stage_and_untie_the_head():
+    """Defaults as the reference code: every layer of the last stage unconstrained (here
+    layers 3 and 4 of 4 at PP=2), and a tied model's head its own full-rank weight that
+    starts as ``T_fixed + T_S`` (the same first loss as the tied head, the same bytes); the
+    former behaviour stays available through the flags."""
+    flags = PROTOCOL + PP2 + ["--num-layers", "4", "--lr", "1e-2"]
+    variants = {
+        "default": [],
+        "tied": ["--subspace-head", "tied"],
+        "former": ["--subspace-head", "tied", "--subspace-uncompressed-last-layers", "1"],
+    }
+    first, last = run_ranks(_defaults_against_the_former_ones, 2, flags, variants, 3)
+    writers = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+    for out, stage in ((first, 0), (last, 1)):
+        for name, got in out.items():
+            layers = {c.split(".")[2] for c in got["constrained"] if c.startswith("decoder.")}
+            expected = {"0", "1"} if stage == 0 else {"2"} if name == "former" else set()
+            assert layers == expected, (name, stage, got["constrained"])
+            for layer in expected:
+                for w in writers:
+                    assert f"decoder.layers.{layer}.{w}" in got["constrained"], (name, layer, w)
+    d = last["default"]
+    assert not d["tied"] and not first["default"]["tied"]
+    assert d["head"] == "output_layer.weight" and d["head"] not in d["constrained"]
+    assert d["change_rank"] > 4 * d["k"], d["change_rank"]  # the head trains at full rank
+    t = last["tied"]
+    assert t["tied"] and t["head"] in t["constrained"]
+    assert t["change_rank"] <= t["k"], t["change_rank"]  # only T_S moves
+    # untying keeps the initial function and the pipeline bytes
+    assert abs(d["losses"][0] - t["losses"][0]) <= 1e-6 * abs(t["losses"][0])
+    assert d["losses"][-1] != t["losses"][-1]
+    assert first["default"]["act"] == first["tied"]["act"] and first["default"]["act"]
 
 
 def _build_error(rank, world, flags):

@@ -118,6 +118,19 @@ def _build(ctx: MethodContext) -> Components:
         layers.update(new)
         hook.initial_selection(new)
 
+    def check_optimizer() -> None:
+        from megatron_ext.megatron.optimizer import not_decoupled_adamw
+
+        other = not_decoupled_adamw(ctx.handles.optimizer)
+        if other:
+            raise ConfigError(
+                ["--grass-method", "--optimizer"],
+                "Grass's update is decoupled AdamW's (the paper's Adam; its rows decay and its "
+                "bias correction are AdamW's, and a reselection moves or zeroes exactly Adam's "
+                "two moments); the optimizer megatron-core built is "
+                f"{'; '.join(other)}. Use --optimizer adam with decoupled weight decay",
+            )
+
     def describe() -> str:
         full = sum(layer.weight.numel() for layer in layers.values())
         virtual = sum(layer.param.numel() for layer in layers.values())
@@ -134,6 +147,7 @@ def _build(ctx: MethodContext) -> Components:
         optimizer_hooks=[hook],
         model_transform=transform,
         on_step=hook.begin_step,
+        on_install=check_optimizer,
         describe=describe,
     )
 

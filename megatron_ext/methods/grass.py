@@ -48,7 +48,9 @@ class GrassConfig:
 
     reset_state: bool = True
     """Zero the Adam moments of the projected weights at each new selection (the paper does
-    for 60M and 350M, not for 1B)."""
+    for 60M and 350M, not for 1B). Off (--no-grass-reset-state): the moments move with
+    their rows; a row kept keeps its moments and bias-correction count, a new row starts
+    at zero, a dropped row's are discarded."""
 
     sketch_size: int = 256
     """Columns of the Gaussian sketch G Omega from which row norms are estimated at a

@@ -192,9 +192,7 @@ def test_distributed_optimizer_resume_continues_exactly(dp2_distopt, lm_dir, tmp
     assert abs(float(b[4]["loss"]) - mean) <= 1e-6 * mean
 
 
-def test_non_finite_checkpoint_values_stop_the_load_naming_tensor_and_file(
-    dp2_distopt, tmp_path
-):
+def test_non_finite_checkpoint_values_stop_the_load_naming_tensor_and_file(dp2_distopt, tmp_path):
     """4 KB of 0xFF inside the stored embedding (1,024 NaN) used to load silently."""
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -605,6 +603,21 @@ def test_bad_flag_stops_before_training(lm_dir, tmp_path):
         "megatron-ext: error: --separate-ratio, --separate-block-size: ratio 7 must divide the "
         "block size 256" in run.stderr
     )
+    assert not iterations(run.stdout)
+
+
+def test_grass_with_another_optimizer_stops_before_training(lm_dir, tmp_path):
+    # Grass's update is decoupled AdamW's: SGD's momentum would survive reselections and
+    # its weight decay would act on V, the change since the selection (issue 27).
+    run = pretrain(
+        lm_dir / "pretrain_gpt.py",
+        tiny_args(**GRASS_SPARSE) + ["--optimizer", "sgd"],
+        cwd=tmp_path,
+        nproc=1,
+    )
+    assert run.returncode != 0
+    assert "megatron-ext: error: --grass-method, --optimizer:" in run.stderr, run.output[-3000:]
+    assert "got --optimizer sgd" in run.stderr
     assert not iterations(run.stdout)
 
 

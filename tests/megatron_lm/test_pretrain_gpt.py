@@ -192,7 +192,9 @@ def test_distributed_optimizer_resume_continues_exactly(dp2_distopt, lm_dir, tmp
     assert abs(float(b[4]["loss"]) - mean) <= 1e-6 * mean
 
 
-def test_non_finite_checkpoint_values_stop_the_load_naming_tensor_and_file(dp2_distopt, tmp_path):
+def test_non_finite_checkpoint_values_stop_the_load_naming_tensor_and_file(
+    dp2_distopt, tmp_path
+):
     """4 KB of 0xFF inside the stored embedding (1,024 NaN) used to load silently."""
     from torch.distributed.checkpoint import FileSystemReader
 

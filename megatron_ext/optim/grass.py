@@ -50,8 +50,8 @@ What it does:
 Constraints:
     Pure torch; never imports Megatron. The optimizer must be decoupled AdamW (megatron's
     ``adam`` with decoupled weight decay): the row decay and the bias correction above are
-    AdamW's; other optimizers are refused before training (``megatron_ext.megatron.grass``
-    and the Megatron-LM session). Not for the distributed optimizer (its ``V`` shards are
+    AdamW's; other optimizers are refused before training (when the method is installed:
+    ``megatron_ext.methods.grass``; in ``pretrain_gpt.py`` also from its flags). Not for the distributed optimizer (its ``V`` shards are
     flat slices; refused by the method's validation).
 """
 

@@ -90,7 +90,8 @@ RULES: Dict[str, Dict[str, str]] = {
     "GrassOptimizerHook": {
         "active_since": SAME,
         "selections": SAME,
-        "reset_at": SAME,
+        "reset_at": SAME,  # checkpoints from before the per-slot counts ("since")
+        "since": SAME,
         "pending": SAME,  # a postponed selection (the overflow check is all-reduced)
         "index": SAME,
         "rho": SAME,

@@ -35,7 +35,12 @@ from megatron_ext.megatron.naming import global_param_names
 from megatron_ext.optim.hooks import OptimizerHook, OptimizerView, ParamOptimState
 from megatron_ext.state import StepClock
 
-__all__ = ["MegatronOptimizerView", "OptimizerHooksHandle", "install_optimizer_hooks"]
+__all__ = [
+    "MegatronOptimizerView",
+    "OptimizerHooksHandle",
+    "install_optimizer_hooks",
+    "not_decoupled_adamw",
+]
 
 
 def _leaf_optimizers(optimizer: Any) -> List[Any]:
@@ -49,6 +54,50 @@ def _decoupled(inner: Any) -> bool:
     if hasattr(inner, "adam_w_mode"):
         return bool(inner.adam_w_mode)
     return False
+
+
+def not_decoupled_adamw(optimizer: Any) -> List[str]:
+    """What in a megatron-core optimizer is not decoupled AdamW with fp32 state.
+
+    Decoupled AdamW is megatron's ``adam`` with ``decoupled_weight_decay`` (its default):
+    ``torch.optim.AdamW`` (or ``torch.optim.Adam`` with ``decoupled_weight_decay=True``)
+    without AMSGrad, or Transformer Engine's / Apex's ``FusedAdam`` in ``adam_w_mode`` with
+    fp32 moments and megatron's own fp32 main parameters (not TE's precision-aware mode).
+
+    Args:
+        optimizer: megatron-core optimizer (usually a ``ChainedOptimizer``).
+
+    Returns:
+        One description per leaf optimizer that is something else (empty: all are).
+    """
+    found = []
+    for leaf in _leaf_optimizers(optimizer):
+        inner = getattr(leaf, "optimizer", None)
+        if getattr(leaf, "is_stub_optimizer", False) or inner is None:
+            continue
+        name = f"{type(inner).__module__}.{type(inner).__qualname__}"
+        groups = getattr(inner, "param_groups", [])
+        amsgrad = any(g.get("amsgrad", False) for g in groups)
+        if isinstance(inner, torch.optim.AdamW) or (
+            isinstance(inner, torch.optim.Adam)
+            and all(g.get("decoupled_weight_decay", False) for g in groups)
+        ):
+            if amsgrad:
+                found.append(f"{name} with amsgrad=True")
+            continue
+        if isinstance(inner, torch.optim.Adam):
+            found.append(f"{name} with L2 weight decay (decoupled_weight_decay=False)")
+        elif type(inner).__name__ == "FusedAdam" and hasattr(inner, "adam_w_mode"):
+            if not inner.adam_w_mode:
+                found.append(f"{name} with L2 weight decay (adam_w_mode=False)")
+            elif getattr(inner, "master_weights", False) or any(
+                getattr(inner, key, torch.float32) != torch.float32
+                for key in ("exp_avg_dtype", "exp_avg_sq_dtype")
+            ):
+                found.append(f"{name} in precision-aware mode (master weights or moments not fp32)")
+        else:
+            found.append(name)
+    return found
 
 
 class MegatronOptimizerView(OptimizerView):

@@ -51,7 +51,9 @@ class GrassConfig:
 
     reset_state: bool = True
     """Zero the Adam moments of the projected weights at each new selection (the paper does
-    for 60M and 350M, not for 1B)."""
+    for 60M and 350M, not for 1B). Off (--no-grass-reset-state): the moments move with
+    their rows; a row kept keeps its moments and bias-correction count, a new row starts
+    at zero, a dropped row's are discarded."""
 
     sketch_size: int = 256
     """Columns of the Gaussian sketch G Omega from which row norms are estimated at a
@@ -121,6 +123,19 @@ def _build(ctx: MethodContext) -> Components:
         layers.update(new)
         hook.initial_selection(new)
 
+    def check_optimizer() -> None:
+        from megatron_ext.megatron.optimizer import not_decoupled_adamw
+
+        other = not_decoupled_adamw(ctx.handles.optimizer)
+        if other:
+            raise ConfigError(
+                ["--grass-method", "--optimizer"],
+                "Grass's update is decoupled AdamW's (the paper's Adam; its rows decay and its "
+                "bias correction are AdamW's, and a reselection moves or zeroes exactly Adam's "
+                "two moments); the optimizer megatron-core built is "
+                f"{'; '.join(other)}. Use --optimizer adam with decoupled weight decay",
+            )
+
     def describe() -> str:
         full = sum(layer.weight.numel() for layer in layers.values())
         virtual = sum(layer.param.numel() for layer in layers.values())
@@ -137,6 +152,7 @@ def _build(ctx: MethodContext) -> Components:
         optimizer_hooks=[hook],
         model_transform=transform,
         on_step=hook.begin_step,
+        on_install=check_optimizer,
         describe=describe,
     )
 

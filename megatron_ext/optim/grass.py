@@ -13,15 +13,28 @@ What it does:
       the frozen weight and copy ``V`` to the model parameter;
     * on a selection step (``t % K == 0``): all-reduce every layer's gradient sketch over the
       data-parallel group in one buffer, choose the rows for steps ``t+1 .. t+K`` (identical
-      on every data-parallel rank), fold ``V`` into the weight, zero ``V`` and (by default)
-      the Adam moments of ``V``; the learning rate re-warms up over ``rewarmup`` steps from
-      there.
+      on every data-parallel rank), fold ``V`` into the weight, zero ``V`` and either zero
+      the Adam moments of ``V`` (``reset_state``, the paper's 60M/350M runs) or carry them
+      with their rows (``--no-grass-reset-state``, the paper's 1B run): a row selected
+      before and after keeps its moments (moved to its new slot; with sampling with
+      replacement rescaled by ``rho_new / rho_old``, squared for the second moment, since
+      the moments are those of ``rho G_row``), a newly selected row starts at zero, a
+      dropped row's moments are discarded. The learning rate re-warms up over ``rewarmup``
+      steps from there.
 
-    megatron-core requires one Adam step count shared by all parameters (its checkpoints
-    refuse anything else), so a reset zeroes the moments only; the bias correction of the
-    ``k`` steps since the reset is applied in ``post_step`` instead of the global step's:
-    the step is scaled by ``c = (1 - b1^t) / (1 - b1^k) * sqrt((1 - b2^k) / (1 - b2^t))``
-    (exact up to Adam's ``eps``; the decoupled decay term is kept unscaled).
+    Bias correction. Adam's bias correction undoes the zero start of the moments: with
+    ``k`` updates accumulated since a moment was zero, the paper's Adam (its Algorithm 4,
+    ``t`` the number of updates since ``opt.init``, 1 for the first) divides by
+    ``1 - b^k``. torch's Adam counts one ``step`` per parameter, which here counts every
+    optimizer step of ``V`` (including step 0, whose gradient is zero when the selection
+    needs the sketch) and is never restarted: megatron-core requires one Adam step count
+    shared by all parameters (its checkpoints refuse anything else). So each slot keeps the
+    torch step count at which its moments were last zero (``since``: the selection that
+    reset them or brought its row in; a kept row keeps its own), and ``post_step`` rescales
+    the slot's step by ``c = (1 - b1^t) / (1 - b1^k) * sqrt((1 - b2^k) / (1 - b2^t))`` with
+    ``k = t - since`` (exact up to Adam's ``eps``; the decoupled decay term is kept
+    unscaled). The first update after a selection is then the paper's rule exactly: a new
+    or reset row takes ``k = 1``, a kept row continues its own count.
 
     Step 0 takes the first sketch, so the projected weights first move at step 1 (unless
     the selection does not depend on the gradient: uniform sampling, or ``r`` covering the
@@ -35,8 +48,11 @@ What it does:
     before the check, so every data-parallel replica postpones alike.
 
 Constraints:
-    Pure torch; never imports Megatron. Not for the distributed optimizer (its ``V`` shards
-    are flat slices; refused by the method's validation).
+    Pure torch; never imports Megatron. The optimizer must be decoupled AdamW (megatron's
+    ``adam`` with decoupled weight decay): the row decay and the bias correction above are
+    AdamW's; other optimizers are refused before training (when the method is installed:
+    ``megatron_ext.methods.grass``; in ``pretrain_gpt.py`` also from its flags). Not for the distributed optimizer (its ``V`` shards are
+    flat slices; refused by the method's validation).
 """
 
 from __future__ import annotations
@@ -89,7 +105,8 @@ class GrassOptimizerHook(OptimizerHook):
         schedule: selection interval, re-warm-up and scale.
         reduce_sketches: all-reduces one flat fp32 tensor over the data-parallel group in
             place (summing; the ranking does not depend on the scale).
-        reset_state: zero ``V``'s Adam moments and step count at each new selection.
+        reset_state: zero ``V``'s Adam moments at each new selection (False: carry each
+            kept row's moments to its new slot, zero those of new rows).
         param_fqn: FQN of a layer's virtual parameter.
     """
 
@@ -111,7 +128,12 @@ class GrassOptimizerHook(OptimizerHook):
         self.param_fqn = param_fqn
         self.active_since = 0
         self.selections = 0
-        self.reset_at = 0
+        self.since: Dict[str, torch.Tensor] = {}
+        """Per layer, per slot (int64 ``[r]``, on the weight's device): torch Adam's step
+        count when the slot's moments were last zero (module doc, bias correction)."""
+        self._since_all: Dict[str, Optional[int]] = {}
+        """The common value of ``since[fqn]`` when every slot shares it, else None (the
+        steady step then needs no per-slot factor)."""
         self.pending = False
         """A selection was postponed (sketch not finite): the next step selects."""
         self._before: Dict[str, torch.Tensor] = {}
@@ -127,8 +149,11 @@ class GrassOptimizerHook(OptimizerHook):
                 the chunks of a virtual pipeline one at a time.
         """
         if all(not layer.needs_sketch for layer in self.layers.values()):
-            for layer in (self.layers if new is None else new).values():
+            for fqn, layer in (self.layers if new is None else new).items():
                 layer.reselect(0, layer.param.data)
+                # no Adam step yet: the moments start at zero with step 0
+                self.since[fqn] = torch.zeros_like(layer.index)
+                self._since_all[fqn] = 0
             self.selections = 1
         else:
             # Step 0 then sketches and selects every layer (also any selected earlier).
@@ -168,15 +193,53 @@ class GrassOptimizerHook(OptimizerHook):
         for fqn, layer in self.layers.items():
             state = view.param_state(self.param_fqn(fqn))
             main = layer.param.data if state is None else state.main_param
+            old_index, old_rho = layer.index, layer.rho
             layer.reselect(step, main, norms.get(id(layer)))
             if state is not None:
                 if main is not layer.param:
                     layer.param.data.copy_(main)
-                if self.reset_state:
-                    _reset_moments(state.state)
-                    self.reset_at = state.adam_step or 0
+                self._restart_moments(fqn, layer, state, old_index, old_rho)
         self.active_since = step + 1
         self.selections += 1
+
+    def _restart_moments(
+        self,
+        fqn: str,
+        layer: GrassLayer,
+        state: Any,
+        old_index: Optional[torch.Tensor],
+        old_rho: Optional[torch.Tensor],
+    ) -> None:
+        """After ``layer`` took a new selection: zero ``V``'s moments, or move each kept
+        row's moments to its new slot (module doc), and record each slot's ``since``."""
+        now = state.adam_step or 0
+        index = layer.index
+        fresh = torch.full(index.shape, now, dtype=torch.int64, device=index.device)
+        if self.reset_state or old_index is None or fqn not in self.since:
+            # the first selection too: V's moments hold nothing yet (V had no gradient)
+            _reset_moments(state.state)
+            self.since[fqn], self._since_all[fqn] = fresh, now
+            return
+        # Each new slot's row among the old slots (the first old slot holding it).
+        order = torch.sort(old_index, stable=True).indices
+        old_sorted = old_index.index_select(0, order)
+        pos = torch.searchsorted(old_sorted, index).clamp_max(old_index.numel() - 1)
+        kept = old_sorted.index_select(0, pos).eq(index)
+        src = order.index_select(0, pos)
+        ratio = layer.rho.double() / old_rho.double().index_select(0, src)
+        for key, power in (("exp_avg", 1), ("exp_avg_sq", 2)):
+            if key not in state.state:
+                continue
+            moments = state.state[key]
+            rows = moments if layer.mode == "row" else moments.t()  # slots first
+            scale = ratio.pow(power).to(rows.dtype)[:, None]
+            moved = rows.index_select(0, src) * scale
+            rows.copy_(torch.where(kept[:, None], moved, torch.zeros_like(moved)))
+        since = torch.where(kept, self.since[fqn].index_select(0, src), fresh)
+        self.since[fqn] = since
+        # a selection step synchronizes with the host anyway
+        first = int(since[0])
+        self._since_all[fqn] = first if bool(since.eq(first).all()) else None
 
     def _postpone(self, step: int) -> None:
         """Keep every selection and retry at the next step (module doc)."""
@@ -213,13 +276,19 @@ class GrassOptimizerHook(OptimizerHook):
             lr = float(state.group["lr"])
             wd = float(state.group.get("weight_decay", 0.0))
             decoupled = bool(wd) and state.decoupled_weight_decay
-            c = self._bias_correction(state) if update_successful else 1.0
+            c = self._bias_correction(fqn, layer, state) if update_successful else 1.0
             with torch.no_grad():
-                if s * c != 1.0:
-                    main.sub_(before).mul_(s * c).add_(before)
-                if decoupled and c != 1.0:
-                    # keep the decay term -lr*wd*V0 at scale s (only Adam's part gets c)
-                    main.add_(before, alpha=s * lr * wd * (c - 1.0))
+                if isinstance(c, torch.Tensor):  # one factor per slot
+                    c = c.to(main.dtype)
+                    main.sub_(before).mul_(c * s).add_(before)
+                    if decoupled:
+                        # keep the decay term -lr*wd*V0 at scale s (only Adam's part gets c)
+                        main.add_(before * ((c - 1.0) * (s * lr * wd)))
+                else:
+                    if s * c != 1.0:
+                        main.sub_(before).mul_(s * c).add_(before)
+                    if decoupled and c != 1.0:
+                        main.add_(before, alpha=s * lr * wd * (c - 1.0))
                 if update_successful and decoupled:
                     layer.base.mul_(1.0 - s * lr * wd)
                 layer.write_rows(main)
@@ -230,15 +299,29 @@ class GrassOptimizerHook(OptimizerHook):
             self._select(view, step)
             self._selecting = False
 
-    def _bias_correction(self, state: Any) -> float:
-        """``c`` of the module docstring: Adam's bias correction of the steps since the last
-        reset instead of the global step's."""
+    def _bias_correction(self, fqn: str, layer: GrassLayer, state: Any) -> Any:
+        """``c`` of the module docstring: Adam's bias correction of the ``k = t - since``
+        updates since each slot's moments were zero instead of the global count ``t``'s.
+
+        Returns:
+            a float when every slot shares ``since``, else a tensor broadcasting over ``V``
+            (``[r, 1]`` for rows, ``[1, r]`` for columns) on ``V``'s device.
+        """
         t = state.adam_step
-        if not self.reset_state or t is None or self.reset_at <= 0 or t <= self.reset_at:
+        if t is None or fqn not in self.since:
             return 1.0
-        k = t - self.reset_at
         b1, b2 = state.group.get("betas", (0.9, 0.999))
-        return ((1 - b1**t) / (1 - b1**k)) * ((1 - b2**k) / (1 - b2**t)) ** 0.5
+        common = self._since_all.get(fqn)
+        if common is not None:
+            k = t - common
+            if common <= 0 or k <= 0:
+                return 1.0
+            return ((1 - b1**t) / (1 - b1**k)) * ((1 - b2**k) / (1 - b2**t)) ** 0.5
+        k = (t - self.since[fqn]).clamp_min(1).to(torch.float64)
+        c = ((1 - b1**t) / (1 - torch.pow(b1, k))) * torch.sqrt(
+            (1 - torch.pow(b2, k)) / (1 - b2**t)
+        )
+        return c[:, None] if layer.mode == "row" else c[None, :]
 
     # -- state -------------------------------------------------------------------------------
 
@@ -246,25 +329,31 @@ class GrassOptimizerHook(OptimizerHook):
         out: Dict[str, Any] = {
             "active_since": self.active_since,
             "selections": self.selections,
-            "reset_at": self.reset_at,
             "pending": self.pending,
         }
         for fqn, layer in self.layers.items():
             for key, value in layer.state_dict().items():
                 out[f"{key}/{fqn}"] = value
+            if fqn in self.since:
+                out[f"since/{fqn}"] = self.since[fqn].detach().cpu().clone()
         return out
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         state = dict(state)
-        known = {"active_since", "selections", "reset_at", "pending"}
+        known = {"active_since", "selections", "pending"}
+        # "reset_at": checkpoints written before per-slot counts (one count for all slots)
+        legacy = state.pop("reset_at", None)
         missing = known - set(state)
         per_layer: Dict[str, Dict[str, Any]] = {fqn: {} for fqn in self.layers}
+        since: Dict[str, torch.Tensor] = {}
         unexpected: List[str] = []
         for key, value in state.items():
             if key in known:
                 continue
             kind, _, fqn = key.partition("/")
-            if fqn not in per_layer or kind not in ("index", "rho", "base"):
+            if fqn in per_layer and kind == "since":
+                since[fqn] = value
+            elif fqn not in per_layer or kind not in ("index", "rho", "base"):
                 unexpected.append(key)
             else:
                 per_layer[fqn][kind] = value
@@ -275,10 +364,23 @@ class GrassOptimizerHook(OptimizerHook):
             )
         self.active_since = int(state["active_since"])
         self.selections = int(state["selections"])
-        self.reset_at = int(state["reset_at"])
         self.pending = bool(state["pending"])
+        self.since, self._since_all = {}, {}
         for fqn, layer in self.layers.items():
             layer.load_state_dict(per_layer[fqn])
+            if layer.index is None:
+                continue
+            if fqn in since:
+                value = since[fqn].to(layer.index.device, torch.int64)
+                if value.shape != layer.index.shape:
+                    raise ValueError(f"Grass state of {fqn}: 'since' does not fit its selection")
+            elif legacy is not None:
+                value = torch.full_like(layer.index, int(legacy))
+            else:
+                raise ValueError(f"Grass state does not fit this model: missing since/{fqn}")
+            self.since[fqn] = value
+            first = int(value[0]) if value.numel() else 0
+            self._since_all[fqn] = first if bool(value.eq(first).all()) else None
 
 
 def _reset_moments(state: Dict[str, Any]) -> None:

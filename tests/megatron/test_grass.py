@@ -182,7 +182,9 @@ def _resume(rank, world, flags, root):
 def test_resume_bit_exact_across_reselection(layout, tmp_path):
     extra = {
         "dp2": ["--grass-method", "norm2"],
-        "tp2-bf16": ["--grass-method", "topr", "--tensor-model-parallel-size", "2", "--bf16"],
+        # moments carried with their rows: the per-slot counts must resume too
+        "tp2-bf16": ["--grass-method", "topr", "--tensor-model-parallel-size", "2", "--bf16"]
+        + ["--no-grass-reset-state"],
     }[layout]
     flags = SPARSE[2:] + extra  # reselection at steps 0 and 3; the save after step 3
     results = run_ranks(_resume, 2, flags, str(tmp_path / "ckpt"))
@@ -277,6 +279,35 @@ def _tp_selection_run(rank, world, flags):
             for fqn, lay in layers.items()
         },
     }
+    return out
+
+
+def _optimizer_refusals(rank, world, flags):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_ext.config import ConfigError
+
+    trainer = make_trainer(flags)
+    trainer.seed()
+    trainer.build_model(stock=False)
+    out = {}
+    others = {
+        "sgd": {"optimizer": "sgd"},
+        "adam-l2": {"optimizer": "adam", "decoupled_weight_decay": False},
+    }
+    for name, kwargs in others.items():
+        config = OptimizerConfig(lr=1e-3, weight_decay=0.1, **kwargs)
+        trainer.optimizer = get_megatron_optimizer(config, list(trainer.model))
+        trainer.scheduler = None
+        try:
+            trainer.install_ext()
+            out[name] = None
+            trainer.runtime.remove()
+        except ConfigError as err:
+            out[name] = (err.flags, str(err))
+    trainer.build_optimizer()  # the driver's: megatron's adam, decoupled
+    trainer.install_ext()
+    out["adamw"] = train(trainer, 2)
     teardown(trainer)
     return out
 
@@ -313,3 +344,15 @@ def test_tp1_and_tp2_choose_the_same_dimension_and_rows():
             else:  # Q, K, V rows: r / 2 on each rank, of its own shard of each part
                 assert kind == "linear_qkv" and other["rank"] == r // 2
                 assert len(other["index"]) == 3 * r // 2
+
+
+def test_optimizers_other_than_decoupled_adamw_are_refused_at_install():
+    """megatron-core's SGD and Adam with L2 decay are refused naming the flag before any
+    step, in the driver and any script that installs megatron-ext (issue 27)."""
+    out = run_ranks(_optimizer_refusals, 1, SPARSE + ["--no-grass-reset-state"])[0]
+    for name, what in (("sgd", "torch.optim.sgd.SGD"), ("adam-l2", "decoupled_weight_decay")):
+        assert out[name] is not None, f"{name} was accepted"
+        flags, message = out[name]
+        assert flags == ("--grass-method", "--optimizer"), message
+        assert what in message, message
+    assert len(out["adamw"]) == 2

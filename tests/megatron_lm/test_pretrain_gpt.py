@@ -606,6 +606,21 @@ def test_bad_flag_stops_before_training(lm_dir, tmp_path):
     assert not iterations(run.stdout)
 
 
+def test_grass_with_another_optimizer_stops_before_training(lm_dir, tmp_path):
+    # Grass's update is decoupled AdamW's: SGD's momentum would survive reselections and
+    # its weight decay would act on V, the change since the selection (issue 27).
+    run = pretrain(
+        lm_dir / "pretrain_gpt.py",
+        tiny_args(**GRASS_SPARSE) + ["--optimizer", "sgd"],
+        cwd=tmp_path,
+        nproc=1,
+    )
+    assert run.returncode != 0
+    assert "megatron-ext: error: --grass-method, --optimizer:" in run.stderr, run.output[-3000:]
+    assert "got --optimizer sgd" in run.stderr
+    assert not iterations(run.stdout)
+
+
 def test_quantized_adam_with_sgd_stops_before_training(lm_dir, tmp_path):
     run = pretrain(
         lm_dir / "pretrain_gpt.py",

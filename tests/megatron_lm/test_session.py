@@ -234,6 +234,38 @@ def test_aqsgd_needs_fixed_samples_in_megatron_lm_naming_the_flag():
     check_megatron_lm_args(_megatron_args(**fixed), cfg)
 
 
+@pytest.mark.parametrize(
+    "overrides, flag, named",
+    [
+        ({"optimizer": "sgd"}, "--optimizer", "--optimizer sgd"),
+        ({"optimizer": "muon"}, "--optimizer", "--optimizer muon"),
+        ({"optimizer": "dist_muon"}, "--optimizer", "--optimizer dist_muon"),
+        ({"optimizer": "lion"}, "--optimizer", "--optimizer lion"),  # 0.19
+        ({"optimizer": "soap"}, "--optimizer", "--optimizer soap"),  # 0.19
+        ({"decoupled_weight_decay": False}, "decoupled_weight_decay", "=False"),
+        (
+            {"decoupled_weight_decay": False, "yaml_cfg": "run.yaml"},
+            "--yaml-cfg",
+            "decoupled_weight_decay=False",
+        ),
+        ({"use_precision_aware_optimizer": True}, "--use-precision-aware-optimizer", "fp32"),
+        ({"optimizer_cpu_offload": True}, "--optimizer-cpu-offload", "host"),
+    ],
+)
+def test_grass_refuses_every_optimizer_but_decoupled_adamw(overrides, flag, named):
+    """Grass's update, decay, bias correction and moment carrying are AdamW's (issue 27)."""
+    from megatron_ext.config import ext_config_from_flags
+
+    cfg = ext_config_from_flags(["--grass-method", "topr", "--no-grass-reset-state"])
+    check_megatron_lm_args(_megatron_args(optimizer="adam"), cfg)
+    with pytest.raises(ConfigError) as info:
+        check_megatron_lm_args(_megatron_args(**overrides), cfg)
+    assert info.value.flags == ("--grass-method", flag)
+    assert named in str(info.value)
+    if "optimizer" in overrides:  # without Grass: not ours to refuse
+        check_megatron_lm_args(_megatron_args(**overrides), ExtConfig())
+
+
 @pytest.mark.parametrize("flag", ["use_cpu_initialization", "init_model_with_meta_device"])
 def test_grass_refuses_weights_off_the_gpu_while_the_model_is_built(monkeypatch, flag):
     # Grass adds its parameters and rows inside the model provider, on the weights' device;

@@ -594,3 +594,131 @@ def test_uniform_nr_is_uniform_without_replacement_and_agrees_across_ranks():
     other.load_state_dict(b.state_dict())
     assert other.index.tolist() == b.index.tolist()
     torch.testing.assert_close(other.rho, b.rho, rtol=0, atol=0)
+
+
+# -- the optimizer state across a reselection (issue 27) ---------------------------------------
+
+
+class _PaperRowsAdam:
+    """The paper's rule (Algorithms 1 and 4, section 3.3), written from the paper: Adam on
+    the selected rows' projected gradient ``rho_u G_u``, its state kept per row of ``W``
+    (in the units of ``G_u``, so that a row whose ``rho`` changes keeps its statistics),
+    ``k`` counting the updates since the row's state was ``opt.init`` (zero). A reselection
+    either re-initializes every row (reset) or keeps the rows selected before and after,
+    initializes new rows and forgets dropped ones. Decoupled weight decay on the selected
+    rows, the learning rate ``lr * alpha * warm``."""
+
+    def __init__(self, weight_rows, b1, b2, eps, wd):
+        self.w = weight_rows.clone()
+        self.b1, self.b2, self.eps, self.wd = b1, b2, eps, wd
+        self.state = {}  # row -> [M, V, k]
+
+    def step(self, grad_rows, index, rho, lr_eff):
+        index, rho = index.tolist(), rho.double().tolist()
+        rows = sorted(set(index))
+        self.w[rows] *= 1 - lr_eff * self.wd
+        for u in rows:
+            slots = [j for j, i in enumerate(index) if i == u]
+            r_u = rho[slots[0]]
+            g = grad_rows[u]
+            st = self.state.setdefault(u, [torch.zeros_like(g), torch.zeros_like(g), 0])
+            st[0] = self.b1 * st[0] + (1 - self.b1) * g
+            st[1] = self.b2 * st[1] + (1 - self.b2) * g * g
+            st[2] += 1
+            k = st[2]
+            m_hat = r_u * st[0] / (1 - self.b1**k)  # the slot's moments: rho_u * M, rho_u^2 * V
+            v_hat = r_u**2 * st[1] / (1 - self.b2**k)
+            update = m_hat / (v_hat.sqrt() + self.eps)
+            self.w[u] -= lr_eff * len(slots) * r_u * update
+
+    def reselect(self, index, reset):
+        keep = set() if reset else set(index.tolist())
+        self.state = {u: st for u, st in self.state.items() if u in keep}
+
+
+@pytest.mark.parametrize(
+    "method, shape, reset",
+    [
+        ("topr", (10, 12), False),  # rows, distinct, rho = 1
+        ("topr", (12, 10), False),  # columns
+        ("norm", (10, 12), False),  # with replacement: duplicates, rho changes
+        ("topr", (10, 12), True),
+    ],
+)
+def test_moments_follow_their_rows_across_a_reselection_as_the_paper_rule(method, shape, reset):
+    """float64 against :class:`_PaperRowsAdam`: every step's weight (the first update after
+    each selection included: a new row's first update has k = 1, so step 1's update is not
+    scaled by the step-0 count); after a reselection a kept row's moments are its moments
+    before (moved to its new slot, times rho_new / rho_old), a new row's are zero."""
+    from megatron_ext.optim.grass import GrassOptimizerHook, GrassSchedule
+
+    m, n = shape
+    r, steps, interval = 4, 11, 3
+    layer = _layer(m, n, r, method, sketch_size=0, dtype=torch.float64)
+    mode = layer.mode
+    v = torch.nn.Parameter(torch.zeros(layer.param.shape, dtype=torch.float64))
+    layer.param = v
+    lr, wd, b1, b2, eps = 0.05, 0.1, 0.9, 0.99, 1e-14
+    opt = torch.optim.AdamW([v], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    sched = GrassSchedule(update_interval=interval, rewarmup=2, scale=0.5)
+    hook = GrassOptimizerHook(
+        {"w": layer}, sched, lambda flat: None, reset_state=reset, param_fqn=lambda f: "v"
+    )
+    hook.initial_selection()
+    view = _View("v", v, opt)
+
+    def rows(t):
+        return t if mode == "row" else t.t()
+
+    ref = _PaperRowsAdam(rows(layer.weight), b1, b2, eps, wd)
+    gen = torch.Generator().manual_seed(1)
+    active, moved, new_rows, selections = 0, 0, 0, hook.selections
+    for step in range(steps):
+        view.step = step
+        hook.begin_step(step)
+        x = torch.randn(2, 5, n, generator=gen, dtype=torch.float64)
+        # per-row scales that change every step, so that Top-r keeps some rows and drops others
+        size = m if mode == "row" else n
+        scale = torch.rand(size, generator=gen, dtype=torch.float64) * 2 + 0.1
+        if mode == "row":
+            dy = torch.randn(2, 5, m, generator=gen, dtype=torch.float64) * scale
+        else:
+            dy = torch.randn(2, 5, m, generator=gen, dtype=torch.float64)
+            x = x * scale
+        v.grad = None
+        grass_linear(x, layer.weight, None, layer).backward(dy)
+        if layer.index is not None:
+            g_rows = rows(_full_grad(layer.weight, x, dy))
+            lr_eff = lr * 0.5 * min(1.0, (step - active + 1) / 2)
+            ref.step(g_rows, layer.index, layer.rho, lr_eff)
+        old = None if layer.index is None else (layer.index.tolist(), layer.rho.double())
+        hook.pre_step(view)
+        opt.step()
+        before = {key: rows(opt.state[v][key]).clone() for key in ("exp_avg", "exp_avg_sq")}
+        hook.post_step(view, True)
+        torch.testing.assert_close(
+            rows(layer.weight), ref.w, rtol=1e-9, atol=1e-12, msg=f"step {step}"
+        )
+        if hook.selections == selections:
+            continue
+        selections, active = hook.selections, step + 1
+        ref.reselect(layer.index, reset)
+        if old is None:
+            continue
+        old_index, old_rho = old
+        new_rho = layer.rho.double()
+        for j, u in enumerate(layer.index.tolist()):
+            for key, power in (("exp_avg", 1), ("exp_avg_sq", 2)):
+                after = rows(opt.state[v][key])[j]
+                if u in old_index and not reset:
+                    i = old_index.index(u)
+                    expect = before[key][i] * (new_rho[j] / old_rho[i]) ** power
+                    moved += int(i != j and key == "exp_avg")
+                else:
+                    expect = torch.zeros_like(after)
+                    new_rows += int(key == "exp_avg")
+                torch.testing.assert_close(after, expect, rtol=1e-12, atol=0, msg=f"{step} {j}")
+    assert selections >= 3
+    assert new_rows > 0
+    if not reset and method == "topr":
+        assert moved > 0, "no kept row changed slot: the test would not see slot-carried moments"

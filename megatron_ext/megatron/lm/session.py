@@ -150,6 +150,8 @@ def check_megatron_lm_args(args: Any, cfg: ExtConfig) -> None:
                     "(scaled low-precision moments, or on the host behind a wrapper), so the "
                     "selection would be wrong. Drop the flag or choose another method",
                 )
+    if cfg.enabled("linear"):
+        _check_grass_optimizer(args)
     from megatron_ext.megatron.lm.requirements import (
         check_local_spec_kernels,
         check_tokenizer_package,
@@ -213,6 +215,45 @@ def check_megatron_lm_args(args: Any, cfg: ExtConfig) -> None:
             "the same tokens in every epoch; Megatron-LM's GPTDataset repacks documents per "
             "epoch. Add --fixed-samples N (epochs over the first N training samples)",
         )
+
+
+def _check_grass_optimizer(args: Any) -> None:
+    """Grass's update is decoupled AdamW's: refuse every other optimizer, naming the flag.
+
+    Megatron-LM's ``--optimizer adam`` builds AdamW (torch's ``AdamW``, or TE's / Apex's
+    ``FusedAdam`` in ``adam_w_mode``) while ``decoupled_weight_decay`` stays at its default
+    (True); 0.16 and 0.19 have no flag for it, only a ``--yaml-cfg`` could set it.
+    """
+    optimizer = getattr(args, "optimizer", "adam")
+    why = (
+        "Grass's update is decoupled AdamW's (the paper's Adam on the selected rows; the row "
+        "decay, the bias correction and the moments a reselection moves or zeroes are "
+        "AdamW's)"
+    )
+    if optimizer != "adam":
+        raise ConfigError(
+            ["--grass-method", "--optimizer"],
+            f"{why}; got --optimizer {optimizer}. Use --optimizer adam",
+        )
+    if getattr(args, "decoupled_weight_decay", True) is False:
+        flag = "--yaml-cfg" if getattr(args, "yaml_cfg", None) else "decoupled_weight_decay"
+        raise ConfigError(
+            ["--grass-method", flag],
+            f"{why}; got decoupled_weight_decay=False (Adam with L2 weight decay, which would "
+            "put the decay into the moments of V, the change since the selection)",
+        )
+    for flag, attr in (
+        ("--use-precision-aware-optimizer", "use_precision_aware_optimizer"),
+        ("--optimizer-cpu-offload", "optimizer_cpu_offload"),
+    ):
+        if getattr(args, attr, False):
+            raise ConfigError(
+                ["--grass-method", flag],
+                f"{why} with fp32 moments next to megatron's fp32 main parameters; with this "
+                "flag they are kept elsewhere (scaled low-precision moments and master "
+                "weights inside TE's FusedAdam, or on the host behind a wrapper), where a "
+                "reselection cannot zero or move them. Drop the flag",
+            )
 
 
 @dataclass

@@ -29,10 +29,14 @@ What it does:
       megatron's dense collectives of that step run without torch's coalescing manager
       (no meta kernel) and allocate nothing.
     * ``grass``: a :class:`~megatron_ext.autograd.grass.GrassLayer` per default Grass layer
-      (QKV, attention output, fc1, fc2) with its virtual parameter, selection and sketch:
-      one sketched step and a top-r selection. The virtual parameters' gradients and Adam
-      state are megatron's (listed separately: ``grass_optimizer_bytes``), which shrink
-      the full weights' gradient and Adam state.
+      (QKV, attention output, fc1, fc2), split into parts as a run splits them (Q, K, V;
+      SwiGLU's gate and up; ``r`` each), with its virtual parameter, selection and sketch:
+      one sketched step and a top-r selection (``sketch_bytes``: the sketches and ``Omega``
+      alive at the selection). The virtual parameters' gradients and Adam state are
+      megatron's (listed separately: ``grass_param_grad_adam_bytes``), which shrink the full
+      weights' gradient and Adam state. ``plan_*``: what
+      :func:`megatron_ext.state_plan.grass_plan` computes from the shape, the figure the
+      launch scripts print before a job starts.
     * ``aqsgd``: :class:`~megatron_ext.collectives.aqsgd.AQSGDCodec`'s per-sample buffers
       (``samples x seq x hidden x bytes`` per boundary side, ``--aqsgd-samples`` samples
       per DP rank, bf16) of one middle pipeline stage (a send and a receive side), and
@@ -46,7 +50,9 @@ What it does:
       Adam moments as megatron keeps them, k = d / 100, no pipeline split (every
       constrained parameter on one rank; ``A`` is the last stage's, ``T_fixed`` every
       stage's). ``held_from_pre_to_post_step`` is what the hook keeps between its pre- and
-      post-step (copies of the constrained main parameters).
+      post-step (copies of the constrained main parameters). ``plan_*``:
+      :func:`megatron_ext.state_plan.protocol_plan`'s ``U``, ``T_fixed`` and last-stage
+      accumulators, the figure the launch scripts print.
 
     Adam's own state with mixed precision (fp32 main parameters and two fp32 moments:
     12 B/param) is shown beside each row; "B/param" divides by the whole model's parameters.
@@ -57,8 +63,9 @@ Usage:
 
 Constraints:
     Runs on CPU in seconds; nothing of model size is allocated. The model shapes are
-    written out here (megatron-core's parameter names and shapes for GPT-2 and LLaMA-3
-    layouts, vocabulary padded to a multiple of 128 as Megatron-LM pads it). Ops whose
+    :class:`megatron_ext.state_plan.ModelShape` (megatron-core's parameter names and shapes
+    for GPT-2 and LLaMA-3 layouts, vocabulary padded to a multiple of 128 as Megatron-LM
+    pads it), the pre-flight's. Ops whose
     output size depends on values (``nonzero``) get the sizes stated above; host-side
     draws (Protocol Models' ``U`` and ``T_fixed``, Grass's sketch matrices) are made on meta
     too, and what Protocol Models' install briefly holds is reported apart
@@ -85,62 +92,31 @@ METHODS = ("separate", "radius", "powersgd", "quantized", "grass", "aqsgd", "pro
 ADAM_BYTES_PER_PARAM = 12
 """fp32 main parameter + exp_avg + exp_avg_sq with mixed precision."""
 
-MODELS: Dict[str, Dict[str, Any]] = {
+from megatron_ext.state_plan import ModelShape, padded_vocab  # noqa: E402  (no torch)
+from megatron_ext.state_plan import model_params as _shape_params  # noqa: E402
+
+MODELS: Dict[str, ModelShape] = {
     # GPT2-XL (1.5B): learned positions, tied embeddings, biases, GELU MLP.
-    "gpt2-xl": dict(num_layers=48, hidden=1600, heads=25, kv_heads=25, ffn=6400,
-                    vocab=50257, seq=1024, style="gpt"),
+    "gpt2-xl": ModelShape(num_layers=48, hidden=1600, heads=25, kv_heads=25, ffn=6400,
+                          vocab=padded_vocab(50257), seq=1024),
     # LLaMA-3 8B: RoPE, untied output, no biases, SwiGLU (fc1 holds gate and up), GQA.
-    "llama-8b": dict(num_layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336,
-                     vocab=128256, seq=8192, style="llama"),
-    # The unit test's model.
-    "tiny": dict(num_layers=2, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=512, seq=32,
-                 style="gpt"),
+    "llama-8b": ModelShape(num_layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336,
+                           vocab=padded_vocab(128256), seq=8192, swiglu=True, bias=False,
+                           learned_positions=False, untied=True),
+    # The unit test's models.
+    "tiny": ModelShape(num_layers=2, hidden=64, heads=4, kv_heads=4, ffn=256,
+                       vocab=padded_vocab(512), seq=32),
+    "tiny-llama": ModelShape(num_layers=2, hidden=64, heads=4, kv_heads=2, ffn=96,
+                             vocab=padded_vocab(512), seq=32, swiglu=True, bias=False,
+                             learned_positions=False, untied=True),
 }  # fmt: skip
-
-
-def padded_vocab(vocab: int, multiple: int = 128) -> int:
-    """Megatron-LM's padded vocabulary (``--make-vocab-size-divisible-by 128``, TP=1)."""
-    return -(-vocab // multiple) * multiple
+"""Megatron-LM's shapes (vocabulary padded to a multiple of 128, TP=1)."""
 
 
 def model_params(model: str) -> List[Tuple[str, Tuple[int, ...]]]:
-    """``(megatron-core FQN, shape)`` of every parameter, in model order."""
-    m = MODELS[model]
-    h, f, layers = m["hidden"], m["ffn"], m["num_layers"]
-    v = padded_vocab(m["vocab"])
-    head_dim = h // m["heads"]
-    qkv = h + 2 * m["kv_heads"] * head_dim
-    gpt = m["style"] == "gpt"
-    out = [("embedding.word_embeddings.weight", (v, h))]
-    if gpt:
-        out.append(("embedding.position_embeddings.weight", (m["seq"], h)))
-    for i in range(layers):
-        p = f"decoder.layers.{i}."
-        fc1 = f if gpt else 2 * f
-        out.append((p + "self_attention.linear_qkv.layer_norm_weight", (h,)))
-        if gpt:
-            out.append((p + "self_attention.linear_qkv.layer_norm_bias", (h,)))
-        out.append((p + "self_attention.linear_qkv.weight", (qkv, h)))
-        if gpt:
-            out.append((p + "self_attention.linear_qkv.bias", (qkv,)))
-        out.append((p + "self_attention.linear_proj.weight", (h, h)))
-        if gpt:
-            out.append((p + "self_attention.linear_proj.bias", (h,)))
-        out.append((p + "mlp.linear_fc1.layer_norm_weight", (h,)))
-        if gpt:
-            out.append((p + "mlp.linear_fc1.layer_norm_bias", (h,)))
-        out.append((p + "mlp.linear_fc1.weight", (fc1, h)))
-        if gpt:
-            out.append((p + "mlp.linear_fc1.bias", (fc1,)))
-        out.append((p + "mlp.linear_fc2.weight", (h, f)))
-        if gpt:
-            out.append((p + "mlp.linear_fc2.bias", (h,)))
-    out.append(("decoder.final_layernorm.weight", (h,)))
-    if gpt:
-        out.append(("decoder.final_layernorm.bias", (h,)))
-    else:
-        out.append(("output_layer.weight", (v, h)))
-    return out
+    """``(megatron-core FQN, shape)`` of every parameter, in model order
+    (:func:`megatron_ext.state_plan.model_params`)."""
+    return _shape_params(MODELS[model])
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -509,58 +485,79 @@ def _measure_reducer(group, method, model, dp_size, overlap, options) -> Dict[st
 
 
 def measure_grass(model: str, options: Dict[str, Any]) -> Dict[str, Any]:
-    """GrassLayers of the default layers: one sketched step, then a top-r selection."""
-    import re
+    """GrassLayers of the default layers: one sketched step, then a top-r selection.
 
+    The weights and their parts (Q, K, V; SwiGLU's gate and up) are
+    :func:`megatron_ext.state_plan.grass_plan`'s, the figure the launch scripts print;
+    ``plan_*`` beside the measurement are that function's.
+    """
     import torch
 
-    from megatron_ext.autograd.grass import GrassLayer, projected_dim
+    from megatron_ext.autograd.grass import GrassLayer
     from megatron_ext.config import DEFAULT_LINEAR_LAYERS
     from megatron_ext.methods.grass import GrassConfig
+    from megatron_ext.state_plan import grass_plan
 
     cfg = GrassConfig(**options)
-    pattern = re.compile(DEFAULT_LINEAR_LAYERS)
+    plan = grass_plan(
+        MODELS[model], rank=cfg.rank, method="topr", sketch_size=cfg.sketch_size,
+        layers=DEFAULT_LINEAR_LAYERS, params_dtype="bf16",
+    )  # fmt: skip
     params = model_params(model)
-    weights = [(n, s) for n, s in params if n.endswith(".weight") and pattern.search(n[:-7])]
-    tokens = MODELS[model]["seq"]
-    # A meta sketch has no values: the selection takes top-r's r distinct positions, on the
-    # CPU as select() returns them (made here: under the mode CPU factories give meta).
-    index, rho = torch.arange(cfg.rank), torch.ones(cfg.rank)
+    tokens = MODELS[model].seq
     mode = live_bytes_mode(cpu_factories_to_meta=True)
     layers = []
     with mode:
+        # A meta sketch has no values: the selection takes top-r's r distinct positions of
+        # each part, on the CPU as select() returns them (made under the mode, whose CPU
+        # factories give meta, and outside the measured steps).
+        selections = []
+        for w in plan.weights:
+            sizes = [w.units // w.parts] * w.parts
+            index = torch.cat([i * sizes[0] + torch.arange(w.rank) for i in range(w.parts)])
+            selections.append((index, torch.ones(w.parts * w.rank)))
         measure = _Measure(mode)
         # Megatron's bf16 weights and the virtual parameters (model parameters, whose
         # gradient and Adam state megatron keeps) exist outside Grass: not counted here.
         frozen, virtual = [], []
-        for name, shape in weights:
-            frozen.append(torch.zeros(shape, dtype=torch.bfloat16, device="meta"))
-            side, _ = projected_dim(shape)
-            m, n = shape
-            vshape = (cfg.rank, n) if side == "row" else (m, cfg.rank)
-            virtual.append(torch.zeros(vshape, dtype=torch.bfloat16, device="meta"))
+        for w in plan.weights:
+            frozen.append(torch.zeros(w.local_shape, dtype=torch.bfloat16, device="meta"))
+            virtual.append(torch.zeros(w.virtual_shape, dtype=torch.bfloat16, device="meta"))
+        # Each part's rows: CPU tensors in a run (host memory), made outside the count.
+        rows = [
+            (
+                None
+                if w.part_rows is None
+                else tuple(torch.cat([torch.arange(s, s + n) for s, n in b]) for b in w.part_rows)
+            )
+            for w in plan.weights
+        ]
         outside = mode.live
 
         def build():
-            for (name, shape), weight, v in zip(weights, frozen, virtual):
+            for w, weight, v, part_rows in zip(plan.weights, frozen, virtual, rows):
                 layers.append(
                     GrassLayer(
-                        fqn=name[: -len(".weight")],
+                        fqn=w.fqn,
                         weight=weight,
                         param=v,
-                        mode=projected_dim(shape)[0],
-                        rank=cfg.rank,
+                        mode=w.mode,
+                        rank=w.rank,
                         method="topr",
                         sketch_size=cfg.sketch_size,
                         seed=cfg.seed,
+                        part_rows=part_rows,
+                        num_col_parts=w.parts if w.mode == "col" else 1,
                     )
                 )
 
         measure.step(build)
+        sketches = {}
 
         def sketch_and_select():
             # One layer at a time, as the backward reaches them; the sketches of every
             # layer stay until the selection after the backward.
+            before = mode.live
             for layer in layers:
                 layer.start_sketch(0)
                 m, n = layer.weight.shape
@@ -568,7 +565,9 @@ def measure_grass(model: str, options: Dict[str, Any]) -> Dict[str, Any]:
                 x = torch.zeros(tokens, n, dtype=torch.bfloat16, device="meta")
                 layer.projected_grad(dy, x)
                 del dy, x
-            for layer in layers:
+            gc.collect()
+            sketches["bytes"] = mode.live - before
+            for layer, (index, rho) in zip(layers, selections):
                 layer.sketch_norms()
                 layer.set_selection(index.clone(), rho.clone(), layer.param)
                 layer.sketching, layer.sketch, layer.omega = False, None, None
@@ -587,16 +586,21 @@ def measure_grass(model: str, options: Dict[str, Any]) -> Dict[str, Any]:
         measure.step(selected_step)
         persistent = measure.persistent - outside
     num_virtual = sum(_numel(v.shape) for v in virtual)
-    projected = sum(_numel(s) for _, s in weights)
+    projected = sum(_numel(w.local_shape) for w in plan.weights)
     return {
         "persistent": persistent,
         "transient": measure.transient,
+        "sketch_bytes": sketches["bytes"],
         "virtual_params": num_virtual,
         "projected_params": projected,
         # bf16 parameter + fp32 gradient + Adam's 12 B: the virtual parameters against the
         # weights they stand for (megatron's allocations, not measured here)
         "grass_param_grad_adam_bytes": 18 * num_virtual,
         "dense_grad_adam_bytes": 16 * projected,
+        "plan_selection_bytes": plan.selection_bytes,
+        "plan_sketch_bytes": plan.sketch_bytes,
+        "plan_virtual_bytes": plan.virtual_bytes,
+        "plan_dense_bytes": plan.dense_bytes,
         "tokens_per_microbatch": tokens,
         "settings": {"rank": cfg.rank, "sketch_size": cfg.sketch_size, "method": "topr"},
         "num_params": sum(_numel(s) for _, s in params),
@@ -615,7 +619,7 @@ def measure_aqsgd(model: str, samples: int, options: Dict[str, Any]) -> Dict[str
     cfg = AQSGDConfig(**options)
     m = MODELS[model]
     space = SampleSpace(fixed=True, num_samples=samples, dp_rank=0, dp_size=1,
-                        micro_batch_size=1, num_microbatches=1, seq_length=m["seq"])  # fmt: skip
+                        micro_batch_size=1, num_microbatches=1, seq_length=m.seq)  # fmt: skip
     codec = AQSGDCodec(cfg, ctx=None)
     codec._check_fits = lambda *a, **k: None  # the host's free memory is not the GPU's
     extra = {}
@@ -628,7 +632,7 @@ def measure_aqsgd(model: str, samples: int, options: Dict[str, Any]) -> Dict[str
 
         def allocate():
             result["sides"], result["per_side"] = codec.allocate(
-                space, m["seq"], m["hidden"], stage=1, num_stages=3,
+                space, m.seq, m.hidden, stage=1, num_stages=3,
                 device=torch.device("meta"), **extra,
             )  # fmt: skip
 
@@ -638,7 +642,7 @@ def measure_aqsgd(model: str, samples: int, options: Dict[str, Any]) -> Dict[str
     # What the launch scripts print before a job starts (megatron_ext.preflight), from the
     # functions the codec allocated with: 8 stages on one 8-GPU node (the AQ-SGD paper's).
     plan = aqsgd_buffer_plan(
-        num_samples=samples, seq_length=m["seq"], hidden_size=m["hidden"],
+        num_samples=samples, seq_length=m.seq, hidden_size=m.hidden,
         activation_dtype=torch.bfloat16, pipeline_parallel=8, world_size=8, ranks_per_node=8,
     )  # fmt: skip
     return {
@@ -648,7 +652,7 @@ def measure_aqsgd(model: str, samples: int, options: Dict[str, Any]) -> Dict[str
         "sides": result["sides"],
         "per_side": result["per_side"],
         "per_node_8_stages": plan.per_node_max,
-        "per_side_formula": f"{samples} x {m['seq']} x {m['hidden']} x {itemsize} B",
+        "per_side_formula": f"{samples} x {m.seq} x {m.hidden} x {itemsize} B",
         "settings": {"buffer_dtype": str(codec.send.dtype), "buffer": cfg.buffer},
         "num_params": sum(_numel(s) for _, s in model_params(model)),
     }
@@ -679,13 +683,14 @@ def measure_protocol(model: str, options: Dict[str, Any]) -> Dict[str, Any]:
     from megatron_ext.methods.protocol import SubspaceConfig
     from megatron_ext.optim.hooks import ParamOptimState
     from megatron_ext.optim.subspace import SubspaceOptimizerHook
+    from megatron_ext.state_plan import protocol_plan
 
     cfg = SubspaceConfig(**options)
     m = MODELS[model]
-    d = m["hidden"]
+    d = m.hidden
     k = cfg.rank_for(d)
     params = model_params(model)
-    free = m["num_layers"] - cfg.uncompressed_last_layers
+    free = m.num_layers - cfg.uncompressed_last_layers
     constrained = {}
     for name, shape in params:
         if name in ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight"):
@@ -725,8 +730,8 @@ def measure_protocol(model: str, options: Dict[str, Any]) -> Dict[str, Any]:
 
         def build():
             subspace = Subspace(d, k, cfg.seed).to("meta")
-            subspace.make_fixed(padded_vocab(m["vocab"]), 0.02, torch.bfloat16, "meta")
-            subspace.accumulate(torch.zeros(m["seq"], d, device="meta"))  # the last stage's A
+            subspace.make_fixed(m.vocab, 0.02, torch.bfloat16, "meta")
+            subspace.accumulate(torch.zeros(m.seq, d, device="meta"))  # the last stage's A
             holder["hook"] = SubspaceOptimizerHook(
                 subspace,
                 dict(constrained),
@@ -750,7 +755,15 @@ def measure_protocol(model: str, options: Dict[str, Any]) -> Dict[str, Any]:
         measure.step(optimizer_step)
         persistent = measure.persistent
     word = _numel(shapes["embedding.word_embeddings.weight"])
+    # What the launch scripts print (megatron_ext.state_plan.protocol_plan): U and T_fixed
+    # of every stage, and the last stage's A (kept) and staged g^T g (the measured build
+    # stages one) when U moves.
+    plan = protocol_plan(m, k=k, update_interval=1, params_dtype="bf16", pipeline_parallel=2)
     return {
+        "plan_u_bytes": plan.u_bytes,
+        "plan_fixed_bytes": plan.fixed_bytes,
+        "plan_accumulator_bytes": plan.accumulator_bytes,
+        "plan_last_stage_bytes": plan.per_stage[-1],
         "persistent": persistent,
         "transient": measure.transient,
         "constrained_params": sum(_numel(shapes[n]) for n in constrained),

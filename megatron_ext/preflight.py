@@ -56,6 +56,8 @@ __all__ = [
     "check_layout",
     "check_inputs",
     "memory_needs",
+    "method_state_needs",
+    "model_shape",
     "available_host_memory",
     "main",
 ]
@@ -79,10 +81,28 @@ def _megatron_subset(args: Sequence[str]) -> argparse.Namespace:
         ("--global-batch-size", None),
         ("--seq-length", None),
         ("--hidden-size", None),
+        ("--num-layers", None),
+        ("--ffn-hidden-size", None),
+        ("--num-attention-heads", None),
+        ("--num-query-groups", None),
+        ("--kv-channels", None),
+        ("--vocab-size", None),
+        ("--make-vocab-size-divisible-by", 128),
     ]:
         p.add_argument(flag, type=int, default=default)
-    for flag in ("--bf16", "--fp16", "--sequence-parallel", "--use-tp-pp-dp-mapping", "--finetune"):
+    for flag in (
+        "--bf16",
+        "--fp16",
+        "--sequence-parallel",
+        "--use-tp-pp-dp-mapping",
+        "--finetune",
+        "--group-query-attention",
+        "--swiglu",
+        "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
+    ):
         p.add_argument(flag, action="store_true")
+    p.add_argument("--position-embedding-type", default="learned_absolute")
     for flag in ("--save", "--load", "--vocab-file", "--merge-file", "--tokenizer-type"):
         p.add_argument(flag)
     p.add_argument("--tokenizer-model")
@@ -216,6 +236,123 @@ def _free_disk(directory: str) -> Optional[int]:
     return shutil.disk_usage(path).free
 
 
+def model_shape(args: Sequence[str]):
+    """The model Megatron-LM builds from ``args``
+    (:class:`megatron_ext.state_plan.ModelShape`); None without ``--num-layers``,
+    ``--hidden-size`` or ``--num-attention-heads``. The vocabulary is padded as Megatron-LM
+    pads it; it is known from ``--vocab-size`` or a ``--tokenizer-type`` whose size is
+    fixed (GPT2BPETokenizer), else None (a tokenizer model decides it when it loads)."""
+    from megatron_ext.state_plan import TOKENIZER_VOCAB, ModelShape, padded_vocab
+
+    a = _megatron_subset(args)
+    if not (a.num_layers and a.hidden_size and a.num_attention_heads):
+        return None
+    vocab = a.vocab_size or TOKENIZER_VOCAB.get(a.tokenizer_type or "")
+    if vocab:
+        vocab = padded_vocab(vocab, a.make_vocab_size_divisible_by, a.tensor_model_parallel_size)
+    ffn = a.ffn_hidden_size
+    if ffn is None:  # Megatron-LM's default
+        h = a.hidden_size
+        ffn = int((4 * h * 2 / 3) / 64) * 64 if a.swiglu else 4 * h
+    return ModelShape(
+        num_layers=a.num_layers,
+        hidden=a.hidden_size,
+        heads=a.num_attention_heads,
+        ffn=ffn,
+        vocab=vocab,
+        seq=a.seq_length or 0,
+        kv_heads=a.num_query_groups if a.group_query_attention else None,
+        kv_channels=a.kv_channels,
+        swiglu=a.swiglu,
+        bias=not a.disable_bias_linear,
+        learned_positions=a.position_embedding_type == "learned_absolute",
+        untied=a.untie_embeddings_and_output_weights,
+    )
+
+
+def method_state_needs(args: Sequence[str]) -> List[Dict[str, object]]:
+    """Grass's and Protocol Models' state per GPU (device needs), from
+    :func:`megatron_ext.state_plan.grass_plan` / ``protocol_plan`` on the run's model shape.
+
+    Raises:
+        PreflightError: a Grass rank the model's shape or TP layout cannot take.
+    """
+    ext = _ext_args(args)
+    grass = ext.grass_method != "none"
+    protocol = ext.subspace_method == "protocol"
+    if not (grass or protocol):
+        return []
+    shape = model_shape(args)
+    if shape is None:
+        return []
+    from megatron_ext.state_plan import format_bytes as fb
+    from megatron_ext.state_plan import grass_plan, protocol_plan
+
+    a = _megatron_subset(args)
+    dtype = "bf16" if a.bf16 else "fp16" if a.fp16 else "fp32"
+    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    needs: List[Dict[str, object]] = []
+    if grass:
+        try:
+            plan = grass_plan(
+                shape,
+                rank=ext.grass_rank,
+                method=ext.grass_method,
+                sketch_size=ext.grass_sketch_size,
+                layers=ext.grass_layers,
+                params_dtype=dtype,
+                tensor_parallel=tp,
+                pipeline_parallel=pp,
+            )
+        except ValueError as exc:
+            raise PreflightError(str(exc)) from None
+        what = (
+            f"Grass state ({len(plan.weights)} projected weights a stage, r={ext.grass_rank} "
+            f"per part: virtual parameters {plan.virtual_elements / 1e6:.2f}M x "
+            f"{plan.bytes_per_virtual} B ({dtype} + gradient + Adam) = "
+            f"{fb(plan.virtual_bytes)}, selection {fb(plan.selection_bytes)}, sketches at a "
+            f"selection step {fb(plan.sketch_bytes)} + {fb(plan.sketch_reduce_bytes)} "
+            f"all-reduced); saves ~{fb(plan.saved)} against the "
+            f"dense gradient and Adam state of those weights ({plan.projected_elements / 1e6:.2f}M"
+            f" x {plan.bytes_per_dense} B = {fb(plan.dense_bytes)})"
+        )
+        needs.append(dict(where="device", nbytes=plan.total, what=what, flags="--grass-rank"))
+    if protocol:
+        from megatron_ext.config import config_from_args
+        from megatron_ext.methods.protocol import SubspaceConfig
+
+        cfg = config_from_args(SubspaceConfig, ext)
+        k = cfg.rank_for(shape.hidden)
+        plan = protocol_plan(
+            shape, k=k, update_interval=cfg.update_interval, params_dtype=dtype,
+            pipeline_parallel=pp,
+        )  # fmt: skip
+        d = shape.hidden
+        if plan.fixed_bytes is None:
+            fixed = (
+                f"T_fixed {fb(plan.fixed_bytes_per_row)} per vocabulary row (not counted: the "
+                f"vocabulary is {a.tokenizer_type}'s, known when it loads)"
+            )
+        else:
+            fixed = f"T_fixed {shape.vocab} x {d} x {plan.fixed_bytes_per_row // d} B = " + fb(
+                plan.fixed_bytes
+            )
+        acc = ""
+        if plan.accumulator_bytes:
+            acc = (
+                f"; the last stage's Grassmann accumulator A and staged g^T g 2 x {d}^2 x 4 B"
+                f" = {fb(plan.accumulator_bytes)}"
+            )
+        what = (
+            f"Protocol Models state (k={k} of d={d}: U {d} x {k} x 4 B = {fb(plan.u_bytes)} "
+            f"and {fixed} on each of {pp} stage{'s' if pp > 1 else ''}{acc})"
+        )
+        needs.append(
+            dict(where="device", nbytes=plan.per_gpu_max, what=what, flags="--subspace-rank")
+        )
+    return needs
+
+
 def memory_needs(args: Sequence[str], nodes: int, gpus_per_node: int) -> List[Dict[str, object]]:
     """What the run keeps beyond the model and optimizer, per node or per GPU.
 
@@ -224,12 +361,13 @@ def memory_needs(args: Sequence[str], nodes: int, gpus_per_node: int) -> List[Di
         host and disk, per GPU for device), ``what`` (a sentence), ``flags`` (to change it)
         and ``directory`` (disk).
     """
+    needs = method_state_needs(args)
     ext = _ext_args(args)
     if ext.p2p_compression != "aqsgd" or not ext.fixed_samples:
-        return []
+        return needs
     a = _megatron_subset(args)
     if not a.seq_length or not a.hidden_size:
-        return []
+        return needs
     import torch
 
     from megatron_ext.collectives.aqsgd import format_bytes
@@ -257,7 +395,7 @@ def memory_needs(args: Sequence[str], nodes: int, gpus_per_node: int) -> List[Di
     )
     flags = "--aqsgd-buffer, --fixed-samples, more data-parallel ranks"
     if where == "device":
-        return [
+        return needs + [
             dict(
                 where="device",
                 nbytes=plan.per_rank_max,
@@ -266,7 +404,7 @@ def memory_needs(args: Sequence[str], nodes: int, gpus_per_node: int) -> List[Di
             )
         ]
     place = "host memory" if where == "host" else f"disk in {ext.aqsgd_buffer_dir}"
-    return [
+    return needs + [
         dict(
             where=where,
             nbytes=plan.per_node_max,
@@ -280,7 +418,7 @@ def memory_needs(args: Sequence[str], nodes: int, gpus_per_node: int) -> List[Di
 def _report_memory(needs, dry_run: bool) -> None:
     if not needs:
         return
-    from megatron_ext.collectives.aqsgd import format_bytes
+    from megatron_ext.state_plan import format_bytes
 
     for need in needs:
         unit = "per GPU" if need["where"] == "device" else "per node"

@@ -90,6 +90,7 @@ from megatron_ext.compressors.quantize import (
 )
 from megatron_ext.compressors.seeding import device_generator
 from megatron_ext.config import ConfigError
+from megatron_ext.state_plan import format_bytes  # ``1.50 GB`` style (torch-free, preflight)
 
 __all__ = [
     "SampleBuffers",
@@ -106,15 +107,6 @@ __all__ = [
 
 _DTYPES = {"fp16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16}
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
-
-
-def format_bytes(n: float) -> str:
-    """``1.50 GB`` style."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n:.2f} TB"
 
 
 def buffer_nbytes(num_slots: int, rows: int, cols: int, dtype: torch.dtype) -> int:

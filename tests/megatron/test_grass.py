@@ -275,6 +275,16 @@ def _tp_selection_run(rank, world, flags):
                 "parts": lay.num_parts,
                 "rank": lay.rank,
                 "index": lay.index.tolist(),
+                "virtual_shape": tuple(lay.param.shape),
+                # what the selection keeps on the device (the pre-flight's selection bytes)
+                "selection_bytes": sum(
+                    t.untyped_storage().nbytes()
+                    for t in (
+                        lay.index, lay.rho, lay.unique, lay.slots, lay.base,
+                        lay._slot_col, lay._unit_block, lay._unit_col,
+                    )
+                    if t is not None
+                ),  # fmt: skip
             }
             for fqn, lay in layers.items()
         },
@@ -344,6 +354,25 @@ def test_tp1_and_tp2_choose_the_same_dimension_and_rows():
             else:  # Q, K, V rows: r / 2 on each rank, of its own shard of each part
                 assert kind == "linear_qkv" and other["rank"] == r // 2
                 assert len(other["index"]) == 3 * r // 2
+    # The pre-flight's plan (megatron_ext.state_plan), from the shape alone, is what the
+    # layers hold: the same weights, parts, V and selection buffers at TP=1 and TP=2.
+    from megatron_ext.config import DEFAULT_LINEAR_LAYERS
+    from megatron_ext.state_plan import ModelShape, grass_plan
+
+    shape = ModelShape(num_layers=2, hidden=64, heads=4, kv_heads=2, ffn=256, vocab=512, seq=32,
+                       swiglu=True)  # fmt: skip
+    for tp, out in ((1, tp1[0]), (2, tp2[0])):
+        plan = grass_plan(shape, rank=r, sketch_size=16, layers=DEFAULT_LINEAR_LAYERS,
+                          tensor_parallel=tp)  # fmt: skip
+        planned = {w.fqn: w for w in plan.weights}
+        assert set(planned) == set(out["layers"]), (tp, sorted(planned))
+        selection = 0
+        for fqn, lay in out["layers"].items():
+            w = planned[fqn]
+            assert (w.mode, w.parts, w.rank) == (lay["mode"], lay["parts"], lay["rank"]), fqn
+            assert w.virtual_shape == tuple(lay["virtual_shape"]), (tp, fqn)
+            selection += lay["selection_bytes"]
+        assert plan.selection_bytes == selection, tp
 
 
 def test_optimizers_other_than_decoupled_adamw_are_refused_at_install():

@@ -371,3 +371,59 @@ def test_the_printed_aqsgd_figure_is_what_the_codec_allocates():
         **small, pipeline_parallel=3, world_size=6, ranks_per_node=2, tp_pp_dp_mapping=True
     )
     assert mapped.per_node == [3 * side, 2 * side, 3 * side]
+
+
+def test_grass_and_protocol_state_is_stated_before_start(runs):
+    """The Grass and Protocol Models run files state their method state per GPU."""
+    code, out, err = runs["grass350m"]
+    # 24 layers x (Q, K, V: 3 x 128 rows of 1024 + proj: 128 rows of 1024 + SwiGLU gate and
+    # up (2736 x 1024 each, columns projected): 2736 x 2 x 128 + fc2: 128 rows of 2736).
+    assert 24 * (3 * 128 * 1024 + 128 * 1024 + 2736 * 2 * 128 + 128 * 2736) == 37_797_888
+    # The dense weights: 24 x (3072 + 1024 + 5472 + 2736) x 1024 = 302.38M.
+    assert 24 * (3072 + 1024 + 5472 + 2736) * 1024 == 302_383_104
+    line = (
+        "megatron-ext: needs ~1.37 GB of GPU memory per GPU for Grass state (96 projected "
+        "weights a stage, r=128 per part: virtual parameters 37.80M x 18 B (bf16 + gradient "
+        "+ Adam) = 680.36 MB, selection 151.94 MB, sketches at a selection step 360.97 MB + "
+        "176.16 MB all-reduced); saves ~3.47 GB against the dense gradient and Adam state of "
+        "those weights (302.38M x 16 B = 4.84 GB)"
+    )
+    assert err.count(line) == 1, err
+    # 50257 GPT-2 pieces padded to 50304; the last of 8 stages adds A and the staged g^T g.
+    assert 1536 * 15 * 4 + 50304 * 1536 * 2 + 2 * 1536**2 * 4 == 173_500_416
+    line = (
+        "megatron-ext: needs ~173.50 MB of GPU memory per GPU for Protocol Models state (k=15 "
+        "of d=1536: U 1536 x 15 x 4 B = 92.16 KB and T_fixed 50304 x 1536 x 2 B = 154.53 MB on "
+        "each of 8 stages; the last stage's Grassmann accumulator A and staged g^T g 2 x "
+        "1536^2 x 4 B = 18.87 MB)"
+    )
+    assert runs["protocol640m"][2].count(line) == 1, runs["protocol640m"][2]
+    # LLaMA-3's tokenizer is a model file: T_fixed is stated per row, not guessed.
+    assert "T_fixed 8.19 KB per vocabulary row (not counted" in runs["protocol8b"][2]
+    for name in ("grass", "grass1b", "grass13b", "protocol2b"):
+        assert "GPU memory per GPU for" in runs[name][2], name
+
+
+def test_the_printed_grass_and_protocol_figures_are_what_the_classes_hold():
+    """megatron_ext.state_plan against benchmarks/state_memory.py's meta measurement of the
+    real GrassLayer / Subspace objects (GPT: Q, K, V rows; LLaMA with GQA and SwiGLU: gate
+    and up columns)."""
+    sys.path.insert(0, str(REPO))
+    try:
+        from benchmarks import state_memory
+    finally:
+        sys.path.remove(str(REPO))
+    for model in ("tiny", "tiny-llama"):
+        row = state_memory.measure_grass(model, {"rank": 8, "sketch_size": 16})
+        assert row["persistent"] == row["plan_selection_bytes"] > 0, model
+        assert row["sketch_bytes"] == row["plan_sketch_bytes"] > 0, model
+        assert row["grass_param_grad_adam_bytes"] == row["plan_virtual_bytes"], model
+        assert row["dense_grad_adam_bytes"] == row["plan_dense_bytes"], model
+        exact = state_memory.measure_grass(model, {"rank": 8, "sketch_size": 0})
+        assert exact["sketch_bytes"] == exact["plan_sketch_bytes"] > row["sketch_bytes"]
+    row = state_memory.measure_protocol("tiny-llama", {"min_rank": 0})
+    # U, T_fixed and the one A the measured build stages (the plan's last stage: two).
+    assert row["persistent"] == (
+        row["plan_u_bytes"] + row["plan_fixed_bytes"] + row["plan_accumulator_bytes"] // 2
+    )
+    assert row["plan_fixed_bytes"] == 512 * 64 * 2 and row["plan_u_bytes"] == 64 * 1 * 4

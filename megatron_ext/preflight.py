@@ -26,7 +26,11 @@ What it does:
        aqsgd_buffer_plan` (the codec's and ``benchmarks/state_memory.py``'s computation).
        Printed always; outside a dry run the node's available host memory
        (``MemAvailable``) or the buffer directory's free space is compared, and the launch
-       refused when it is smaller.
+       refused when it is smaller. Grass's and Protocol Models' state per GPU
+       (:func:`method_state_needs`: :func:`megatron_ext.state_plan.grass_plan` /
+       ``protocol_plan`` on :func:`model_shape`, the model the run's flags describe) is
+       printed too, with what Grass saves against the dense gradient and Adam state of the
+       weights it projects; a Grass rank the shape cannot take is refused here.
 
 Why:
     A run that cannot work should stop before a multi-node job waits in a queue, starts

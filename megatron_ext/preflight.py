@@ -449,7 +449,7 @@ def _report_memory(needs, dry_run: bool) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry point; returns the exit code (2: refused)."""
-    from megatron_ext.runfile import RunFileError, run_file_args
+    from megatron_ext.runfile import RunFileError, print_args, run_file_args
 
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: List[str] = []
@@ -483,10 +483,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (OSError, RunFileError, PreflightError) as exc:
         print(f"megatron-ext: error: {exc}", file=sys.stderr)
         return 2
-    if opts.null:
-        sys.stdout.write("".join(v + "\0" for v in args))
-    else:
-        print(shlex.join(args))
+    print_args(args, opts.null)
     return 0
 
 

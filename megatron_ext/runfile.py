@@ -38,7 +38,7 @@ import shlex
 import sys
 from typing import Any, List, Optional, Sequence
 
-__all__ = ["RunFileError", "run_file_args", "main"]
+__all__ = ["RunFileError", "run_file_args", "print_args", "main"]
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
@@ -119,11 +119,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (OSError, RunFileError) as exc:
         print(f"run file: error: {exc}", file=sys.stderr)
         return 2
-    if args.null:
+    print_args(values, args.null)
+    return 0
+
+
+def print_args(values: Sequence[str], null: bool) -> None:
+    """Write ``values`` for a shell: NUL-terminated (``mapfile -d ''``) or shell-quoted."""
+    if null:
         sys.stdout.write("".join(v + "\0" for v in values))
     else:
         print(shlex.join(values))
-    return 0
 
 
 if __name__ == "__main__":

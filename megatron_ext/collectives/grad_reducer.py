@@ -86,6 +86,7 @@ __all__ = [
     "shard_bounds",
     "all_gather_flat",
     "ReducerStepHook",
+    "check_state_keys",
 ]
 
 
@@ -412,6 +413,18 @@ class CompressedReduction(BoundReduction):
         return None
 
 
+def check_state_keys(expected: Dict[str, Any], state: Dict[str, Any], what: str) -> None:
+    """Raise ValueError when ``state``'s keys are not ``expected``'s, listing up to five
+    missing and unexpected keys (a checkpoint of another model or method setting)."""
+    if set(state) != set(expected):
+        missing = sorted(set(expected) - set(state))[:5]
+        unexpected = sorted(set(state) - set(expected))[:5]
+        raise ValueError(
+            f"{what} state keys differ from this model's parameters: "
+            f"missing {missing}, unexpected {unexpected}"
+        )
+
+
 class GradReducer(abc.ABC):
     """A data-parallel gradient reduction method (see module docstring).
 
@@ -491,14 +504,7 @@ class GradReducer(abc.ABC):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; raises ValueError listing missing / unexpected keys."""
-        expected = set(self.state_dict())
-        if set(state) != expected:
-            missing = sorted(expected - set(state))[:5]
-            unexpected = sorted(set(state) - expected)[:5]
-            raise ValueError(
-                f"{self.name} reducer state keys differ from this model's parameters: "
-                f"missing {missing}, unexpected {unexpected}"
-            )
+        check_state_keys(self.state_dict(), state, f"{self.name} reducer")
         for bound in self.bound:
             keys = set(bound.state_dict())
             bound.load_state_dict({k: v for k, v in state.items() if k in keys})

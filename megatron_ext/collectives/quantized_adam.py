@@ -77,6 +77,7 @@ from megatron_ext.collectives.grad_reducer import (
     DenseGradReducer,
     GradReducer,
     ParamSlice,
+    check_state_keys,
 )
 from megatron_ext.collectives.quantized import _QuantizedReduction
 from megatron_ext.config import ConfigError
@@ -347,14 +348,7 @@ class QuantizedAdamHook(OptimizerHook):
         return out
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        expected = set(self.state_dict())
-        if set(state) != expected:
-            missing = sorted(expected - set(state))[:5]
-            unexpected = sorted(set(state) - expected)[:5]
-            raise ValueError(
-                f"quantized-adam state keys differ from this model's parameters: "
-                f"missing {missing}, unexpected {unexpected}"
-            )
+        check_state_keys(self.state_dict(), state, "quantized-adam")
         remaining = dict(state)
         self.reducer.applied_steps = int(remaining.pop("applied_steps"))
         for exchanges in self.exchanges.values():

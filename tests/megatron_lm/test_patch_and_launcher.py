@@ -499,7 +499,8 @@ def test_shipped_run_files_parse_and_follow_the_naming(monkeypatch):
     for flag, value in [("--hidden-size", "5120"), ("--num-layers", "40"),
                         ("--micro-batch-size", "1"), ("--grass-rank", "128")]:  # fmt: skip
         assert memory[memory.index(flag) + 1] == value, flag
-    # Protocol Models: one layer a stage for 2B (8) and 8B (32), k = 40 of 4096; 640M k = 15.
+    # Protocol Models: one layer a stage for 2B (8) and 8B (32), k = 40 of 4096; 640M k = 15;
+    # the whole last stage free (-1, the reference's rule).
     for size, layers, stages, rank in [("2b_protocol_8gpu", "8", "8", "40"),
                                        ("640m_protocol_8gpu", "16", "8", "15"),
                                        ("8b_protocol_64gpu", "32", "32", "40")]:  # fmt: skip
@@ -507,7 +508,7 @@ def test_shipped_run_files_parse_and_follow_the_naming(monkeypatch):
         for flag, value in [("--num-layers", layers), ("--pipeline-model-parallel-size", stages),
                             ("--subspace-method", "protocol"), ("--subspace-rank", rank),
                             ("--subspace-update-interval", "500"), ("--hidden-dropout", "0"),
-                            ("--subspace-uncompressed-last-layers", "1")]:  # fmt: skip
+                            ("--subspace-uncompressed-last-layers", "-1")]:  # fmt: skip
             assert proto[proto.index(flag) + 1] == value, (size, flag)
 
 

@@ -505,7 +505,7 @@ def test_aqsgd_middle_stage_prepares_both_sides_in_one_copy():
 GRASS_K = 3  # selection interval
 
 
-def _grass_setup(method):
+def _grass_setup(method, reset=True):
     """Two projected layers (a row- and a column-projected one) with their virtual
     parameters on the device and the optimizer hook, as megatron_ext.methods.grass builds
     them (sketches all-reduced over the data-parallel group)."""
@@ -532,7 +532,7 @@ def _grass_setup(method):
         layers,
         GrassSchedule(GRASS_K, 1, 1.0),
         lambda flat: dist.all_reduce(flat),
-        reset_state=True,
+        reset_state=reset,
         param_fqn=lambda fqn: f"{fqn}.grass_weight",
     )
     hook.initial_selection()
@@ -594,10 +594,16 @@ def _grass_steps(mode, layers, hook, view, steps, first=0, microbatches=2):
 
 
 # Fixed: Grass kept its selection on the CPU and copied it per layer per microbatch.
-@pytest.mark.parametrize("method", ["topr", "norm"])
-def test_grass_steady_steps_stay_on_device(method):
+@pytest.mark.parametrize(
+    "method, reset",
+    [("topr", True), ("norm", True), ("uniform-nr", True), ("topr", False), ("norm", False)],
+    ids=["topr", "norm", "uniform-nr", "topr-keep-moments", "norm-keep-moments"],
+)
+def test_grass_steady_steps_stay_on_device(method, reset):
+    # keep-moments: --no-grass-reset-state moves the moments with their rows at a selection
+    # and corrects each slot's bias from its own count in the steady steps.
     def body(rank, mode):
-        layers, hook = _grass_setup(method)
+        layers, hook = _grass_setup(method, reset)
         view = _GrassView(layers)
         _grass_steps(mode, layers, hook, view, steps=2 * GRASS_K + 1)
         return None

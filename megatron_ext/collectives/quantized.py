@@ -62,6 +62,13 @@ from megatron_ext.compressors.quantize import (
 __all__ = ["QuantizedReducer"]
 
 
+def _bytes_as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[W', n]`` uint8 columns reinterpreted as ``dtype``: a fresh copy, since a slice of the
+    payload starts at a byte offset that need not be a multiple of the item size (one
+    partition, ``W' = 1``, makes the slice contiguous at that offset, and ``view`` refuses)."""
+    return raw.clone(memory_format=torch.contiguous_format).view(dtype)
+
+
 class QuantizedReducer(GradReducer):
     """k-bit quantized gradient exchange (see module docstring).
 
@@ -179,7 +186,7 @@ class _QuantizedReduction(CompressedReduction):
         width = self._code_width(layout)
         codes = unpack_bits(payload[:, :ncodes].reshape(-1), self.cfg.bits, count * width)
         codes = codes.view(count, width)[:, : layout.padded]
-        scales = payload[:, ncodes : ncodes + 2 * layout.rows].contiguous().view(torch.float16)
+        scales = _bytes_as(payload[:, ncodes : ncodes + 2 * layout.rows], torch.float16)
         q = Quantized(
             codes=codes.reshape(count, layout.rows, layout.block),
             scales=scales.reshape(count, layout.rows, 1),
@@ -224,7 +231,7 @@ class _QuantizedReduction(CompressedReduction):
         spec = self.spec
         nbytes = self._partition_nbytes(layout)
         rows = recv.view(layout.size, nbytes + 4)
-        flag = rows[:, nbytes:].contiguous().view(torch.float32).sum().reshape(1)
+        flag = _bytes_as(rows[:, nbytes:], torch.float32).sum().reshape(1)
         r = self._unpack_rows(rows[:, :nbytes], layout).sum(dim=0)
         if spec.op != torch.distributed.ReduceOp.SUM:
             r /= layout.size

@@ -25,7 +25,9 @@ import pytest
 
 from tests.helpers.dist import run_ranks
 
-SHAPES = [("w1", (24, 40)), ("b1", (40,)), ("w2", (16, 24))]
+# 1320 elements: 21 rows of 64, so one partition's payload (codes, fp16 scales) is 378 bytes,
+# not a multiple of 4: DP=1 reads its flag and scales at unaligned offsets.
+SHAPES = [("w1", (24, 40)), ("b1", (40,)), ("w2", (16, 20))]
 WARMUP = 3
 STEPS = 23
 LR, WD, BETAS, EPS = 1e-2, 0.1, (0.9, 0.95), 1e-8
@@ -191,15 +193,18 @@ def _all(rank, world):
     dist.init_process_group("gloo")
     # DP=4 on the whole world, DP=2 on {0, 1} and {2, 3} (every rank creates every group).
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    # DP=1 (one GPU; one partition: the payload's byte offsets are not float-aligned).
+    singles = [dist.new_group([r]) for r in range(world)]
     out = {}
     for op_name in ("SUM", "AVG"):
         out[(4, op_name)] = _run(rank, 4, op_name, dist.group.WORLD)
         out[(2, op_name)] = _run(rank % 2, 2, op_name, pairs[rank // 2])
+    out[(1, "AVG")] = _run(0, 1, "AVG", singles[rank])
     return out
 
 
 def test_quantized_adam_exact_error_compensation_and_update():
-    """DP=2 and DP=4, SUM and AVG, in one launch of 4 ranks."""
+    """DP=2 and DP=4, SUM and AVG, and DP=1, in one launch of 4 ranks."""
     for rank, results in enumerate(run_ranks(_all, 4)):
         for (world, op_name), out in results.items():
             where = f"DP={world} {op_name} rank {rank}"

@@ -80,6 +80,7 @@ BENCHMARKS = (
     "subspace_overhead",
     "frontier",
     "state_memory",
+    "one_gpu",
 )
 """Names a report's ``benchmark`` field may take; also the JSON file names (``<name>.json``)."""
 

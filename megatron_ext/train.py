@@ -708,11 +708,16 @@ class Trainer:
             device=collective_device(),
         )
         torch.distributed.broadcast(shared, src=self.world - 1)
+        mean_step = sum(warm) / max(1, len(warm))
+        tokens_per_step = self.sizes["gbs"] * cfg.model.seq_length
         summary = {
             "iterations": iteration,
             "consumed_samples": consumed,
             "steps_this_run": len(step_times),
-            "mean_step_time_s": sum(warm) / max(1, len(warm)),
+            "mean_step_time_s": mean_step,
+            # Steps after the first (its compilation and allocation excluded), all ranks.
+            "tokens_per_s": tokens_per_step / mean_step if mean_step > 0 else None,
+            "peak_memory": _peak_memory(self.world, cfg.training.cpu),
             "final_lm_loss": None if math.isnan(shared[0].item()) else shared[0].item(),
             "final_valid_loss": None if math.isnan(shared[1].item()) else shared[1].item(),
             "layout": dict(self.sizes),
@@ -730,11 +735,38 @@ class Trainer:
                 json.dump(summary, f, indent=2)
             print_rank_0(f"> communication report: {path}")
         valid = summary["final_valid_loss"]
+        peak = summary["peak_memory"]
         print_rank_0(
             f"> done: {iteration} iterations, mean step {summary['mean_step_time_s'] * 1000:.1f} ms"
+            + (
+                ""
+                if summary["tokens_per_s"] is None
+                else f", {summary['tokens_per_s']:.0f} tokens/s"
+            )
             + ("" if valid is None else f", validation loss {valid:.4f}")
+            + ("" if peak is None else f", peak GPU memory {peak['max_allocated_gib']:.2f} GiB")
         )
         return summary
+
+
+def _peak_memory(world: int, cpu: bool) -> Optional[Dict[str, Any]]:
+    """The largest per-rank CUDA peak (``max_memory_allocated`` / ``max_memory_reserved``, GiB)
+    over all ranks, or None with ``--cpu``. A collective: every rank calls it."""
+    import torch
+
+    from megatron_ext.accounting import collective_device
+
+    if cpu:
+        return None
+    peak = torch.tensor(
+        [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()],
+        dtype=torch.float64,
+        device=collective_device(),
+    )
+    if world > 1:
+        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    allocated, reserved = (float(x) / 2**30 for x in peak.tolist())
+    return {"max_allocated_gib": allocated, "max_reserved_gib": reserved}
 
 
 class _TrainLog:

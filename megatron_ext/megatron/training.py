@@ -87,7 +87,7 @@ def init_distributed(
         )
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if not cpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(_local_device(int(os.environ.get("LOCAL_RANK", "0")), backend))
     torch.distributed.init_process_group(
         backend=backend, timeout=timedelta(minutes=timeout_minutes)
     )
@@ -95,6 +95,22 @@ def init_distributed(
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     return ps, torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def _local_device(local_rank: int, backend: str) -> int:
+    """The CUDA device of this rank: its local rank; with gloo, ranks beyond the node's GPUs
+    share them round-robin (a debugging layout: NCCL refuses two ranks on one GPU)."""
+    count = torch.cuda.device_count()
+    if local_rank < count:
+        return local_rank
+    if backend != "gloo":
+        raise ConfigError(
+            "--distributed-backend",
+            f"local rank {local_rank} on a node with {count} CUDA device(s): {backend} needs "
+            f"one GPU per rank (start at most {count} processes per node, or share GPUs with "
+            "--distributed-backend gloo)",
+        )
+    return local_rank % count
 
 
 def seed_all(seed: int) -> None:

@@ -79,7 +79,9 @@ def method_flags(method: str, args: Any) -> List[str]:
     if method == "separate":
         return ["--grad-compression", "separate", "--separate-ratio", "16"]
     if method == "powersgd":
-        rank = equal_bytes_rank_for_shapes(gpt_matrix_shapes(load_model_preset(args.model)), 16)
+        preset = dict(load_model_preset(args.model))
+        preset.setdefault("vocab_size", 8192)  # the driver's default (--vocab-size)
+        rank = equal_bytes_rank_for_shapes(gpt_matrix_shapes(preset), 16)
         return [
             "--grad-compression",
             "powersgd",

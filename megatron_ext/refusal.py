@@ -85,9 +85,7 @@ def _print(message: str, file: TextIO) -> None:
     print(message, file=file, flush=True)
 
 
-def report_refusal(
-    message: str, file: Optional[TextIO] = None, *, defer_s: float = 0.0
-) -> bool:
+def report_refusal(message: str, file: Optional[TextIO] = None, *, defer_s: float = 0.0) -> bool:
     """Print ``message`` once for the whole job; call it on every refusing rank before exiting.
 
     Args:

@@ -167,13 +167,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> DriverConfig:
 def _check_kernels(cfg: DriverConfig) -> None:
     """Refuse fused kernels of the local spec whose Apex extensions are not installed (the
     driver never fuses gradient accumulation, and never fuses on CPU)."""
+    import torch
+
     from megatron_ext.megatron.lm.requirements import check_local_spec_kernels
 
+    if not cfg.training.cpu and not torch.cuda.is_available():
+        return  # refused at start-up naming --cpu, the flag such a machine needs
     check_local_spec_kernels(
         transformer_impl=cfg.model.transformer_impl,
         half=cfg.training.bf16,
         masked_softmax_fusion=cfg.model.masked_softmax_fusion and not cfg.training.cpu,
         gradient_accumulation_fusion=False,
+        persist_layer_norm=cfg.model.persist_layer_norm and not cfg.training.cpu,
     )
 
 

@@ -107,6 +107,11 @@ class ModelArgs:
     scaled_masked_softmax_cuda extension; a run without it is refused before start-up:
     pass --no-masked-softmax-fusion). CPU runs never fuse."""
 
+    persist_layer_norm: bool = True
+    """Megatron's persistent fused LayerNorm on a GPU (Megatron-LM's default; the local
+    spec's norm is Apex's, and without Apex a run is refused before start-up: pass
+    --no-persist-layer-norm). CPU runs never persist."""
+
     def __post_init__(self):
         cls = type(self)
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):

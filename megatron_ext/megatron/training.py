@@ -159,7 +159,7 @@ def transformer_config(model: Any, training: Any, *, tp: int, pp: int) -> Any:
         bias_dropout_fusion=not training.cpu,
         masked_softmax_fusion=m.masked_softmax_fusion and not training.cpu,
         apply_rope_fusion=False,
-        persist_layer_norm=not training.cpu,
+        persist_layer_norm=m.persist_layer_norm and not training.cpu,
         use_cpu_initialization=False,
         # Megatron-LM's pretrain_gpt averages per token across microbatches this way.
         calculate_per_token_loss=False,

@@ -4,6 +4,7 @@ Everything here fails before any process group exists (pure parsing and layout c
 """
 
 import pytest
+import torch
 
 from megatron_ext.config import ConfigError
 from megatron_ext.train import _layout_sizes, main, parse_args
@@ -148,18 +149,42 @@ def test_main_without_cuda_and_without_cpu_flag_explains(capsys, monkeypatch):
     __import__("importlib").util.find_spec("scaled_masked_softmax_cuda") is not None,
     reason="Apex's fused softmax extension is installed here",
 )
-def test_local_spec_bf16_without_apex_softmax_is_refused_before_start_up():
+def test_local_spec_bf16_without_apex_softmax_is_refused_before_start_up(monkeypatch):
     """The local spec fuses the masked softmax of bf16 attention through Apex's extension,
     imported at the first forward; without it the driver refuses at parse time."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ConfigError) as exc:
-        parse_args(["--bf16"])
+        parse_args(["--bf16", "--no-persist-layer-norm"])
     assert exc.value.flags == ("--no-masked-softmax-fusion", "--transformer-impl")
     assert "scaled_masked_softmax_cuda" in str(exc.value)
-    cfg = parse_args(["--bf16", "--no-masked-softmax-fusion"])
+    cfg = parse_args(["--bf16", "--no-masked-softmax-fusion", "--no-persist-layer-norm"])
     assert cfg.model.masked_softmax_fusion is False
     parse_args(["--bf16", "--cpu"])  # CPU runs never fuse
     parse_args(["--bf16", "--transformer-impl", "transformer_engine"])
-    parse_args([])  # fp32 attention takes the unfused softmax
+    parse_args(["--no-persist-layer-norm"])  # fp32 attention takes the unfused softmax
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("apex") is not None, reason="Apex is installed here"
+)
+def test_persist_layer_norm_without_apex_is_refused_naming_the_flag(monkeypatch):
+    """Without Apex the local spec builds torch's norm, which asserts persist_layer_norm off
+    at model build (seen on an H100); the driver refuses at parse time instead, with every
+    missing kernel's flag in one message (on a machine with CUDA: without, the refusal names
+    --cpu)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError) as exc:
+        parse_args([])
+    assert exc.value.flags == ("--no-persist-layer-norm", "--transformer-impl")
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--bf16"])
+    assert exc.value.flags == (
+        "--no-masked-softmax-fusion",
+        "--no-persist-layer-norm",
+        "--transformer-impl",
+    )
+    assert parse_args(["--no-persist-layer-norm"]).model.persist_layer_norm is False
+    parse_args(["--cpu"])  # CPU runs never persist
 
 
 @pytest.mark.parametrize(

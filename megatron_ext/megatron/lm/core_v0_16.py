@@ -94,9 +94,7 @@ HOOK_TARGETS: Tuple[HookTarget, ...] = (
     HookTarget(_TRAINING, "train", "train", ()),
     HookTarget(_TRAINING, "save_checkpoint", "save_checkpoint", ("iteration", "release")),
     HookTarget(_TRAINING, "load_checkpoint", "load_checkpoint", ()),
-    HookTarget(
-        _CHECKPOINTING, "generate_state_dict", "generate_state_dict", ("args", "optimizer")
-    ),
+    HookTarget(_CHECKPOINTING, "generate_state_dict", "generate_state_dict", ("args", "optimizer")),
     HookTarget(_CHECKPOINTING, "_load_base_checkpoint", "load_base_checkpoint", ("rank0", "args")),
 )
 

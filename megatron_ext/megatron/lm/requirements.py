@@ -120,6 +120,9 @@ LOCAL_SPEC_KERNELS: Dict[str, Tuple[str, ...]] = {
         "scaled_upper_triang_masked_softmax_cuda",
     ),
     "--no-gradient-accumulation-fusion": ("fused_weight_gradient_mlp_cuda",),
+    # Without Apex the local spec's norm is torch's (WrappedTorchNorm), which refuses
+    # persist_layer_norm by assertion at model build.
+    "--no-persist-layer-norm": ("apex",),
 }
 """The flag that turns each fused path off -> the Apex extension modules it imports."""
 
@@ -130,6 +133,7 @@ def check_local_spec_kernels(
     half: bool,
     masked_softmax_fusion: bool,
     gradient_accumulation_fusion: bool,
+    persist_layer_norm: bool = False,
 ) -> None:
     """Refuse a local-spec run whose fused kernels need Apex extensions that are absent.
 
@@ -138,6 +142,7 @@ def check_local_spec_kernels(
         half: fp16 or bf16 activations (only those take the fused softmax).
         masked_softmax_fusion: Megatron's ``masked_softmax_fusion``.
         gradient_accumulation_fusion: Megatron's ``gradient_accumulation_fusion``.
+        persist_layer_norm: Megatron's ``persist_layer_norm`` (needs Apex's fused norm).
 
     Raises:
         ConfigError: naming ``--no-masked-softmax-fusion`` /
@@ -150,6 +155,7 @@ def check_local_spec_kernels(
     wanted = {
         "--no-masked-softmax-fusion": masked_softmax_fusion and half,
         "--no-gradient-accumulation-fusion": gradient_accumulation_fusion,
+        "--no-persist-layer-norm": persist_layer_norm,
     }
     flags, lines = [], []
     for flag, modules in LOCAL_SPEC_KERNELS.items():
@@ -160,7 +166,7 @@ def check_local_spec_kernels(
     if flags:
         raise ConfigError(
             flags + ["--transformer-impl"],
-            "the local layer spec's fused kernels come from Apex's CUDA extensions, which "
+            "the local layer spec's fused kernels come from Apex and its CUDA extensions, which "
             "are not installed here; pass " + " and ".join(lines) + ", or use "
             "--transformer-impl transformer_engine where the methods allow it (Grass and "
             "Protocol Models need the local spec)",

@@ -163,6 +163,7 @@ def check_megatron_lm_args(args: Any, cfg: ExtConfig) -> None:
         half=bool(args.fp16 or args.bf16),
         masked_softmax_fusion=bool(args.masked_softmax_fusion),
         gradient_accumulation_fusion=bool(args.gradient_accumulation_fusion),
+        persist_layer_norm=not getattr(args, "no_persist_layer_norm", True),
     )
     if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
         flag = (

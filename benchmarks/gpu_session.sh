@@ -3,7 +3,7 @@
 # installs the carried megatron-core wheel, then runs the named stages in order, each under
 # its own time limit, logging to $OUT (or runs/gpu-session). A failing stage does not stop
 # the others. Usage (from the repository root, with .whl/ and .cache/ carried):
-#   bash scripts/dev/gpu_session.sh env tiny one-gpu kernels tests grass llama pp2
+#   bash benchmarks/gpu_session.sh env tiny one-gpu kernels tests grass llama pp2
 # Stages:
 #   env      GPU, torch, megatron-core versions; copy floor and matmul rate (sanity)
 #   tests    the gpu test set under torch.cuda.set_sync_debug_mode("warn") (report: syncs.json)
@@ -17,6 +17,8 @@ set -u
 OUT=${OUT:-runs/gpu-session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MEGATRON_EXT_CACHE=$PWD/.cache/tests
+# No Apex on a stock CUDA torch: the unfused softmax and torch's norm.
+EXTRA=${EXTRA:---no-masked-softmax-fusion --no-persist-layer-norm}
 if ! python3 -c "import megatron.core" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/megatron_core-*.whl || exit 1
@@ -65,16 +67,16 @@ EOF'
         ;;
     tiny)
         stage tiny python3 benchmarks/one_gpu.py --model gpt-tiny --no-bf16 --iters 10 --skip 4 \
-            --micro-batch-size 4 --grass-rank 16 --timeout 90 --out "$OUT/tiny"
+            --micro-batch-size 4 --grass-rank 16 --timeout 90 --extra "$EXTRA" --out "$OUT/tiny"
         ;;
     one-gpu)
         stage one-gpu python3 benchmarks/one_gpu.py --model gpt2-345m --iters ${ITERS:-30} \
-            --micro-batch-size 8 --timeout 150 --out "$OUT/one-gpu"
+            --micro-batch-size 8 --timeout 150 --extra "$EXTRA" --out "$OUT/one-gpu"
         cp "$OUT/one-gpu/one_gpu.json" "$OUT/one_gpu-gpt2-345m.json" 2>/dev/null
         ;;
     llama)
         stage llama python3 benchmarks/one_gpu.py --model llama-1b --methods none,grass \
-            --grass-rank 256 --iters 20 --skip 6 --micro-batch-size 16 --timeout 200 \
+            --grass-rank 256 --iters 20 --skip 6 --micro-batch-size 16 --timeout 200 --extra "$EXTRA" \
             --out "$OUT/llama"
         cp "$OUT/llama/one_gpu.json" "$OUT/one_gpu-llama-1b.json" 2>/dev/null
         ;;
@@ -88,7 +90,8 @@ EOF'
             set -- \$m; torchrun --nproc-per-node 2 -m megatron_ext.train --model gpt-tiny \
             --distributed-backend gloo --pipeline-model-parallel-size 2 --fixed-samples 32 \
             --global-batch-size 8 --train-iters 12 --lr-warmup-iters 1 --eval-iters 0 \
-            --log-interval 4 --hidden-dropout 0 --\$1 \$2 2>&1 | tail -n 30; done"
+            --log-interval 4 --hidden-dropout 0 $EXTRA --\$1 \$2 >$OUT/pp2-\$2.log 2>&1;
+            echo \$2 rc=\$?; grep -v Warn $OUT/pp2-\$2.log | grep -m 12 -i 'error\|iteration  *[0-9]*/\|done'; done"
         ;;
     *)
         echo "unknown stage $s"

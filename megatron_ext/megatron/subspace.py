@@ -259,7 +259,13 @@ def constrain_model(
                 bias = getattr(writer, "bias", None)
                 if isinstance(bias, torch.nn.Parameter) and bias.requires_grad:
                     params.append((bias, 0))
-        device = next(chunk.parameters()).device
+        # The device the chunk will run on. Before Megatron moves the chunk to the GPU, its
+        # linear weights are already there but torch-built parameters (a non-Apex norm, the
+        # position embedding) are still on the CPU: every stage must draw T_fixed with the
+        # same generator, so take the first parameter off the CPU, if any.
+        device = next(
+            (p.device for p in chunk.parameters() if p.device.type != "cpu"), torch.device("cpu")
+        )
         dtype = config.params_dtype
         vocab = getattr(chunk, "vocab_size", None)
         tied = bool(getattr(chunk, "share_embeddings_and_output_weights", False))
@@ -280,11 +286,12 @@ def constrain_model(
         subspace.on(device)
         with torch.no_grad():
             for param, axis in params:
-                param.copy_(project(param, subspace.u, axis))
+                u = subspace.u.to(param.device)  # a CPU parameter moves with the chunk later
+                param.copy_(project(param, u, axis))
                 constrained[names[param]] = axis
             if tied and untie_head and post and not pre:  # the copy of T_S the head starts from
                 weight = chunk.output_layer.weight
-                weight.copy_(project(weight, subspace.u, 1))
+                weight.copy_(project(weight, subspace.u.to(weight.device), 1))
         if tied and untie_head:
             _untie_head(chunk, subspace, pre, post)
     return constrained

@@ -4,9 +4,9 @@ What it does:
     :class:`SyncRecorder` runs steps under ``torch.cuda.set_sync_debug_mode("warn")``: every
     synchronizing CUDA call (``item()``, a device-to-host copy, ``nonzero``, a blocking
     ``torch.cuda.synchronize``-like wait inside an op) emits a warning; the recorder catches
-    each one and keeps, per step, where it came from: the innermost stack frame inside
-    ``megatron_ext`` (``origin="megatron_ext"``), else inside ``megatron`` (megatron-core,
-    ``origin="megatron"``), else the innermost frame outside torch (``origin="other"``).
+    each one and keeps, per step, where it came from: the innermost stack frame outside
+    torch and the standard library, ``megatron_ext`` code (``origin="megatron_ext"``),
+    megatron-core (``origin="megatron"``) or anything else (``origin="other"``).
     :meth:`SyncRecorder.ext_syncs` lists the ``megatron_ext`` ones of the steady steps so
     tests can require none but the findings strict-device mode documents
     (``tests/helpers/strict_device.py``, ``tests/unit/test_strict_device.py``), while syncs in
@@ -59,20 +59,21 @@ class StepSyncs:
 
 
 def _where(stack: List[traceback.FrameSummary]) -> Sync:
+    """The sync's origin: the innermost frame outside torch, the standard library and this
+    file decides (``megatron_ext``, ``megatron`` for megatron-core, else ``other``), so a
+    megatron-core sync reached through megatron_ext's driver is megatron-core's."""
     here = os.path.abspath(__file__)
-    frames = [f for f in stack if os.path.abspath(f.filename) != here]
-    for origin, marker in (("megatron_ext", "/megatron_ext/"), ("megatron", "/megatron/")):
-        for f in reversed(frames):
-            name = f.filename.replace("\\", "/")
-            if marker in name and "/site-packages/torch/" not in name:
-                # megatron_ext/megatron/... is ours, not megatron-core's.
-                if origin == "megatron" and "/megatron_ext/" in name:
-                    continue
+    for f in reversed(stack):
+        name = f.filename.replace("\\", "/")
+        if os.path.abspath(f.filename) == here or "/torch/" in name or name.startswith("<"):
+            continue
+        if "/lib/python3" in name and "/site-packages/" not in name:
+            continue  # contextlib, warnings, functools
+        for origin, marker in (("megatron_ext", "/megatron_ext/"), ("megatron", "/megatron/")):
+            if marker in name:
                 short = name[name.rindex(marker) + 1 :]
                 return Sync(origin, f"{short}:{f.lineno} ({f.name})", "")
-    for f in reversed(frames):
-        if "/torch/" not in f.filename and "/warnings.py" not in f.filename:
-            return Sync("other", f"{f.filename}:{f.lineno} ({f.name})", "")
+        return Sync("other", f"{name}:{f.lineno} ({f.name})", "")
     return Sync("other", "?", "")
 
 

@@ -23,10 +23,13 @@ CPU tensors, NCCL for CUDA tensors), as training drives them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 import torch
+
+from tests.gpu.syncs import SyncRecorder, append_report
 
 pytestmark = pytest.mark.gpu
 
@@ -50,6 +53,18 @@ def assert_close(out, ref, dtype, what):
 def randn(*shape, seed=0, dtype=torch.float32, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
+
+
+def step_(recorder, name, steady=True):
+    """``recorder.step`` (the device run), or nothing (the CPU reference)."""
+    return recorder.step(name, steady=steady) if recorder else contextlib.nullcontext()
+
+
+def check_syncs(recorder):
+    """Report the device run's syncs; its steady steps must show none from megatron_ext."""
+    append_report(recorder.summary())
+    syncs = recorder.ext_syncs()
+    assert not syncs, f"{recorder.run}: megatron_ext synchronized:\n" + "\n".join(syncs)
 
 
 def flat_state(state, prefix=""):
@@ -126,7 +141,7 @@ def _radius_view(slices, step, device):
     return View()
 
 
-def _dp_run(method, device, dtype):
+def _dp_run(method, device, dtype, recorder=None):
     """Reduced buckets of every step and the final state of ``method``'s reducer."""
     from tests.helpers.reducers import bind, make_reducer, param_slices
 
@@ -139,13 +154,19 @@ def _dp_run(method, device, dtype):
     for step in range(steps):
         grad.zero_()
         grad[:n].copy_(randn(n, seed=step, dtype=dtype, device=device))
-        handle = bound.launch(step)
-        if handle is not None:
-            handle.wait()
-        if method == "radius" and step >= kw["dense_steps"]:
-            if (step - kw["dense_steps"]) % kw["interval"] == 0:
-                reducer.select(_radius_view(slices, step, device))
-        reducer.end_step(True)
+        view = None
+        selecting = method == "radius" and step >= kw["dense_steps"]
+        selecting = selecting and (step - kw["dense_steps"]) % kw["interval"] == 0
+        if selecting:
+            view = _radius_view(slices, step, device)
+        # As strict-device mode: every step is steady but Radius's selections.
+        with step_(recorder, f"step{step}", not selecting):
+            handle = bound.launch(step)
+            if handle is not None:
+                handle.wait()
+            if selecting:
+                reducer.select(view)
+            reducer.end_step(True)
         outs.append(grad.detach().double().cpu().clone())
     state = {k: v.detach().cpu().clone() for k, v in flat_state(reducer.state_dict()).items()}
     return outs, state
@@ -155,7 +176,8 @@ def _dp_run(method, device, dtype):
 @pytest.mark.parametrize("method", list(DP_METHODS))
 def test_dp_reducer_on_device_equals_cpu(method, dtype, dev, pg, cpu_draws):
     ref_out, ref_state = _dp_run(method, torch.device("cpu"), dtype)
-    out, state = _dp_run(method, dev, dtype)
+    recorder = SyncRecorder(f"reducer {method} {str(dtype)[6:]}", dev)
+    out, state = _dp_run(method, dev, dtype, recorder)
     for step, (o, r) in enumerate(zip(out, ref_out)):
         assert_close(o, r, dtype, f"{method} step {step} reduced bucket")
     assert set(state) == set(ref_state)
@@ -168,6 +190,7 @@ def test_dp_reducer_on_device_equals_cpu(method, dtype, dev, pg, cpu_draws):
         else:
             # error feedback, warm start, moments: fp32 state even for bf16 gradients
             assert_close(value, ref, dtype, f"{method} state {key}")
+    check_syncs(recorder)
 
 
 def test_separate_projection_drawn_on_device_is_an_orthonormal_block(dev):
@@ -240,7 +263,7 @@ def test_quantize_stochastic_on_device_is_unbiased(dev):
 SEQ, HIDDEN, MBS, NMB, NUM = 8, 16, 2, 2, 8
 
 
-def _codec_run(method, device):
+def _codec_run(method, device, recorder=None):
     """Decoded activations and gradients of two epochs of steps (first visits, then
     quantized deltas for AQ-SGD) and the codecs' final state."""
     from megatron_ext.collectives.aqsgd import AQSGDCodec, DirectQCodec
@@ -270,20 +293,25 @@ def _codec_run(method, device):
         def ids_of(mb, base=base):
             return torch.arange(base + mb * MBS, base + (mb + 1) * MBS)
 
-        sender.begin_step(ids_of)
-        receiver.begin_step(ids_of)
+        # begin_step may copy the step's sample ids to the device and read the previous
+        # commit's visit flags (AQ-SGD; declared in strict-device mode): not steady.
+        with step_(recorder, f"begin_step{step}", False):
+            sender.begin_step(ids_of)
+            receiver.begin_step(ids_of)
         for mb in range(NMB):
             seed = 100 * step + mb
             x = randn(SEQ, MBS, HIDDEN, seed=seed, device=device)
-            fwd = P2PContext("forward", mb, ids_of(mb), step, False)
-            receiver.payload_spec(tuple(x.shape), x.dtype, fwd)
-            y = receiver.decode(sender.encode(x, fwd), fwd, tuple(x.shape), x.dtype)
-            bwd = P2PContext("backward", mb, ids_of(mb), step, False)
             g = randn(SEQ, MBS, HIDDEN, seed=seed + 50, device=device)
-            gy = sender.decode(receiver.encode(g, bwd), bwd, tuple(g.shape), g.dtype)
+            fwd = P2PContext("forward", mb, ids_of(mb), step, False)
+            bwd = P2PContext("backward", mb, ids_of(mb), step, False)
+            with step_(recorder, f"microbatch{step}.{mb}"):
+                receiver.payload_spec(tuple(x.shape), x.dtype, fwd)
+                y = receiver.decode(sender.encode(x, fwd), fwd, tuple(x.shape), x.dtype)
+                gy = sender.decode(receiver.encode(g, bwd), bwd, tuple(g.shape), g.dtype)
             outs += [y.detach().cpu().clone(), gy.detach().cpu().clone()]
-        sender.end_step()
-        receiver.end_step()
+        with step_(recorder, f"end_step{step}"):
+            sender.end_step()
+            receiver.end_step()
     state = {}
     for name, codec in (("sender", sender), ("receiver", receiver)):
         for k, v in flat_state(codec.state_dict()).items():
@@ -294,7 +322,8 @@ def _codec_run(method, device):
 @pytest.mark.parametrize("method", ["aqsgd", "directq"])
 def test_pipeline_codec_on_device_equals_cpu(method, dev):
     ref_out, ref_state = _codec_run(method, torch.device("cpu"))
-    out, state = _codec_run(method, dev)
+    recorder = SyncRecorder(f"codec {method}", dev)
+    out, state = _codec_run(method, dev, recorder)
     assert len(out) == len(ref_out)
     for i, (o, r) in enumerate(zip(out, ref_out)):
         # quantized payloads: a code on a rounding boundary may differ by one level
@@ -305,6 +334,7 @@ def test_pipeline_codec_on_device_equals_cpu(method, dev):
             assert rel(value, ref_state[key]) <= 1e-3, key
         else:
             assert torch.equal(value, ref_state[key]), key
+    check_syncs(recorder)
 
 
 # -- Protocol Models: subspace codec and Grassmann step --------------------------------------
@@ -317,7 +347,7 @@ def test_subspace_codec_and_grassmann_step_on_device_equal_cpu(dev):
     from megatron_ext.collectives.subspace import SubspaceCodec
     from megatron_ext.compressors.subspace import Subspace, grassmann_step, project
 
-    def run(device):
+    def run(device, recorder=None):
         sub = Subspace(D, K, seed=0)
         sub.make_fixed(VOCAB, 0.02, torch.float32, "cpu")  # T_fixed from the CPU generator
         sub.on(device)
@@ -334,20 +364,23 @@ def test_subspace_codec_and_grassmann_step_on_device_equal_cpu(dev):
                 ids = torch.randint(
                     VOCAB, shape[:2], generator=torch.Generator().manual_seed(step * 10 + mb)
                 ).to(device)
-                first.push_token_ids(ids)
                 x = project(randn(*shape, seed=step * 10 + mb, device=device), sub.u, 2)
-                last.payload_spec(shape, x.dtype, fwd)
-                y = last.decode(first.encode(x, fwd), fwd, shape, x.dtype)
                 g = randn(*shape, seed=500 + step * 10 + mb, device=device)
-                gx = first.decode(last.encode(g, bwd), bwd, shape, g.dtype)
+                with step_(recorder, f"microbatch{step}.{mb}"):
+                    first.push_token_ids(ids)
+                    last.payload_spec(shape, x.dtype, fwd)
+                    y = last.decode(first.encode(x, fwd), fwd, shape, x.dtype)
+                    gx = first.decode(last.encode(g, bwd), bwd, shape, g.dtype)
                 outs += [y.cpu(), gx.cpu()]
         a = sub.a if sub.a is not None else torch.zeros(D, D, device=device)
         outs += [a.cpu(), grassmann_step(sub.u, a, 0.5).cpu()]
         return outs
 
-    ref, out = run(torch.device("cpu")), run(dev)
+    recorder = SyncRecorder("codec protocol", dev)
+    ref, out = run(torch.device("cpu")), run(dev, recorder)
     for i, (o, r) in enumerate(zip(out, ref)):
         assert_close(o, r, torch.float32, f"protocol output {i}")
+    check_syncs(recorder)
 
 
 # -- Grass: forward/backward with the selection, sketch selection, optimizer write-back -----
@@ -355,7 +388,7 @@ def test_subspace_codec_and_grassmann_step_on_device_equal_cpu(dev):
 GRASS_K = 3
 
 
-def _grass_run(method, reset, device):
+def _grass_run(method, reset, device, recorder=None):
     from megatron_ext.autograd.grass import GrassLayer, grass_linear, projected_dim
     from megatron_ext.optim.grass import GrassOptimizerHook, GrassSchedule
     from megatron_ext.optim.hooks import ParamOptimState
@@ -409,23 +442,25 @@ def _grass_run(method, reset, device):
     outs = []
     for step in range(2 * GRASS_K + 1):
         view.step = step
-        hook.begin_step(step)
-        for mb in range(2):
-            x = randn(4, 16, seed=100 * step + mb, device=device).requires_grad_()
-            h = grass_linear(x, layers["l0.weight"].weight, None, layers["l0.weight"])
-            y = grass_linear(h, layers["l1.weight"].weight, None, layers["l1.weight"])
-            (y * y).sum().backward()
-            outs.append(x.grad.detach().cpu())
-        hook.pre_step(view)
-        for st in view.states.values():  # Adam's update of V, on the device
-            p, s = st.main_param, st.state
-            if p.grad is not None:
-                s["exp_avg"].mul_(0.9).add_(p.grad, alpha=0.1)
-                s["exp_avg_sq"].mul_(0.95).addcmul_(p.grad, p.grad, value=0.05)
-                p.data.addcdiv_(s["exp_avg"], s["exp_avg_sq"].sqrt().add_(1e-8), value=-1e-2)
-                p.grad = None
-            s["step"] += 1
-        hook.post_step(view, True)
+        xs = [randn(4, 16, seed=100 * step + mb, device=device).requires_grad_() for mb in (0, 1)]
+        # Selection steps (every GRASS_K) are declared sync_ok in strict-device mode.
+        with step_(recorder, f"step{step}", not hook.schedule.is_selection_step(step)):
+            hook.begin_step(step)
+            for x in xs:
+                h = grass_linear(x, layers["l0.weight"].weight, None, layers["l0.weight"])
+                y = grass_linear(h, layers["l1.weight"].weight, None, layers["l1.weight"])
+                (y * y).sum().backward()
+            hook.pre_step(view)
+            for st in view.states.values():  # Adam's update of V, on the device
+                p, s = st.main_param, st.state
+                if p.grad is not None:
+                    s["exp_avg"].mul_(0.9).add_(p.grad, alpha=0.1)
+                    s["exp_avg_sq"].mul_(0.95).addcmul_(p.grad, p.grad, value=0.05)
+                    p.data.addcdiv_(s["exp_avg"], s["exp_avg_sq"].sqrt().add_(1e-8), value=-1e-2)
+                    p.grad = None
+                s["step"] += 1
+            hook.post_step(view, True)
+        outs += [x.grad.detach().cpu() for x in xs]
         outs += [layer.weight.detach().cpu().clone() for layer in layers.values()]
     state = {k: v.detach().cpu().clone() for k, v in flat_state(hook.state_dict()).items()}
     return outs, state
@@ -438,7 +473,8 @@ def _grass_run(method, reset, device):
 )
 def test_grass_on_device_equals_cpu(method, reset, dev, pg):
     ref_out, ref_state = _grass_run(method, reset, torch.device("cpu"))
-    out, state = _grass_run(method, reset, dev)
+    recorder = SyncRecorder(f"grass {method}{'' if reset else ' keep-moments'}", dev)
+    out, state = _grass_run(method, reset, dev, recorder)
     for i, (o, r) in enumerate(zip(out, ref_out)):
         assert_close(o, r, torch.float32, f"grass {method} output {i}")
     assert set(state) == set(ref_state)
@@ -447,3 +483,4 @@ def test_grass_on_device_equals_cpu(method, reset, dev, pg):
             assert_close(value, ref_state[key], torch.float32, f"grass state {key}")
         else:  # the selected rows: the same set (ties aside)
             assert torch.equal(value.sort(-1).values, ref_state[key].sort(-1).values), key
+    check_syncs(recorder)

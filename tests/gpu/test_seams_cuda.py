@@ -11,9 +11,11 @@ CUDA, gloo with ``--cpu`` in the dry run) trains the tiny GPT of ``tests/helpers
   ``STEPS`` iterations: finite losses that go down.
 
 A second process runs the same methods on the CPU (gloo) for reference: the device's
-losses must be close to the CPU's (kernels differ between devices; SEPARATE's projections
-and PowerSGD's initial ``Q`` are drawn by the device's own generator, so those methods get
-a looser bound).
+losses must be close to the CPU's. Both start from the same weights (megatron draws them
+with the device's generator, so :func:`_build` redraws every matrix on the CPU from its
+name); kernels still differ between devices, and SEPARATE's projections and PowerSGD's
+initial ``Q`` are drawn by the device's own generator (by design), so those two methods get
+a looser bound (5e-2 relative per step, 5e-3 for the others).
 
 On CUDA the runs set ``torch.use_deterministic_algorithms(True, warn_only=True)`` and
 ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (before CUDA starts), needed for two runs to be bitwise
@@ -99,6 +101,28 @@ def _trainer(device, flags, first=None):
     return trainer
 
 
+def _build(trainer, *, stock):
+    """``tests.helpers.mcore.build`` with the same initial weights on every device: megatron
+    draws them with the device's generator (CPU and CUDA draws differ), so every matrix is
+    redrawn on the CPU from its name before the optimizer and the seams are built (vectors
+    start as constants: biases 0, norms 1)."""
+    import torch
+
+    from megatron_ext.compressors.seeding import seeded_generator
+    from megatron_ext.megatron.naming import global_param_names
+
+    trainer.seed()
+    trainer.build_model(stock=stock)
+    with torch.no_grad():
+        for chunk in trainer.model:
+            for p, name in global_param_names(chunk).items():
+                if p.dim() >= 2:
+                    gen = seeded_generator("gpu-tests-init", name)
+                    p.copy_(torch.randn(p.shape, generator=gen).mul_(0.02))
+    trainer.build_optimizer()
+    trainer.install_ext()
+
+
 def _train(trainer, recorder=None, steady=lambda it: it > 0):
     import torch
 
@@ -127,7 +151,7 @@ def _device_runs(rank, world, device, with_parity):
     import torch
 
     from tests.gpu.syncs import SyncRecorder
-    from tests.helpers.mcore import build, first_difference, params, teardown
+    from tests.helpers.mcore import first_difference, params, teardown
 
     if device != "cpu":
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
@@ -142,10 +166,10 @@ def _device_runs(rank, world, device, with_parity):
         trainer = first = _trainer(device, [])
         runs = []
         for _ in range(2):
-            build(trainer, stock=True)
+            _build(trainer, stock=True)
             runs.append((_train(trainer), params(trainer)))
             teardown(trainer)
-        build(trainer, stock=False)
+        _build(trainer, stock=False)
         recorder = SyncRecorder("seams-parity (all seams, compression off)", torch.device(device))
         ext = (_train(trainer, recorder), params(trainer))
         teardown(trainer)
@@ -163,7 +187,7 @@ def _device_runs(rank, world, device, with_parity):
     for method, (flags, non_steady) in METHODS.items():
         trainer = _trainer(device, flags, first)
         first = first or trainer
-        build(trainer, stock=False)
+        _build(trainer, stock=False)
         recorder = SyncRecorder(method, torch.device(device))
         out["methods"][method] = _train(trainer, recorder, lambda it: not non_steady(it))
         teardown(trainer)

@@ -17,8 +17,16 @@ stochastic rounding, whose noise comes from the device's generator, is checked f
 unbiasedness statistically. Top-k selections are compared as index sets (ties tolerated up
 to a small fraction).
 
+Covered: the DP reducers (SEPARATE, PowerSGD, quantized, Radius; fp32 and bf16 buckets),
+SEPARATE's and PowerSGD's own device draws, the k-bit quantizer, QuantizedAdam (reducer and
+optimizer override), the AQ-SGD and DirectQ codecs, the Protocol subspace codec and
+Grassmann step, Grass's backward, selection and optimizer write-back.
+
 Reducers run their launch / wait / end_step path on a world-size-1 process group (gloo for
-CPU tensors, NCCL for CUDA tensors), as training drives them.
+CPU tensors, NCCL for CUDA tensors), as training drives them. Every device run is recorded
+by :class:`tests.gpu.syncs.SyncRecorder`: its steady steps (all but the steps strict-device
+mode declares ``sync_ok``: Radius's and Grass's selections, the codecs' ``begin_step``,
+QuantizedAdam's warm-up) must show no synchronization from megatron_ext code.
 """
 
 from __future__ import annotations
@@ -215,6 +223,90 @@ def test_powersgd_initial_q_drawn_on_device_is_orthonormal(dev):
     q = initial_q(5, "w1", 0, 48, 4, dev).double()
     assert rel(q.t() @ q, torch.eye(4, dtype=torch.float64)) < 1e-5
     assert torch.equal(initial_q(5, "w1", 0, 48, 4, dev).double(), q)
+
+
+# -- QuantizedAdam: momentum exchange and the optimizer override --------------------------
+
+QA_SHAPES = [("w1", (24, 40)), ("b1", (40,)), ("w2", (16, 24))]
+QA_WARMUP, QA_STEPS = 2, 6
+
+
+def _quantized_adam_run(device, recorder=None):
+    """QuantizedAdam's reducer and optimizer hook on an AdamW over three parameters
+    (as ``tests/distributed/test_quantized_adam.py`` drives them): parameters and moments
+    after every step."""
+    from megatron_ext.collectives.quantized_adam import QuantizedAdamHook
+    from megatron_ext.optim.hooks import ParamOptimState
+    from megatron_ext.state import StepClock
+    from tests.helpers.reducers import bind, make_reducer, param_slices
+
+    slices, n = param_slices(QA_SHAPES)
+    params = {
+        fqn: torch.nn.Parameter(randn(*shape, seed=i, device=device))
+        for i, (fqn, shape) in enumerate(QA_SHAPES)
+    }
+    opt = torch.optim.AdamW(list(params.values()), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    reducer = make_reducer("quantized-adam", bits=2, block_size=64, warmup_steps=QA_WARMUP)
+    buffer = torch.zeros(n, device=device)
+    bound = bind(reducer, buffer, slices)
+    hook = QuantizedAdamHook(reducer.cfg, reducer)
+    clock = StepClock()
+
+    class View:
+        def fqns(self):
+            return sorted(params)
+
+        def param_state(self, fqn):
+            p = params[fqn]
+            return ParamOptimState(
+                fqn=fqn,
+                model_param=p,
+                main_param=p,
+                state=opt.state[p],
+                group=opt.param_groups[0],
+            )
+
+        @property
+        def step(self):
+            return clock.step
+
+    view = View()
+    outs, compressed = [], 0
+    for t in range(QA_WARMUP + QA_STEPS):
+        clock.step = t
+        buffer.copy_(randn(n, seed=100 + t, device=device))
+        compressing = reducer.compressing()
+        compressed += compressing
+        # the warm-up and the first compressed step (moments frozen, residuals allocated)
+        # are not steady
+        with step_(recorder, f"step{t}", compressing and t > QA_WARMUP):
+            handle = bound.launch(t)
+            if handle is not None:
+                handle.wait()
+            bound.end_step(True)
+            for sl in slices:
+                params[sl.fqn].grad = buffer[sl.start : sl.end].view(sl.shape).clone()
+            override = hook.update_override(view)
+            if override is None:
+                opt.step()
+            else:
+                override(view.fqns())
+            hook.post_step(view, True)
+        for fqn in view.fqns():
+            st = opt.state[params[fqn]]
+            outs += [params[fqn].detach().cpu().clone(), st["exp_avg"].detach().cpu().clone()]
+    return outs, compressed
+
+
+def test_quantized_adam_on_device_equals_cpu(dev, pg):
+    ref, compressed = _quantized_adam_run(torch.device("cpu"))
+    assert compressed == QA_STEPS
+    recorder = SyncRecorder("quantized-adam (reducer + optimizer hook)", dev)
+    out, _ = _quantized_adam_run(dev, recorder)
+    for i, (o, r) in enumerate(zip(out, ref)):
+        # the momentum travels as 2-bit codes: a code on a rounding boundary may differ
+        assert rel(o, r) <= 1e-4, f"quantized-adam output {i}: {rel(o, r):.3e}"
+    check_syncs(recorder)
 
 
 # -- quantizers ------------------------------------------------------------------------------

@@ -81,7 +81,10 @@ def _flags(device: str):
 
     flags = list(TINY)
     if device != "cpu":
+        # No Apex on a stock CUDA torch: the unfused softmax and torch's norm (the driver
+        # refuses the fused ones without it, as benchmarks/gpu_session.sh's EXTRA says).
         flags.remove("--cpu")
+        flags += ["--no-masked-softmax-fusion", "--no-persist-layer-norm"]
     return flags
 
 

@@ -3,7 +3,8 @@
 * Data caches (SentencePiece model, indexed datasets, GPTDataset index files) go to
   ``<repo>/.cache/tests`` (ignored by git) unless ``MEGATRON_EXT_CACHE`` is set, so the
   suite never writes into the user's ``~/.cache`` and reruns reuse the built data.
-* ``gpu`` tests are skipped without CUDA; ``megatron_lm`` tests without a checkout in
+* ``gpu`` tests are skipped without CUDA (unless ``MEGATRON_EXT_GPU_TESTS_DEVICE`` names
+  a device: the CPU dry run of tests/gpu); ``megatron_lm`` tests without a checkout in
   ``MEGATRON_LM_DIR``.
 * Without triton, megatron-core 0.19's triton kernel modules get megatron-ext's
   stand-ins before any test imports megatron.core (importing ``megatron_ext.megatron``
@@ -26,7 +27,9 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    has_cuda = torch.cuda.is_available()
+    # tests/gpu runs on the CPU too when MEGATRON_EXT_GPU_TESTS_DEVICE=cpu (a dry run of
+    # its test code; tests/gpu/conftest.py).
+    has_cuda = torch.cuda.is_available() or bool(os.environ.get("MEGATRON_EXT_GPU_TESTS_DEVICE"))
     lm_dir = os.environ.get("MEGATRON_LM_DIR")
     has_lm = bool(lm_dir) and (Path(lm_dir) / "pretrain_gpt.py").is_file()
     for item in items:

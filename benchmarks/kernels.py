@@ -136,6 +136,8 @@ QUICK_SIZES = (10_000, 100_000)
 QUICK_CUDA_SIZES = (100_000, 1_000_000)
 QUICK_BLOCK_SIZES = (64, 256)
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+DEFAULT_DTYPES = {"cpu": "fp32", "cuda": "fp32,bf16"}
+DEFAULT_METHODS = {"cpu": "copy,separate,powersgd", "cuda": "all"}
 CODECS = ("quantized", "aqsgd", "directq", "protocol")
 """Methods with the codec target (<= 2x the copy floor)."""
 
@@ -159,9 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--dtypes",
-        default="fp32,bf16",
-        help="Gradient / activation dtypes, comma-separated from fp32, bf16 (default both; "
-        "SEPARATE, PowerSGD and the quantizer compute in fp32 as their reducers do).",
+        default=None,
+        help="Gradient / activation dtypes, comma-separated from fp32, bf16 (default: CPU "
+        "fp32, CUDA fp32,bf16; SEPARATE, PowerSGD and the quantizer compute in fp32 as "
+        "their reducers do).",
     )
     p.add_argument(
         "--block-sizes",
@@ -183,9 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--methods",
-        default="all",
+        default=None,
         help="Comma-separated subset of copy,separate,powersgd,quantized,aqsgd,directq,"
-        "protocol (default all; copy always runs, it is the floor).",
+        "protocol, or all (default: CPU copy,separate,powersgd; CUDA all; copy always "
+        "runs, it is the floor).",
     )
     p.add_argument(
         "--threads",
@@ -787,19 +791,25 @@ def _check_args(args: argparse.Namespace) -> Dict[str, Any]:
     for b in out["bits"]:
         if b not in (2, 3, 4, 8):
             fail("--quant-bits", f"invalid bits {b} (2, 3, 4, 8)")
-    dtypes = parse_list(args.dtypes)
-    for d in dtypes:
-        if d not in DTYPES:
-            fail("--dtypes", f"unknown dtype {d!r} (fp32, bf16)")
-    out["dtypes"] = dtypes
+    # Per device: the option when given, else that device's default.
+    out["dtypes"], out["methods"] = {}, {}
     known = ("copy", "separate", "powersgd") + CODECS
-    methods = list(known) if args.methods == "all" else parse_list(args.methods)
-    for m in methods:
-        if m not in known:
-            fail("--methods", f"unknown method {m!r} ({', '.join(known)})")
-    if args.no_powersgd and "powersgd" in methods:
-        methods.remove("powersgd")
-    out["methods"] = methods
+    for dev in ("cpu", "cuda"):
+        dtypes = parse_list(args.dtypes or DEFAULT_DTYPES[dev])
+        for d in dtypes:
+            if d not in DTYPES:
+                fail("--dtypes", f"unknown dtype {d!r} (fp32, bf16)")
+        if not dtypes:
+            fail("--dtypes", "no dtype given")
+        out["dtypes"][dev] = dtypes
+        spec = args.methods or DEFAULT_METHODS[dev]
+        methods = list(known) if spec == "all" else parse_list(spec)
+        for m in methods:
+            if m not in known:
+                fail("--methods", f"unknown method {m!r} ({', '.join(known)}, all)")
+        if args.no_powersgd and "powersgd" in methods:
+            methods.remove("powersgd")
+        out["methods"][dev] = methods
     if args.hidden < 8:
         fail("--hidden", f"must be >= 8, got {args.hidden}")
     if args.cuda_budget_s <= 0:
@@ -890,15 +900,17 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             quick = QUICK_CUDA_SIZES if cuda else QUICK_SIZES
             sizes = list(quick if args.quick else DEFAULT_CUDA_SIZES if cuda else DEFAULT_SIZES)
         sizes_used[dev_name] = sizes
+        dev_lists = dict(lists, dtypes=lists["dtypes"][dev_name])
+        dev_lists["methods"] = lists["methods"][dev_name]
         # Threads only matter for CPU math; on CUDA one pass is enough.
         dev_threads = threads if not cuda else threads[:1]
         plan = [
             (nthreads, numel, dtype)
             for nthreads in dev_threads
             for numel in sizes
-            for dtype in lists["dtypes"]
+            for dtype in dev_lists["dtypes"]
         ]
-        rows_left = sum(len(_cases(args, lists, n, device, d)) for _, n, d in plan)
+        rows_left = sum(len(_cases(args, dev_lists, n, device, d)) for _, n, d in plan)
         t_start = time.perf_counter()
         for nthreads, numel, dtype in plan:
             torch.set_num_threads(nthreads)
@@ -907,7 +919,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             if args.quiet_wait > 0 and not cuda:
                 quiet = wait_for_quiet(args.quiet_wait)
             base = {"device": dev_label, "threads": nthreads, "numel": numel, "dtype": dtype}
-            for label, kind, case in _cases(args, lists, numel, device, dtype):
+            for label, kind, case in _cases(args, dev_lists, numel, device, dtype):
                 rows_left -= 1
                 budget = None
                 if cuda:
@@ -960,8 +972,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "ratio": args.ratio,
         "quant_bits": lists["bits"],
         "hidden": args.hidden,
-        "dtypes": lists["dtypes"],
-        "methods": lists["methods"],
+        "dtypes": {d: lists["dtypes"][d] for d in sizes_used},
+        "methods": {d: lists["methods"][d] for d in sizes_used},
         "threads": threads,
         "repeats": args.repeats,
         "warmup": args.warmup,
@@ -970,7 +982,6 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "quick": args.quick,
         "quiet_wait_s": args.quiet_wait,
         "priority": args.priority,
-        "dtype": ",".join(DTYPES[d] for d in lists["dtypes"]),
         "targets": {
             "separate": f"<= {SEPARATE_TARGET:g}x the copy floor and < PowerSGD at equal bytes",
             "codecs": f"<= {CODEC_TARGET:g}x the copy floor ({', '.join(CODECS)})",

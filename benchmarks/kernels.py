@@ -925,7 +925,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 if cuda:
                     spent = time.perf_counter() - t_start
                     if spent > 2 * args.cuda_budget_s:
-                        why = f"CUDA budget exhausted ({spent:.0f} s > 2 x --cuda-budget-s)"
+                        why = f"CUDA budget exhausted ({spent:.1f} s > 2 x --cuda-budget-s)"
                         skipped.append({**base, "method": label, "reason": why})
                         print(f"skip {label} {numel:.0e} {dtype} on {dev_name}: {why}")
                         continue
@@ -937,13 +937,16 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                     continue
                 if cuda:
                     torch.cuda.reset_peak_memory_stats(device)
+                oom = None
                 try:
                     with CpuMonitor() as mon:
                         res = case(budget)
                 except torch.cuda.OutOfMemoryError as err:
-                    why = f"out of memory: {str(err).splitlines()[0]}"
-                    skipped.append({**base, "method": label, "reason": why})
-                    print(f"skip {label} {numel:.0e} {dtype} on {dev_name}: {why}", flush=True)
+                    # The message only: the traceback's frames still hold the row's tensors.
+                    oom = f"out of memory: {str(err).splitlines()[0]}"
+                if oom is not None:
+                    skipped.append({**base, "method": label, "reason": oom})
+                    print(f"skip {label} {numel:.0e} {dtype} on {dev_name}: {oom}", flush=True)
                     _free(device)
                     continue
                 row_numel = _row_numel(res, numel)

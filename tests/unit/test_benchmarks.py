@@ -356,6 +356,10 @@ def test_kernel_helpers_time_our_functions():
     res = kernels.time_quantized(4096, 4, cpu, 1, 2, dtype="bfloat16")
     # 4-bit codes of 4096 values, 16 fp16 scales (rows of 256), the 4-byte input flag.
     assert res["payload_bytes"] == 4096 // 2 + 2 * 16 + 4
+    # A time budget cuts the repetitions (judged from the warm-up), never below one.
+    calls = []
+    walls, _ = kernels._timed_phases([calls.append], cpu, 0, 50, budget_s=1e-9)
+    assert len(walls[0]) == 1 and len(calls) == 2
     assert kernels.activation_shape(10**9, 2048) == (1024, 477, 2048)
     assert kernels.activation_shape(1000, 1024) == (1, 1, 1024)
     res = kernels.time_aqsgd(4 * 1024 * 16, 16, cpu, 1, 2)

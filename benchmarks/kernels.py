@@ -1,12 +1,13 @@
 """Compression kernel cost per element against the device-to-device copy floor.
 
 What it does:
-    For each device (CPU, and CUDA when available), gradient / activation dtype (``--dtypes``,
-    default fp32 and bf16), tensor size (CPU default 1e5, 1e6, 1e7, 1e8 elements; CUDA
-    default 1e6, 1e7, 1e8, 1e9) and, on the CPU, torch thread count (default 1 and 2), it
-    times the local math of each method with the functions of our package and no process
-    group (the collectives are left out: the "reduced" payload is the local one, which has
-    the same shape and bytes):
+    For each device (CPU, and CUDA when available), gradient / activation dtype (``--dtypes``;
+    default CPU fp32, CUDA fp32 and bf16), tensor size (``--sizes``; default CPU 1e5, 1e6,
+    1e7, 1e8 elements, CUDA 1e6, 1e7, 1e8, 1e9) and, on the CPU, torch thread count
+    (default 1 and 2), it times the local math of each method (``--methods``; default CPU
+    copy, SEPARATE and PowerSGD as before, CUDA all of them) with the functions of our
+    package and no process group (the collectives are left out: the "reduced" payload is
+    the local one, which has the same shape and bytes):
 
     * **copy**: ``dst.copy_(src)`` of the tensor in its dtype, the memory-bandwidth floor:
       ns/element and GB/s counting the bytes read plus written (``2 x numel x itemsize``).
@@ -981,6 +982,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "repeats": args.repeats,
         "warmup": args.warmup,
         "cuda_budget_s": args.cuda_budget_s,
+        # torch's defaults are left alone (the reducers run under the training's setting).
+        "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
         "devices": args.devices,
         "quick": args.quick,
         "quiet_wait_s": args.quiet_wait,

@@ -895,8 +895,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     skipped: List[Dict[str, Any]] = []
     sizes_used: Dict[str, List[int]] = {}
     for dev_name in _devices(args.devices):
-        device = torch.device(dev_name)
         cuda = dev_name == "cuda"
+        # With its index (cuda:0), as the tensors' devices compare.
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         dev_label = "cpu" if not cuda else f"cuda ({torch.cuda.get_device_name(0)})"
         sizes = lists["sizes"]
         if sizes is None:

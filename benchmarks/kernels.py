@@ -69,7 +69,9 @@ Timing:
     ``--cuda-budget-s`` seconds: each row gets the budget left divided by the rows left and
     runs fewer repetitions (at least one after one warm-up) when its warm-up says they
     would not fit; past 1.5 times the budget the remaining rows are skipped with a printed
-    reason. Before each CUDA row its estimated peak memory is checked against
+    reason (default 150 s: the run ends within about 4 minutes). The report is rewritten
+    after every row (``complete``: false until the end), so a run killed by a time limit
+    leaves what it measured. Before each CUDA row its estimated peak memory is checked against
     ``torch.cuda.mem_get_info``; a row that would not fit (or runs out of memory anyway) is
     skipped and reported, and memory is freed between rows.
 
@@ -205,9 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cuda-budget-s",
         type=float,
-        default=240.0,
-        help="Target wall time of all CUDA rows together (default 240): rows run fewer "
-        "repetitions when needed; past 1.5 times this the remaining rows are skipped.",
+        default=150.0,
+        help="Target wall time of all CUDA rows together (default 150): rows run fewer "
+        "repetitions when needed; past 1.5 times this the remaining rows are skipped (so the "
+        "default run stays inside benchmarks/gpu_session.sh's 240 s stage limit; the report "
+        "is rewritten after every row in any case).",
     )
     p.add_argument(
         "--devices",
@@ -885,8 +889,14 @@ def _free(device) -> None:
         torch.cuda.empty_cache()
 
 
-def run(args: argparse.Namespace) -> Dict[str, Any]:
-    """Run the measurements of ``args``; returns the report dict."""
+def run(args: argparse.Namespace, out_dir: Optional[str] = None) -> Dict[str, Any]:
+    """Run the measurements of ``args``; returns the report dict (``complete``: True).
+
+    Args:
+        args: the parsed options.
+        out_dir: where the report so far is written after every row (``complete``: False),
+            so a run killed by a time limit leaves what it measured; None: only at the end.
+    """
     import torch
 
     lists = _check_args(args)
@@ -894,7 +904,51 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     results: List[Dict[str, Any]] = []
     skipped: List[Dict[str, Any]] = []
     sizes_used: Dict[str, List[int]] = {}
-    for dev_name in _devices(args.devices):
+    devices = _devices(args.devices)
+    settings = {
+        "sizes": sizes_used,
+        "block_sizes": lists["blocks"],
+        "ratio": args.ratio,
+        "quant_bits": lists["bits"],
+        "hidden": args.hidden,
+        "dtypes": {d: lists["dtypes"][d] for d in devices},
+        "methods": {d: lists["methods"][d] for d in devices},
+        "threads": threads,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "cuda_budget_s": args.cuda_budget_s,
+        # torch's defaults are left alone (the reducers run under the training's setting).
+        "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "devices": args.devices,
+        "quick": args.quick,
+        "quiet_wait_s": args.quiet_wait,
+        "priority": args.priority,
+        "targets": {
+            "separate": f"<= {SEPARATE_TARGET:g}x the copy floor and < PowerSGD at equal bytes",
+            "codecs": f"<= {CODEC_TARGET:g}x the copy floor ({', '.join(CODECS)})",
+        },
+        "timed": {
+            "separate": "compress: fresh fp32 h, pack copy (casts bf16), h += e, P = h Omega, "
+            "input flag, h -= reconstruction, error feedback (beta = 1/ratio) and padding; "
+            "decompress: reconstruction of P and copy into the gradient; Omega generation "
+            "reported separately (omega_ms)",
+            "powersgd": "compress: M = stack(G).float() + E, Q = orth(Q_prev), P = M Q, input "
+            "flag; decompress: orth(P), Q = M^T P, M_hat = P Q^T, E = M - M_hat, copy into "
+            "the gradient, keep Q",
+            "quantized": "one rank (W = 1): compress: h = spread(g) + e_w, quantize rows of "
+            "256, e_w, flag, pack; decompress: unpack + dequantize, server e_s, quantize, "
+            "pack, unpack + dequantize, copy into the gradient",
+            "aqsgd": "revisited samples: compress = sender encode + end_step (buffer update); "
+            "decompress = receiver decode + end_step",
+            "directq": "compress = quantize + pack; decompress = unpack + dequantize",
+            "protocol": "forward: compress = (X - T_fixed[ids]) U + packed ids; decompress = "
+            "C U^T + T_fixed[ids]",
+            "copy": "dst.copy_(src); gb_per_s = bytes read + written / time",
+            "excluded": "all collectives (no process group)",
+            "cuda": "CUDA events around each phase, one synchronisation per repetition",
+        },
+    }
+    for dev_name in devices:
         cuda = dev_name == "cuda"
         # With its index (cuda:0), as the tensors' devices compare.
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -967,6 +1021,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 res["bytes_ratio"] = row_numel / res["payload_elements"]
                 results.append(res)
                 del res
+                if out_dir:  # what is measured so far survives a kill (a stage time limit)
+                    write_report(_report(settings, results, skipped, threads, False), out_dir)
                 _free(device)
                 last = results[-1]
                 print(
@@ -975,50 +1031,12 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                     f"({last['repeats']} repeats, {mon.wall_s:.1f} s)",
                     flush=True,
                 )
+    return _report(settings, results, skipped, threads, final=True)
+
+
+def _report(settings, results, skipped, threads, final: bool) -> Dict[str, Any]:
+    """The report of ``results`` so far (targets filled in); ``complete`` says if final."""
     _add_targets(results)
-    settings = {
-        "sizes": sizes_used,
-        "block_sizes": lists["blocks"],
-        "ratio": args.ratio,
-        "quant_bits": lists["bits"],
-        "hidden": args.hidden,
-        "dtypes": {d: lists["dtypes"][d] for d in sizes_used},
-        "methods": {d: lists["methods"][d] for d in sizes_used},
-        "threads": threads,
-        "repeats": args.repeats,
-        "warmup": args.warmup,
-        "cuda_budget_s": args.cuda_budget_s,
-        # torch's defaults are left alone (the reducers run under the training's setting).
-        "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-        "devices": args.devices,
-        "quick": args.quick,
-        "quiet_wait_s": args.quiet_wait,
-        "priority": args.priority,
-        "targets": {
-            "separate": f"<= {SEPARATE_TARGET:g}x the copy floor and < PowerSGD at equal bytes",
-            "codecs": f"<= {CODEC_TARGET:g}x the copy floor ({', '.join(CODECS)})",
-        },
-        "timed": {
-            "separate": "compress: fresh fp32 h, pack copy (casts bf16), h += e, P = h Omega, "
-            "input flag, h -= reconstruction, error feedback (beta = 1/ratio) and padding; "
-            "decompress: reconstruction of P and copy into the gradient; Omega generation "
-            "reported separately (omega_ms)",
-            "powersgd": "compress: M = stack(G).float() + E, Q = orth(Q_prev), P = M Q, input "
-            "flag; decompress: orth(P), Q = M^T P, M_hat = P Q^T, E = M - M_hat, copy into "
-            "the gradient, keep Q",
-            "quantized": "one rank (W = 1): compress: h = spread(g) + e_w, quantize rows of "
-            "256, e_w, flag, pack; decompress: unpack + dequantize, server e_s, quantize, "
-            "pack, unpack + dequantize, copy into the gradient",
-            "aqsgd": "revisited samples: compress = sender encode + end_step (buffer update); "
-            "decompress = receiver decode + end_step",
-            "directq": "compress = quantize + pack; decompress = unpack + dequantize",
-            "protocol": "forward: compress = (X - T_fixed[ids]) U + packed ids; decompress = "
-            "C U^T + T_fixed[ids]",
-            "copy": "dst.copy_(src); gb_per_s = bytes read + written / time",
-            "excluded": "all collectives (no process group)",
-            "cuda": "CUDA events around each phase, one synchronisation per repetition",
-        },
-    }
     return make_report(
         "kernels",
         settings,
@@ -1026,6 +1044,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         environment(num_threads=threads),
         skipped=skipped,
         summary=summarize(results),
+        complete=final,
     )
 
 
@@ -1166,7 +1185,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         set_priority(os.getpid(), args.priority)
     out = args.out or default_out_dir("kernels")
     os.makedirs(out, exist_ok=True)
-    report = run(args)
+    report = run(args, out)
     path = write_report(report, out)
     print_tables(report)
     print(f"\nreport: {path}")

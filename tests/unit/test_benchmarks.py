@@ -430,3 +430,4 @@ def test_kernels_quick_writes_its_json(tmp_path):
             assert isinstance(r["meets"], bool)
     assert report["environment"]["device"].startswith("cpu")
     assert report["settings"]["dtypes"] == {"cpu": ["fp32", "bf16"]}
+    assert report["complete"] is True  # rewritten after every row, complete at the end

@@ -37,9 +37,9 @@ What it does:
       (``_Partitioned.spread``, ``_quantize_rows``, ``_pack_rows``, ``_unpack_rows``) for
       one rank (W = 1, no distributed optimizer): *compress* = the worker side
       (``h = spread(g.float()) + e_w``, quantize, ``e_w = h - dequantize``, flag, pack);
-      *decompress* = unpack and dequantize the received partitions, their sum, the server
-      side (``s = r + e_s``, quantize, ``e_s``, pack), unpack and dequantize the gathered
-      partitions and the copy into the gradient.
+      *decompress* = the received input flags and partitions (unpacked, dequantized,
+      summed), the server side (``s = r + e_s``, quantize, ``e_s``, pack), unpack and
+      dequantize the gathered partitions and the copy into the gradient.
     * **aqsgd** (:class:`megatron_ext.collectives.aqsgd.AQSGDCodec`, default options:
       forward 4 bits, scales per sample and channel, device buffers in the activation
       dtype) on an activation ``[seq, micro-batch, hidden]`` (hidden ``--hidden``, seq up to
@@ -498,7 +498,7 @@ def time_quantized(
 
     import torch
 
-    from megatron_ext.collectives.quantized import _Partitioned, _QuantizedReduction
+    from megatron_ext.collectives.quantized import _bytes_as, _Partitioned, _QuantizedReduction
     from megatron_ext.compressors.quantize import dequantize
     from megatron_ext.methods.quantized import QuantizedConfig
 
@@ -525,6 +525,7 @@ def time_quantized(
 
     def decompress(recv):
         rows = recv.view(1, nbytes + 4)
+        flag = _bytes_as(rows[:, nbytes:], torch.float32).sum().reshape(1)
         r = red._unpack_rows(rows[:, :nbytes], layout).sum(dim=0)
         s = r + errors["server"]
         q = red._quantize_rows(s, layout)
@@ -532,6 +533,7 @@ def time_quantized(
         gathered = red._pack_rows(q, layout).reshape(-1)
         parts = red._unpack_rows(gathered.view(1, nbytes), layout)
         out.copy_(layout.gather(parts).to(out.dtype))
+        return flag
 
     stats = _phase_stats(
         *_timed_phases([compress, decompress], device, warmup, repeats, budget_s=budget_s)

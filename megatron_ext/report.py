@@ -142,7 +142,11 @@ def _add_bench(data: RunData, report: Dict[str, Any], source: str) -> None:
     data.settings[kind] = report.get("settings") or {}
     for r in report["results"]:
         if kind == "kernels":
-            key = (r.get("device"), r.get("threads"), r.get("numel"), r.get("method"))
+            # bf16 rows (benchmarks/kernels.py --dtypes) get their own panel.
+            device = r.get("device")
+            if r.get("dtype") not in (None, "fp32"):
+                device = f"{device}, {r['dtype']}"
+            key = (device, r.get("threads"), r.get("numel"), r.get("method"))
             key += (r.get("block_size"),)
             data.kernels[key] = r
         elif kind == "step_time":
@@ -624,6 +628,8 @@ def _plot_kernels(data: RunData, path: str) -> Optional[str]:
                 style = {"linestyle": "--", "color": "gray"}
             elif "PowerSGD" in name:
                 style = {"color": "C3", "linewidth": 2.2}
+            elif name not in blocks:  # the codecs (quantizers, AQ-SGD, DirectQ, Protocol)
+                style = {"linestyle": ":"}
             else:
                 # SEPARATE block sizes: shades of one colour map, small to large.
                 shade = blocks.index(name) / max(1, len(blocks) - 1)

@@ -345,10 +345,46 @@ def test_step_time_refuses_without_netbench(monkeypatch, capsys, tmp_path):
 def test_kernel_helpers_time_our_functions():
     import torch
 
-    res = kernels.time_separate(4096, 64, 16, torch.device("cpu"), warmup=1, repeats=2)
+    cpu = torch.device("cpu")
+    res = kernels.time_separate(4096, 64, 16, cpu, warmup=1, repeats=2)
     assert res["payload_elements"] == 4096 // 16 and res["total_s"] > 0
-    res = kernels.time_powersgd(4096, 16, torch.device("cpu"), warmup=1, repeats=2)
+    res = kernels.time_powersgd(4096, 16, cpu, warmup=1, repeats=2)
     assert res["shape"] == [64, 64] and res["approx_rank"] == 2
+    # bf16 gradients: the reducers' fp32 math, the result cast back.
+    res = kernels.time_separate(4096, 64, 16, cpu, 1, 2, dtype="bfloat16")
+    assert res["total_s"] > 0
+    res = kernels.time_quantized(4096, 4, cpu, 1, 2, dtype="bfloat16")
+    # 4-bit codes of 4096 values, 16 fp16 scales (rows of 256), the 4-byte input flag.
+    assert res["payload_bytes"] == 4096 // 2 + 2 * 16 + 4
+    # A time budget cuts the repetitions (judged from the warm-up), never below one.
+    calls = []
+    walls, _ = kernels._timed_phases([calls.append], cpu, 0, 50, budget_s=1e-9)
+    assert len(walls[0]) == 1 and len(calls) == 2
+    assert kernels.activation_shape(10**9, 2048) == (1024, 477, 2048)
+    assert kernels.activation_shape(1000, 1024) == (1, 1, 1024)
+    res = kernels.time_aqsgd(4 * 1024 * 16, 16, cpu, 1, 2)
+    # Revisits only: 4-bit deltas of 4 samples and their per-channel fp16 scales.
+    assert res["shape"] == [1024, 4, 16]
+    assert res["payload_bytes"] == 4 * 1024 * 16 // 2 + 2 * 4 * 16
+    res = kernels.time_protocol(64 * 256, 256, cpu, 1, 2, dtype="bfloat16")
+    assert res["rank"] == 32 and res["payload_elements"] == 64 * (32 + 2)  # k coords + ids
+
+
+def test_kernel_targets_compare_with_the_copy_floor_and_powersgd():
+    def row(method, ns, numel=100, **extra):
+        return {"device": "cpu", "threads": 1, "numel": numel, "dtype": "fp32",
+                "method": method, "total_ns_per_element": ns, **extra}  # fmt: skip
+
+    results = [row("copy", 1.0), row("powersgd", 2.5), row("separate", 2.0, block_size=64),
+               row("separate", 2.8, block_size=256), row("separate", 3.5, block_size=512),
+               row("quantized-4bit", 2.0), row("aqsgd", 2.1), row("copy", 4.0, numel=7),
+               row("protocol", 7.0, numel=7)]  # fmt: skip
+    kernels._add_targets(results)
+    meets = [r["meets"] for r in results]
+    # SEPARATE: <= 3x the floor and below PowerSGD (2.8 is within 3x but not below 2.5).
+    assert meets == [None, None, True, False, False, True, False, None, True]
+    assert results[4]["copy_ratio"] == pytest.approx(3.5)
+    assert results[-1]["copy_ratio"] == pytest.approx(1.75)  # the floor of its own size
 
 
 def test_kernels_quick_writes_its_json(tmp_path):
@@ -362,6 +398,12 @@ def test_kernels_quick_writes_its_json(tmp_path):
             "1000,4096",
             "--block-sizes",
             "64",
+            "--dtypes",
+            "fp32,bf16",
+            "--methods",
+            "all",
+            "--hidden",
+            "64",
             "--out",
             str(out),
         ],
@@ -371,9 +413,21 @@ def test_kernels_quick_writes_its_json(tmp_path):
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "ns per element" in proc.stdout and "no GPU lent" in proc.stdout
+    assert "compress + decompress" in proc.stdout and "no GPU lent" in proc.stdout
     report = common.validate_report(json.loads((out / "kernels.json").read_text()))
-    methods = {(r["method"], r["numel"]) for r in report["results"]}
-    assert methods == {(m, n) for m in ("copy", "separate", "powersgd") for n in (1000, 4096)}
-    assert all(r["total_ns_per_element"] > 0 for r in report["results"])
+    rows = report["results"]
+    methods = {(r["method"], r["numel"], r["dtype"]) for r in rows}
+    names = ["copy", "separate", "powersgd", "quantized-4bit", "quantized-8bit",
+             "quantized-2bit", "aqsgd", "directq", "protocol"]  # fmt: skip
+    assert methods == {(m, n, d) for m in names for n in (1000, 4096) for d in ("fp32", "bf16")}
+    assert all(r["total_ns_per_element"] > 0 and r["copy_ratio"] > 0 for r in rows)
+    for r in rows:
+        kind = r["method"].split("-")[0]
+        if kind in ("copy", "powersgd"):
+            assert r["meets"] is None
+        else:
+            assert r["target"] == ("<=3x, <PowerSGD" if kind == "separate" else "<=2x")
+            assert isinstance(r["meets"], bool)
     assert report["environment"]["device"].startswith("cpu")
+    assert report["settings"]["dtypes"] == {"cpu": ["fp32", "bf16"]}
+    assert report["complete"] is True  # rewritten after every row, complete at the end

@@ -13,6 +13,7 @@
 #   llama    llama-1b bf16: none and Grass (r 256) through the driver
 #   grass    benchmarks/grass_throughput.py at llama-1b shapes on CUDA (layer times)
 #   pp2      AQ-SGD and Protocol Models, PP=2 as two ranks sharing the GPU over gloo
+#   profile  torch.profiler over steady gpt2-345m steps per method (profile_<method>.txt)
 set -u
 OUT=${OUT:-runs/gpu-session}
 mkdir -p "$OUT"
@@ -92,6 +93,14 @@ EOF'
             --global-batch-size 8 --train-iters 12 --lr-warmup-iters 1 --eval-iters 0 \
             --log-interval 4 --hidden-dropout 0 $EXTRA --\$1 \$2 >$OUT/pp2-\$2.log 2>&1;
             echo \$2 rc=\$?; grep -v Warn $OUT/pp2-\$2.log | grep -m 12 -i 'error\|iteration  *[0-9]*/\|done'; done"
+        ;;
+    profile)
+        stage profile bash -c "for m in ${PROFILE_METHODS:-none separate powersgd grass}; do
+            case \$m in none) f=;; grass) f='--grass-method topr --grass-rank 256 --grass-update-interval 1000';;
+            powersgd) f='--grad-compression powersgd --powersgd-approx-rank 48 --powersgd-start-step 2';;
+            *) f=\"--grad-compression \$m\";; esac
+            python3 benchmarks/profile_step.py --label \$m --warmup 4 --steps 3 --top 22 --out $OUT -- \
+                --model gpt2-345m --bf16 --micro-batch-size 8 $EXTRA \$f 2>&1 | grep -v Warn | tail -n 60; done"
         ;;
     *)
         echo "unknown stage $s"

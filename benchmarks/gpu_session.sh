@@ -87,7 +87,7 @@ EOF'
         cp "$OUT/grass/grass_throughput.json" "$OUT/" 2>/dev/null
         ;;
     pp2)
-        stage pp2 bash -c "for m in 'p2p-compression aqsgd' 'subspace-method protocol'; do
+        stage pp2 bash -c "for m in ${PP2_METHODS:-'p2p-compression aqsgd' 'subspace-method protocol'}; do
             set -- \$m; torchrun --nproc-per-node 2 -m megatron_ext.train --model gpt-tiny \
             --distributed-backend gloo --pipeline-model-parallel-size 2 --fixed-samples 32 \
             --global-batch-size 8 --train-iters 12 --lr-warmup-iters 1 --eval-iters 0 \

@@ -26,7 +26,10 @@ Why:
 
 Constraints and limits (also listed in the README):
     * Off by default. ``enable_cpu_execution()`` switches it on; when CUDA is available it
-      does nothing and says so, so GPU runs are never altered.
+      does nothing and says so, so GPU runs are never altered, unless ``force=True``: the
+      driver's ``--cpu`` and Megatron-LM's ``MEGATRON_EXT_CPU=1`` are explicit requests and
+      force it (without, a GPU machine put the model on the GPU and the batches on the CPU;
+      seen on an H100).
     * One process-wide switch; install before megatron-core allocates tensors.
     * Only the local (non Transformer-Engine) layer spec works; run with
       ``gradient_accumulation_fusion=False`` (Apex's fused wgrad kernel is CUDA-only).
@@ -367,7 +370,7 @@ def enable_cpu_execution(force: bool = False) -> bool:
     """Switch on CPU execution of megatron-core (idempotent).
 
     Args:
-        force: install even when CUDA is available (only for tests of this module).
+        force: install even when CUDA is available (an explicit --cpu / MEGATRON_EXT_CPU=1).
 
     Returns:
         True if the redirections are active after the call, False if CUDA is present and

@@ -73,7 +73,9 @@ def init_distributed(
     if cpu:
         from megatron_ext.megatron.cpu import enable_cpu_execution
 
-        enable_cpu_execution()
+        # --cpu is an explicit request: honoured on a machine with a GPU too (megatron-core
+        # would otherwise allocate on the GPU while the driver feeds CPU batches).
+        enable_cpu_execution(force=True)
     elif not torch.cuda.is_available():
         raise ConfigError(
             "--cpu", "no CUDA device found; pass --cpu to run megatron-core on CPU with gloo"

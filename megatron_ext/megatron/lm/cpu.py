@@ -189,7 +189,7 @@ def enable_megatron_lm_cpu() -> Optional[MegatronLMCpuHandle]:
     Idempotent. Call before ``megatron.training`` is imported.
 
     Returns:
-        The handle, or None when CUDA is available (nothing changed).
+        The handle (CPU execution is forced: the caller asked for it).
     """
     global _ACTIVE
     if _ACTIVE is not None:
@@ -203,7 +203,7 @@ def enable_megatron_lm_cpu() -> Optional[MegatronLMCpuHandle]:
         # Before enable_cpu_execution: it imports megatron.core, whose __init__ reaches 0.19's
         # schedules (and their paged-stash triton kernels).
         handle._stubbed_modules.extend(register_triton_stand_ins())
-    if not enable_cpu_execution():
+    if not enable_cpu_execution(force=True):  # MEGATRON_EXT_CPU=1 / --cpu: asked for
         handle.remove()
         return None
     training = importlib.import_module("megatron.training.training")

@@ -237,7 +237,38 @@ def test_method_trains_on_the_device_close_to_cpu(method, runs):
     assert worst <= tol, f"{method}: device {losses} vs CPU {ref} (worst {worst:.2e} > {tol})"
 
 
+# The one host read by design (ReducerStepHook.pre_step, every data-parallel reducer, runs
+# without a loss scaler): the reducer's non-finite flag, read before the optimizer step
+# because nothing can skip the step there and the gradient must not be applied; Megatron
+# reads the gradient norm on the host a few kernels later in the same step. Seen once per
+# steady step on the H100 (2026-11-24); a second read, or one from anywhere else, fails.
+DECLARED_EXT_SYNC = ("collectives/grad_reducer.py:", "(pre_step)")
+REDUCERS = {"separate", "powersgd", "radius", "quantized", "quantized-adam"}
+
+
+def _undeclared(method, syncs):
+    """``syncs`` (``step: where``) less the declared read, at most once a step."""
+    out, seen = [], set()
+    for entry in syncs:
+        step, where = entry.split(": ", 1)
+        declared = method in REDUCERS and all(part in where for part in DECLARED_EXT_SYNC)
+        if declared and step not in seen:
+            seen.add(step)
+            continue
+        out.append(entry)
+    return out
+
+
 @pytest.mark.parametrize("method", list(METHODS))
 def test_method_steady_steps_do_not_sync_from_megatron_ext(method, runs):
-    syncs = runs[0]["ext_syncs"][method]
+    syncs = _undeclared(method, runs[0]["ext_syncs"][method])
     assert not syncs, "\n".join(syncs)
+
+
+def test_declared_sync_filter_keeps_every_other_sync():
+    pre = "megatron_ext/collectives/grad_reducer.py:583 (pre_step)"
+    assert _undeclared("separate", [f"iter3: {pre}"]) == []
+    assert _undeclared("separate", [f"iter3: {pre}", f"iter3: {pre}"]) == [f"iter3: {pre}"]
+    assert _undeclared("grass-topr", [f"iter3: {pre}"]) == [f"iter3: {pre}"]
+    other = "iter4: megatron_ext/collectives/separate.py:10 (launch)"
+    assert _undeclared("separate", [other]) == [other]

@@ -482,60 +482,16 @@ def test_subspace_codec_and_grassmann_step_on_device_equal_cpu(dev):
 
 # -- Grass: forward/backward with the selection, sketch selection, optimizer write-back -----
 
-GRASS_K = 3
+from tests.helpers.grass import GRASS_K, GrassView, grass_setup  # noqa: E402
 
 
 def _grass_run(method, reset, device, recorder=None):
-    from megatron_ext.autograd.grass import GrassLayer, grass_linear, projected_dim
-    from megatron_ext.optim.grass import GrassOptimizerHook, GrassSchedule
-    from megatron_ext.optim.hooks import ParamOptimState
+    from megatron_ext.autograd.grass import grass_linear
 
-    layers = {}
-    for i, (fqn, shape) in enumerate((("l0.weight", (8, 16)), ("l1.weight", (16, 8)))):
-        mode_, _ = projected_dim(shape)
-        pshape = (2, shape[1]) if mode_ == "row" else (shape[0], 2)
-        layers[fqn] = GrassLayer(
-            fqn=fqn,
-            weight=randn(*shape, seed=i, device=device),
-            param=torch.nn.Parameter(torch.zeros(pshape, device=device)),
-            mode=mode_,
-            rank=2,
-            method=method,
-            sketch_size=4,
-            seed=0,
-        )
-    import torch.distributed as dist
-
-    hook = GrassOptimizerHook(
-        layers,
-        GrassSchedule(GRASS_K, 1, 1.0),
-        lambda flat: dist.all_reduce(flat),
-        reset_state=reset,
-        param_fqn=lambda fqn: f"{fqn}.grass_weight",
+    layers, hook = grass_setup(
+        method, reset, device, lambda i, shape: randn(*shape, seed=i, device=device)
     )
-    hook.initial_selection()
-
-    class View:
-        step = 0
-        states = {
-            f"{fqn}.grass_weight": ParamOptimState(
-                fqn=f"{fqn}.grass_weight",
-                model_param=layer.param,
-                main_param=layer.param,
-                state={
-                    "exp_avg": torch.zeros_like(layer.param),
-                    "exp_avg_sq": torch.zeros_like(layer.param),
-                    "step": torch.tensor(0.0),
-                },
-                group={"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1},
-            )
-            for fqn, layer in layers.items()
-        }
-
-        def param_state(self, fqn):
-            return self.states.get(fqn)
-
-    view = View()
+    view = GrassView(layers)
     outs = []
     for step in range(2 * GRASS_K + 1):
         view.step = step

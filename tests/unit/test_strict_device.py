@@ -502,68 +502,14 @@ def test_aqsgd_middle_stage_prepares_both_sides_in_one_copy():
 
 # -- Grass: forward/backward, selection, optimizer write -----------------------------------
 
-GRASS_K = 3  # selection interval
+from tests.helpers.grass import GRASS_K, GrassView as _GrassView  # noqa: E402
+from tests.helpers.grass import grass_setup
 
 
 def _grass_setup(method, reset=True):
     """Two projected layers (a row- and a column-projected one) with their virtual
-    parameters on the device and the optimizer hook, as megatron_ext.methods.grass builds
-    them (sketches all-reduced over the data-parallel group)."""
-    from megatron_ext.autograd.grass import GrassLayer, projected_dim
-    from megatron_ext.optim.grass import GrassOptimizerHook, GrassSchedule
-
-    layers = {}
-    for fqn, shape in (("l0.weight", (8, 16)), ("l1.weight", (16, 8))):
-        mode_, _ = projected_dim(shape)
-        weight = torch.randn(shape, device=DEVICE)
-        pshape = (2, shape[1]) if mode_ == "row" else (shape[0], 2)
-        param = torch.nn.Parameter(torch.zeros(pshape, device=DEVICE))
-        layers[fqn] = GrassLayer(
-            fqn=fqn,
-            weight=weight,
-            param=param,
-            mode=mode_,
-            rank=2,
-            method=method,
-            sketch_size=4,
-            seed=0,
-        )
-    hook = GrassOptimizerHook(
-        layers,
-        GrassSchedule(GRASS_K, 1, 1.0),
-        lambda flat: dist.all_reduce(flat),
-        reset_state=reset,
-        param_fqn=lambda fqn: f"{fqn}.grass_weight",
-    )
-    hook.initial_selection()
-    return layers, hook
-
-
-class _GrassView:
-    """An OptimizerView over device Adam moments of the virtual parameters (megatron's
-    fp32 main parameters are the virtual parameters themselves here)."""
-
-    def __init__(self, layers):
-        from megatron_ext.optim.hooks import ParamOptimState
-
-        self.step = 0
-        self.states = {
-            f"{fqn}.grass_weight": ParamOptimState(
-                fqn=f"{fqn}.grass_weight",
-                model_param=layer.param,
-                main_param=layer.param,
-                state={
-                    "exp_avg": torch.zeros_like(layer.param),
-                    "exp_avg_sq": torch.zeros_like(layer.param),
-                    "step": torch.tensor(0.0),  # torch's Adam keeps a host step count
-                },
-                group={"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1},
-            )
-            for fqn, layer in layers.items()
-        }
-
-    def param_state(self, fqn):
-        return self.states.get(fqn)
+    parameters on the device and the optimizer hook (``tests.helpers.grass``)."""
+    return grass_setup(method, reset, DEVICE, lambda i, shape: torch.randn(shape, device=DEVICE))
 
 
 def _grass_steps(mode, layers, hook, view, steps, first=0, microbatches=2):

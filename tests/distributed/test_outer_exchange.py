@@ -148,12 +148,39 @@ def _refusals(group):
     return out
 
 
+def _warmups(group):
+    """Options given explicitly are used as given: a dense start of 2 outer syncs."""
+    import torch
+
+    from megatron_ext.collectives.outer_exchange import make_outer_exchange
+    from megatron_ext.methods.powersgd import PowerSGDConfig
+    from megatron_ext.methods.radius import RadiusConfig
+
+    members = [0, 1, 2, 3]
+    me = torch.distributed.get_rank()
+    out = {}
+    for method, options in [
+        ("radius", RadiusConfig(density=1 / 64, dense_steps=2)),
+        ("powersgd", PowerSGDConfig(start_step=2)),
+    ]:
+        ex = make_outer_exchange(method, options, NUMEL, group, "cpu", shapes=SHAPES)
+        rows = []
+        for t in range(3):
+            deltas = [_delta(m, t, NUMEL) for m in members]
+            mean = sum(d.double() for d in deltas) / 4
+            avg = ex.average(deltas[me])
+            err = (avg.double() - mean).abs().max().item()
+            rows.append((err, ex.wire_bytes() == ex.dense_wire_bytes()))
+        out[method] = rows
+    return out
+
+
 def _all(rank, world):
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    out = {"refusals": _refusals(dist.group.WORLD)}
+    out = {"refusals": _refusals(dist.group.WORLD), "warmups": _warmups(dist.group.WORLD)}
     for method in METHODS:
         for layout in ("flat", "params"):
             out[(4, method, layout)] = _one(method, layout, [0, 1, 2, 3], dist.group.WORLD)
@@ -205,6 +232,16 @@ def test_outer_exchange_refuses_bad_arguments(results):
     assert wrong_options and "PowerSGDConfig" in wrong_options
     assert wrong_shapes and "cover 9 elements" in wrong_shapes
     assert wrong_dtype and "float32" in wrong_dtype
+
+
+def test_outer_exchange_dense_start_when_asked(results):
+    for out in results:
+        for method, rows in out["warmups"].items():
+            # Syncs 0 and 1 dense (the exact mean, dense bytes), sync 2 compressed.
+            for err, dense in rows[:2]:
+                assert err < 1e-5 and dense, (method, rows)
+            err, dense = rows[2]
+            assert err > 1e-2 and not dense, (method, rows)
 
 
 @pytest.mark.parametrize("size", [2, 4])

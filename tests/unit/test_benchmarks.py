@@ -487,7 +487,7 @@ def test_sites_summary_and_comparison_with_the_dense_run():
     assert fast["time_to_target_s"] == pytest.approx(t)
     assert fast["speedup_vs_none"] == pytest.approx(20.0 / t)
     assert fast["gap_pct"] == pytest.approx(-50.0) and fast["reached_target"]
-    assert other_rate["time_to_target_s"] is None  # no dense run at 10mbit
+    assert other_rate["time_to_target_s"] is None  # a failed run is not compared
     assert refused["time_to_target_s"] is None and not refused["reached_target"]
 
 
@@ -578,3 +578,26 @@ def test_sites_quick_runs_inside_netbench(tmp_path):
     grad = runs["powersgd-r14"]["bytes_per_step_all_ranks"]["dp-grad"]
     assert grad["sent"] < 0.5 * dense["bytes_per_step_all_ranks"]["dp-grad"]["sent"]
     assert "refused: dp2 1gbit refused" in proc.stdout
+
+
+def test_sites_stopped_dense_run_gives_a_lower_bound():
+    from benchmarks import sites
+
+    def run(label, rate, status, losses, step_s):
+        r = dict(label=label, layout="dp2", rate=rate, status=status)
+        r.update(sites.summarize_run(_sites_records(losses, step_s), 10))
+        return r
+
+    losses = [10.0 - i for i in range(10)]
+    unshaped = run("none", "unshaped", "ok", losses, 0.1)
+    slow_dense = run("none", "10mbit", "stopped", losses[:3], 25.0)  # stopped at loss 8
+    slow_fast = run("diloco", "10mbit", "ok", [9.0, 0.5] + [0.5] * 8, 1.0)
+    sites.add_comparisons([unshaped, slow_dense, slow_fast])
+    assert slow_fast["target_loss"] == 1.0 and slow_fast["target_from_rate"] == "unshaped"
+    t = 1.0 + 8.0 / 8.5
+    assert slow_fast["time_to_target_s"] == pytest.approx(t)
+    assert slow_fast["none_time_to_target_s"] == pytest.approx(75.0)
+    assert slow_fast["speedup_vs_none"] == pytest.approx(75.0 / t)
+    assert slow_fast["speedup_is_lower_bound"]
+    assert slow_dense["time_to_target_s"] is None and slow_dense["gap_pct"] is None
+    assert unshaped["speedup_vs_none"] == 1.0 and not unshaped["speedup_is_lower_bound"]

@@ -81,6 +81,7 @@ BENCHMARKS = (
     "frontier",
     "state_memory",
     "one_gpu",
+    "sites",
 )
 """Names a report's ``benchmark`` field may take; also the JSON file names (``<name>.json``)."""
 

@@ -4,8 +4,9 @@ What it does:
     Answers "how much faster does training run with compression at my bandwidth?" on one
     machine: every rank runs in its own Linux network namespace, the namespaces are joined
     by a bridge, and tc shapes each rank's egress to the requested rate (optionally with
-    delay and loss, and optionally only for pipeline or data-parallel links). The entry
-    point is ``megatron-ext netbench [options] -- COMMAND...`` (:func:`cli.main`).
+    delay and loss, and optionally only for pipeline or data-parallel links, or only for the
+    links between sites of consecutive data-parallel ranks). The entry point is
+    ``megatron-ext netbench [options] -- COMMAND...`` (:func:`cli.main`).
 
 Why:
     Real TCP over a real bottleneck, with the unmodified training command and gloo, is the

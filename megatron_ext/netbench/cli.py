@@ -2,9 +2,10 @@
 
 What it does:
     ``megatron-ext netbench [options] -- COMMAND...`` builds a :class:`ShapedNetwork` with
-    ``--nproc`` rank namespaces, shapes the links selected by ``--shape`` to
-    ``--bandwidth`` (with optional ``--latency`` / ``--loss``), measures a few links, starts
-    COMMAND once per rank inside its namespace with the torchrun environment
+    ``--nproc`` rank namespaces, shapes the links selected by ``--shape`` (``all``, ``pp``,
+    ``dp``, or ``sites`` with ``--sites S``: only links between S sites of consecutive
+    data-parallel ranks) to ``--bandwidth`` (with optional ``--latency`` / ``--loss``),
+    measures a few links, starts COMMAND once per rank inside its namespace with the torchrun environment
     (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) and ``GLOO_SOCKET_IFNAME``, and prints
     a summary (measured MB/s per link, exit codes, wall time). ``--unshaped`` runs the same
     namespaces without tc, which is the baseline to compare against. ``--report`` writes
@@ -105,8 +106,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--shape",
         choices=SCOPES,
         default="all",
-        help="Which links to shape: all, pp (between pipeline stages) or dp (between "
-        "data-parallel peers); uses --tp/--pp for the rank layout.",
+        help="Which links to shape: all, pp (between pipeline stages), dp (between "
+        "data-parallel peers) or sites (between the --sites groups of consecutive "
+        "data-parallel ranks); uses --tp/--pp for the rank layout.",
+    )
+    parser.add_argument(
+        "--sites",
+        type=int,
+        default=None,
+        help="With --shape sites: number of sites S >= 2; the data-parallel ranks are split "
+        "into S blocks of consecutive DP ranks (each across every tp/pp coordinate) and only "
+        "links between different sites are shaped. The DP size must be divisible by S.",
     )
     parser.add_argument("--tp", type=int, default=1, help="Tensor-parallel size (default 1).")
     parser.add_argument("--pp", type=int, default=1, help="Pipeline-parallel size (default 1).")
@@ -168,10 +178,24 @@ def _parse(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str], Parallel
         raise _UsageError("--check-links must be >= 0")
     if args.unshaped and (args.latency or args.loss or args.shape != "all"):
         raise _UsageError("--unshaped cannot be combined with --latency, --loss or --shape")
+    if args.shape == "sites" and args.sites is None:
+        raise _UsageError("--shape sites needs --sites S (the number of sites, at least 2)")
+    if args.sites is not None and args.shape != "sites":
+        raise _UsageError(f"--sites applies only to --shape sites, not --shape {args.shape}")
+    if args.sites is not None and args.sites < 2:
+        raise _UsageError(f"--sites must be at least 2, got {args.sites}")
     try:
         layout = ParallelLayout(args.nproc, tp_size=args.tp, pp_size=args.pp)
     except ValueError as exc:
         raise _UsageError(f"--nproc/--tp/--pp: {exc}") from exc
+    if args.sites is not None:
+        if layout.dp_size % args.sites:
+            raise _UsageError(
+                f"--sites {args.sites} does not divide the data-parallel size {layout.dp_size} "
+                f"(--nproc {args.nproc} / (--tp {args.tp} * --pp {args.pp})); every site "
+                "needs the same number of data-parallel ranks"
+            )
+        layout = ParallelLayout(args.nproc, tp_size=args.tp, pp_size=args.pp, sites=args.sites)
     if not args.unshaped and args.shape != "all" and not layout.pairs(args.shape):
         raise _UsageError(
             f"--shape {args.shape} selects no links with --nproc {args.nproc} --tp {args.tp} "
@@ -190,11 +214,11 @@ def _print_summary(
     if links:
         num_shaped = len(network.shaped_pairs)
         measured = sum(1 for m in links if m.shaped)
-        print(f"{'link':<10} {'kind':<6} {'shaped':<7} {'MB/s':>10}")
+        print(f"{'link':<10} {'kind':<16} {'shaped':<7} {'MB/s':>10}")
         for m in links:
             link = f"{m.src} -> {m.dst}"
-            kind = layout.classify(m.src, m.dst)
-            print(f"{link:<10} {kind:<6} {'yes' if m.shaped else 'no':<7} {m.mb_per_s:>10.2f}")
+            kind = _link_kind(layout, m.src, m.dst)
+            print(f"{link:<10} {kind:<16} {'yes' if m.shaped else 'no':<7} {m.mb_per_s:>10.2f}")
         if num_shaped:
             print(f"(measured {measured} of {num_shaped} shaped directed links)")
     codes = " ".join("?" if c is None else str(c) for c in result.exit_codes)
@@ -203,6 +227,14 @@ def _print_summary(
     if result.interface_bytes:
         sent = " ".join(f"{c['tx_bytes'] / 1e6:.2f}" for c in result.interface_bytes)
         print(f"MB sent per rank (interface counters, headers included): {sent}")
+
+
+def _link_kind(layout: ParallelLayout, src: int, dst: int) -> str:
+    kind = layout.classify(src, dst)
+    if layout.sites > 1:
+        same = layout.site(src) == layout.site(dst)
+        kind += f" (site {layout.site(src)}{'' if same else f'->{layout.site(dst)}'})"
+    return kind
 
 
 def _exit_code(result: RankRunResult) -> int:
@@ -235,13 +267,23 @@ def _report(
             "tp": layout.tp_size,
             "pp": layout.pp_size,
             "dp": layout.dp_size,
+            "sites": layout.sites if layout.sites > 1 else None,
             "check_seconds": None if args.no_check else args.check_seconds,
             "shaping": network.describe_shaping(),
             "num_shaped_links": len(network.shaped_pairs),
         },
         "command": command,
         "link_check": [
-            dict(dataclasses.asdict(m), kind=layout.classify(m.src, m.dst)) for m in links
+            dict(
+                dataclasses.asdict(m),
+                kind=layout.classify(m.src, m.dst),
+                **(
+                    {"src_site": layout.site(m.src), "dst_site": layout.site(m.dst)}
+                    if layout.sites > 1
+                    else {}
+                ),
+            )
+            for m in links
         ],
         "exit_codes": result.exit_codes,
         "interface_bytes": result.interface_bytes,

@@ -9,14 +9,20 @@ What it does:
 
     It classifies each ordered rank pair by the kind of traffic Megatron sends over it
     (:data:`PAIR_PP`, :data:`PAIR_DP`, :data:`PAIR_TP` or :data:`PAIR_OTHER`) and turns a
-    shaping scope (:data:`SCOPES`) into the set of pairs to shape. :func:`select_check_links`
-    picks the few links whose throughput is measured before a run.
+    shaping scope (:data:`SCOPES`) into the set of pairs to shape. With ``sites`` S, the
+    data-parallel ranks are split into S sites of consecutive DP ranks (a site is a contiguous
+    block of DP ranks across every tensor and pipeline coordinate, the groups of an outer
+    synchronization such as DiLoCo) and the ``"sites"`` scope selects every pair of ranks in
+    different sites. :func:`select_check_links` picks the few links whose throughput is
+    measured before a run.
 
 Why:
     A compression method helps only the traffic it compresses: gradient compression the
     data-parallel links, activation compression the links between pipeline stages. Shaping
     one kind of link at a time (``--shape pp`` or ``--shape dp``) models a cluster whose
     slow links carry that traffic, for example pipeline stages on different nodes.
+    ``--shape sites`` models training across datacenters: fast links inside a site, a slow
+    link between sites, whatever kind of traffic crosses it.
 
 Constraints:
     Pure Python; no torch, no Megatron, no subprocesses, so it is unit-tested without root.
@@ -53,8 +59,9 @@ PAIR_TP = "tp"
 PAIR_OTHER = "other"
 """Same pipeline stage, but both the tensor- and data-parallel ranks differ."""
 
-SCOPES = ("all", "pp", "dp")
-"""Shaping scopes: every link, links between pipeline stages, or data-parallel links."""
+SCOPES = ("all", "pp", "dp", "sites")
+"""Shaping scopes: every link, links between pipeline stages, data-parallel links, or the
+links between sites (ranks whose data-parallel ranks fall in different sites)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +96,11 @@ class ParallelLayout:
     pp_size: int = 1
     """Pipeline-parallel size (Megatron's ``--pipeline-model-parallel-size``)."""
 
+    sites: int = 1
+    """Number of sites the data-parallel ranks are split into (consecutive DP ranks)."""
+
     def __post_init__(self) -> None:
-        for name in ("world_size", "tp_size", "pp_size"):
+        for name in ("world_size", "tp_size", "pp_size", "sites"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -98,6 +108,12 @@ class ParallelLayout:
             raise ValueError(
                 f"world size {self.world_size} is not divisible by tp*pp = "
                 f"{self.tp_size}*{self.pp_size}; the data-parallel size must be an integer"
+            )
+        if self.dp_size % self.sites:
+            raise ValueError(
+                f"the data-parallel size {self.dp_size} (world {self.world_size} / "
+                f"(tp {self.tp_size} * pp {self.pp_size})) is not divisible by {self.sites} "
+                "sites; every site needs the same number of data-parallel ranks"
             )
 
     @property
@@ -124,6 +140,10 @@ class ParallelLayout:
             dp_rank=(rank // self.tp_size) % self.dp_size,
             pp_rank=rank // (self.tp_size * self.dp_size),
         )
+
+    def site(self, rank: int) -> int:
+        """Site of a global rank: ``dp_rank // (dp_size // sites)`` (consecutive DP ranks)."""
+        return self.coord(rank).dp_rank // (self.dp_size // self.sites)
 
     def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
         """Global rank of the given coordinates (inverse of :meth:`coord`)."""
@@ -162,15 +182,19 @@ class ParallelLayout:
 
         Args:
             scope: ``"all"`` (every pair), ``"pp"`` (ranks in different pipeline stages)
-                or ``"dp"`` (data-parallel peers).
+                ``"dp"`` (data-parallel peers) or ``"sites"`` (ranks in different sites,
+                whatever their tensor and pipeline coordinates).
 
         Returns:
-            The selected pairs; it can be empty (``"pp"`` with one stage).
+            The selected pairs; it can be empty (``"pp"`` with one stage, ``"sites"`` with
+            one site).
         """
         if scope not in SCOPES:
             raise ValueError(f"unknown shaping scope {scope!r}; choose one of {SCOPES}")
         if scope == "all":
             return frozenset(self.all_pairs())
+        if scope == "sites":
+            return frozenset(p for p in self.all_pairs() if self.site(p[0]) != self.site(p[1]))
         return frozenset(p for p in self.all_pairs() if self.classify(*p) == scope)
 
 

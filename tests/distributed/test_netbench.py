@@ -2,7 +2,7 @@
 
 They need root, iproute2 and permission to create network namespaces; the module is
 skipped with the reason otherwise (the check creates and deletes a throwaway namespace,
-which is what fails in an unprivileged container). The whole file takes about 20 s.
+which is what fails in an unprivileged container). The whole file takes about 23 s.
 """
 
 import json
@@ -213,3 +213,27 @@ def test_latency_needs_netem_or_works():
     except NetbenchUnavailableError as exc:
         assert "netem" in str(exc)
     assert _namespaces(own) == []
+
+
+def test_cli_sites_shapes_only_links_between_sites(tmp_path):
+    """4 ranks in 2 sites: the cross-site links run at the rate, the in-site link does not."""
+    report = tmp_path / "sites.json"
+    start = time.monotonic()
+    code = cli.main(
+        ["--nproc", "4", "--bandwidth", "50mbit", "--shape", "sites", "--sites", "2"]
+        + ["--check-seconds", "0.5", "--check-links", "2", "--report", str(report)]
+        + ["--", "true"]
+    )
+    assert code == 0
+    data = json.loads(report.read_text())
+    assert data["settings"]["sites"] == 2 and data["settings"]["num_shaped_links"] == 8
+    links = data["link_check"]
+    shaped = [m for m in links if m["shaped"]]
+    inside = [m for m in links if not m["shaped"]]
+    assert len(shaped) == 2 and len(inside) == 1, links
+    # 50mbit = 6.25 MB/s on the wire, about 6.0 MB/s of TCP payload.
+    for m in shaped:
+        assert m["src_site"] != m["dst_site"] and 4.0 <= m["mb_per_s"] <= 7.0, links
+    (m,) = inside
+    assert m["src_site"] == m["dst_site"] and m["mb_per_s"] > 50.0, links
+    assert time.monotonic() - start < 15

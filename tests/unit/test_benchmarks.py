@@ -431,3 +431,173 @@ def test_kernels_quick_writes_its_json(tmp_path):
     assert report["environment"]["device"].startswith("cpu")
     assert report["settings"]["dtypes"] == {"cpu": ["fp32", "bf16"]}
     assert report["complete"] is True  # rewritten after every row, complete at the end
+
+
+# -- sites ---------------------------------------------------------------------------------
+
+
+def test_sites_time_to_loss_is_interpolated_on_the_measured_curve():
+    from benchmarks import sites
+
+    elapsed = [1.0, 2.0, 3.0, 4.0]
+    assert sites.time_to_loss(elapsed, [5.0, 4.0, 3.0, 2.0], 3.5) == pytest.approx(2.5)
+    assert sites.time_to_loss(elapsed, [5.0, 4.0, 3.0, 2.0], 3.0) == pytest.approx(3.0)
+    assert sites.time_to_loss(elapsed, [2.0, 4.0, 3.0, 1.0], 2.5) == pytest.approx(1.0)
+    assert sites.time_to_loss(elapsed, [None, 4.0, 3.0, 2.0], 1.0) is None
+    # From the start (time 0) when the first logged point already is below the target.
+    assert sites.time_to_loss(elapsed, [None, 1.0, 3.0, 2.0], 1.5) == pytest.approx(2.0)
+
+
+def _sites_records(losses, step_s, outer=0.0):
+    return [
+        {
+            "iteration": i + 1,
+            "lm_loss": loss,
+            "step_time_s": step_s,
+            "bytes_per_step_all_ranks": {
+                "dp-grad": {"sent": 100.0, "dense_sent": 100.0},
+                **({"outer": {"sent": outer, "dense_sent": 4 * outer}} if outer else {}),
+            },
+        }
+        for i, loss in enumerate(losses)
+    ]
+
+
+def test_sites_summary_and_comparison_with_the_dense_run():
+    from benchmarks import sites
+
+    dense_losses = [10.0 - i for i in range(10)]  # 10 ... 1, final (last 10%) = 1.0
+    base = dict(label="none", layout="dp2", rate="100mbit", status="ok")
+    base.update(sites.summarize_run(_sites_records(dense_losses, 2.0), 10))
+    assert base["curve"]["elapsed_s"] == pytest.approx([2.0 * (i + 1) for i in range(10)])
+    assert base["final_loss"] == 1.0 and base["train_time_s"] == pytest.approx(20.0)
+    fast = dict(label="diloco-h5", layout="dp2", rate="100mbit", status="ok")
+    fast.update(sites.summarize_run(_sites_records([9.0, 5.0, 0.5] + [0.5] * 7, 0.5, 8.0), 10))
+    assert fast["bytes_per_step_all_ranks"]["outer"] == pytest.approx(
+        {"sent": 8.0, "dense_sent": 32.0}
+    )
+    assert fast["bytes_per_step_sent_total"] == pytest.approx(108.0)
+    other_rate = dict(base, rate="10mbit", label="powersgd-r14", status="failed")
+    refused = dict(label="x", layout="dp2", rate="100mbit", status="refused")
+    results = [base, fast, other_rate, refused]
+    sites.add_comparisons(results)
+    assert base["time_to_target_s"] == pytest.approx(20.0) and base["speedup_vs_none"] == 1.0
+    # Loss 5.0 at 1.0 s, 0.5 at 1.5 s: 1.0 is crossed at 1.0 + 0.5 * 4 / 4.5 s.
+    t = 1.0 + 0.5 * 4.0 / 4.5
+    assert fast["time_to_target_s"] == pytest.approx(t)
+    assert fast["speedup_vs_none"] == pytest.approx(20.0 / t)
+    assert fast["gap_pct"] == pytest.approx(-50.0) and fast["reached_target"]
+    assert other_rate["time_to_target_s"] is None  # a failed run is not compared
+    assert refused["time_to_target_s"] is None and not refused["reached_target"]
+
+
+def test_sites_layouts_configs_and_commands():
+    from benchmarks import sites
+
+    dp2, two_by_two = sites.parse_layout("dp2"), sites.parse_layout("2x2", pp=2)
+    assert (dp2.sites, dp2.per_site, dp2.nproc) == (2, 1, 2)
+    assert (two_by_two.sites, two_by_two.dp, two_by_two.nproc) == (2, 4, 8)
+    for bad in ("dp1", "1x4", "2by2", "x2"):
+        with pytest.raises(ValueError, match="--layouts"):
+            sites.parse_layout(bad)
+    label, flags = sites.parse_config("diloco-h50=--outer-method diloco --outer-interval 50")
+    assert label == "diloco-h50" and flags == ["--outer-method", "diloco", "--outer-interval", "50"]
+    assert sites.parse_config("none=") == ("none", [])
+    with pytest.raises(ValueError, match="--config"):
+        sites.parse_config("no label")
+    assert sites.config_flags(flags, sites.parse_layout("2x2"))[-2:] == ["--outer-groups", "2"]
+    assert sites.config_flags(flags + ["--outer-groups", "4"], dp2).count("--outer-groups") == 1
+    assert sites.config_flags(["--grad-compression", "powersgd"], dp2) == [
+        "--grad-compression",
+        "powersgd",
+    ]
+    cmd = sites.netbench_command(two_by_two, "10mbit", "nb.json", 60, ["python", "x"])
+    text = " ".join(cmd)
+    assert "--nproc 8 --pp 2 --bandwidth 10mbit --shape sites --sites 2" in text
+    assert cmd[-3:] == ["--", "python", "x"]
+    assert "--unshaped" in sites.netbench_command(dp2, "unshaped", "nb.json", 60, ["x"])
+
+
+def test_sites_check_config_reports_the_drivers_refusal(tmp_path):
+    from benchmarks import sites
+
+    args = sites.build_parser().parse_args(["--iters", "4"])
+    dp2 = sites.parse_layout("dp2")
+    ok = sites.train_command(args, dp2, ["--grad-compression", "powersgd"], str(tmp_path))
+    assert sites.check_config(ok, dp2) is None
+    bad = sites.train_command(args, dp2, ["--no-such-flag", "3"], str(tmp_path))
+    assert "unrecognized arguments: --no-such-flag" in sites.check_config(bad, dp2)
+    # 3 DP ranks cannot split a global batch of 8: refused naming the flags.
+    three = sites.train_command(args, sites.parse_layout("dp3"), [], str(tmp_path))
+    assert "--global-batch-size" in sites.check_config(three, sites.parse_layout("dp3"))
+
+
+def _netbench_reason():
+    from megatron_ext.netbench.netns import netns_unavailable_reason
+
+    try:
+        return netns_unavailable_reason()
+    except Exception as exc:
+        return f"network namespace probe failed: {exc}"
+
+
+_PSGD_FROM_STEP_2 = "--grad-compression powersgd --powersgd-approx-rank 14 --powersgd-start-step 1"
+
+
+def test_sites_quick_runs_inside_netbench(tmp_path):
+    """none and PowerSGD trained for 3 steps at 1gbit between 2 sites; a config the driver
+    refuses is reported as such and the sweep goes on (about 25 s, needs root)."""
+    reason = _netbench_reason()
+    if reason:
+        pytest.skip(f"netbench cannot run here: {reason}")
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/sites.py", "--quick", "--out", str(tmp_path)]
+        + ["--rates", "1gbit", "--iters", "3", "--check-seconds", "0.3", "--config", "none="]
+        + ["--config", "refused=--no-such-flag"]
+        + ["--config", f"powersgd-r14={_PSGD_FROM_STEP_2}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = common.validate_report(json.loads((tmp_path / "sites.json").read_text()))
+    assert report["benchmark"] == "sites"
+    runs = {r["label"]: r for r in report["results"]}
+    assert [r["label"] for r in report["results"]] == ["none", "refused", "powersgd-r14"]
+    assert runs["refused"]["status"] == "refused" and "--no-such-flag" in runs["refused"]["refusal"]
+    for label in ("none", "powersgd-r14"):
+        r = runs[label]
+        assert r["status"] == "ok" and r["iterations_done"] == 3, r
+        assert len(r["curve"]["elapsed_s"]) == 3 and r["train_time_s"] > 0
+        assert all(m["src_site"] != m["dst_site"] for m in r["link_check"] if m["shaped"])
+    dense = runs["none"]
+    assert dense["time_to_target_s"] == pytest.approx(dense["train_time_s"])
+    assert dense["speedup_vs_none"] == 1.0 and dense["gap_pct"] == 0.0
+    grad = runs["powersgd-r14"]["bytes_per_step_all_ranks"]["dp-grad"]
+    assert grad["sent"] < 0.5 * dense["bytes_per_step_all_ranks"]["dp-grad"]["sent"]
+    assert "refused: dp2 1gbit refused" in proc.stdout
+
+
+def test_sites_stopped_dense_run_gives_a_lower_bound():
+    from benchmarks import sites
+
+    def run(label, rate, status, losses, step_s):
+        r = dict(label=label, layout="dp2", rate=rate, status=status)
+        r.update(sites.summarize_run(_sites_records(losses, step_s), 10))
+        return r
+
+    losses = [10.0 - i for i in range(10)]
+    unshaped = run("none", "unshaped", "ok", losses, 0.1)
+    slow_dense = run("none", "10mbit", "stopped", losses[:3], 25.0)  # stopped at loss 8
+    slow_fast = run("diloco", "10mbit", "ok", [9.0, 0.5] + [0.5] * 8, 1.0)
+    sites.add_comparisons([unshaped, slow_dense, slow_fast])
+    assert slow_fast["target_loss"] == 1.0 and slow_fast["target_from_rate"] == "unshaped"
+    t = 1.0 + 8.0 / 8.5
+    assert slow_fast["time_to_target_s"] == pytest.approx(t)
+    assert slow_fast["none_time_to_target_s"] == pytest.approx(75.0)
+    assert slow_fast["speedup_vs_none"] == pytest.approx(75.0 / t)
+    assert slow_fast["speedup_is_lower_bound"]
+    assert slow_dense["time_to_target_s"] is None and slow_dense["gap_pct"] is None
+    assert unshaped["speedup_vs_none"] == 1.0 and not unshaped["speedup_is_lower_bound"]

@@ -325,3 +325,88 @@ def test_cli_refuses_without_root_or_tools(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "'tc' not found" in err and "iproute2" in err
     assert "not found" in netns.netns_unavailable_reason()
+
+
+# ---------------------------------------------------------------------------- sites
+
+
+def test_sites_dp4_two_sites_shapes_only_cross_site_pairs():
+    layout = ParallelLayout(4, sites=2)
+    assert [layout.site(r) for r in range(4)] == [0, 0, 1, 1]
+    cross = {(s, d) for s in (0, 1) for d in (2, 3)}
+    assert layout.pairs("sites") == cross | {(d, s) for s, d in cross}
+    assert (0, 1) not in layout.pairs("sites") and (2, 3) not in layout.pairs("sites")
+    # Pure DiLoCo: one rank per site, every pair crosses.
+    assert ParallelLayout(4, sites=4).pairs("sites") == ParallelLayout(4).pairs("all")
+    assert ParallelLayout(4).pairs("sites") == frozenset()  # one site: nothing to shape
+
+
+def test_sites_follow_dp_rank_across_tp_and_pp():
+    # world 16, tp 2, pp 2 -> dp 4; rank = pp*8 + dp*2 + tp; 2 sites = dp {0,1} and {2,3}.
+    layout = ParallelLayout(16, tp_size=2, pp_size=2, sites=2)
+    for rank in range(16):
+        c = layout.coord(rank)
+        assert layout.site(rank) == c.dp_rank // 2
+    site0 = {r for r in range(16) if layout.site(r) == 0}
+    assert site0 == {0, 1, 2, 3, 8, 9, 10, 11}
+    pairs = layout.pairs("sites")
+    assert len(pairs) == 2 * 8 * 8
+    assert pairs == {(s, d) for s in range(16) for d in range(16) if (s in site0) != (d in site0)}
+    # In-site links of every kind stay fast: TP (0,1), DP (0,2), PP (0,8); cross-site
+    # links of every kind are shaped: DP (0,4), PP (0,12), other (1,6).
+    for inside in ((0, 1), (0, 2), (0, 8), (3, 10)):
+        assert inside not in pairs
+    for across in ((0, 4), (0, 12), (1, 6), (15, 0)):
+        assert across in pairs
+
+
+@pytest.mark.parametrize("world,tp,pp,sites", [(6, 1, 1, 4), (8, 2, 1, 3), (4, 1, 1, 0)])
+def test_sites_must_divide_dp(world, tp, pp, sites):
+    with pytest.raises(ValueError):
+        ParallelLayout(world, tp_size=tp, pp_size=pp, sites=sites)
+
+
+def test_sites_check_links_measure_cross_and_in_site():
+    layout = ParallelLayout(4, sites=2)
+    shaped, unshaped = select_check_links(4, set(layout.pairs("sites")), max_links=2)
+    assert all(layout.site(s) != layout.site(d) for s, d in shaped) and len(shaped) == 2
+    assert unshaped is not None and layout.site(unshaped[0]) == layout.site(unshaped[1])
+
+
+def test_network_shaping_plan_sites_without_root():
+    layout = ParallelLayout(4, pp_size=1, sites=2)
+    net = ShapedNetwork(
+        4, bandwidth="10mbit", shaped_pairs=layout.pairs("sites"), prefix="mxnbunit"
+    )
+    for rank, far in ((0, (2, 3)), (1, (2, 3)), (2, (0, 1)), (3, (0, 1))):
+        filters = [c for c in net._shaping_commands(rank) if c[1] == "filter"]
+        assert [c[c.index("dst") + 1] for c in filters] == [f"{net.address(r)}/32" for r in far]
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--nproc", "4", "--shape", "sites"], "--sites"),
+        (["--nproc", "4", "--sites", "2"], "--sites applies only to --shape sites"),
+        (["--nproc", "4", "--shape", "dp", "--sites", "2"], "not --shape dp"),
+        (["--nproc", "4", "--shape", "sites", "--sites", "1"], "--sites must be at least 2"),
+        (["--nproc", "6", "--shape", "sites", "--sites", "4"], "--sites 4 does not divide"),
+        (["--nproc", "4", "--tp", "2", "--shape", "sites", "--sites", "4"], "size 2"),
+        (["--unshaped", "--nproc", "4", "--shape", "sites", "--sites", "2"], "--unshaped"),
+    ],
+)
+def test_cli_sites_bad_flags_name_the_flag(argv, needle, capsys):
+    assert cli.main(argv + ["--", "true"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("megatron-ext netbench: error:") and "\n" not in err
+    assert needle in err
+
+
+def test_cli_sites_parse_builds_the_site_layout():
+    args, command, layout = cli._parse(
+        ["--nproc", "8", "--pp", "2", "--shape", "sites", "--sites", "2", "--", "true"]
+    )
+    assert command == ["true"] and layout.sites == 2 and layout.dp_size == 4
+    assert layout.pairs(args.shape) == ParallelLayout(8, pp_size=2, sites=2).pairs("sites")
+    assert cli._link_kind(layout, 0, 2) == "dp (site 0->1)"
+    assert cli._link_kind(layout, 0, 4) == "pp (site 0)"

@@ -1,0 +1,634 @@
+"""Training across sites: loss against measured time per method, layout and inter-site rate.
+
+What it does:
+    For every layout, every rate and every method configuration it trains gpt-tiny with the
+    driver (``python -m megatron_ext.train --cpu``, one thread per rank, the same seed, data
+    order, batch and number of iterations for every run) under ``megatron-ext netbench``,
+    with only the links between sites shaped (``--shape sites --sites S``):
+
+    * layouts: ``dpN`` (N data-parallel ranks, one per site: pure DiLoCo's layout) and
+      ``SxR`` (S sites of R data-parallel ranks each, e.g. ``2x2``); ``--pp`` makes every
+      site's ranks pipelines of that many stages;
+    * rates: ``unshaped`` (the same namespaces without tc) and tc rates (``100mbit``);
+    * configurations: ``LABEL=FLAGS``, extra driver flags per run (``none=``,
+      ``powersgd-r14=--grad-compression powersgd --powersgd-approx-rank 14
+      --powersgd-start-step 30``,
+      ``diloco-h50=--outer-method diloco --outer-interval 50``). A configuration that
+      names ``--outer-method`` but not ``--outer-groups`` gets ``--outer-groups S`` (one
+      group per site).
+
+    Before it starts anything, each configuration is parsed and validated as the driver
+    does before training (flags, layout, method combinations); a configuration the driver
+    refuses (e.g. the DiLoCo ones while the method is not on this branch) is recorded as
+    ``refused`` with the driver's message, and the sweep goes on.
+
+    From each run's ``log.jsonl`` (one record per iteration) it records the loss curve
+    against measured training time (the running sum of the logged per-step times, which
+    exclude start-up and evaluation), the final loss (mean of the last 10% of the logged
+    losses) and its gap to the target, the mean bytes per step of every accounting
+    category (``dp-grad``, ``outer`` when the method logs it, ...), and the time to reach
+    the target. The target is the final loss of the complete ``none`` run of the layout (at
+    the same rate when there is one, else at another rate: the loss per iteration does not
+    depend on the link). The time to it is the first time the run's trailing-mean loss
+    (window: 10% of the iterations, the final loss's window) is at or below it, linearly
+    interpolated in time between the two logged iterations that bracket it: a measured
+    time on the logged curve, never one derived from bytes and a rate. A run that never
+    reaches it reports ``None``. The speed-up is the ``none`` run's time to the target at
+    the same rate divided by the configuration's; when that ``none`` run was stopped by
+    ``--time-limit`` first, its whole measured time is used and the speed-up is flagged as
+    a lower bound. The JSON (``sites.json``, the layout of
+    :func:`benchmarks.common.make_report`) is rewritten after every run; a table is printed
+    at the end.
+
+Usage:
+    python benchmarks/sites.py --layouts dp2,2x2 --rates unshaped,100mbit,10mbit --iters 1000 \\
+        --config none= \\
+        --config "powersgd-r14=--grad-compression powersgd --powersgd-approx-rank 14 \\
+            --powersgd-start-step 30" \\
+        --config "diloco-h50=--outer-method diloco --outer-interval 50" \\
+        --config "diloco-h50-q4=--outer-method diloco --outer-interval 50 \\
+            --outer-compression quantized --quantized-bits 4" \\
+        --time-limit 10mbit=1800
+    python benchmarks/sites.py --quick     # smoke run: dp2, 100mbit, 4 steps, none + powersgd
+
+Constraints:
+    Needs what netbench needs (Linux, root, iproute2, network namespaces); refuses with the
+    reason otherwise. gpt-tiny's dense DP exchange is ~29.5 MB per step, so a dense step at
+    10 Mbit/s takes ~25 s: use ``--time-limit`` there (a stopped run gives lower bounds).
+    Runs one configuration at a time; every rank uses ``--num-threads`` threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (  # noqa: E402
+    CpuMonitor,
+    add_machine_args,
+    default_out_dir,
+    environment,
+    format_table,
+    make_report,
+    parse_list,
+    read_jsonl,
+    run_logged,
+    shell_join,
+    wait_for_quiet,
+    write_report,
+)
+
+__all__ = [
+    "DEFAULT_CONFIGS",
+    "Layout",
+    "parse_layout",
+    "parse_config",
+    "config_flags",
+    "check_config",
+    "time_to_loss",
+    "summarize_run",
+    "add_comparisons",
+    "build_parser",
+    "main",
+]
+
+DEFAULT_CONFIGS = (
+    "none=",
+    "powersgd-r14=--grad-compression powersgd --powersgd-approx-rank 14 --powersgd-start-step 30",
+    "diloco-h50=--outer-method diloco --outer-interval 50",
+    "diloco-h50-q4=--outer-method diloco --outer-interval 50 --outer-compression quantized "
+    "--quantized-bits 4",
+)
+"""``LABEL=FLAGS`` of the default sweep (the issue's DiLoCo configurations included).
+PowerSGD starts at step 30, its setting in ``benchmarks/frontier.py`` (``bench_defaults``)."""
+
+QUICK_CONFIGS = (
+    "none=",
+    "powersgd-r14=--grad-compression powersgd --powersgd-approx-rank 14 --powersgd-start-step 1",
+    "diloco-h2=--outer-method diloco --outer-interval 2",
+)
+"""``--quick``'s configurations (PowerSGD compresses from step 2 of the 4)."""
+
+QUICK_DEFAULTS = {"layouts": "dp2", "rates": "100mbit", "iters": 4}
+"""``--quick``'s defaults; flags given explicitly still win."""
+
+FINAL_FRACTION = 0.1
+"""Share of the iterations whose mean loss is the final loss (and the smoothing window)."""
+
+
+class Layout:
+    """Ranks of one layout: ``sites`` sites of ``per_site`` DP ranks, ``pp`` stages each.
+
+    Args:
+        name: ``dpN`` (N sites of one DP rank) or ``SxR`` (S sites of R DP ranks).
+        sites: Number of sites.
+        per_site: Data-parallel ranks per site.
+        pp: Pipeline stages of every data-parallel replica.
+    """
+
+    def __init__(self, name: str, sites: int, per_site: int, pp: int = 1):
+        self.name, self.sites, self.per_site, self.pp = name, sites, per_site, pp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size."""
+        return self.sites * self.per_site
+
+    @property
+    def nproc(self) -> int:
+        """Number of ranks."""
+        return self.dp * self.pp
+
+    def __repr__(self) -> str:
+        return f"Layout({self.name!r}, sites={self.sites}, per_site={self.per_site}, pp={self.pp})"
+
+
+def parse_layout(text: str, pp: int = 1) -> Layout:
+    """``dp2`` -> 2 sites x 1 rank; ``2x2`` -> 2 sites x 2 ranks (``ValueError`` otherwise)."""
+    m = re.fullmatch(r"dp(\d+)", text) or re.fullmatch(r"(\d+)x(\d+)", text)
+    if not m:
+        raise ValueError(f"--layouts: {text!r} is neither dpN nor SxR (e.g. dp2, 2x2)")
+    sites = int(m.group(1))
+    per_site = int(m.group(2)) if m.lastindex == 2 else 1
+    if sites < 2 or per_site < 1:
+        raise ValueError(f"--layouts: {text!r} needs at least 2 sites of at least 1 rank")
+    return Layout(text, sites, per_site, pp)
+
+
+def parse_config(text: str) -> Tuple[str, List[str]]:
+    """``"LABEL=FLAGS"`` -> ``(label, flags)``; an empty FLAGS is the dense run."""
+    label, sep, flags = text.partition("=")
+    label = label.strip()
+    if not sep or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", label):
+        raise ValueError(f"--config: expected LABEL=FLAGS with a plain label, got {text!r}")
+    return label, shlex.split(flags)
+
+
+def config_flags(flags: Sequence[str], layout: Layout) -> List[str]:
+    """The configuration's driver flags for ``layout``: ``--outer-groups`` set to the
+    number of sites when ``--outer-method`` is given without it."""
+    flags = list(flags)
+    if "--outer-method" in flags and "--outer-groups" not in flags:
+        flags += ["--outer-groups", str(layout.sites)]
+    return flags
+
+
+def train_command(
+    args: argparse.Namespace, layout: Layout, flags: Sequence[str], run_dir: str
+) -> List[str]:
+    """The per-rank driver command of one run."""
+    mbs = args.micro_batch_size or max(1, min(8, args.global_batch_size // layout.dp))
+    cmd = [sys.executable, "-m", "megatron_ext.train", "--cpu", "--model", args.model]
+    cmd += ["--num-threads", str(args.num_threads), "--micro-batch-size", str(mbs)]
+    cmd += ["--global-batch-size", str(args.global_batch_size)]
+    cmd += ["--train-iters", str(args.iters), "--seed", str(args.seed)]
+    cmd += ["--lr", str(args.lr), "--min-lr", str(args.min_lr), "--lr-decay-style", "cosine"]
+    cmd += ["--lr-warmup-iters", str(max(1, args.iters // 10)), "--eval-iters", "0"]
+    cmd += ["--log-interval", "1", "--no-progress"]
+    cmd += ["--log-json", os.path.join(run_dir, "log.jsonl")]
+    cmd += ["--comm-report", os.path.join(run_dir, "comm_report.json")]
+    if layout.pp > 1:
+        cmd += ["--pipeline-model-parallel-size", str(layout.pp)]
+    return cmd + list(flags) + shlex.split(args.extra_train_args)
+
+
+def netbench_command(
+    layout: Layout,
+    rate: str,
+    report: str,
+    timeout: float,
+    train: Sequence[str],
+    check_seconds: float = 1.0,
+) -> List[str]:
+    """``python -m megatron_ext netbench ... -- <train>``: only inter-site links shaped."""
+    cmd = [sys.executable, "-m", "megatron_ext", "netbench", "--nproc", str(layout.nproc)]
+    cmd += ["--pp", str(layout.pp)]
+    if rate == "unshaped":
+        cmd += ["--unshaped"]
+    else:
+        cmd += ["--bandwidth", rate, "--shape", "sites", "--sites", str(layout.sites)]
+    cmd += [
+        "--check-seconds",
+        str(check_seconds),
+        "--report",
+        report,
+        "--timeout",
+        str(int(timeout)),
+    ]
+    return cmd + ["--"] + list(train)
+
+
+def check_config(train: Sequence[str], layout: Layout) -> Optional[str]:
+    """Validate a run's driver command as the driver does before training.
+
+    Returns:
+        ``None`` when the driver accepts it, else the driver's error message.
+    """
+    from megatron_ext.config import ParallelLayout, validate_ext_config
+    from megatron_ext.train import _layout_sizes, parse_args
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            cfg = parse_args(list(train[3:]))
+            sizes = _layout_sizes(cfg, layout.nproc)
+            validate_ext_config(
+                cfg.ext,
+                ParallelLayout(
+                    tensor_model_parallel_size=sizes["tp"],
+                    pipeline_model_parallel_size=sizes["pp"],
+                    data_parallel_size=sizes["dp"],
+                    use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+                    overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+                    transformer_impl=cfg.model.transformer_impl,
+                ),
+            )
+    except SystemExit:
+        lines = [line for line in err.getvalue().splitlines() if "error" in line]
+        return (lines[-1] if lines else err.getvalue().strip()[-500:]) or "refused"
+    except Exception as exc:  # ConfigError / ValueError: the driver's own refusal
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+# -- analysis ------------------------------------------------------------------------------
+
+
+def _trailing_mean(values: Sequence[Optional[float]], window: int) -> List[Optional[float]]:
+    from megatron_ext.report_frontier import trailing_mean
+
+    return trailing_mean(values, window)
+
+
+def time_to_loss(
+    elapsed: Sequence[float], smooth: Sequence[Optional[float]], target: float
+) -> Optional[float]:
+    """First time the smoothed loss is at or below ``target``, interpolated linearly in
+    time between the two logged points that bracket it; ``None`` when never reached.
+
+    Args:
+        elapsed: Measured training time at the end of each logged iteration.
+        smooth: The (trailing-mean) loss at each logged iteration.
+        target: The loss to reach.
+    """
+    prev_t, prev_l = 0.0, None
+    for t, loss in zip(elapsed, smooth):
+        if loss is None:
+            continue
+        if loss <= target:
+            if prev_l is None or prev_l <= loss:
+                return t
+            return prev_t + (t - prev_t) * (prev_l - target) / (prev_l - loss)
+        prev_t, prev_l = t, loss
+    return None
+
+
+def summarize_run(records: List[Dict[str, Any]], iters: int) -> Dict[str, Any]:
+    """Curve, final loss, measured time and mean bytes per step by category of one run."""
+    from megatron_ext.report import final_loss, mean_bytes
+
+    records = sorted(records, key=lambda r: r.get("iteration", 0))
+    losses = [r.get("lm_loss") for r in records]
+    elapsed, total = [], 0.0
+    for r in records:
+        total += r.get("step_time_s") or 0.0
+        elapsed.append(total)
+    window = max(1, int(round(FINAL_FRACTION * iters)))
+    by_cat = mean_bytes(records) if records else {}
+    return {
+        "curve": {
+            "iteration": [r.get("iteration") for r in records],
+            "lm_loss": losses,
+            "elapsed_s": elapsed,
+            "smoothed_loss": _trailing_mean(losses, window),
+        },
+        "iterations_done": len(records),
+        "final_loss": final_loss(losses, FINAL_FRACTION),
+        "train_time_s": total,
+        "mean_step_s": total / len(records) if records else None,
+        "bytes_per_step_all_ranks": by_cat,
+        "bytes_per_step_sent_total": sum(v["sent"] for v in by_cat.values()),
+    }
+
+
+def _dense_reference(results: List[Dict[str, Any]], r: Dict[str, Any]) -> Optional[Dict]:
+    """The complete ``none`` run of ``r``'s layout: at ``r``'s rate when there is one, else
+    at any rate (the loss per iteration does not depend on the link; only time does)."""
+    complete = [
+        x
+        for x in results
+        if x["label"] == "none" and x["layout"] == r["layout"] and x["status"] == "ok"
+    ]
+    same = [x for x in complete if x["rate"] == r["rate"]]
+    return (same or complete or [None])[0]
+
+
+def add_comparisons(results: List[Dict[str, Any]]) -> None:
+    """Per result: the target (the final loss of the complete ``none`` run of its layout,
+    :func:`_dense_reference`), the gap to it, the measured time to reach it, and the speed-up
+    over the ``none`` run at the same rate. When that ``none`` run was stopped by its time
+    limit before reaching the target, its measured time is a lower bound and so is the
+    speed-up (``speedup_is_lower_bound``)."""
+    for r in results:
+        for key in (
+            "target_loss",
+            "target_from_rate",
+            "gap_pct",
+            "time_to_target_s",
+            "none_time_to_target_s",
+            "speedup_vs_none",
+        ):
+            r[key] = None
+        r["reached_target"] = False
+        r["speedup_is_lower_bound"] = False
+        ref = _dense_reference(results, r)
+        if ref is None or r["status"] not in ("ok", "stopped") or r.get("final_loss") is None:
+            continue
+        target = ref["final_loss"]
+        r["target_loss"], r["target_from_rate"] = target, ref["rate"]
+        if r["status"] == "ok":
+            r["gap_pct"] = 100.0 * (r["final_loss"] - target) / target
+        t = time_to_loss(r["curve"]["elapsed_s"], r["curve"]["smoothed_loss"], target)
+        r["reached_target"] = t is not None
+        r["time_to_target_s"] = t
+        base = next(
+            (
+                x
+                for x in results
+                if x["label"] == "none"
+                and x["layout"] == r["layout"]
+                and x["rate"] == r["rate"]
+                and x["status"] in ("ok", "stopped")
+                and x.get("curve")
+            ),
+            None,
+        )
+        if base is None:
+            continue
+        t_base = time_to_loss(base["curve"]["elapsed_s"], base["curve"]["smoothed_loss"], target)
+        lower = t_base is None  # the dense run was stopped first: its whole time, a bound
+        t_base = base["train_time_s"] if lower else t_base
+        r["none_time_to_target_s"] = t_base
+        if t is not None and t_base:
+            r["speedup_vs_none"] = t_base / t
+            r["speedup_is_lower_bound"] = lower
+
+
+# -- running -------------------------------------------------------------------------------
+
+
+def _per(spec: str) -> Dict[str, float]:
+    out = {}
+    for part in parse_list(spec):
+        key, _, value = part.partition("=")
+        if not value:
+            raise ValueError(f"--time-limit: expected RATE=SECONDS, got {part!r}")
+        out[key.strip()] = float(value)
+    return out
+
+
+def run_one(
+    args: argparse.Namespace,
+    layout: Layout,
+    rate: str,
+    label: str,
+    flags: Sequence[str],
+    out_dir: str,
+) -> Dict[str, Any]:
+    """Check, then (if the driver accepts it) train one configuration; returns its record."""
+    import json
+
+    run_dir = os.path.join(out_dir, "runs", f"{layout.name}-{rate}-{label}")
+    os.makedirs(run_dir, exist_ok=True)
+    for stale in ("log.jsonl", "comm_report.json", "netbench.json"):
+        if os.path.exists(os.path.join(run_dir, stale)):
+            os.remove(os.path.join(run_dir, stale))
+    flags = config_flags(flags, layout)
+    train = train_command(args, layout, flags, run_dir)
+    limit = _per(args.time_limit).get(rate, args.run_timeout)
+    cmd = netbench_command(
+        layout, rate, os.path.join(run_dir, "netbench.json"), limit, train, args.check_seconds
+    )
+    result: Dict[str, Any] = {
+        "label": label,
+        "layout": layout.name,
+        "sites": layout.sites,
+        "ranks_per_site": layout.per_site,
+        "pp": layout.pp,
+        "nproc": layout.nproc,
+        "rate": rate,
+        "iters": args.iters,
+        "flags": list(flags),
+        "command": shell_join(["python" if c == sys.executable else c for c in cmd]),
+        "run_dir": os.path.relpath(run_dir, out_dir),
+        "time_limit_s": limit if limit != args.run_timeout else None,
+    }
+    refusal = check_config(train, layout)
+    if refusal is not None:
+        result.update(status="refused", refusal=refusal, exit_code=None, wall_s=0.0)
+        return result
+    quiet = wait_for_quiet(args.quiet_wait) if args.quiet_wait > 0 else None
+    with CpuMonitor() as mon:
+        code, wall = run_logged(
+            cmd, os.path.join(run_dir, "stdout.txt"), timeout=limit + 120, priority=args.priority
+        )
+    result.update(exit_code=code, wall_s=wall, contention=dict(mon.result(), quiet_wait=quiet))
+    log_path = os.path.join(run_dir, "log.jsonl")
+    records = read_jsonl(log_path) if os.path.exists(log_path) else []
+    if records:
+        result.update(summarize_run(records, args.iters))
+    done = len(records) >= args.iters
+    if code == 0 and done:
+        result["status"] = "ok"
+    elif records and result["time_limit_s"] is not None and code != 0:
+        result["status"] = "ok" if done else "stopped"  # a lower bound when stopped
+    else:
+        result["status"] = "failed"
+        with open(os.path.join(run_dir, "stdout.txt")) as f:
+            result["error_tail"] = f.read()[-2000:]
+    nb_path = os.path.join(run_dir, "netbench.json")
+    if os.path.exists(nb_path):
+        with open(nb_path) as f:
+            nb = json.load(f)
+        result["link_check"] = nb.get("link_check")
+        result["netbench_wall_s"] = nb.get("wall_time_s")
+    return result
+
+
+def print_table(results: List[Dict[str, Any]]) -> None:
+    """One row per run: status, final loss, bytes by category, time to the dense loss."""
+    cats = sorted({c for r in results for c in (r.get("bytes_per_step_all_ranks") or {})})
+    rows = []
+    for r in results:
+        by_cat = r.get("bytes_per_step_all_ranks") or {}
+        rows.append(
+            [r["layout"], r["rate"], r["label"], r["status"], r.get("final_loss"), r.get("gap_pct")]
+            + [by_cat[c]["sent"] / 1e6 if c in by_cat else None for c in cats]
+            + [
+                r.get("mean_step_s"),
+                r.get("train_time_s"),
+                r.get("time_to_target_s"),
+                (
+                    f">={r['speedup_vs_none']:.2f}"
+                    if r.get("speedup_is_lower_bound") and r.get("speedup_vs_none")
+                    else r.get("speedup_vs_none")
+                ),
+            ]
+        )
+    header = ["layout", "link", "config", "status", "final loss", "gap %"]
+    header += [f"{c} MB/step" for c in cats]
+    header += ["step s", "train s", "s to dense loss", "speed-up"]
+    print(format_table(header, rows))
+    for r in results:
+        if r["status"] == "refused":
+            print(f"refused: {r['layout']} {r['rate']} {r['label']}: {r['refusal']}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Options of ``benchmarks/sites.py``."""
+    p = argparse.ArgumentParser(
+        prog="benchmarks/sites.py",
+        description="Loss against measured time, bytes per step and time to the dense run's "
+        "final loss per method configuration, with only the links between sites shaped "
+        "(inside megatron-ext netbench; needs root).",
+    )
+    p.add_argument(
+        "--config",
+        action="append",
+        default=None,
+        metavar="LABEL=FLAGS",
+        help="A method configuration: a label and its extra driver flags (repeat; default: "
+        + "; ".join(DEFAULT_CONFIGS)
+        + "). Put the 'none=' configuration first: the others are compared with it.",
+    )
+    p.add_argument("--layouts", default="dp2,2x2", help="dpN and/or SxR (default dp2,2x2).")
+    p.add_argument("--pp", type=int, default=1, help="Pipeline stages per replica (1).")
+    p.add_argument(
+        "--rates",
+        default="unshaped,100mbit,10mbit",
+        help="Inter-site link rates: unshaped and/or tc rates (default unshaped,100mbit,10mbit).",
+    )
+    p.add_argument("--iters", type=int, default=300, help="Training iterations per run (300).")
+    p.add_argument("--global-batch-size", type=int, default=8, help="Sequences per step (8).")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="Default: min(8, GBS / DP).")
+    p.add_argument(
+        "--time-limit",
+        default="",
+        help="Seconds per run at a rate, RATE=S,... (e.g. 10mbit=1800): a stopped run's "
+        "times are lower bounds.",
+    )
+    p.add_argument("--model", default="gpt-tiny")
+    p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--min-lr", type=float, default=1e-4)
+    p.add_argument(
+        "--extra-train-args", default="", help="Extra driver flags for every run (one string)."
+    )
+    p.add_argument("--run-timeout", type=float, default=7200.0)
+    p.add_argument(
+        "--check-seconds",
+        type=float,
+        default=1.0,
+        help="netbench's link measurement per link before each run (1.0 s).",
+    )
+    add_machine_args(p, quiet_wait=0.0, what="run")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="Smoke run: dp2 at 100mbit, 4 steps, none + powersgd-r14 + diloco-h2 (flags "
+        "given explicitly still apply).",
+    )
+    p.add_argument("--out", default=None, help="Run directory (runs/bench-sites-<time>).")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point; returns 0 when every run that was not refused succeeded (or was
+    stopped by its time limit), 1 otherwise, 2 on bad arguments or without netbench."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.quick:
+        parser.set_defaults(**QUICK_DEFAULTS)
+        args = parser.parse_args(argv)
+        args.config = args.config or list(QUICK_CONFIGS)
+    try:
+        configs = [parse_config(c) for c in (args.config or DEFAULT_CONFIGS)]
+        layouts = [parse_layout(t, args.pp) for t in parse_list(args.layouts)]
+        rates = parse_list(args.rates)
+        _per(args.time_limit)
+        if args.pp < 1 or args.iters < 1:
+            raise ValueError("--pp and --iters must be positive")
+        if len({label for label, _ in configs}) != len(configs):
+            raise ValueError("--config: two configurations share a label")
+        if "none" not in {label for label, _ in configs}:
+            raise ValueError("--config: a 'none=' configuration is needed as the reference")
+        from megatron_ext.netbench.shaping import parse_rate
+
+        for rate in rates:
+            if rate != "unshaped":
+                parse_rate(rate)
+    except ValueError as exc:
+        print(f"sites.py: error: {exc}")
+        return 2
+    from megatron_ext.netbench.netns import netns_unavailable_reason
+
+    reason = netns_unavailable_reason()
+    if reason:
+        print(f"sites.py: error: this benchmark runs inside megatron-ext netbench: {reason}")
+        return 2
+    # The dense reference first, so every later run is compared as soon as it ends.
+    configs.sort(key=lambda c: c[0] != "none")
+    out = args.out or default_out_dir("sites")
+    os.makedirs(out, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    settings["configs"] = {label: flags for label, flags in configs}
+    settings["final_loss_definition"] = "mean of the logged training losses of the last 10%"
+    settings["time_definition"] = (
+        "running sum of the logged per-step times (start-up and evaluation excluded); time to "
+        "the target: first time the trailing-mean loss (window 10% of the iterations) is at or "
+        "below the none run's final loss, interpolated between the bracketing iterations"
+    )
+    plan = [(lay, rate, c) for lay in layouts for rate in rates for c in configs]
+    results: List[Dict[str, Any]] = []
+    t0 = time.time()
+    for i, (lay, rate, (label, flags)) in enumerate(plan):
+        print(f"[{i + 1}/{len(plan)}] {lay.name}, {rate}, {label}: {args.iters} steps", flush=True)
+        res = run_one(args, lay, rate, label, flags, out)
+        results.append(res)
+        add_comparisons(results)
+        if res["status"] == "refused":
+            print(f"    -> refused by the driver: {res['refusal']}", flush=True)
+        else:
+            print(
+                f"    -> {res['status']}: final loss {res.get('final_loss') or float('nan'):.4f}"
+                f", train {res.get('train_time_s') or 0.0:.1f} s, wall {res['wall_s']:.0f} s",
+                flush=True,
+            )
+        report = make_report(
+            "sites",
+            settings,
+            results,
+            environment(num_threads=args.num_threads),
+            wall_s=time.time() - t0,
+        )
+        write_report(report, out)
+    print()
+    print_table(results)
+    print(f"\nreport: {os.path.join(out, 'sites.json')}")
+    return 0 if all(r["status"] in ("ok", "stopped", "refused") for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

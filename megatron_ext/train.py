@@ -214,7 +214,37 @@ def _layout_sizes(cfg: DriverConfig, world_size: int) -> Dict[str, int]:
             ["--num-query-groups", "--tensor-model-parallel-size"],
             "query groups must be divisible by the tensor-parallel size",
         )
+    _check_outer(cfg, dp)
     return {"tp": tp, "pp": pp, "dp": dp, "gbs": gbs, "num_microbatches": gbs // (mbs * dp)}
+
+
+def _check_outer(cfg: DriverConfig, dp: int) -> None:
+    """Driver flags that DiLoCo with several sites cannot honour (refused before training)."""
+    if cfg.ext.methods["outer"] == "none":
+        return
+    from megatron_ext.methods.diloco import OuterConfig
+
+    sites = cfg.ext.options_for(OuterConfig).num_sites(dp)
+    if sites == 1:
+        return
+    # Between outer steps the sites' parameters and AdamW moments differ, but megatron-core's
+    # checkpoint keeps one data-parallel replica of them (and the hash check expects equal
+    # replicas).
+    for flag, given in (
+        ("--save", cfg.checkpoint.save),
+        ("--load", cfg.checkpoint.load),
+        (
+            "--check-weight-hash-across-dp-replicas-interval",
+            cfg.training.check_weight_hash_across_dp_replicas_interval,
+        ),
+    ):
+        if given:
+            raise ConfigError(
+                [flag, "--outer-groups"],
+                f"{sites} DiLoCo sites hold different weights and optimizer states between "
+                "outer steps; megatron-core's checkpoint and the replica hash check assume "
+                "identical data-parallel replicas (supported with --outer-groups 1 only)",
+            )
 
 
 def batch_change_warning(saved_gbs: Optional[int], gbs: int) -> Optional[str]:

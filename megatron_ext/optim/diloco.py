@@ -245,6 +245,9 @@ class DiLoCoHook(OptimizerHook):
         self.snapshot: Dict[str, torch.Tensor] = {}
         self.momentum: Dict[str, torch.Tensor] = {}
         self.exchanges: List[Any] = []
+        self.num_sites = (
+            torch.distributed.get_world_size(outer_group) if outer_group is not None else 1
+        )
         self.syncs = 0
         self._pending_load: Optional[Dict[str, Any]] = None
 
@@ -344,7 +347,17 @@ class DiLoCoHook(OptimizerHook):
     # -- state ----------------------------------------------------------------------------------
 
     def state_dict(self) -> Dict[str, Any]:
-        """Snapshots, momentum buffers (by FQN), exchanges' state (by fragment)."""
+        """Snapshots, momentum buffers (by FQN), exchanges' state (by fragment).
+
+        Raises:
+            RuntimeError: several sites (their weights and inner optimizer states differ
+                between outer steps; megatron-core's checkpoint keeps one replica).
+        """
+        if self.num_sites > 1:
+            raise RuntimeError(
+                f"megatron-ext: checkpoints of DiLoCo with {self.num_sites} sites are not "
+                "supported (--save/--load need --outer-groups 1)"
+            )
         if not self.initialized and self._pending_load is not None:
             return self._pending_load
         return {

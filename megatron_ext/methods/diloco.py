@@ -98,8 +98,8 @@ def _validate(cfg, layout) -> None:
     g = o.num_sites(dp)
     if dp % g:
         raise ConfigError(
-            ["--outer-groups", "--data-parallel-size"],
-            f"{g} sites do not divide the data-parallel size {dp}",
+            "--outer-groups",
+            f"{g} sites do not divide the data-parallel size {dp} (world / (TP x PP))",
         )
     if layout.use_distributed_optimizer:
         raise ConfigError(

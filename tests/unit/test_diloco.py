@@ -119,3 +119,27 @@ def test_driver_refuses_checkpoints_with_several_sites(extra, named):
     # One site (G = 1): megatron's replicas are identical, checkpoints are supported.
     cfg = parse_args(["--cpu", "--outer-method", "diloco", "--outer-groups", "1"] + extra)
     _layout_sizes(cfg, 2)
+
+
+@pytest.mark.parametrize(
+    "attrs,named",
+    [
+        ({"save": "/tmp/x"}, "--save"),
+        ({"load": "/tmp/x"}, "--load"),
+        ({"check_weight_hash_across_dp_replicas_interval": 5}, "--check-weight-hash"),
+        ({"calculate_per_token_loss": True, "groups": 1}, "--calculate-per-token-loss"),
+    ],
+)
+def test_megatron_lm_refusals(attrs, named):
+    from types import SimpleNamespace
+
+    from megatron_ext.megatron.lm.session import _check_outer_sites
+
+    groups = attrs.pop("groups", None)
+    flags = ["--outer-method", "diloco"] + ([] if groups is None else ["--outer-groups", "1"])
+    cfg = ext_config_from_flags(flags)
+    args = SimpleNamespace(data_parallel_size=2, **attrs)
+    with pytest.raises(ConfigError, match=named):
+        _check_outer_sites(args, cfg)
+    if groups is None:  # one site: allowed
+        _check_outer_sites(args, ext_config_from_flags(flags + ["--outer-groups", "1"]))

@@ -107,6 +107,16 @@ def _validate(cfg, layout) -> None:
             "DiLoCo keeps whole parameters per rank; the distributed optimizer is not "
             "supported yet",
         )
+    for fam, flag in (("linear", "--grass-method"), ("subspace", "--subspace-method")):
+        # Their optimizer hooks edit the weights after the step too (Grass's row parameters,
+        # Protocol Models' projection); the order against the outer step's write is not
+        # settled nor tested.
+        if cfg.enabled(fam):
+            raise ConfigError(
+                ["--outer-method", flag],
+                "DiLoCo with this method is not supported yet (both write the weights after "
+                "the optimizer step)",
+            )
     if layout.num_distributed_optimizer_instances != 1:
         raise ConfigError(
             ["--outer-method", "--num-distributed-optimizer-instances"],

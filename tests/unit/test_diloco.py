@@ -100,6 +100,10 @@ def test_layout_refusals():
         validate_ext_config(
             cfg, ParallelLayout(data_parallel_size=4, use_distributed_optimizer=True)
         )
+    for flags in (["--grass-method", "topr"], ["--subspace-method", "protocol"]):
+        cfg = ext_config_from_flags(["--outer-method", "diloco"] + flags)
+        with pytest.raises(ConfigError, match="--outer-method, " + flags[0]):
+            validate_ext_config(cfg, ParallelLayout(data_parallel_size=2))
 
 
 @pytest.mark.parametrize(

@@ -101,6 +101,12 @@ def _validate(cfg, layout) -> None:
             "--outer-groups",
             f"{g} sites do not divide the data-parallel size {dp} (world / (TP x PP))",
         )
+    if cfg.enabled("grad") and dp // g == 1:
+        raise ConfigError(
+            ["--grad-compression", "--outer-groups"],
+            f"{g} sites of one rank each have no data-parallel reduction to compress (it "
+            "would only make the gradient lossy); use fewer sites or --grad-compression none",
+        )
     if layout.use_distributed_optimizer:
         raise ConfigError(
             ["--outer-method", "--use-distributed-optimizer"],

@@ -100,6 +100,13 @@ def test_layout_refusals():
         validate_ext_config(
             cfg, ParallelLayout(data_parallel_size=4, use_distributed_optimizer=True)
         )
+    cfg = ext_config_from_flags(["--outer-method", "diloco", "--grad-compression", "powersgd"])
+    with pytest.raises(ConfigError, match="--grad-compression, --outer-groups"):
+        validate_ext_config(cfg, ParallelLayout(data_parallel_size=2))
+    cfg = ext_config_from_flags(
+        ["--outer-method", "diloco", "--outer-groups", "1", "--grad-compression", "powersgd"]
+    )
+    validate_ext_config(cfg, ParallelLayout(data_parallel_size=2))
     for flags in (["--grass-method", "topr"], ["--subspace-method", "protocol"]):
         cfg = ext_config_from_flags(["--outer-method", "diloco"] + flags)
         with pytest.raises(ConfigError, match="--outer-method, " + flags[0]):

@@ -144,7 +144,17 @@ def _build(ctx: MethodContext) -> Components:
             f"lr {o.lr:g}, momentum {o.momentum:g}{' (Nesterov)' if o.nesterov else ''}"
         )
 
-    return Components(optimizer_hooks=[hook], grad_group=inner, describe=describe)
+    def on_install() -> None:
+        # Sized at start, from the weights before the first step (the same on every site);
+        # a checkpoint load that follows then writes this rank's state over it.
+        from megatron_ext.megatron.optimizer import MegatronOptimizerView
+
+        h = ctx.handles
+        hook.setup(MegatronOptimizerView(h.optimizer, h.model_chunks, ctx.clock))
+
+    return Components(
+        optimizer_hooks=[hook], grad_group=inner, describe=describe, on_install=on_install
+    )
 
 
 METHOD = register(

@@ -250,6 +250,7 @@ class DiLoCoHook(OptimizerHook):
         )
         self.syncs = 0
         self._pending_load: Optional[Dict[str, Any]] = None
+        self._view: Optional[OptimizerView] = None
 
     # -- setup --------------------------------------------------------------------------------
 
@@ -265,6 +266,7 @@ class DiLoCoHook(OptimizerHook):
         """Allocate the outer state from the current parameters (identical on every site at
         the start of training): fragments, fp32 snapshots, exchanges."""
         o = self.options
+        self._view = view
         sizes = []
         for fqn in view.fqns():
             ps = view.param_state(fqn)
@@ -349,37 +351,48 @@ class DiLoCoHook(OptimizerHook):
     def state_dict(self) -> Dict[str, Any]:
         """Snapshots, momentum buffers (by FQN), exchanges' state (by fragment).
 
-        Raises:
-            RuntimeError: several sites (their weights and inner optimizer states differ
-                between outer steps; megatron-core's checkpoint keeps one replica).
+        With several sites also this rank's own weights (fp32 main parameters) and inner
+        optimizer state tensors (``site``): between outer steps they differ from the other
+        sites', and megatron-core's checkpoint keeps one data-parallel replica of them.
         """
-        if self.num_sites > 1:
-            raise RuntimeError(
-                f"megatron-ext: checkpoints of DiLoCo with {self.num_sites} sites are not "
-                "supported (--save/--load need --outer-groups 1)"
-            )
         if not self.initialized and self._pending_load is not None:
             return self._pending_load
-        return {
+        if not self.initialized:
+            raise RuntimeError("megatron-ext: DiLoCo state is allocated at the first step")
+        out = {
             "snapshot": {f: t.detach().cpu().clone() for f, t in self.snapshot.items()},
             "momentum": {f: t.detach().cpu().clone() for f, t in self.momentum.items()},
             "exchanges": [e.state_dict() for e in self.exchanges],
             "fragments": [list(f) for f in self.fragments],
             "syncs": self.syncs,
         }
+        if self.num_sites > 1:
+            params, optim = {}, {}
+            for fqn in self._view.fqns():
+                ps = self._view.param_state(fqn)
+                params[fqn] = ps.main_param.detach().cpu().clone()
+                optim[fqn] = {
+                    k: v.detach().cpu().clone()
+                    for k, v in ps.state.items()
+                    if isinstance(v, torch.Tensor)
+                }
+            out["site"] = {"params": params, "optim": optim}
+        return out
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; applied at the first step if the state is not yet
         allocated (a resume loads before training starts)."""
         expected = {"snapshot", "momentum", "exchanges", "fragments", "syncs"}
+        if self.num_sites > 1:
+            expected.add("site")
         if set(state) != expected:
             raise ValueError(f"diloco state keys {sorted(state)}, expected {sorted(expected)}")
         if self.initialized:
-            self._apply_load(state, None)
+            self._apply_load(state, self._view)
         else:
             self._pending_load = state
 
-    def _apply_load(self, state: Dict[str, Any], view: Optional[OptimizerView]) -> None:
+    def _apply_load(self, state: Dict[str, Any], view: OptimizerView) -> None:
         if [list(f) for f in state["fragments"]] != self.fragments:
             raise ValueError("diloco state was saved with other fragments (--outer-fragments)")
         if set(state["snapshot"]) != set(self.snapshot):
@@ -392,3 +405,22 @@ class DiLoCoHook(OptimizerHook):
         for e, sd in zip(self.exchanges, state["exchanges"]):
             e.load_state_dict(sd)
         self.syncs = int(state["syncs"])
+        if "site" in state:
+            self._load_site(state["site"], view)
+
+    def _load_site(self, site: Dict[str, Any], view: OptimizerView) -> None:
+        """This rank's own weights and inner optimizer state over megatron's replica."""
+        if set(site["params"]) != set(view.fqns()):
+            raise ValueError("diloco site state was saved for other parameters")
+        with torch.no_grad():
+            for fqn, value in site["params"].items():
+                ps = view.param_state(fqn)
+                ps.main_param.copy_(value)
+                if ps.model_param is not ps.main_param:
+                    ps.model_param.data.copy_(value)
+                for k, v in site["optim"][fqn].items():
+                    if k not in ps.state or ps.state[k].shape != v.shape:
+                        raise ValueError(
+                            f"diloco site state: optimizer state {k!r} of {fqn} does not fit"
+                        )
+                    ps.state[k].copy_(v)

@@ -9,7 +9,8 @@ Two launches (CPU, gloo, the tiny GPT of ``tests.helpers.mcore``):
   (snapshot chained from the initial weights), the sites differ between outer steps and
   agree after them, every parameter is synchronized exactly once per cycle, the bf16 model
   parameters hold the written fp32 values, the ``outer`` bytes are counted; (c) resume
-  across an outer step at G = 1 (save mid-cycle, with momentum) is bitwise exact.
+  across an outer step at G = 1 (save mid-cycle, with momentum) is bitwise exact; (d) so is
+  resume at G = 2 in bf16, where the sites' weights and AdamW moments differ at the save.
 * DP = 4, G = 2 (two sites of two ranks), H = 3: the gradient seam reduces over the site only (the
   site's ranks hold the same gradients and weights, the sites different ones; the buckets'
   scaling is 1/2), and the outer step matches the float64 reference.
@@ -186,6 +187,25 @@ def _dp2(rank, world, root):
         },
     )
     teardown(trainer)
+
+    # (d) the same at G = 2 (each rank a site), bf16: the sites' weights and AdamW moments
+    # differ at the save; each rank resumes its own.
+    flags = ["--bf16", "--outer-method", "diloco", "--outer-interval", "3"]
+    trainer = _configure(trainer, flags)
+    build(trainer, stock=False)
+    full_losses = train(trainer, 8)
+    full = params(trainer)
+    teardown(trainer)
+    build(trainer, stock=False)
+    train(trainer, 4)
+    out["sites_differ_at_save"] = params(trainer)
+    save_checkpoint(trainer, root + "-sites", 4)
+    teardown(trainer)
+    build(trainer, stock=False)
+    load_checkpoint(trainer, root + "-sites")
+    out["sites_resume_losses_equal"] = train(trainer, 4, start=4) == full_losses[4:]
+    out["sites_resume_params"] = first_difference(full, params(trainer))
+    teardown(trainer)
     return out
 
 
@@ -241,6 +261,11 @@ def test_diloco_dp2(tmp_path):
         assert r["resume_losses_equal"]
         assert r["resume_params"] is None, r["resume_params"]
         assert r["resume_state"] is None, r["resume_state"]
+    for r in results:
+        # (d)
+        assert r["sites_resume_losses_equal"]
+        assert r["sites_resume_params"] is None, r["sites_resume_params"]
+    assert first_difference(results[0]["sites_differ_at_save"], results[1]["sites_differ_at_save"])
     a, b = results[0]["replicas"], results[1]["replicas"]
     assert first_difference(a, b) is None
 

@@ -74,9 +74,13 @@ class DenseOuterExchange:
         numel: elements of the flat pseudo-gradient.
         group: the outer process group (one rank per site).
         device: where the flat tensor lives when exchanged.
+        layout: ``name`` (the buffer's stable name) and ``shapes`` (the parameters laid out
+            in it), which compressed exchanges use; the dense one ignores them.
     """
 
-    def __init__(self, method: str, options: Any, numel: int, group: Any, device: Any):
+    def __init__(
+        self, method: str, options: Any, numel: int, group: Any, device: Any, **layout: Any
+    ):
         if method != "none":
             raise ValueError(f"DenseOuterExchange is the 'none' exchange, got {method!r}")
         self.numel = int(numel)
@@ -114,15 +118,21 @@ class DenseOuterExchange:
             raise ValueError(f"the dense outer exchange has no state, got {sorted(sd)}")
 
 
-def make_outer_exchange(name: str, options: Any, numel: int, group: Any, device: Any) -> Any:
-    """The outer exchange called ``name`` (``--outer-compression``).
+def make_outer_exchange(
+    method: str, options: Any, numel: int, group: Any, device: Any, **layout: Any
+) -> Any:
+    """The outer exchange called ``method`` (``--outer-compression``).
+
+    ``layout``: ``name=`` the flat buffer's stable name (``outer/<fragment>``) and
+    ``shapes=`` the ``(fqn, shape)`` of its parameters, for exchanges that compress per
+    matrix or key their state by name.
 
     Raises:
-        ValueError: a name this build does not know.
+        ValueError: a method this build does not know.
     """
-    if name == "none":
-        return DenseOuterExchange(name, options, numel, group, device)
-    raise ValueError(f"unknown outer exchange {name!r} (known: {', '.join(OUTER_EXCHANGES)})")
+    if method == "none":
+        return DenseOuterExchange(method, options, numel, group, device, **layout)
+    raise ValueError(f"unknown outer exchange {method!r} (known: {', '.join(OUTER_EXCHANGES)})")
 
 
 def site_groups(dp_group: Any, num_sites: int) -> Tuple[Any, Any, int]:
@@ -223,7 +233,8 @@ class DiLoCoHook(OptimizerHook):
             state_device, compression).
         outer_group: the process group of this rank's position in every site.
         meter: byte accounting (category ``outer``).
-        exchange_factory: ``(name, options, numel, group, device) -> exchange`` (default
+        exchange_factory: ``(method, options, numel, group, device, name=, shapes=) ->
+            exchange`` (default
             :func:`make_outer_exchange`).
     """
 
@@ -285,11 +296,24 @@ class DiLoCoHook(OptimizerHook):
                 self._state_device(main), torch.float32, copy=True
             )
         numel = dict(sizes)
+        shapes = {f: tuple(view.param_state(f).main_param.shape) for f in numel}
+        # options=None: an exchange's own defaults (the compressed exchanges take the options
+        # dataclass of their data-parallel method, not the --outer-* options).
         self.exchanges = [
-            self.exchange_factory(
-                o.compression, o, sum(numel[f] for f in frag), self.outer_group, device
-            )
-            for frag in self.fragments
+            (
+                self.exchange_factory(
+                    o.compression,
+                    None,
+                    sum(numel[f] for f in frag),
+                    self.outer_group,
+                    device,
+                    name=f"outer/{i}",
+                    shapes=[(f, shapes[f]) for f in frag],
+                )
+                if frag
+                else None
+            )  # an empty fragment (one parameter outweighs a fragment's share)
+            for i, frag in enumerate(self.fragments)
         ]
         if self._pending_load is not None:
             self._apply_load(self._pending_load, view)
@@ -362,7 +386,7 @@ class DiLoCoHook(OptimizerHook):
         out = {
             "snapshot": {f: t.detach().cpu().clone() for f, t in self.snapshot.items()},
             "momentum": {f: t.detach().cpu().clone() for f, t in self.momentum.items()},
-            "exchanges": [e.state_dict() for e in self.exchanges],
+            "exchanges": [{} if e is None else e.state_dict() for e in self.exchanges],
             "fragments": [list(f) for f in self.fragments],
             "syncs": self.syncs,
         }
@@ -403,7 +427,8 @@ class DiLoCoHook(OptimizerHook):
             f: t.to(self.snapshot[f].device, copy=True) for f, t in state["momentum"].items()
         }
         for e, sd in zip(self.exchanges, state["exchanges"]):
-            e.load_state_dict(sd)
+            if e is not None:
+                e.load_state_dict(sd)
         self.syncs = int(state["syncs"])
         if "site" in state:
             self._load_site(state["site"], view)

@@ -233,9 +233,8 @@ class DiLoCoHook(OptimizerHook):
             state_device, compression).
         outer_group: the process group of this rank's position in every site.
         meter: byte accounting (category ``outer``).
-        exchange_factory: ``(method, options, numel, group, device, name=, shapes=) ->
-            exchange`` (default
-            :func:`make_outer_exchange`).
+        exchange_factory: ``(method, options, numel, group, device, name=, shapes=)`` ->
+            exchange, called once per fragment (default :func:`make_outer_exchange`).
     """
 
     name = "diloco"
@@ -267,7 +266,7 @@ class DiLoCoHook(OptimizerHook):
 
     @property
     def initialized(self) -> bool:
-        """The outer state is allocated (at the first step, or by a checkpoint load)."""
+        """The outer state is allocated (at install; at the latest at the first step)."""
         return bool(self.fragments)
 
     def _state_device(self, param: torch.Tensor) -> torch.device:

@@ -74,6 +74,7 @@ CATEGORIES: Tuple[str, ...] = (
     "pp-grad",
     "subspace",
     "tp",
+    "outer",
     "other",
 )
 

@@ -64,7 +64,16 @@ __all__ = [
 
 _PROG = "megatron-ext report"
 _BENCH_FILES = ("kernels.json", "step_time.json", "convergence.json", "frontier.json")
-_CATEGORY_ORDER = ("dp-grad", "dp-param", "pp-act", "pp-grad", "subspace", "tp", "other")
+_CATEGORY_ORDER = (
+    "dp-grad",
+    "dp-param",
+    "pp-act",
+    "pp-grad",
+    "subspace",
+    "tp",
+    "outer",
+    "other",
+)
 _METHOD_COLORS = {"none": "black", "separate": "C0", "radius": "C1", "powersgd": "C2"}
 
 

@@ -214,7 +214,28 @@ def _layout_sizes(cfg: DriverConfig, world_size: int) -> Dict[str, int]:
             ["--num-query-groups", "--tensor-model-parallel-size"],
             "query groups must be divisible by the tensor-parallel size",
         )
+    _check_outer(cfg, dp)
     return {"tp": tp, "pp": pp, "dp": dp, "gbs": gbs, "num_microbatches": gbs // (mbs * dp)}
+
+
+def _check_outer(cfg: DriverConfig, dp: int) -> None:
+    """Driver flags that DiLoCo with several sites cannot honour (refused before training)."""
+    if cfg.ext.methods["outer"] == "none":
+        return
+    from megatron_ext.methods.diloco import OuterConfig
+
+    sites = cfg.ext.options_for(OuterConfig).num_sites(dp)
+    if sites == 1:
+        return
+    # Between outer steps the sites' weights differ; the replica hash check expects them equal.
+    # (Checkpoints keep each rank's own weights and AdamW state in its megatron-ext state.)
+    hash_every = cfg.training.check_weight_hash_across_dp_replicas_interval
+    if hash_every:
+        raise ConfigError(
+            ["--check-weight-hash-across-dp-replicas-interval", "--outer-groups"],
+            f"{sites} DiLoCo sites hold different weights between outer steps (supported "
+            "with --outer-groups 1 only)",
+        )
 
 
 def batch_change_warning(saved_gbs: Optional[int], gbs: int) -> Optional[str]:

@@ -70,18 +70,30 @@ def _param_slices(bucket: Any, names: Dict[Any, str], release: Any) -> List[Para
 
 
 def bucket_group_spec(
-    bucket_group: Any, names: Dict[Any, str], meter: Optional[CommMeter] = None
+    bucket_group: Any,
+    names: Dict[Any, str],
+    meter: Optional[CommMeter] = None,
+    group: Any = None,
 ) -> BucketGroupSpec:
-    """The fixed description of one megatron-core bucket group (see module docstring)."""
+    """The fixed description of one megatron-core bucket group (see module docstring).
+
+    ``group`` replaces megatron's data-parallel group (all-reduce only; see
+    :func:`install_grad_sync`)."""
     from megatron.core.distributed import param_and_grad_buffer as pgb
 
     ddp_config = bucket_group.ddp_config
     dist_opt = ddp_config.use_distributed_optimizer
-    group = (
-        bucket_group.intra_distributed_optimizer_instance_group
-        if dist_opt
-        else bucket_group.data_parallel_group
-    )
+    if group is not None and dist_opt:
+        raise ConfigError(
+            ["--outer-groups", "--use-distributed-optimizer"],
+            "a replaced data-parallel group supports all-reduce only",
+        )
+    if group is None:
+        group = (
+            bucket_group.intra_distributed_optimizer_instance_group
+            if dist_opt
+            else bucket_group.data_parallel_group
+        )
     release = mcore.release()
     buckets = []
     for bucket in bucket_group.buckets:
@@ -127,9 +139,14 @@ class GradSyncHandle:
     """Returned by :func:`install_grad_sync`; ``remove()`` restores megatron's method."""
 
     bucket_groups: List[Any] = field(default_factory=list)
+    scaling: List[Any] = field(default_factory=list)
+    """(bucket, megatron's gradient_scaling_factor) of buckets rescaled for a subgroup."""
 
     def remove(self) -> None:
         """Drop the instance-level override on every patched bucket group."""
+        for bucket, factor in self.scaling:
+            bucket.gradient_scaling_factor = factor
+        self.scaling.clear()
         for bucket_group in self.bucket_groups:
             if "start_grad_sync" in vars(bucket_group):
                 del bucket_group.start_grad_sync
@@ -144,6 +161,7 @@ def install_grad_sync(
     *,
     clock: StepClock,
     meter: Optional[CommMeter] = None,
+    group: Any = None,
 ) -> GradSyncHandle:
     """Route the gradient reduction of every bucket group of ``model_chunks`` through ``reducer``.
 
@@ -153,6 +171,10 @@ def install_grad_sync(
         reducer: the reduction to use (``DenseGradReducer`` reproduces megatron-core).
         clock: iteration counter read when a reduction starts.
         meter: byte accounting.
+        group: a subgroup of megatron's data-parallel group to reduce over instead of it
+            (DiLoCo's site, ``--outer-groups``); the buckets' ``gradient_scaling_factor``
+            (1/DP when megatron sums) is rescaled to 1/size of ``group`` so the reduced
+            gradient is the site's mean; ``remove()`` restores it. None keeps megatron's.
 
     Returns:
         A handle whose ``remove()`` undoes the installation.
@@ -185,11 +207,21 @@ def install_grad_sync(
             )
         names = global_param_names(chunk)
         for bucket_group in list(chunk.bucket_groups) + list(chunk.expert_parallel_bucket_groups):
-            specs.append((bucket_group, bucket_group_spec(bucket_group, names, meter)))
+            specs.append((bucket_group, bucket_group_spec(bucket_group, names, meter, group)))
     # Bind first (it may check cross-rank agreement and raise) so a failure leaves megatron's
     # methods untouched.
     bound = [reducer.bind(spec) for _, spec in specs]
     handle = GradSyncHandle()
+    if group is not None:
+        for bucket_group, _ in specs:
+            full = torch.distributed.get_world_size(bucket_group.data_parallel_group)
+            ratio = full / torch.distributed.get_world_size(group)
+            for bucket in bucket_group.buckets:
+                handle.scaling.append((bucket, bucket.gradient_scaling_factor))
+                # SUM over the site of grads scaled by 1/DP would give size/DP of the mean;
+                # AVG (average_in_collective: factor 1) already averages over the site.
+                if bucket.gradient_scaling_factor != 1.0:
+                    bucket.gradient_scaling_factor = bucket.gradient_scaling_factor * ratio
     for (bucket_group, _), b in zip(specs, bound):
         bucket_group._megatron_ext = _GroupExt(bound=b, clock=clock, release=release)
         bucket_group.start_grad_sync = types.MethodType(_ext_start_grad_sync, bucket_group)

@@ -322,8 +322,13 @@ class ExtRuntime(Runtime):
         )
         hooks = self._optimizer_hooks() + list(optimizer_hooks)
         try:
+            grad_groups = [c.grad_group for c in self.components.values() if c.grad_group]
             self.grad_handle = install_grad_sync(
-                model_chunks, self.reducer, clock=self.clock, meter=self.meter
+                model_chunks,
+                self.reducer,
+                clock=self.clock,
+                meter=self.meter,
+                group=grad_groups[0] if grad_groups else None,
             )
             self.state.register("grad_reducer", self.reducer)
             if layout.pipeline_model_parallel_size > 1:

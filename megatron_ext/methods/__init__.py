@@ -15,5 +15,6 @@ BUILTIN = (
     "megatron_ext.methods.aqsgd",
     "megatron_ext.methods.grass",
     "megatron_ext.methods.protocol",
+    "megatron_ext.methods.diloco",
 )
 """Modules that register the built-in methods, in ``--help`` order."""

@@ -39,3 +39,4 @@ register(Method("none", "grad", _dense_reducer, summary="dense megatron-core red
 register(Method("none", "p2p", _identity_codec, summary="uncompressed pipeline transfers"))
 register(Method("none", "linear", _pass_through_linear, summary="megatron-core's linear backward"))
 register(Method("none", "subspace", _nothing, summary="unconstrained residual stream"))
+register(Method("none", "outer", _nothing, summary="data parallelism synchronized every step"))

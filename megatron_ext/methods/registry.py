@@ -233,6 +233,11 @@ class Components:
     """Called with the 0-based iteration before each training step's forward and backward
     (not before evaluation)."""
 
+    grad_group: Any = None
+    """The process group the data-parallel gradient seam reduces over instead of
+    megatron-core's data-parallel group (family ``outer``: this rank's site); None keeps
+    megatron's."""
+
     describe: Optional[Callable[[], str]] = None
     """One line for the log once installed: what the method changed on this rank (e.g.
     Grass's parameter counts)."""
@@ -260,7 +265,7 @@ class Method:
     """Selector value, e.g. ``separate``."""
 
     family: str
-    """Family name (``grad``, ``p2p``, ``linear``, ``subspace``)."""
+    """Family name (``grad``, ``p2p``, ``linear``, ``subspace``, ``outer``)."""
 
     build: Callable[[MethodContext], Components]
     """Factory of the run's components."""
@@ -325,6 +330,13 @@ def _define_families() -> Tuple[Family, ...]:
             "megatron-ext: subspace-confined activations (Protocol Models)",
             "Subspace method for pipeline activations; 'none' leaves the residual stream "
             "unconstrained.",
+        ),
+        Family(
+            "outer",
+            "--outer-method",
+            "megatron-ext: outer synchronization across sites (DiLoCo)",
+            "Outer synchronization of data-parallel sites; 'none' synchronizes every step "
+            "(ordinary data parallelism).",
         ),
     )
 

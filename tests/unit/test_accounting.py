@@ -76,7 +76,16 @@ def test_log_field():
 
 
 def test_categories_are_the_documented_ones():
-    assert CATEGORIES == ("dp-grad", "dp-param", "pp-act", "pp-grad", "subspace", "tp", "other")
+    assert CATEGORIES == (
+        "dp-grad",
+        "dp-param",
+        "pp-act",
+        "pp-grad",
+        "subspace",
+        "tp",
+        "outer",
+        "other",
+    )
 
 
 def test_comm_report_scalars_and_path_without_a_process_group():

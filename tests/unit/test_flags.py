@@ -43,7 +43,13 @@ def test_add_args_returns_the_parser_and_defaults_are_none():
     parser = argparse.ArgumentParser()
     assert add_args(parser) is parser
     cfg = ext_config_from_args(parser.parse_args([]))
-    assert cfg.methods == {"grad": "none", "p2p": "none", "linear": "none", "subspace": "none"}
+    assert cfg.methods == {
+        "grad": "none",
+        "p2p": "none",
+        "linear": "none",
+        "subspace": "none",
+        "outer": "none",
+    }
     assert not any(cfg.enabled(f) for f in cfg.methods)
     assert cfg.comm.accounting is True
 

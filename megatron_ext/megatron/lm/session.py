@@ -152,6 +152,8 @@ def check_megatron_lm_args(args: Any, cfg: ExtConfig) -> None:
                 )
     if cfg.enabled("linear"):
         _check_grass_optimizer(args)
+    if cfg.enabled("outer"):
+        _check_outer_sites(args, cfg)
     from megatron_ext.megatron.lm.requirements import (
         check_local_spec_kernels,
         check_tokenizer_package,
@@ -216,6 +218,37 @@ def check_megatron_lm_args(args: Any, cfg: ExtConfig) -> None:
             "the same tokens in every epoch; Megatron-LM's GPTDataset repacks documents per "
             "epoch. Add --fixed-samples N (epochs over the first N training samples)",
         )
+
+
+def _check_outer_sites(args: Any, cfg: ExtConfig) -> None:
+    """Megatron-LM options that DiLoCo with several sites cannot honour."""
+    from megatron_ext.methods.diloco import OuterConfig
+
+    sites = cfg.options_for(OuterConfig).num_sites(args.data_parallel_size)
+    if getattr(args, "calculate_per_token_loss", False):
+        # finalize_model_grads divides by the token count of every data-parallel rank,
+        # while a site's gradient holds the site's tokens only.
+        raise ConfigError(
+            ["--outer-method", "--calculate-per-token-loss"],
+            "the token count is summed over all data-parallel ranks, not over a DiLoCo site",
+        )
+    if sites == 1:
+        return
+    for flag, attr in (
+        ("--save", "save"),
+        ("--load", "load"),
+        (
+            "--check-weight-hash-across-dp-replicas-interval",
+            "check_weight_hash_across_dp_replicas_interval",
+        ),
+    ):
+        if getattr(args, attr, None):
+            raise ConfigError(
+                [flag, "--outer-groups"],
+                f"{sites} DiLoCo sites hold different weights and optimizer states between "
+                "outer steps; Megatron-LM's checkpoint and the replica hash check assume "
+                "identical data-parallel replicas (supported with --outer-groups 1 only)",
+            )
 
 
 def _check_grass_optimizer(args: Any) -> None:

@@ -1,0 +1,170 @@
+"""DiLoCo (``--outer-method diloco``): options, factory and registration.
+
+The algorithm is ``megatron_ext.optim.diloco`` (the outer Nesterov-SGD step on the
+pseudo-gradient, its fragments and the dense outer exchange). This module turns the flags
+into the sites' process groups (the gradient seam reduces over a site's ranks through
+:attr:`~megatron_ext.methods.registry.Components.grad_group`) and the optimizer hook that
+runs the outer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
+
+from megatron_ext.config import ConfigError, check_positive, flag_of
+from megatron_ext.methods.registry import Components, Method, MethodContext, register
+
+__all__ = ["OuterConfig", "METHOD"]
+
+_STATE_DEVICES = ("device", "cpu")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OuterConfig:
+    """DiLoCo: sites train apart for H steps, then average their pseudo-gradients."""
+
+    ARG_GROUP: ClassVar[str] = "megatron-ext: outer synchronization (DiLoCo)"
+    ARG_PREFIX: ClassVar[str] = "outer"
+
+    interval: int = 100
+    """H: inner steps between two outer synchronizations of a fragment (DiLoCo paper: 500;
+    torchft's sync_every)."""
+
+    lr: float = 0.7
+    """Outer learning rate (DiLoCo paper: 0.7)."""
+
+    momentum: float = 0.9
+    """Outer momentum (DiLoCo paper: 0.9)."""
+
+    nesterov: bool = True
+    """Nesterov momentum in the outer SGD step (DiLoCo paper: on)."""
+
+    groups: Optional[int] = None
+    """G: the data-parallel ranks form G sites of consecutive ranks; inside a site ordinary
+    data parallelism every step, across sites only the outer synchronization. Default: the
+    data-parallel size (each rank its own site: pure DiLoCo)."""
+
+    fragments: int = 1
+    """F: streaming DiLoCo; the parameters are split into F fragments (contiguous in FQN
+    order, balanced by size) and fragment i is synchronized at offset i*H/F of each cycle of
+    H steps. The exchange is blocking."""
+
+    state_device: str = field(default="device", metadata={"argparse": {"choices": _STATE_DEVICES}})
+    """Where the fp32 outer state (last synchronized parameters, outer momentum) lives:
+    'device' (the parameters' device) or 'cpu' (host memory)."""
+
+    compression: str = "none"
+    """Compression of the pseudo-gradient exchange ('none': dense fp32 all-reduce)."""
+
+    def __post_init__(self):
+        cls = type(self)
+        check_positive(cls, "interval", self.interval)
+        if self.lr <= 0:
+            raise ConfigError(flag_of(cls, "lr"), f"must be > 0, got {self.lr}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError(flag_of(cls, "momentum"), f"must be in [0, 1), got {self.momentum}")
+        if self.groups is not None:
+            check_positive(cls, "groups", self.groups)
+        check_positive(cls, "fragments", self.fragments)
+        if self.fragments > self.interval:
+            raise ConfigError(
+                [flag_of(cls, "fragments"), flag_of(cls, "interval")],
+                f"{self.fragments} fragments need an interval of at least as many steps, got "
+                f"{self.interval}",
+            )
+        if self.state_device not in _STATE_DEVICES:
+            raise ConfigError(
+                flag_of(cls, "state_device"),
+                f"invalid value {self.state_device!r} (choose from {', '.join(_STATE_DEVICES)})",
+            )
+        from megatron_ext.optim.diloco import OUTER_EXCHANGES
+
+        if self.compression not in OUTER_EXCHANGES:
+            raise ConfigError(
+                flag_of(cls, "compression"),
+                f"unknown exchange {self.compression!r} (choose from "
+                f"{', '.join(OUTER_EXCHANGES)})",
+            )
+
+    def num_sites(self, dp: int) -> int:
+        """G for a data-parallel size ``dp``."""
+        return dp if self.groups is None else self.groups
+
+
+def _validate(cfg, layout) -> None:
+    o = cfg.options_for(OuterConfig)
+    dp = layout.data_parallel_size
+    g = o.num_sites(dp)
+    if dp % g:
+        raise ConfigError(
+            "--outer-groups",
+            f"{g} sites do not divide the data-parallel size {dp} (world / (TP x PP))",
+        )
+    if cfg.enabled("grad") and dp // g == 1:
+        raise ConfigError(
+            ["--grad-compression", "--outer-groups"],
+            f"{g} sites of one rank each have no data-parallel reduction to compress (it "
+            "would only make the gradient lossy); use fewer sites or --grad-compression none",
+        )
+    if layout.use_distributed_optimizer:
+        raise ConfigError(
+            ["--outer-method", "--use-distributed-optimizer"],
+            "DiLoCo keeps whole parameters per rank; the distributed optimizer is not "
+            "supported yet",
+        )
+    for fam, flag in (("linear", "--grass-method"), ("subspace", "--subspace-method")):
+        # Their optimizer hooks edit the weights after the step too (Grass's row parameters,
+        # Protocol Models' projection); the order against the outer step's write is not
+        # settled nor tested.
+        if cfg.enabled(fam):
+            raise ConfigError(
+                ["--outer-method", flag],
+                "DiLoCo with this method is not supported yet (both write the weights after "
+                "the optimizer step)",
+            )
+    if layout.num_distributed_optimizer_instances != 1:
+        raise ConfigError(
+            ["--outer-method", "--num-distributed-optimizer-instances"],
+            "DiLoCo supports one distributed-optimizer instance",
+        )
+
+
+def _build(ctx: MethodContext) -> Components:
+    from megatron_ext.optim.diloco import DiLoCoHook, site_groups
+
+    o = ctx.options
+    g = o.num_sites(ctx.layout.data_parallel_size)
+    inner, outer, site = site_groups(ctx.groups.dp, g)
+    hook = DiLoCoHook(o, outer, meter=ctx.meter)
+
+    def describe() -> str:
+        return (
+            f"DiLoCo: site {site} of {g}, H={o.interval}, {o.fragments} fragment(s), outer "
+            f"lr {o.lr:g}, momentum {o.momentum:g}{' (Nesterov)' if o.nesterov else ''}"
+        )
+
+    def on_install() -> None:
+        # Sized at start, from the weights before the first step (the same on every site);
+        # a checkpoint load that follows then writes this rank's state over it.
+        from megatron_ext.megatron.optimizer import MegatronOptimizerView
+
+        h = ctx.handles
+        hook.setup(MegatronOptimizerView(h.optimizer, h.model_chunks, ctx.clock))
+
+    return Components(
+        optimizer_hooks=[hook], grad_group=inner, describe=describe, on_install=on_install
+    )
+
+
+METHOD = register(
+    Method(
+        name="diloco",
+        family="outer",
+        build=_build,
+        options=OuterConfig,
+        summary="sites train apart, outer Nesterov SGD on the averaged pseudo-gradient every H steps",
+        validate=_validate,
+        bench_label=lambda o: f"diloco-h{o.interval}",
+    )
+)

@@ -1,0 +1,450 @@
+"""DiLoCo: infrequent outer synchronization of data-parallel sites (pure torch).
+
+What it does:
+    The data-parallel ranks form G *sites* of consecutive ranks. Inside a site training is
+    ordinary data parallelism every step (the gradient seam reduces over the site's ranks,
+    :func:`site_groups` builds those groups); the inner optimizer (megatron's AdamW) and its
+    state stay local to the site. Every H steps the sites synchronize through an *outer*
+    step (Douillard et al., 2023, "DiLoCo"): with ``snapshot`` the fp32 parameters of the
+    last synchronization and ``current`` the fp32 main parameters now,
+
+        delta  = mean over sites of (snapshot - current)   (the pseudo-gradient)
+        buf    = mu * buf + delta
+        update = delta + mu * buf   if nesterov else   buf
+        snapshot -= lr * update
+        parameters := snapshot
+
+    (``torch.optim.SGD`` semantics, no dampening, no weight decay; the first step's
+    ``buf`` is ``delta``, as torch's). The mean is taken by an *outer exchange* over the
+    group of the ranks holding the same position in each site (:func:`site_groups`); the
+    exchange is built by :func:`make_outer_exchange`, which knows only the dense all-reduce
+    (``none``) here; compressed exchanges plug in behind the same interface
+    (:class:`DenseOuterExchange`).
+
+    Streaming DiLoCo (Douillard et al., 2025): the parameters are split into F *fragments*
+    (contiguous runs of parameters in FQN order, balanced by element count; every parameter
+    in exactly one); fragment i is synchronized after the steps ``t`` (1-based count of
+    steps taken) with ``t % H == (i * H) // F``. Each fragment has its own snapshot,
+    momentum and exchange. The exchange is blocking (no overlap with compute).
+
+    :class:`DiLoCoHook` is the optimizer hook that runs the outer step after the inner
+    optimizer's step of a synchronizing iteration, and writes the result into both the fp32
+    main parameters the optimizer updates and the (bf16/fp16) model parameters.
+
+Constraints:
+    Pure torch; never imports Megatron. The optimizer must hold whole parameters on each
+    rank (no distributed optimizer: its shards would need a sharded outer state). State is
+    keyed by parameter FQN. Synchronizations are scheduled by iteration number, identical on
+    every site, whether or not a site's inner step was skipped (fp16 overflow).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_ext.accounting import CommMeter, ProcessGroupTrafficMeter, collective_wire_bytes
+from megatron_ext.optim.hooks import OptimizerHook, OptimizerView
+
+__all__ = [
+    "DenseOuterExchange",
+    "make_outer_exchange",
+    "OUTER_EXCHANGES",
+    "site_groups",
+    "split_fragments",
+    "fragment_due",
+    "outer_sgd_step",
+    "DiLoCoHook",
+]
+
+OUTER_EXCHANGES: Tuple[str, ...] = ("none",)
+"""Names :func:`make_outer_exchange` builds (``--outer-compression``)."""
+
+
+class DenseOuterExchange:
+    """The dense pseudo-gradient exchange: an all-reduce mean over the outer group.
+
+    Same interface as the compressed exchanges (``average``, ``state_dict``,
+    ``load_state_dict``, ``wire_bytes``); it holds no state.
+
+    Args:
+        method: ``"none"``.
+        options: unused (the compressed exchanges' options).
+        numel: elements of the flat pseudo-gradient.
+        group: the outer process group (one rank per site).
+        device: where the flat tensor lives when exchanged.
+        layout: ``name`` (the buffer's stable name) and ``shapes`` (the parameters laid out
+            in it), which compressed exchanges use; the dense one ignores them.
+    """
+
+    def __init__(
+        self, method: str, options: Any, numel: int, group: Any, device: Any, **layout: Any
+    ):
+        if method != "none":
+            raise ValueError(f"DenseOuterExchange is the 'none' exchange, got {method!r}")
+        self.numel = int(numel)
+        self.group = group
+        self.device = torch.device(device)
+        self.size = torch.distributed.get_world_size(group) if group is not None else 1
+
+    def average(self, flat: torch.Tensor) -> torch.Tensor:
+        """The mean of ``flat`` (fp32, ``numel`` elements) over the outer group."""
+        if flat.dtype != torch.float32 or flat.numel() != self.numel:
+            raise ValueError(
+                f"outer exchange expects {self.numel} fp32 elements, got {flat.numel()} "
+                f"{flat.dtype}"
+            )
+        if self.size == 1:
+            return flat
+        out = flat.clone()
+        # SUM then divide: gloo has no AVG.
+        with ProcessGroupTrafficMeter.tagged("outer"):
+            torch.distributed.all_reduce(out, group=self.group)
+        out.div_(self.size)
+        return out
+
+    def wire_bytes(self) -> int:
+        """Bytes this rank sends per :meth:`average` (ring all-reduce convention)."""
+        return collective_wire_bytes("all_reduce", 4 * self.numel, self.size)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """No state."""
+        return {}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        """Accepts only the empty state."""
+        if sd:
+            raise ValueError(f"the dense outer exchange has no state, got {sorted(sd)}")
+
+
+def make_outer_exchange(
+    method: str, options: Any, numel: int, group: Any, device: Any, **layout: Any
+) -> Any:
+    """The outer exchange called ``method`` (``--outer-compression``).
+
+    ``layout``: ``name=`` the flat buffer's stable name (``outer/<fragment>``) and
+    ``shapes=`` the ``(fqn, shape)`` of its parameters, for exchanges that compress per
+    matrix or key their state by name.
+
+    Raises:
+        ValueError: a method this build does not know.
+    """
+    if method == "none":
+        return DenseOuterExchange(method, options, numel, group, device, **layout)
+    raise ValueError(f"unknown outer exchange {method!r} (known: {', '.join(OUTER_EXCHANGES)})")
+
+
+def site_groups(dp_group: Any, num_sites: int) -> Tuple[Any, Any, int]:
+    """Process groups of the sites: ``(inner, outer, site)`` for this rank.
+
+    The ranks of every data-parallel group (there is one per tensor/pipeline position) are
+    split into ``num_sites`` runs of consecutive data-parallel ranks. ``inner`` is this
+    rank's site (the gradient seam reduces over it), ``outer`` the ranks at this rank's
+    position in every site (the outer exchange), ``site`` this rank's site index. Every
+    rank of the world must call this, in the same order (``new_group`` is collective).
+
+    Raises:
+        ValueError: the data-parallel size is not a multiple of ``num_sites``.
+    """
+    dist = torch.distributed
+    ranks = dist.get_process_group_ranks(dp_group)
+    dp = len(ranks)
+    if num_sites < 1 or dp % num_sites:
+        raise ValueError(f"{num_sites} sites do not divide the data-parallel size {dp}")
+    everyone: List[Optional[List[int]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, ranks)
+    all_dp_groups = sorted({tuple(r) for r in everyone})
+    per_site = dp // num_sites
+    me = dist.get_rank()
+    inner = outer = None
+    site = -1
+    for group_ranks in all_dp_groups:
+        for s in range(num_sites):
+            members = list(group_ranks[s * per_site : (s + 1) * per_site])
+            pg = dist.new_group(members)
+            if me in members:
+                inner, site = pg, s
+        for j in range(per_site):
+            members = [group_ranks[s * per_site + j] for s in range(num_sites)]
+            pg = dist.new_group(members)
+            if me in members:
+                outer = pg
+    return inner, outer, site
+
+
+def split_fragments(sizes: Sequence[Tuple[str, int]], num_fragments: int) -> List[List[str]]:
+    """Split ``(fqn, numel)`` pairs, in the given order, into contiguous fragments balanced
+    by element count; every parameter lands in exactly one fragment (some may be empty when
+    one parameter outweighs a fragment's share)."""
+    total = sum(n for _, n in sizes)
+    out: List[List[str]] = [[] for _ in range(num_fragments)]
+    start = 0
+    for fqn, n in sizes:
+        mid2 = 2 * start + n  # twice the midpoint, kept in integers
+        k = min(num_fragments - 1, (mid2 * num_fragments) // (2 * max(total, 1)))
+        out[k].append(fqn)
+        start += n
+    return out
+
+
+def fragment_due(steps_taken: int, interval: int, num_fragments: int) -> List[int]:
+    """The fragments synchronized once ``steps_taken`` (>= 1) inner steps are done."""
+    phase = steps_taken % interval
+    return [i for i in range(num_fragments) if (i * interval) // num_fragments == phase]
+
+
+def outer_sgd_step(
+    snapshot: torch.Tensor,
+    buf: Optional[torch.Tensor],
+    delta: torch.Tensor,
+    *,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+) -> Optional[torch.Tensor]:
+    """One outer SGD step in place on ``snapshot`` (``torch.optim.SGD`` semantics).
+
+    Args:
+        snapshot: fp32 parameters of the last synchronization (updated in place).
+        buf: the momentum buffer (updated in place), or None before the first step.
+        delta: the averaged pseudo-gradient (snapshot - current, mean over sites).
+
+    Returns:
+        The momentum buffer (None when ``momentum`` is 0).
+    """
+    if momentum == 0:
+        snapshot.add_(delta, alpha=-lr)
+        return None
+    if buf is None:
+        buf = delta.clone()
+    else:
+        buf.mul_(momentum).add_(delta)
+    update = delta.add(buf, alpha=momentum) if nesterov else buf
+    snapshot.add_(update, alpha=-lr)
+    return buf
+
+
+class DiLoCoHook(OptimizerHook):
+    """Runs DiLoCo's outer step after the inner optimizer step of a synchronizing iteration.
+
+    Args:
+        options: the ``--outer-*`` options (interval, lr, momentum, nesterov, fragments,
+            state_device, compression).
+        outer_group: the process group of this rank's position in every site.
+        meter: byte accounting (category ``outer``).
+        exchange_factory: ``(method, options, numel, group, device, name=, shapes=)`` ->
+            exchange, called once per fragment (default :func:`make_outer_exchange`).
+    """
+
+    name = "diloco"
+
+    def __init__(
+        self,
+        options: Any,
+        outer_group: Any,
+        *,
+        meter: Optional[CommMeter] = None,
+        exchange_factory: Any = None,
+    ):
+        self.options = options
+        self.outer_group = outer_group
+        self.meter = meter
+        self.exchange_factory = exchange_factory or make_outer_exchange
+        self.fragments: List[List[str]] = []
+        self.snapshot: Dict[str, torch.Tensor] = {}
+        self.momentum: Dict[str, torch.Tensor] = {}
+        self.exchanges: List[Any] = []
+        self.num_sites = (
+            torch.distributed.get_world_size(outer_group) if outer_group is not None else 1
+        )
+        self.syncs = 0
+        self._pending_load: Optional[Dict[str, Any]] = None
+        self._view: Optional[OptimizerView] = None
+
+    # -- setup --------------------------------------------------------------------------------
+
+    @property
+    def initialized(self) -> bool:
+        """The outer state is allocated (at install; at the latest at the first step)."""
+        return bool(self.fragments)
+
+    def _state_device(self, param: torch.Tensor) -> torch.device:
+        return torch.device("cpu") if self.options.state_device == "cpu" else param.device
+
+    def setup(self, view: OptimizerView) -> None:
+        """Allocate the outer state from the current parameters (identical on every site at
+        the start of training): fragments, fp32 snapshots, exchanges."""
+        o = self.options
+        self._view = view
+        sizes = []
+        for fqn in view.fqns():
+            ps = view.param_state(fqn)
+            if ps.param_range is not None:
+                raise ValueError(
+                    "--outer-method diloco needs whole parameters on each rank (no "
+                    "--use-distributed-optimizer)"
+                )
+            sizes.append((fqn, ps.main_param.numel()))
+        self.fragments = split_fragments(sizes, o.fragments)
+        device = None
+        for fqn in view.fqns():
+            main = view.param_state(fqn).main_param
+            device = main.device
+            self.snapshot[fqn] = main.detach().to(
+                self._state_device(main), torch.float32, copy=True
+            )
+        numel = dict(sizes)
+        shapes = {f: tuple(view.param_state(f).main_param.shape) for f in numel}
+        # options=None: an exchange's own defaults (the compressed exchanges take the options
+        # dataclass of their data-parallel method, not the --outer-* options).
+        self.exchanges = [
+            (
+                self.exchange_factory(
+                    o.compression,
+                    None,
+                    sum(numel[f] for f in frag),
+                    self.outer_group,
+                    device,
+                    name=f"outer/{i}",
+                    shapes=[(f, shapes[f]) for f in frag],
+                )
+                if frag
+                else None
+            )  # an empty fragment (one parameter outweighs a fragment's share)
+            for i, frag in enumerate(self.fragments)
+        ]
+        if self._pending_load is not None:
+            self._apply_load(self._pending_load, view)
+            self._pending_load = None
+
+    # -- the outer step -----------------------------------------------------------------------
+
+    def pre_step(self, view: OptimizerView) -> None:
+        if not self.initialized:
+            self.setup(view)
+
+    def post_step(self, view: OptimizerView, update_successful: bool) -> None:
+        # Scheduled by iteration, the same on every site (a skipped inner step included).
+        for i in fragment_due(view.step + 1, self.options.interval, self.options.fragments):
+            self.sync_fragment(view, i)
+
+    def sync_fragment(self, view: OptimizerView, index: int) -> None:
+        """Outer step of fragment ``index``: exchange, SGD step, write parameters."""
+        fqns = self.fragments[index]
+        if not fqns:
+            return
+        o = self.options
+        states = [view.param_state(f) for f in fqns]
+        device = states[0].main_param.device
+        current = torch.cat([s.main_param.detach().reshape(-1).float() for s in states])
+        snap = torch.cat([self.snapshot[f].reshape(-1).to(device) for f in fqns])
+        exchange = self.exchanges[index]
+        delta = exchange.average(snap - current)
+        if self.meter is not None:
+            sent = exchange.wire_bytes()
+            dense = collective_wire_bytes(
+                "all_reduce", 4 * current.numel(), getattr(exchange, "size", 1)
+            )
+            self.meter.record("outer", sent=sent, recv=sent, dense_sent=dense, dense_recv=dense)
+        buf = None
+        if o.momentum != 0 and fqns[0] in self.momentum:
+            buf = torch.cat([self.momentum[f].reshape(-1).to(device) for f in fqns])
+        buf = outer_sgd_step(snap, buf, delta, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov)
+        offset = 0
+        for fqn, s in zip(fqns, states):
+            n = s.main_param.numel()
+            new = snap[offset : offset + n].view_as(s.main_param)
+            self.snapshot[fqn].copy_(new)
+            if buf is not None:
+                mom = buf[offset : offset + n].view_as(s.main_param)
+                if fqn in self.momentum:
+                    self.momentum[fqn].copy_(mom)
+                else:
+                    self.momentum[fqn] = mom.to(self._state_device(s.main_param), copy=True)
+            with torch.no_grad():
+                s.main_param.copy_(new)
+                if s.model_param is not s.main_param:
+                    s.model_param.data.copy_(new)
+            offset += n
+        self.syncs += 1
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Snapshots, momentum buffers (by FQN), exchanges' state (by fragment).
+
+        With several sites also this rank's own weights (fp32 main parameters) and inner
+        optimizer state tensors (``site``): between outer steps they differ from the other
+        sites', and megatron-core's checkpoint keeps one data-parallel replica of them.
+        """
+        if not self.initialized and self._pending_load is not None:
+            return self._pending_load
+        if not self.initialized:
+            raise RuntimeError("megatron-ext: DiLoCo state is allocated at the first step")
+        out = {
+            "snapshot": {f: t.detach().cpu().clone() for f, t in self.snapshot.items()},
+            "momentum": {f: t.detach().cpu().clone() for f, t in self.momentum.items()},
+            "exchanges": [{} if e is None else e.state_dict() for e in self.exchanges],
+            "fragments": [list(f) for f in self.fragments],
+            "syncs": self.syncs,
+        }
+        if self.num_sites > 1:
+            params, optim = {}, {}
+            for fqn in self._view.fqns():
+                ps = self._view.param_state(fqn)
+                params[fqn] = ps.main_param.detach().cpu().clone()
+                optim[fqn] = {
+                    k: v.detach().cpu().clone()
+                    for k, v in ps.state.items()
+                    if isinstance(v, torch.Tensor)
+                }
+            out["site"] = {"params": params, "optim": optim}
+        return out
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; applied at the first step if the state is not yet
+        allocated (a resume loads before training starts)."""
+        expected = {"snapshot", "momentum", "exchanges", "fragments", "syncs"}
+        if self.num_sites > 1:
+            expected.add("site")
+        if set(state) != expected:
+            raise ValueError(f"diloco state keys {sorted(state)}, expected {sorted(expected)}")
+        if self.initialized:
+            self._apply_load(state, self._view)
+        else:
+            self._pending_load = state
+
+    def _apply_load(self, state: Dict[str, Any], view: OptimizerView) -> None:
+        if [list(f) for f in state["fragments"]] != self.fragments:
+            raise ValueError("diloco state was saved with other fragments (--outer-fragments)")
+        if set(state["snapshot"]) != set(self.snapshot):
+            raise ValueError("diloco state was saved for other parameters")
+        for f, t in state["snapshot"].items():
+            self.snapshot[f].copy_(t)
+        self.momentum = {
+            f: t.to(self.snapshot[f].device, copy=True) for f, t in state["momentum"].items()
+        }
+        for e, sd in zip(self.exchanges, state["exchanges"]):
+            if e is not None:
+                e.load_state_dict(sd)
+        self.syncs = int(state["syncs"])
+        if "site" in state:
+            self._load_site(state["site"], view)
+
+    def _load_site(self, site: Dict[str, Any], view: OptimizerView) -> None:
+        """This rank's own weights and inner optimizer state over megatron's replica."""
+        if set(site["params"]) != set(view.fqns()):
+            raise ValueError("diloco site state was saved for other parameters")
+        with torch.no_grad():
+            for fqn, value in site["params"].items():
+                ps = view.param_state(fqn)
+                ps.main_param.copy_(value)
+                if ps.model_param is not ps.main_param:
+                    ps.model_param.data.copy_(value)
+                for k, v in site["optim"][fqn].items():
+                    if k not in ps.state or ps.state[k].shape != v.shape:
+                        raise ValueError(
+                            f"diloco site state: optimizer state {k!r} of {fqn} does not fit"
+                        )
+                    ps.state[k].copy_(v)

@@ -1,0 +1,282 @@
+"""DiLoCo (``--outer-method diloco``) inside real megatron-core runs, through the driver.
+
+Two launches (CPU, gloo, the tiny GPT of ``tests.helpers.mcore``):
+
+* DP = 2: (a) G = 1 (one site of 2 ranks), H = 1, outer lr 1, momentum 0 reproduces plain
+  data parallelism (stock megatron-core) to 1e-6; (b) G = 2 (each rank a site), H = 2,
+  F = 2 fragments, bf16, the paper's outer lr 0.7 / momentum 0.9 / Nesterov: every outer
+  step of every parameter against an independent float64 statement of the algorithm
+  (snapshot chained from the initial weights), the sites differ between outer steps and
+  agree after them, every parameter is synchronized exactly once per cycle, the bf16 model
+  parameters hold the written fp32 values, the ``outer`` bytes are counted; (c) resume
+  across an outer step at G = 1 (save mid-cycle, with momentum) is bitwise exact; (d) so is
+  resume at G = 2 in bf16, where the sites' weights and AdamW moments differ at the save.
+* DP = 4, G = 2 (two sites of two ranks), H = 3: the gradient seam reduces over the site only (the
+  site's ranks hold the same gradients and weights, the sites different ones; the buckets'
+  scaling is 1/2), and the outer step matches the float64 reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.dist import run_ranks
+from tests.helpers.mcore import (
+    build,
+    first_difference,
+    load_checkpoint,
+    make_trainer,
+    params,
+    save_checkpoint,
+    teardown,
+    train,
+)
+
+
+def _configure(trainer, flags):
+    from megatron_ext.train import parse_args
+    from tests.helpers.mcore import TINY
+
+    trainer.cfg = parse_args(list(TINY) + list(flags))
+    return trainer
+
+
+def _hook(trainer):
+    from megatron_ext.optim.diloco import DiLoCoHook
+
+    (hook,) = [h for h in trainer.runtime._optimizer_hooks() if isinstance(h, DiLoCoHook)]
+    return hook
+
+
+def _gather(obj):
+    import torch
+
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def _main_params(trainer):
+    from megatron_ext.megatron.optimizer import MegatronOptimizerView
+    from megatron_ext.state import StepClock
+
+    view = MegatronOptimizerView(trainer.optimizer, trainer.model, StepClock())
+    return view, {f: view.param_state(f).main_param.detach().clone() for f in view.fqns()}
+
+
+def _record_syncs(trainer):
+    """Wrap the hook's sync: per sync (step, fragment, fp32 params before it, after it)."""
+    hook = _hook(trainer)
+    log = []
+    original = hook.sync_fragment
+
+    def sync(view, index):
+        current = {
+            f: view.param_state(f).main_param.detach().double().clone()
+            for f in hook.fragments[index]
+        }
+        original(view, index)
+        written = {
+            f: view.param_state(f).main_param.detach().double().clone()
+            for f in hook.fragments[index]
+        }
+        log.append((view.step, index, current, written))
+
+    hook.sync_fragment = sync
+    return log
+
+
+def _reference_check(log, initial, *, lr, momentum, nesterov):
+    """Every synced parameter's new value against a float64 Nesterov-SGD reference.
+
+    The mean over sites is the mean over every rank (the ranks of one site hold the same
+    parameters, which the DP = 4 launch checks separately). Returns the worst error."""
+    everyone = _gather([cur for _, _, cur, _ in log])
+    snapshot = {f: t.double() for f, t in initial.items()}
+    buf = {}
+    worst = 0.0
+    for k, (step, idx, cur, written) in enumerate(log):
+        for f in cur:
+            mean = sum(rank_log[k][f] for rank_log in everyone) / len(everyone)
+            delta = snapshot[f] - mean
+            buf[f] = delta.clone() if f not in buf else momentum * buf[f] + delta
+            update = delta + momentum * buf[f] if nesterov else buf[f]
+            snapshot[f] = snapshot[f] - lr * update
+            worst = max(worst, (written[f] - snapshot[f]).abs().max().item())
+    return worst
+
+
+def _dp2(rank, world, root):
+    import torch
+
+    out = {}
+    # (a) G = 1, H = 1, lr 1, momentum 0 == plain data parallelism.
+    trainer = make_trainer([])
+    build(trainer, stock=True)
+    out["stock_losses"] = train(trainer, 4)
+    stock = params(trainer)
+    teardown(trainer)
+    trainer = _configure(
+        trainer,
+        ["--outer-method", "diloco", "--outer-groups", "1", "--outer-interval", "1"]
+        + ["--outer-lr", "1", "--outer-momentum", "0"],
+    )
+    build(trainer, stock=False)
+    out["h1_losses"] = train(trainer, 4)
+    h1 = params(trainer)
+    out["h1_syncs"] = _hook(trainer).syncs
+    out["h1_maxdiff"] = max((h1[f] - stock[f]).abs().max().item() for f in stock)
+    teardown(trainer)
+
+    # (b) G = 2 (pure DiLoCo), H = 2, F = 2, bf16, the paper's outer optimizer.
+    trainer = _configure(
+        trainer,
+        ["--bf16", "--outer-method", "diloco", "--outer-interval", "2", "--outer-fragments", "2"],
+    )
+    build(trainer, stock=False)
+    hook = _hook(trainer)
+    _, initial = _main_params(trainer)
+    log = _record_syncs(trainer)
+    train(trainer, 2)  # step 0 has lr 0 (warm-up); fragment 1 was synced after step 0
+    _, after2 = _main_params(trainer)
+    frag0, frag1 = hook.fragments
+    out["sites_differ_before_sync"] = any(
+        not torch.equal(a, b) for a, b in zip(*[[t[f] for f in frag1] for t in _gather(after2)])
+    )
+    train(trainer, 2, start=2)
+    out["fragments"] = [list(f) for f in hook.fragments]
+    out["synced_per_cycle"] = [
+        sorted(f for _, _, cur, _ in log[c * 2 : c * 2 + 2] for f in cur) for c in range(2)
+    ]
+    out["sync_steps"] = [(s, i) for s, i, _, _ in log]
+    out["all_fqns"] = sorted(initial)
+    out["ref_err"] = _reference_check(log, initial, lr=0.7, momentum=0.9, nesterov=True)
+    view, main = _main_params(trainer)
+    out["model_is_bf16_of_main"] = all(
+        view.param_state(f).model_param.dtype == torch.bfloat16
+        and torch.equal(view.param_state(f).model_param, main[f].bfloat16())
+        for f in frag0  # fragment 0 was synced last (step 4): weights as written
+    )
+    out["replicas"] = {f: main[f] for f in frag0}
+    out["outer_bytes"] = trainer.runtime.meter.totals()["outer"].sent
+    out["numel"] = sum(t.numel() for t in initial.values())
+    teardown(trainer)
+
+    # (c) resume across an outer step at G = 1, H = 3: save at 4 (momentum set at 3).
+    flags = ["--outer-method", "diloco", "--outer-groups", "1", "--outer-interval", "3"]
+    trainer = _configure(trainer, flags)
+    build(trainer, stock=False)
+    full_losses = train(trainer, 8)
+    full = params(trainer)
+    full_state = _hook(trainer).state_dict()
+    teardown(trainer)
+    build(trainer, stock=False)
+    train(trainer, 4)
+    save_checkpoint(trainer, root, 4)
+    teardown(trainer)
+    build(trainer, stock=False)
+    load_checkpoint(trainer, root)
+    resumed_losses = train(trainer, 4, start=4)
+    out["resume_losses_equal"] = resumed_losses == full_losses[4:]
+    out["resume_params"] = first_difference(full, params(trainer))
+    out["resume_state"] = first_difference(
+        {**full_state["snapshot"], **{"m." + k: v for k, v in full_state["momentum"].items()}},
+        {
+            **_hook(trainer).state_dict()["snapshot"],
+            **{"m." + k: v for k, v in _hook(trainer).state_dict()["momentum"].items()},
+        },
+    )
+    teardown(trainer)
+
+    # (d) the same at G = 2 (each rank a site), bf16: the sites' weights and AdamW moments
+    # differ at the save; each rank resumes its own.
+    flags = ["--bf16", "--outer-method", "diloco", "--outer-interval", "3"]
+    trainer = _configure(trainer, flags)
+    build(trainer, stock=False)
+    full_losses = train(trainer, 8)
+    full = params(trainer)
+    teardown(trainer)
+    build(trainer, stock=False)
+    train(trainer, 4)
+    out["sites_differ_at_save"] = params(trainer)
+    save_checkpoint(trainer, root + "-sites", 4)
+    teardown(trainer)
+    build(trainer, stock=False)
+    load_checkpoint(trainer, root + "-sites")
+    out["sites_resume_losses_equal"] = train(trainer, 4, start=4) == full_losses[4:]
+    out["sites_resume_params"] = first_difference(full, params(trainer))
+    teardown(trainer)
+    return out
+
+
+def _dp4(rank, world):
+    import torch
+
+    trainer = make_trainer(
+        ["--outer-method", "diloco", "--outer-groups", "2"] + ["--outer-interval", "3"]
+    )
+    build(trainer, stock=False)
+    out = {}
+    out["scaling"] = sorted(
+        {
+            b.gradient_scaling_factor
+            for chunk in trainer.model
+            for bg in chunk.bucket_groups
+            for b in bg.buckets
+        }
+    )
+    _, initial = _main_params(trainer)
+    log = _record_syncs(trainer)
+    train(trainer, 2)  # step 0 has lr 0 (warm-up)
+    grads = torch.cat([p.main_grad.reshape(-1) for p in trainer.model[0].parameters()])
+    _, w = _main_params(trainer)
+    out["grad_sum"] = _gather(grads.double().sum().item())
+    out["weight_sum"] = _gather(sum(t.double().sum().item() for t in w.values()))
+    train(trainer, 4, start=2)
+    _, w = _main_params(trainer)
+    out["weight_sum_after_sync"] = _gather(sum(t.double().sum().item() for t in w.values()))
+    out["ref_err"] = _reference_check(log, initial, lr=0.7, momentum=0.9, nesterov=True)
+    out["syncs"] = _hook(trainer).syncs
+    teardown(trainer)
+    return out
+
+
+def test_diloco_dp2(tmp_path):
+    results = run_ranks(_dp2, 2, str(tmp_path / "ckpt"))
+    for r in results:
+        # (a)
+        assert r["h1_syncs"] == 4
+        assert r["h1_losses"] == pytest.approx(r["stock_losses"], abs=1e-6)
+        assert r["h1_maxdiff"] <= 1e-6, r["h1_maxdiff"]
+        # (b)
+        assert r["sites_differ_before_sync"]
+        assert r["sync_steps"] == [(0, 1), (1, 0), (2, 1), (3, 0)]
+        for cycle in r["synced_per_cycle"]:
+            assert cycle == r["all_fqns"]  # every parameter once per cycle of H steps
+        assert all(r["fragments"])
+        assert r["ref_err"] <= 1e-6, r["ref_err"]
+        assert r["model_is_bf16_of_main"]
+        assert r["outer_bytes"] == 2 * 4 * r["numel"]  # 2 cycles, ring all-reduce of 2 ranks
+        # (c)
+        assert r["resume_losses_equal"]
+        assert r["resume_params"] is None, r["resume_params"]
+        assert r["resume_state"] is None, r["resume_state"]
+    for r in results:
+        # (d)
+        assert r["sites_resume_losses_equal"]
+        assert r["sites_resume_params"] is None, r["sites_resume_params"]
+    assert first_difference(results[0]["sites_differ_at_save"], results[1]["sites_differ_at_save"])
+    a, b = results[0]["replicas"], results[1]["replicas"]
+    assert first_difference(a, b) is None
+
+
+def test_diloco_dp4_two_sites_of_two():
+    results = run_ranks(_dp4, 4)
+    for r in results:
+        assert r["scaling"] == [0.5]  # 1/DP of megatron rescaled to 1/site size
+        g, w = r["grad_sum"], r["weight_sum"]
+        assert g[0] == g[1] and g[2] == g[3] and g[0] != g[2]  # inner DP over the site only
+        assert w[0] == w[1] and w[2] == w[3] and w[0] != w[2]
+        assert len(set(r["weight_sum_after_sync"])) == 1
+        assert r["syncs"] == 2
+        assert r["ref_err"] <= 1e-6, r["ref_err"]

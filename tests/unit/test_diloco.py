@@ -1,0 +1,151 @@
+"""DiLoCo's pure parts and refusals (no process group, no Megatron run).
+
+The outer step against ``torch.optim.SGD`` (Nesterov and heavy-ball) and a float64
+statement; fragments cover every parameter exactly once per cycle; the flags' refusals
+name the flags, before training (options, layout, driver).
+"""
+
+import pytest
+import torch
+
+from megatron_ext.config import ConfigError, ParallelLayout, ext_config_from_flags
+from megatron_ext.optim.diloco import (
+    DenseOuterExchange,
+    fragment_due,
+    make_outer_exchange,
+    outer_sgd_step,
+    split_fragments,
+)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_outer_step_is_torch_sgd_and_float64_reference(nesterov):
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(50, generator=gen)
+    deltas = [torch.randn(50, generator=gen) for _ in range(4)]
+    lr, mu = 0.7, 0.9
+    # torch.optim.SGD on a parameter whose gradient is the pseudo-gradient.
+    p = torch.nn.Parameter(start.clone())
+    sgd = torch.optim.SGD([p], lr=lr, momentum=mu, nesterov=nesterov)
+    snap, buf = start.clone(), None
+    ref, ref_buf = start.double(), None
+    for d in deltas:
+        p.grad = d.clone()
+        sgd.step()
+        buf = outer_sgd_step(snap, buf, d, lr=lr, momentum=mu, nesterov=nesterov)
+        d64 = d.double()
+        ref_buf = d64.clone() if ref_buf is None else mu * ref_buf + d64
+        ref = ref - lr * (d64 + mu * ref_buf if nesterov else ref_buf)
+    assert torch.equal(snap, p.detach())
+    assert (snap.double() - ref).abs().max() < 1e-5
+    # No momentum: plain SGD, no buffer kept.
+    s = start.clone()
+    assert outer_sgd_step(s, None, deltas[0], lr=1.0, momentum=0.0, nesterov=True) is None
+    assert torch.equal(s, start - deltas[0])
+
+
+@pytest.mark.parametrize("num_fragments,interval", [(1, 5), (2, 4), (3, 7), (4, 4)])
+def test_fragments_cover_every_parameter_once_per_cycle(num_fragments, interval):
+    sizes = [(f"p{i}", n) for i, n in enumerate([7, 300, 5, 64, 64, 1, 900, 33, 2])]
+    frags = split_fragments(sizes, num_fragments)
+    flat = [f for frag in frags for f in frag]
+    assert flat == [f for f, _ in sizes]  # contiguous, in order, each once
+    for cycle in range(3):
+        due = [
+            i
+            for t in range(cycle * interval + 1, (cycle + 1) * interval + 1)
+            for i in fragment_due(t, interval, num_fragments)
+        ]
+        assert sorted(due) == list(range(num_fragments))  # each fragment once per cycle
+    assert fragment_due(interval, interval, num_fragments)[0] == 0
+
+
+def test_dense_exchange_without_group_and_factory():
+    ex = make_outer_exchange("none", None, 4, None, "cpu")
+    assert isinstance(ex, DenseOuterExchange) and ex.wire_bytes() == 0
+    x = torch.arange(4.0)
+    assert torch.equal(ex.average(x), x)
+    with pytest.raises(ValueError, match="4 fp32 elements"):
+        ex.average(torch.zeros(3))
+    with pytest.raises(ValueError, match="unknown outer exchange 'int4'"):
+        make_outer_exchange("int4", None, 4, None, "cpu")
+
+
+@pytest.mark.parametrize(
+    "flags,named",
+    [
+        (["--outer-interval", "0"], "--outer-interval"),
+        (["--outer-lr", "0"], "--outer-lr"),
+        (["--outer-momentum", "1"], "--outer-momentum"),
+        (["--outer-groups", "0"], "--outer-groups"),
+        (["--outer-fragments", "5", "--outer-interval", "4"], "--outer-fragments"),
+        (["--outer-compression", "int4"], "--outer-compression"),
+    ],
+)
+def test_option_refusals_name_the_flag(flags, named):
+    with pytest.raises(ConfigError) as err:
+        ext_config_from_flags(["--outer-method", "diloco"] + flags)
+    assert named in err.value.flags
+
+
+def test_layout_refusals():
+    from megatron_ext.config import validate_ext_config
+
+    cfg = ext_config_from_flags(["--outer-method", "diloco", "--outer-groups", "3"])
+    with pytest.raises(ConfigError, match="--outer-groups: 3 sites do not divide .* 4"):
+        validate_ext_config(cfg, ParallelLayout(data_parallel_size=4))
+    cfg = ext_config_from_flags(["--outer-method", "diloco"])
+    validate_ext_config(cfg, ParallelLayout(data_parallel_size=4))
+    with pytest.raises(ConfigError, match="--use-distributed-optimizer"):
+        validate_ext_config(
+            cfg, ParallelLayout(data_parallel_size=4, use_distributed_optimizer=True)
+        )
+    cfg = ext_config_from_flags(["--outer-method", "diloco", "--grad-compression", "powersgd"])
+    with pytest.raises(ConfigError, match="--grad-compression, --outer-groups"):
+        validate_ext_config(cfg, ParallelLayout(data_parallel_size=2))
+    cfg = ext_config_from_flags(
+        ["--outer-method", "diloco", "--outer-groups", "1", "--grad-compression", "powersgd"]
+    )
+    validate_ext_config(cfg, ParallelLayout(data_parallel_size=2))
+    for flags in (["--grass-method", "topr"], ["--subspace-method", "protocol"]):
+        cfg = ext_config_from_flags(["--outer-method", "diloco"] + flags)
+        with pytest.raises(ConfigError, match="--outer-method, " + flags[0]):
+            validate_ext_config(cfg, ParallelLayout(data_parallel_size=2))
+
+
+def test_driver_refuses_the_replica_hash_with_several_sites():
+    from megatron_ext.train import _layout_sizes, parse_args
+
+    extra = ["--check-weight-hash-across-dp-replicas-interval", "5"]
+    cfg = parse_args(["--cpu", "--outer-method", "diloco"] + extra)
+    with pytest.raises(ConfigError, match="--check-weight-hash"):
+        _layout_sizes(cfg, 2)
+    # One site (G = 1): megatron's replicas are identical.
+    cfg = parse_args(["--cpu", "--outer-method", "diloco", "--outer-groups", "1"] + extra)
+    _layout_sizes(cfg, 2)
+    # Checkpoints with several sites are supported by the driver.
+    _layout_sizes(parse_args(["--cpu", "--outer-method", "diloco", "--save", "/tmp/x"]), 2)
+
+
+@pytest.mark.parametrize(
+    "attrs,named",
+    [
+        ({"save": "/tmp/x"}, "--save"),
+        ({"load": "/tmp/x"}, "--load"),
+        ({"check_weight_hash_across_dp_replicas_interval": 5}, "--check-weight-hash"),
+        ({"calculate_per_token_loss": True, "groups": 1}, "--calculate-per-token-loss"),
+    ],
+)
+def test_megatron_lm_refusals(attrs, named):
+    from types import SimpleNamespace
+
+    from megatron_ext.megatron.lm.session import _check_outer_sites
+
+    groups = attrs.pop("groups", None)
+    flags = ["--outer-method", "diloco"] + ([] if groups is None else ["--outer-groups", "1"])
+    cfg = ext_config_from_flags(flags)
+    args = SimpleNamespace(data_parallel_size=2, **attrs)
+    with pytest.raises(ConfigError, match=named):
+        _check_outer_sites(args, cfg)
+    if groups is None:  # one site: allowed
+        _check_outer_sites(args, ext_config_from_flags(flags + ["--outer-groups", "1"]))

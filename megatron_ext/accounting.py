@@ -450,14 +450,24 @@ class ProcessGroupTrafficMeter:
 
     @classmethod
     @contextlib.contextmanager
-    def tagged(cls, category: str) -> Iterator[None]:
-        """Mark transfers issued inside the block as already counted by a seam."""
+    def tagged(cls, category: str, *, force: bool = False) -> Iterator[None]:
+        """Mark transfers issued inside the block as already counted by a seam.
+
+        ``force``: the category holds for the whole block, nested ``tagged`` blocks included
+        (a DP compressor reused for DiLoCo's outer exchange tags its collectives ``dp-grad``;
+        inside the outer step they are ``outer``).
+        """
+        if getattr(cls._local, "forced", False):
+            yield
+            return
         prev = getattr(cls._local, "tag", None)
         cls._local.tag = category
+        cls._local.forced = force
         try:
             yield
         finally:
             cls._local.tag = prev
+            cls._local.forced = False
 
     @classmethod
     @contextlib.contextmanager

@@ -55,7 +55,12 @@ class OuterConfig:
     'device' (the parameters' device) or 'cpu' (host memory)."""
 
     compression: str = "none"
-    """Compression of the pseudo-gradient exchange ('none': dense fp32 all-reduce)."""
+    """Compression of the pseudo-gradient exchange, error feedback kept across outer syncs:
+    'none' (dense fp32 all-reduce), 'quantized' (4-bit rows of 256, as Streaming DiLoCo),
+    'radius' (top-k of 1/64 per chunk of 4096, as SparseLoCo), 'separate' (ratio 16),
+    'powersgd' (rank 4). The exchange's own settings are these defaults, not the
+    --quantized-* / --radius-* / --separate-* / --powersgd-* flags (those configure
+    --grad-compression inside a site)."""
 
     def __post_init__(self):
         cls = type(self)

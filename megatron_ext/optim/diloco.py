@@ -58,8 +58,13 @@ __all__ = [
     "DiLoCoHook",
 ]
 
-OUTER_EXCHANGES: Tuple[str, ...] = ("none",)
-"""Names :func:`make_outer_exchange` builds (``--outer-compression``)."""
+OUTER_EXCHANGES: Tuple[str, ...] = ("none", "quantized", "radius", "separate", "powersgd")
+"""Names :func:`make_outer_exchange` builds (``--outer-compression``): ``none`` is the dense
+all-reduce below; the others are :class:`~megatron_ext.collectives.outer_exchange.OuterExchange`
+with that data-parallel method's compression at
+:func:`~megatron_ext.collectives.outer_exchange.outer_defaults` (4-bit, top-k 1/64, SEPARATE
+ratio 16, PowerSGD rank 4: compressed from the first outer sync, error feedback kept across
+outer syncs)."""
 
 
 class DenseOuterExchange:
@@ -132,6 +137,10 @@ def make_outer_exchange(
     """
     if method == "none":
         return DenseOuterExchange(method, options, numel, group, device, **layout)
+    if method in OUTER_EXCHANGES:
+        from megatron_ext.collectives.outer_exchange import OuterExchange
+
+        return OuterExchange(method, options, numel, group, device, **layout)
     raise ValueError(f"unknown outer exchange {method!r} (known: {', '.join(OUTER_EXCHANGES)})")
 
 
@@ -340,7 +349,8 @@ class DiLoCoHook(OptimizerHook):
         current = torch.cat([s.main_param.detach().reshape(-1).float() for s in states])
         snap = torch.cat([self.snapshot[f].reshape(-1).to(device) for f in fqns])
         exchange = self.exchanges[index]
-        delta = exchange.average(snap - current)
+        with ProcessGroupTrafficMeter.tagged("outer", force=True):
+            delta = exchange.average(snap - current)
         if self.meter is not None:
             sent = exchange.wire_bytes()
             dense = collective_wire_bytes(

@@ -243,7 +243,12 @@ class ExtRuntime(Runtime):
         return self.components["p2p"].codec
 
     def _optimizer_hooks(self) -> List[Any]:
-        return [h for c in self.components.values() for h in c.optimizer_hooks]
+        # The outer synchronization (DiLoCo) wraps everything the inner step does: its hooks
+        # come first, so that their post_step runs last (post_step runs in reverse order),
+        # after every other hook has written the weights (Protocol Models' constrained AdamW
+        # step), and the outer step's weights are the iteration's last word.
+        order = sorted(self.components, key=lambda family: family != "outer")
+        return [h for family in order for h in self.components[family].optimizer_hooks]
 
     def descriptions(self) -> List[str]:
         """The methods' log lines about what they changed on this rank (installed runtime)."""

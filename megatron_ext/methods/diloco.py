@@ -118,15 +118,35 @@ def _validate(cfg, layout) -> None:
             "DiLoCo keeps whole parameters per rank; the distributed optimizer is not "
             "supported yet",
         )
-    for fam, flag in (("linear", "--grass-method"), ("subspace", "--subspace-method")):
-        # Their optimizer hooks edit the weights after the step too (Grass's row parameters,
-        # Protocol Models' projection); the order against the outer step's write is not
-        # settled nor tested.
-        if cfg.enabled(fam):
+    if cfg.enabled("linear"):
+        # Grass's optimizer hook writes the selected rows into the frozen weight after the
+        # step; the order against the outer step's write is not settled nor tested.
+        raise ConfigError(
+            ["--outer-method", "--grass-method"],
+            "DiLoCo with Grass is not supported yet (both write the weights after the "
+            "optimizer step)",
+        )
+    if cfg.enabled("subspace"):
+        # DiLoCo's post_step runs after Protocol Models' constrained AdamW step (the runtime
+        # puts the outer hooks first, their post_step last): the outer step writes the last
+        # weights. They stay in S when S is fixed and the exchange is exact: the
+        # snapshot and the sites' weights are in S, so are their differences and momentum.
+        # A Grassmann update would move S under the snapshot, a compressed exchange adds
+        # components outside S.
+        from megatron_ext.methods.protocol import SubspaceConfig
+
+        sub = cfg.options_for(SubspaceConfig)
+        if sub.update_interval:
             raise ConfigError(
-                ["--outer-method", flag],
-                "DiLoCo with this method is not supported yet (both write the weights after "
-                "the optimizer step)",
+                ["--outer-method", "--subspace-update-interval"],
+                "DiLoCo with Protocol Models needs a fixed subspace (--subspace-update-interval "
+                "0): a Grassmann update moves S under the last synchronized weights",
+            )
+        if o.compression != "none":
+            raise ConfigError(
+                ["--outer-compression", "--subspace-method"],
+                "with Protocol Models the pseudo-gradient exchange must be exact "
+                "(--outer-compression none): a compressed one adds components outside S",
             )
     if layout.num_distributed_optimizer_instances != 1:
         raise ConfigError(

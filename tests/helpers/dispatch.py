@@ -78,9 +78,7 @@ class OpRecorder(TorchDispatchMode):
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         storages = {_storage(t) for t in ins} - {None}
         fresh = tuple(
-            (t.numel(), t.dtype)
-            for t in outs
-            if _storage(t) is None or _storage(t) not in storages
+            (t.numel(), t.dtype) for t in outs if _storage(t) is None or _storage(t) not in storages
         )
         devices = tuple(sorted({t.device.type for t in ins + outs}))
         name = func.overloadpacket.__name__
@@ -120,6 +118,4 @@ class OpRecorder(TorchDispatchMode):
     def fresh_allocations(self, min_numel: int) -> List[Tuple[str, torch.dtype]]:
         """``(op, dtype)`` of each output of at least ``min_numel`` elements that an op
         allocated."""
-        return [
-            (op.name, dtype) for op in self.ops for n, dtype in op.fresh if n >= min_numel
-        ]
+        return [(op.name, dtype) for op in self.ops for n, dtype in op.fresh if n >= min_numel]

@@ -135,6 +135,9 @@ def _train_and_inspect(rank, world, flags, steps):
     fixeds = [None] * world
     torch.distributed.all_gather_object(fixeds, fixed)
     orth = float((sub.u.t() @ sub.u - torch.eye(sub.k)).abs().max())
+    weights = hashlib.sha1()
+    for fqn in sorted(view.fqns()):
+        weights.update(view.param_state(fqn).main_param.detach().float().cpu().numpy().tobytes())
     moved = float((sub.u - u0).abs().max())
     teardown(trainer)
     act = [(t["pp-act"].sent, t["pp-act"].dense_sent) for t in traffic if "pp-act" in t]
@@ -149,6 +152,7 @@ def _train_and_inspect(rank, world, flags, steps):
         "subspace_bytes": sub_bytes,
         "updates": sub.updates,
         "fixed": fixeds,
+        "weights": weights.hexdigest(),
     }
 
 
@@ -193,6 +197,23 @@ def test_grassmann_updates_give_every_rank_the_same_u_pp2_dp2(dp_compression):
         assert [i for i, b in enumerate(out["subspace_bytes"]) if b] == [2, 5]
     losses = [l for l in results[-1]["losses"] if l is not None]
     assert len(losses) == 7 and all(l == l for l in losses)
+
+
+def test_with_diloco_pp2_two_sites_weights_stay_in_s_and_sites_agree_after_a_sync():
+    """The decentralized configuration: 2 sites, each a 2-stage pipeline, Protocol Models
+    between the stages and DiLoCo between the sites (fixed subspace, exact exchange): the
+    outer step's weights stay in S and both sites hold the same weights after a sync."""
+    flags = PROTOCOL + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
+    flags += ["--subspace-reproject-interval", "0", "--outer-method", "diloco"]
+    flags += ["--outer-interval", "3", "--outer-momentum", "0.9"]
+    results = run_ranks(_train_and_inspect, 4, flags, 6)  # syncs after steps 2 and 5
+    for out in results:
+        assert out["drift"] < 1e-5, out["drift"]
+    # ranks 0, 1: stage 0 of sites 0 and 1; ranks 2, 3: stage 1
+    assert results[0]["weights"] == results[1]["weights"]
+    assert results[2]["weights"] == results[3]["weights"]
+    losses = [l for l in results[-1]["losses"] if l is not None]
+    assert len(losses) == 6 and all(l == l for l in losses) and losses[-1] < losses[0]
 
 
 def _resume(rank, world, flags, root):

@@ -107,10 +107,25 @@ def test_layout_refusals():
         ["--outer-method", "diloco", "--outer-groups", "1", "--grad-compression", "powersgd"]
     )
     validate_ext_config(cfg, ParallelLayout(data_parallel_size=2))
-    for flags in (["--grass-method", "topr"], ["--subspace-method", "protocol"]):
+    pp2 = ParallelLayout(data_parallel_size=2, pipeline_model_parallel_size=2)
+    refused = [
+        (["--grass-method", "topr"], "--outer-method, --grass-method"),
+        (
+            ["--subspace-method", "protocol", "--subspace-update-interval", "10"],
+            "--outer-method, --subspace-update-interval",
+        ),
+        (
+            ["--subspace-method", "protocol", "--outer-compression", "quantized"],
+            "--outer-compression, --subspace-method",
+        ),
+    ]
+    for flags, named in refused:
         cfg = ext_config_from_flags(["--outer-method", "diloco"] + flags)
-        with pytest.raises(ConfigError, match="--outer-method, " + flags[0]):
-            validate_ext_config(cfg, ParallelLayout(data_parallel_size=2))
+        with pytest.raises(ConfigError, match=named):
+            validate_ext_config(cfg, pp2)
+    # Protocol Models with a fixed subspace and the exact exchange: accepted.
+    cfg = ext_config_from_flags(["--outer-method", "diloco", "--subspace-method", "protocol"])
+    validate_ext_config(cfg, pp2)
 
 
 def test_driver_refuses_the_replica_hash_with_several_sites():

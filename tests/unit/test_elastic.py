@@ -112,9 +112,7 @@ def test_remap_objects_partial_sums_through_dp_sum():
             captured["flat"] = flat.clone()
             return flat
 
-        elastic.remap_objects(
-            assigned, old[0], fresh, kinds, old_dp=4, new_dp=2, dp_sum=fake_sum
-        )
+        elastic.remap_objects(assigned, old[0], fresh, kinds, old_dp=4, new_dp=2, dp_sum=fake_sum)
         partials.append(captured["flat"])
     total = partials[0] + partials[1]
     objects, reset = elastic.remap_objects(

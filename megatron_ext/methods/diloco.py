@@ -48,7 +48,17 @@ class OuterConfig:
     fragments: int = 1
     """F: streaming DiLoCo; the parameters are split into F fragments (contiguous in FQN
     order, balanced by size) and fragment i is synchronized at offset i*H/F of each cycle of
-    H steps. The exchange is blocking."""
+    H steps."""
+
+    delay: int = 0
+    """tau: inner steps a fragment's exchange overlaps (Streaming DiLoCo's tau, torchft's
+    fragment_sync_delay): its pseudo-gradient is sent after step t and applied after step
+    t + tau; 0: blocking, applied at once. Needs --outer-compression none and tau < H."""
+
+    merge_alpha: float = 0.0
+    """alpha: after the outer step the fragment's weights become alpha * local + (1 - alpha)
+    * global (Streaming DiLoCo's alpha, torchft's fragment_update_alpha); 0: the global
+    weights (the sites agree after every sync)."""
 
     state_device: str = field(default="device", metadata={"argparse": {"choices": _STATE_DEVICES}})
     """Where the fp32 outer state (last synchronized parameters, outer momentum) lives:
@@ -78,6 +88,17 @@ class OuterConfig:
                 f"{self.fragments} fragments need an interval of at least as many steps, got "
                 f"{self.interval}",
             )
+        check_positive(cls, "delay", self.delay, allow_zero=True)
+        if self.delay >= self.interval:
+            raise ConfigError(
+                [flag_of(cls, "delay"), flag_of(cls, "interval")],
+                f"a fragment's exchange must land before its next one: delay {self.delay} "
+                f"needs an interval above it, got {self.interval}",
+            )
+        if not 0.0 <= self.merge_alpha <= 1.0:
+            raise ConfigError(
+                flag_of(cls, "merge_alpha"), f"must be in [0, 1], got {self.merge_alpha}"
+            )
         if self.state_device not in _STATE_DEVICES:
             raise ConfigError(
                 flag_of(cls, "state_device"),
@@ -90,6 +111,12 @@ class OuterConfig:
                 flag_of(cls, "compression"),
                 f"unknown exchange {self.compression!r} (choose from "
                 f"{', '.join(OUTER_EXCHANGES)})",
+            )
+        if self.delay and self.compression != "none":
+            raise ConfigError(
+                [flag_of(cls, "delay"), flag_of(cls, "compression")],
+                "the overlapped exchange is the dense all-reduce; the compressed exchanges "
+                "are blocking (pass --outer-delay 0 or --outer-compression none)",
             )
 
     def num_sites(self, dp: int) -> int:
@@ -167,6 +194,8 @@ def _build(ctx: MethodContext) -> Components:
         return (
             f"DiLoCo: site {site} of {g}, H={o.interval}, {o.fragments} fragment(s), outer "
             f"lr {o.lr:g}, momentum {o.momentum:g}{' (Nesterov)' if o.nesterov else ''}"
+            + (f", exchange overlapped with {o.delay} step(s)" if o.delay else "")
+            + (f", merge alpha {o.merge_alpha:g}" if o.merge_alpha else "")
         )
 
     def on_install() -> None:

@@ -25,7 +25,13 @@ What it does:
     (contiguous runs of parameters in FQN order, balanced by element count; every parameter
     in exactly one); fragment i is synchronized after the steps ``t`` (1-based count of
     steps taken) with ``t % H == (i * H) // F``. Each fragment has its own snapshot,
-    momentum and exchange. The exchange is blocking (no overlap with compute).
+    momentum and exchange. With a delay ``tau`` > 0 (Streaming DiLoCo's overlap, torchft's
+    ``fragment_sync_delay``) the fragment's pseudo-gradient is computed and its dense
+    all-reduce started after step ``t``, and the outer step applied after step ``t + tau``:
+    the exchange runs while the next ``tau`` inner steps compute. The fragment's weights
+    then become ``alpha * local + (1 - alpha) * global`` (``alpha``: Streaming DiLoCo's
+    merge, torchft's ``fragment_update_alpha``; 0, the default, takes the global weights and
+    drops the fragment's local progress of the ``tau`` steps, as torchft does).
 
     :class:`DiLoCoHook` is the optimizer hook that runs the outer step after the inner
     optimizer's step of a synchronizing iteration, and writes the result into both the fp32
@@ -49,6 +55,7 @@ from megatron_ext.optim.hooks import OptimizerHook, OptimizerView
 
 __all__ = [
     "DenseOuterExchange",
+    "PendingAverage",
     "make_outer_exchange",
     "OUTER_EXCHANGES",
     "site_groups",
@@ -95,11 +102,7 @@ class DenseOuterExchange:
 
     def average(self, flat: torch.Tensor) -> torch.Tensor:
         """The mean of ``flat`` (fp32, ``numel`` elements) over the outer group."""
-        if flat.dtype != torch.float32 or flat.numel() != self.numel:
-            raise ValueError(
-                f"outer exchange expects {self.numel} fp32 elements, got {flat.numel()} "
-                f"{flat.dtype}"
-            )
+        self._check(flat)
         if self.size == 1:
             return flat
         out = flat.clone()
@@ -108,6 +111,23 @@ class DenseOuterExchange:
             torch.distributed.all_reduce(out, group=self.group)
         out.div_(self.size)
         return out
+
+    def start(self, flat: torch.Tensor) -> "PendingAverage":
+        """Start :meth:`average` without waiting (an asynchronous all-reduce): the returned
+        handle's ``wait()`` gives the mean. ``flat`` is consumed (reduced in place)."""
+        self._check(flat)
+        if self.size == 1:
+            return PendingAverage(flat)
+        with ProcessGroupTrafficMeter.tagged("outer"):
+            work = torch.distributed.all_reduce(flat, group=self.group, async_op=True)
+        return PendingAverage(flat, work=work, divide_by=self.size)
+
+    def _check(self, flat: torch.Tensor) -> None:
+        if flat.dtype != torch.float32 or flat.numel() != self.numel:
+            raise ValueError(
+                f"outer exchange expects {self.numel} fp32 elements, got {flat.numel()} "
+                f"{flat.dtype}"
+            )
 
     def wire_bytes(self) -> int:
         """Bytes this rank sends per :meth:`average` (ring all-reduce convention)."""
@@ -121,6 +141,29 @@ class DenseOuterExchange:
         """Accepts only the empty state."""
         if sd:
             raise ValueError(f"the dense outer exchange has no state, got {sorted(sd)}")
+
+
+class PendingAverage:
+    """An outer exchange in flight: ``wait()`` returns the mean (idempotent).
+
+    Args:
+        out: the tensor being reduced in place (or the finished mean).
+        work: the asynchronous collective's handle (None: finished).
+        divide_by: the sum's divisor once it has landed (gloo has no AVG).
+    """
+
+    def __init__(self, out: torch.Tensor, *, work: Any = None, divide_by: int = 1):
+        self._out = out
+        self._work = work
+        self._divide_by = divide_by
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            if self._divide_by != 1:
+                self._out.div_(self._divide_by)
+        return self._out
 
 
 def make_outer_exchange(
@@ -268,6 +311,8 @@ class DiLoCoHook(OptimizerHook):
             torch.distributed.get_world_size(outer_group) if outer_group is not None else 1
         )
         self.syncs = 0
+        # fragment -> (step count after which it is applied, its exchange in flight)
+        self.pending: Dict[int, Tuple[int, PendingAverage]] = {}
         self._pending_load: Optional[Dict[str, Any]] = None
         self._view: Optional[OptimizerView] = None
 
@@ -335,37 +380,74 @@ class DiLoCoHook(OptimizerHook):
 
     def post_step(self, view: OptimizerView, update_successful: bool) -> None:
         # Scheduled by iteration, the same on every site (a skipped inner step included).
-        for i in fragment_due(view.step + 1, self.options.interval, self.options.fragments):
-            self.sync_fragment(view, i)
+        t = view.step + 1
+        delay = getattr(self.options, "delay", 0)
+        for i in sorted(self.pending):
+            if self.pending[i][0] == t:
+                self.finish_fragment(view, i)
+        for i in fragment_due(t, self.options.interval, self.options.fragments):
+            if delay:
+                self.start_fragment(view, i, apply_after=t + delay)
+            else:
+                self.sync_fragment(view, i)
 
     def sync_fragment(self, view: OptimizerView, index: int) -> None:
         """Outer step of fragment ``index``: exchange, SGD step, write parameters."""
+        self.start_fragment(view, index, apply_after=None)
+        self.finish_fragment(view, index)
+
+    def _flat(self, view: OptimizerView, fqns: Sequence[str]) -> Tuple[Any, torch.Tensor]:
+        states = [view.param_state(f) for f in fqns]
+        return states, torch.cat([s.main_param.detach().reshape(-1).float() for s in states])
+
+    def start_fragment(
+        self, view: OptimizerView, index: int, *, apply_after: Optional[int]
+    ) -> None:
+        """Send fragment ``index``'s pseudo-gradient (``apply_after`` None: blocking)."""
         fqns = self.fragments[index]
         if not fqns:
             return
-        o = self.options
-        states = [view.param_state(f) for f in fqns]
-        device = states[0].main_param.device
-        current = torch.cat([s.main_param.detach().reshape(-1).float() for s in states])
-        snap = torch.cat([self.snapshot[f].reshape(-1).to(device) for f in fqns])
+        if index in self.pending:
+            raise RuntimeError(f"megatron-ext: DiLoCo fragment {index} is already in flight")
+        _, current = self._flat(view, fqns)
+        snap = torch.cat([self.snapshot[f].reshape(-1).to(current.device) for f in fqns])
         exchange = self.exchanges[index]
         with ProcessGroupTrafficMeter.tagged("outer", force=True):
-            delta = exchange.average(snap - current)
+            if apply_after is None:
+                pending = PendingAverage(exchange.average(snap - current))
+            else:
+                pending = exchange.start(snap - current)
         if self.meter is not None:
             sent = exchange.wire_bytes()
             dense = collective_wire_bytes(
                 "all_reduce", 4 * current.numel(), getattr(exchange, "size", 1)
             )
             self.meter.record("outer", sent=sent, recv=sent, dense_sent=dense, dense_recv=dense)
+        self.pending[index] = (-1 if apply_after is None else apply_after, pending)
+
+    def finish_fragment(self, view: OptimizerView, index: int) -> None:
+        """Wait for fragment ``index``'s exchange; outer SGD step; write its parameters."""
+        fqns = self.fragments[index]
+        if not fqns:
+            return
+        o = self.options
+        alpha = float(getattr(o, "merge_alpha", 0.0))
+        _, pending = self.pending.pop(index)
+        delta = pending.wait()
+        states, current = self._flat(view, fqns)
+        device = current.device
+        delta = delta.to(device)
+        snap = torch.cat([self.snapshot[f].reshape(-1).to(device) for f in fqns])
         buf = None
         if o.momentum != 0 and fqns[0] in self.momentum:
             buf = torch.cat([self.momentum[f].reshape(-1).to(device) for f in fqns])
         buf = outer_sgd_step(snap, buf, delta, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov)
+        weights = snap if alpha == 0 else torch.lerp(snap, current, alpha)
         offset = 0
         for fqn, s in zip(fqns, states):
             n = s.main_param.numel()
-            new = snap[offset : offset + n].view_as(s.main_param)
-            self.snapshot[fqn].copy_(new)
+            self.snapshot[fqn].copy_(snap[offset : offset + n].view_as(s.main_param))
+            new = weights[offset : offset + n].view_as(s.main_param)
             if buf is not None:
                 mom = buf[offset : offset + n].view_as(s.main_param)
                 if fqn in self.momentum:
@@ -398,6 +480,11 @@ class DiLoCoHook(OptimizerHook):
             "exchanges": [{} if e is None else e.state_dict() for e in self.exchanges],
             "fragments": [list(f) for f in self.fragments],
             "syncs": self.syncs,
+            # exchanges in flight (--outer-delay): waited for here, applied after the resume
+            "pending": {
+                str(i): {"apply_after": due, "delta": p.wait().detach().cpu().clone()}
+                for i, (due, p) in sorted(self.pending.items())
+            },
         }
         if self.num_sites > 1:
             params, optim = {}, {}
@@ -415,9 +502,11 @@ class DiLoCoHook(OptimizerHook):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; applied at the first step if the state is not yet
         allocated (a resume loads before training starts)."""
-        expected = {"snapshot", "momentum", "exchanges", "fragments", "syncs"}
+        expected = {"snapshot", "momentum", "exchanges", "fragments", "syncs", "pending"}
         if self.num_sites > 1:
             expected.add("site")
+        if "pending" not in state:  # saved before --outer-delay existed: nothing in flight
+            state = {**state, "pending": {}}
         if set(state) != expected:
             raise ValueError(f"diloco state keys {sorted(state)}, expected {sorted(expected)}")
         if self.initialized:
@@ -439,6 +528,14 @@ class DiLoCoHook(OptimizerHook):
             if e is not None:
                 e.load_state_dict(sd)
         self.syncs = int(state["syncs"])
+        self.pending = {}
+        for i, p in state["pending"].items():
+            i = int(i)
+            if not 0 <= i < len(self.fragments) or not self.fragments[i]:
+                raise ValueError(f"diloco state: no fragment {i} to apply an exchange to")
+            device = view.param_state(self.fragments[i][0]).main_param.device
+            delta = p["delta"].to(device, torch.float32, copy=True)
+            self.pending[i] = (int(p["apply_after"]), PendingAverage(delta))
         if "site" in state:
             self._load_site(state["site"], view)
 

@@ -175,12 +175,167 @@ def _warmups(group):
     return out
 
 
+def _inner_step(member, step, numel):
+    import torch
+
+    gen = torch.Generator().manual_seed(7_000 * step + member)
+    return 0.01 * torch.randn(numel, generator=gen)
+
+
+def _overlap(members, group, *, delay, alpha, steps=14, save_at=None, state=None):
+    """Streaming DiLoCo with the exchange overlapped (``--outer-delay``) through
+    :class:`DiLoCoHook` on a plain view: H = 4, F = 2 fragments, the paper's outer SGD; each
+    site's inner step adds a fixed random vector. Returns the weights after every step, the
+    steps at which each fragment's exchange was in flight, and the state at ``save_at``."""
+    import types
+
+    import torch
+
+    from megatron_ext.optim.diloco import DiLoCoHook
+    from megatron_ext.optim.hooks import OptimizerView, ParamOptimState
+
+    me = members.index(torch.distributed.get_rank())
+    params = {n: torch.zeros(shape) for n, shape in SHAPES}
+    for i, (n, _) in enumerate(SHAPES):
+        params[n].add_(0.1 * (i + 1))  # the same start on every site
+    clock = {"step": 0}
+
+    class View(OptimizerView):
+        def fqns(self):
+            return [n for n, _ in SHAPES]
+
+        def param_state(self, fqn):
+            p = params[fqn]
+            return ParamOptimState(fqn=fqn, model_param=p, main_param=p, state={})
+
+        @property
+        def step(self):
+            return clock["step"]
+
+    opts = types.SimpleNamespace(
+        interval=4,
+        lr=0.7,
+        momentum=0.9,
+        nesterov=True,
+        fragments=2,
+        state_device="device",
+        compression="none",
+        delay=delay,
+        merge_alpha=alpha,
+    )
+    hook = DiLoCoHook(opts, group)
+    view = View()
+    hook.setup(view)
+    start = 0
+    if state is not None:
+        weights, hook_state, start = state
+        for n, t in weights.items():
+            params[n].copy_(t)
+        hook.load_state_dict(hook_state)
+    out = {"weights": [], "in_flight": [], "fragments": hook.fragments}
+    for step in range(start, steps):
+        clock["step"] = step
+        flat = _inner_step(members[me], step, NUMEL)
+        offset = 0
+        for n, shape in SHAPES:
+            k = params[n].numel()
+            params[n].sub_(flat[offset : offset + k].view(shape))
+            offset += k
+        hook.pre_step(view)
+        hook.post_step(view, True)
+        out["weights"].append({n: t.clone() for n, t in params.items()})
+        # in flight and not waited for: the handle still holds its collective
+        out["in_flight"].append(
+            sorted(i for i, (_, p) in hook.pending.items() if p._work is not None)
+        )
+        if save_at is not None and step + 1 == save_at:
+            import io
+
+            buf = io.BytesIO()
+            torch.save(({n: t.clone() for n, t in params.items()}, hook.state_dict()), buf)
+            buf.seek(0)
+            weights, hook_state = torch.load(buf)
+            out["saved"] = (weights, hook_state, step + 1)
+    return out
+
+
+def _overlap_reference(members, fragments, *, delay, alpha, steps=14):
+    """An independent float64 statement of Streaming DiLoCo with overlap (Douillard et al.,
+    2025, Alg. 2 with tau and alpha): every site simulated here."""
+    import torch
+
+    sites = len(members)
+    start = torch.cat(
+        [
+            torch.full((int(torch.tensor(shape).prod()),), 0.1 * (i + 1))
+            for i, (_, shape) in enumerate(SHAPES)
+        ]
+    ).double()
+    sizes = [int(torch.tensor(shape).prod()) for _, shape in SHAPES]
+    names = [n for n, _ in SHAPES]
+    spans, offset = {}, 0
+    for n, k in zip(names, sizes):
+        spans[n] = (offset, offset + k)
+        offset += k
+    idx = [torch.cat([torch.arange(*spans[n]) for n in frag]) for frag in fragments]
+    local = [start.clone() for _ in range(sites)]
+    glob = start.clone()
+    mom = [None] * len(fragments)
+    sent = {}  # fragment -> (apply at, mean pseudo-gradient)
+    history = []
+    for step in range(steps):
+        t = step + 1
+        for m in range(sites):
+            local[m] -= _inner_step(members[m], step, NUMEL).double()
+        for f in range(len(fragments)):
+            if t % 4 == (f * 4) // len(fragments):
+                delta = sum(glob[idx[f]] - local[m][idx[f]] for m in range(sites)) / sites
+                sent[f] = (t + delay, delta)
+        for f in sorted(sent):  # tau = 0: applied at once
+            due, delta = sent[f]
+            if due != t:
+                continue
+            del sent[f]
+            mom[f] = delta.clone() if mom[f] is None else 0.9 * mom[f] + delta
+            glob[idx[f]] -= 0.7 * (delta + 0.9 * mom[f])
+            for m in range(sites):
+                local[m][idx[f]] = alpha * local[m][idx[f]] + (1 - alpha) * glob[idx[f]]
+        history.append([x.clone() for x in local])
+    return history
+
+
+def _overlaps(members, group):
+    out = {}
+    for delay, alpha in ((2, 0.0), (3, 0.5), (0, 0.5)):
+        full = _overlap(members, group, delay=delay, alpha=alpha, save_at=5)
+        resumed = _overlap(members, group, delay=delay, alpha=alpha, state=full["saved"])
+        out[(delay, alpha)] = {
+            "weights": full["weights"],
+            "in_flight": full["in_flight"],
+            "fragments": full["fragments"],
+            "resumed_equal": all(
+                all(torch_equal(a[n], b[n]) for n in a)
+                for a, b in zip(full["weights"][5:], resumed["weights"])
+            ),
+            "pending_saved": sorted(full["saved"][1]["pending"]),
+        }
+    return out
+
+
+def torch_equal(a, b):
+    import torch
+
+    return torch.equal(a, b)
+
+
 def _all(rank, world):
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     out = {"refusals": _refusals(dist.group.WORLD), "warmups": _warmups(dist.group.WORLD)}
+    out["overlap", 4] = _overlaps([0, 1, 2, 3], dist.group.WORLD)
+    out["overlap", 2] = _overlaps([0, 1] if rank < 2 else [2, 3], pairs[rank // 2])
     for method in METHODS:
         for layout in ("flat", "params"):
             out[(4, method, layout)] = _one(method, layout, [0, 1, 2, 3], dist.group.WORLD)
@@ -270,3 +425,46 @@ def test_outer_exchange_error_feedback_resume_and_bytes(results, method, size):
             for wire in r["wire"]:
                 got = r["dense"] / wire
                 assert abs(got - want) <= 0.02 * want, (where, got, want)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("delay, alpha", [(2, 0.0), (3, 0.5), (0, 0.5)])
+def test_overlapped_exchange_is_streaming_diloco_and_resumes_in_flight(results, size, delay, alpha):
+    """``--outer-delay tau`` / ``--outer-merge-alpha alpha``: each fragment's all-reduce
+    started after step t is not waited for until step t + tau, the result matches the float64
+    statement of the algorithm at every step, and a state saved with an exchange in flight
+    resumes bit-exactly."""
+    import torch
+
+    for rank, out in enumerate(results):
+        r = out["overlap", size][delay, alpha]
+        members = list(range(4)) if size == 4 else ([0, 1] if rank < 2 else [2, 3])
+        ref = _overlap_reference(members, r["fragments"], delay=delay, alpha=alpha)
+        me = members.index(rank)
+        names = [n for n, _ in SHAPES]
+        worst = 0.0
+        for got, want in zip(r["weights"], ref):
+            flat = torch.cat([got[n].reshape(-1) for n in names]).double()
+            worst = max(worst, (flat - want[me]).abs().max().item())
+        assert worst < 1e-5, (size, delay, alpha, rank, worst)
+        assert r["resumed_equal"], (size, delay, alpha, rank)
+        # fragment 0 sent after steps 4, 8, 12; fragment 1 after 2, 6, 10, 14 (H = 4, F = 2);
+        # the save after step 5 waits for what is in flight then
+        if delay:
+            expect = [
+                sorted(
+                    f
+                    for f, t in ((0, 4), (0, 8), (0, 12), (1, 2), (1, 6), (1, 10), (1, 14))
+                    if t <= s < t + delay and not t <= 5 < s
+                )
+                for s in range(1, 15)
+            ]
+            assert r["in_flight"] == expect, r["in_flight"]
+            assert r["pending_saved"] == ["0"], r["pending_saved"]  # sent at 4, saved at 5
+        else:
+            assert r["in_flight"] == [[]] * 14 and r["pending_saved"] == []
+    if alpha == 0:  # the sites agree once a fragment's exchange has landed
+        a, b = results[0]["overlap", size][delay, alpha], results[1]["overlap", size][delay, alpha]
+        frag = a["fragments"][0]
+        for n in frag:
+            assert torch.equal(a["weights"][5][n], b["weights"][5][n])  # fragment 0 landed at 6

@@ -10,7 +10,8 @@ Two launches (CPU, gloo, the tiny GPT of ``tests.helpers.mcore``):
   agree after them, every parameter is synchronized exactly once per cycle, the bf16 model
   parameters hold the written fp32 values, the ``outer`` bytes are counted; (c) resume
   across an outer step at G = 1 (save mid-cycle, with momentum) is bitwise exact; (d) so is
-  resume at G = 2 in bf16, where the sites' weights and AdamW moments differ at the save.
+  resume at G = 2 in bf16 with the exchange overlapped (``--outer-delay 2``), where the sites'
+  weights and AdamW moments differ at the save and an exchange is in flight.
 * DP = 4, G = 2 (two sites of two ranks), H = 3: the gradient seam reduces over the site only (the
   site's ranks hold the same gradients and weights, the sites different ones; the buckets'
   scaling is 1/2), and the outer step matches the float64 reference; then the 4-bit
@@ -190,9 +191,10 @@ def _dp2(rank, world, root):
     )
     teardown(trainer)
 
-    # (d) the same at G = 2 (each rank a site), bf16: the sites' weights and AdamW moments
-    # differ at the save; each rank resumes its own.
-    flags = ["--bf16", "--outer-method", "diloco", "--outer-interval", "3"]
+    # (d) the same at G = 2 (each rank a site), bf16, the exchange overlapped with 2 steps:
+    # the sites' weights and AdamW moments differ at the save, the exchange sent after step 3
+    # is in flight (applied after step 5); each rank resumes its own.
+    flags = ["--bf16", "--outer-method", "diloco", "--outer-interval", "3", "--outer-delay", "2"]
     trainer = _configure(trainer, flags)
     build(trainer, stock=False)
     full_losses = train(trainer, 8)
@@ -201,6 +203,7 @@ def _dp2(rank, world, root):
     build(trainer, stock=False)
     train(trainer, 4)
     out["sites_differ_at_save"] = params(trainer)
+    out["in_flight_at_save"] = sorted(_hook(trainer).pending)
     save_checkpoint(trainer, root + "-sites", 4)
     teardown(trainer)
     build(trainer, stock=False)
@@ -284,6 +287,7 @@ def test_diloco_dp2(tmp_path):
         assert r["resume_state"] is None, r["resume_state"]
     for r in results:
         # (d)
+        assert r["in_flight_at_save"] == [0]
         assert r["sites_resume_losses_equal"]
         assert r["sites_resume_params"] is None, r["sites_resume_params"]
     assert first_difference(results[0]["sites_differ_at_save"], results[1]["sites_differ_at_save"])

@@ -80,6 +80,10 @@ def test_dense_exchange_without_group_and_factory():
         (["--outer-groups", "0"], "--outer-groups"),
         (["--outer-fragments", "5", "--outer-interval", "4"], "--outer-fragments"),
         (["--outer-compression", "int4"], "--outer-compression"),
+        (["--outer-delay", "-1"], "--outer-delay"),
+        (["--outer-delay", "4", "--outer-interval", "4"], "--outer-delay"),
+        (["--outer-delay", "2", "--outer-compression", "quantized"], "--outer-compression"),
+        (["--outer-merge-alpha", "1.5"], "--outer-merge-alpha"),
     ],
 )
 def test_option_refusals_name_the_flag(flags, named):

@@ -21,14 +21,18 @@ What it does:
       ``loss_vs_measured_time.png`` (loss against *measured* training time of the runs
       inside netbench), the measured time-to-target table and the front page (which
       setting at which bandwidth); see ``megatron_ext/report_frontier.py``;
+    * from ``benchmarks/sites.py`` (``sites.json``): ``loss_vs_time_sites.png`` (loss
+      against measured training time across sites), the front page's "Across sites (DiLoCo
+      family)" pick per layout and link rate and the section of the same name; see
+      ``megatron_ext/report_sites.py``;
     * ``report.md``: tables of final loss and gap to ``none``, step time per bandwidth and
       speed-up over ``none``, bytes per step and compression ratio, kernel costs, and the
       environment the numbers were measured in.
 
     A benchmark directory's JSON embeds the curves and per-step times, so the report can be
     rebuilt from the JSON files alone. When several inputs hold the same measurement (same
-    layout, method and bandwidth; same method label; same kernel case), the one given
-    later on the command line wins.
+    layout, method and bandwidth; same method label; same kernel case; same layout, pp,
+    rate, label and steps of a sites run), the one given later on the command line wins.
 
 Constraints:
     Needs matplotlib (``pip install -e .[report]``); uses the Agg backend (no display).
@@ -46,7 +50,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from megatron_ext import report_frontier
+from megatron_ext import report_frontier, report_sites
 
 __all__ = [
     "build_parser",
@@ -63,7 +67,13 @@ __all__ = [
 ]
 
 _PROG = "megatron-ext report"
-_BENCH_FILES = ("kernels.json", "step_time.json", "convergence.json", "frontier.json")
+_BENCH_FILES = (
+    "kernels.json",
+    "step_time.json",
+    "convergence.json",
+    "frontier.json",
+    "sites.json",
+)
 _CATEGORY_ORDER = (
     "dp-grad",
     "dp-param",
@@ -89,6 +99,7 @@ class RunData:
     step_time: Dict[Tuple[str, str, str], Dict[str, Any]] = field(default_factory=dict)
     convergence: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     frontier: Dict[Tuple[int, str, Optional[str]], Dict[str, Any]] = field(default_factory=dict)
+    sites: Dict[Tuple[str, int, str, str, int], Dict[str, Any]] = field(default_factory=dict)
     environments: List[Tuple[str, Dict[str, Any]]] = field(default_factory=list)
     settings: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     sources: List[str] = field(default_factory=list)
@@ -96,7 +107,9 @@ class RunData:
 
     def empty(self) -> bool:
         """Whether nothing plottable was read."""
-        return not (self.kernels or self.step_time or self.convergence or self.frontier)
+        return not (
+            self.kernels or self.step_time or self.convergence or self.frontier or self.sites
+        )
 
 
 # -- reading -------------------------------------------------------------------------------
@@ -172,6 +185,8 @@ def _add_bench(data: RunData, report: Dict[str, Any], source: str) -> None:
             # setting, whatever the order of the inputs; otherwise later inputs win.
             if not (old and r.get("truncated") and not old.get("truncated")):
                 data.frontier[key] = r
+        elif kind == "sites":
+            data.sites[report_sites.record_key(r)] = r
 
 
 def _bench_label(family: Optional[str], r: Dict[str, Any]) -> str:
@@ -1103,10 +1118,18 @@ def write_report(data: RunData, out_dir: str, *, window: int = 10) -> Dict[str, 
         path = fn(frontier, os.path.join(out_dir, f"{name}.png")) if frontier else None
         if path:
             written[name] = path
+    sites = list(data.sites.values())
+    path = report_sites.plot_loss_vs_time(sites, os.path.join(out_dir, "loss_vs_time_sites.png"))
+    if path:
+        written["loss_vs_time_sites"] = path
     md = ["# megatron-ext performance report", ""]
     md.append("Sources: " + ", ".join(f"`{s}`" for s in data.sources))
     md.append("")
-    md += report_frontier.front_page_md(frontier)
+    front = report_frontier.front_page_md(frontier)
+    sites_front = report_sites.front_page_md(sites)
+    if sites_front and not front:
+        front = ["## Which method at which bandwidth", ""]
+    md += front + sites_front
     captions = {
         "loss_vs_step": "Loss against step",
         "loss_vs_time": "Loss against wall-clock time (derived from measured step times)",
@@ -1114,12 +1137,15 @@ def write_report(data: RunData, out_dir: str, *, window: int = 10) -> Dict[str, 
         "kernels": "Compression kernel cost per element",
         "frontier": "Final loss against DP bytes per step (one point per setting)",
         "loss_vs_measured_time": "Loss against measured training time (runs inside netbench)",
+        "loss_vs_time_sites": "Loss against measured training time across sites (inside "
+        "netbench)",
     }
     for name in written:
         md.append(f"![{captions[name]}]({name}.png)")
         md.append("")
     md += report_frontier.frontier_md(frontier)
     md += report_frontier.time_to_target_md(frontier)
+    md += report_sites.sites_md(sites)
     md += _convergence_md(data)
     md += _step_time_md(data)
     md += _bytes_md(data)

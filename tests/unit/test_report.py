@@ -273,3 +273,187 @@ def test_step_times_follow_the_configured_method_label():
     assert times("protocol-x100") == 0.5 and times("protocol-k32") == 0.6
     assert times("protocol-x100-u100") == 0.5 and times("protocol-k32-u100") == 0.6
     assert "| protocol |" not in "\n".join(report._step_time_md(data))
+
+
+# -- sites (benchmarks/sites.py) -------------------------------------------------------------
+
+
+def _site(label, rate="100mbit", *, t=None, speed=None, lower=False, gap=0.0, target=6.0, **kw):
+    """A ``sites.json`` record with the comparison fields ``benchmarks/sites.py`` records."""
+    outer = label.startswith("diloco")
+    rec = {
+        "label": label,
+        "layout": "dp2",
+        "sites": 2,
+        "ranks_per_site": 1,
+        "pp": 1,
+        "rate": rate,
+        "iters": 20,
+        "status": "ok",
+        "iterations_done": 20,
+        "final_loss": None if gap is None else target * (1 + gap / 100),
+        "gap_pct": gap,
+        "target_loss": target,
+        "target_from_rate": "unshaped",
+        "time_to_target_s": t,
+        "reached_target": t is not None,
+        "speedup_vs_none": speed,
+        "speedup_is_lower_bound": lower,
+        "mean_step_s": 0.5,
+        "train_time_s": 10.0,
+        "bytes_per_step_all_ranks": {
+            ("outer" if outer else "dp-grad"): {"sent": 1.5e6 if outer else 5.9e7},
+            "other": {"sent": 32.0},
+        },
+        "curve": {
+            "iteration": list(range(1, 21)),
+            "lm_loss": [8.0 - 0.1 * i for i in range(20)],
+            "elapsed_s": [0.5 * i for i in range(1, 21)],
+            "smoothed_loss": [8.0 - 0.09 * i for i in range(20)],
+        },
+    }
+    rec.update(kw)
+    return rec
+
+
+def _front_rows(records):
+    from megatron_ext import report_sites
+
+    lines = "\n".join(report_sites.front_page_md(records)).splitlines()
+    return [line for line in lines if line.startswith("| dp2")]
+
+
+def test_sites_front_page_picks_the_soonest_configuration_other_than_none():
+    records = [
+        _site("none", t=50.0, speed=1.0),
+        _site("diloco-h50", t=30.0, speed=50 / 30, gap=-0.5),  # lowest loss, not the soonest
+        _site("diloco-h10", t=20.0, speed=2.5, gap=0.4),  # the soonest
+        _site("diloco-h100", t=40.0, speed=1.25, gap=-0.1),
+        _site("powersgd-r14", gap=0.1),  # not reached
+    ]
+    (row,) = _front_rows(records)
+    assert row == "| dp2 | 100mbit | 20 | diloco-h10 | 20 s | 2.5x | +0.40 % | 1.50 |"
+
+
+def test_sites_speedup_over_a_stopped_none_is_marked_as_a_lower_bound():
+    from megatron_ext import report_sites
+
+    records = [
+        _site("none", status="stopped", iterations_done=7, gap=None, speed=None),
+        _site("diloco-h50-q4", t=12.0, speed=2.04, lower=True),
+        _site("diloco-h50", t=15.0, speed=1.63, lower=True),
+    ]
+    (row,) = _front_rows(records)
+    assert "| diloco-h50-q4 | 12 s | >= 2.0x |" in row
+    section = "\n".join(report_sites.sites_md(records))
+    assert "| diloco-h50-q4 | ok |" in section and "| 12.0 | >= 2.04x |" in section
+    assert "| none | stopped (7 of 20 steps) | - | - |" in section
+    # Not flagged: a plain number, never a bound.
+    (row,) = _front_rows([_site("none", t=30.0, speed=1.0), _site("diloco-h50", t=15.0, speed=2.0)])
+    assert "| 15 s | 2.0x |" in row and ">=" not in row
+
+
+def test_sites_front_page_says_none_reached_with_the_closest_gap_and_its_outer_bytes():
+    records = [
+        _site("none", rate="unshaped", t=46.0, speed=1.0),  # none reaches its own loss
+        _site("diloco-h10", rate="unshaped", gap=15.1),
+        _site("diloco-h50-q4", rate="unshaped", gap=6.85),
+        _site("diloco-h50", rate="unshaped", gap=6.86),
+    ]
+    records[2]["bytes_per_step_all_ranks"] = {"outer": {"sent": 150_040.96}}
+    (row,) = _front_rows(records)
+    assert row == (
+        "| dp2 | unshaped | 20 | none reached (closest: diloco-h50-q4) | - | - | +6.85 % | 0.15 |"
+    )
+    # Without a recorded target (the sweep's none run never completed) there is no pick.
+    records = [_site(lab, gap=None, target=None) for lab in ("none", "diloco-h50")]
+    records[0]["status"] = "stopped"
+    (row,) = _front_rows(records)
+    assert "no target (no complete none run)" in row
+
+
+def test_sites_later_inputs_win_on_layout_pp_rate_label_and_steps(tmp_path):
+    def write(name, records):
+        common.write_report(common.make_report("sites", {}, records, ENV), str(tmp_path / name))
+        return str(tmp_path / name)
+
+    first = write("a", [_site("none", t=9.0), _site("diloco-h50", t=5.0)])
+    second = write(
+        "b",
+        [
+            _site("diloco-h50", t=4.0),  # same key: replaces a's
+            _site("diloco-h50", t=3.0, iters=40),  # other steps: kept beside it
+            _site("diloco-h50", t=2.0, pp=2),  # other pipeline depth: kept beside it
+        ],
+    )
+    data = report.load_runs([first, second])
+    assert data.sources == [str(tmp_path / "a" / "sites.json"), str(tmp_path / "b" / "sites.json")]
+    assert data.sites[("dp2", 1, "100mbit", "diloco-h50", 20)]["time_to_target_s"] == 4.0
+    assert data.sites[("dp2", 1, "100mbit", "diloco-h50", 40)]["time_to_target_s"] == 3.0
+    assert data.sites[("dp2", 2, "100mbit", "diloco-h50", 20)]["time_to_target_s"] == 2.0
+    assert len(data.sites) == 4
+    data = report.load_runs([second, first])
+    assert data.sites[("dp2", 1, "100mbit", "diloco-h50", 20)]["time_to_target_s"] == 5.0
+
+
+def test_sites_section_lists_every_configuration_with_bytes_by_category():
+    from megatron_ext import report_sites
+
+    pp = _site("none", t=10.0, speed=1.0, pp=2)
+    pp["bytes_per_step_all_ranks"]["pp-act"] = {"sent": 2e6}
+    refused = {"label": "diloco-bad", "layout": "dp2", "pp": 1, "rate": "100mbit", "iters": 20}
+    refused.update(status="refused", refusal="no such flag")
+    records = [
+        _site("none", t=10.0, speed=1.0),
+        _site("diloco-h50", t=8.0, speed=1.25, gap=1.0),
+        refused,
+        pp,
+    ]
+    md = report_sites.sites_md(records)
+    assert md[0] == "## Across sites (DiLoCo family)"
+    text = "\n".join(md)
+    lines = text.splitlines()
+    header = (
+        "| config | status | final loss | gap % | dp-grad MB/step | outer MB/step | "
+        "other MB/step | step s | train s | s to dense loss | speed-up |"
+    )
+    assert header in lines
+    assert (
+        "| none | ok | 6.0000 | +0.00 | 59.00 | - | 0.00 | 0.500 | 10.0 | 10.0 | 1.00x |" in lines
+    )
+    assert (
+        "| diloco-h50 | ok | 6.0600 | +1.00 | - | 1.50 | 0.00 | 0.500 | 10.0 | 8.0 | 1.25x |"
+        in lines
+    )
+    assert "| diloco-bad | refused | - | - | - | - | - | - | - | - | - |" in lines
+    assert "Refused by the driver: diloco-bad: no such flag" in text
+    assert "**dp2 (2 sites x 1 DP rank), 100mbit, 20 steps**" in text
+    # The pipelined layout gets its own table, with its pipeline bytes as an extra column.
+    assert "**dp2 (2 sites x 1 DP rank, PP=2), 100mbit, 20 steps**" in text
+    assert "other MB/step | pp-act MB/step | step s" in text
+    assert (
+        "Target: the complete `none` run's final loss, 6.0000 (the `none` run at unshaped)."
+        in lines
+    )
+
+
+def test_report_renders_sites_json(tmp_path):
+    records = [_site("none", rate=r, t=10.0, speed=1.0) for r in ("unshaped", "100mbit")]
+    records.append(_site("diloco-h50", t=5.0, speed=2.0))
+    common.write_report(common.make_report("sites", {}, records, ENV), str(tmp_path / "run"))
+    assert report.main([str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert (tmp_path / "out" / "loss_vs_time_sites.png").read_bytes()[:8] == PNG_MAGIC
+    assert "(loss_vs_time_sites.png)" in md
+    # The front page's table sits under the front page's heading even without frontier runs.
+    front = md.index("## Which method at which bandwidth")
+    assert front < md.index("### Across sites (DiLoCo family)") < md.index("![")
+    assert md.index("![") < md.index("\n## Across sites (DiLoCo family)")
+    assert "| dp2 | unshaped | 20 | none reached | - | - | - | - |" in md
+    assert "| dp2 | 100mbit | 20 | diloco-h50 | 5 s | 2.0x |" in md
+
+
+def test_report_without_sites_json_has_no_sites_parts(bench_dir, tmp_path):
+    assert report.main([str(bench_dir), "--out", str(tmp_path / "out")]) == 0
+    assert "Across sites" not in (tmp_path / "out" / "report.md").read_text()
+    assert not (tmp_path / "out" / "loss_vs_time_sites.png").exists()

@@ -63,6 +63,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import re
 import shlex
@@ -550,8 +551,66 @@ def build_parser() -> argparse.ArgumentParser:
         help="Smoke run: dp2 at 100mbit, 4 steps, none + powersgd-r14 + diloco-h2 (flags "
         "given explicitly still apply).",
     )
+    p.add_argument(
+        "--reuse",
+        action="append",
+        default=[],
+        metavar="SITES_JSON",
+        help="An earlier sweep's sites.json (repeatable): its complete or time-stopped runs "
+        "of a planned (layout, rate, config) are taken as they are instead of run again "
+        "(e.g. the unshaped none run as the 100mbit sweep's target). Refused unless its "
+        "training settings (--iters, batch sizes, --model, --seed, --lr, --min-lr, --pp, "
+        "--extra-train-args) and the configuration's flags are this sweep's.",
+    )
     p.add_argument("--out", default=None, help="Run directory (runs/bench-sites-<time>).")
     return p
+
+
+REUSE_SETTINGS = (
+    "iters",
+    "global_batch_size",
+    "micro_batch_size",
+    "model",
+    "seed",
+    "lr",
+    "min_lr",
+    "pp",
+    "extra_train_args",
+)
+"""Settings an earlier sweep must share for its runs to be reused."""
+
+
+def load_reused(
+    paths: Sequence[str], args: argparse.Namespace, configs: Sequence[Tuple[str, str]]
+) -> Dict[Tuple[str, str, str], Dict[str, Any]]:
+    """``(layout, rate, label) -> result`` of the earlier sweeps' reusable runs; raises
+    ``ValueError`` naming the setting or configuration that differs."""
+    flags = dict(configs)
+    out: Dict[Tuple[str, str, str], Dict[str, Any]] = {}
+    for path in paths:
+        with open(path) as f:
+            report = json.load(f)
+        if report.get("benchmark") != "sites":
+            raise ValueError(f"--reuse {path}: not a sites.json")
+        settings = report.get("settings", {})
+        for key in REUSE_SETTINGS:
+            if settings.get(key) != getattr(args, key):
+                raise ValueError(
+                    f"--reuse {path}: its {key} is {settings.get(key)!r}, this sweep's "
+                    f"{getattr(args, key)!r}"
+                )
+        theirs = settings.get("configs", {})
+        for r in report.get("results", []):
+            label = r.get("label")
+            if label not in flags or r.get("status") not in ("ok", "stopped"):
+                continue
+            if list(theirs.get(label) or []) != list(flags[label]):
+                raise ValueError(
+                    f"--reuse {path}: configuration {label!r} has other flags there "
+                    f"({theirs.get(label)!r})"
+                )
+            out[(r["layout"], r["rate"], label)] = dict(r, reused_from=path)
+    return out
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -579,7 +638,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         for rate in rates:
             if rate != "unshaped":
                 parse_rate(rate)
-    except ValueError as exc:
+        reused = load_reused(args.reuse, args, configs)
+    except (ValueError, OSError) as exc:
         print(f"sites.py: error: {exc}")
         return 2
     from megatron_ext.netbench.netns import netns_unavailable_reason
@@ -605,7 +665,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     t0 = time.time()
     for i, (lay, rate, (label, flags)) in enumerate(plan):
         print(f"[{i + 1}/{len(plan)}] {lay.name}, {rate}, {label}: {args.iters} steps", flush=True)
-        res = run_one(args, lay, rate, label, flags, out)
+        res = reused.get((lay.name, rate, label))
+        if res is not None:
+            print(f"    (reused from {res['reused_from']})", flush=True)
+        else:
+            res = run_one(args, lay, rate, label, flags, out)
         results.append(res)
         add_comparisons(results)
         if res["status"] == "refused":

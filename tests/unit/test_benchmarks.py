@@ -601,3 +601,27 @@ def test_sites_stopped_dense_run_gives_a_lower_bound():
     assert slow_fast["speedup_is_lower_bound"]
     assert slow_dense["time_to_target_s"] is None and slow_dense["gap_pct"] is None
     assert unshaped["speedup_vs_none"] == 1.0 and not unshaped["speedup_is_lower_bound"]
+
+
+def test_sites_reuse_takes_matching_runs_and_refuses_other_settings(tmp_path):
+    import json
+
+    from benchmarks import sites
+
+    args = sites.build_parser().parse_args(["--iters", "1000"])
+    settings = {k: getattr(args, k) for k in sites.REUSE_SETTINGS}
+    settings["configs"] = {"none": [], "diloco-h50": ["--outer-method", "diloco"]}
+    results = [
+        {"label": "none", "layout": "dp2", "rate": "unshaped", "status": "ok"},
+        {"label": "diloco-h50", "layout": "dp2", "rate": "unshaped", "status": "failed"},
+    ]
+    path = tmp_path / "sites.json"
+    path.write_text(json.dumps({"benchmark": "sites", "settings": settings, "results": results}))
+    configs = [sites.parse_config("none="), sites.parse_config("diloco-h50=--outer-method diloco")]
+    reused = sites.load_reused([str(path)], args, configs)
+    assert list(reused) == [("dp2", "unshaped", "none")]  # a failed run is run again
+    with pytest.raises(ValueError, match="its iters is 1000, this sweep's 200"):
+        sites.load_reused([str(path)], sites.build_parser().parse_args(["--iters", "200"]), configs)
+    other = [sites.parse_config("none=--seed 2")]
+    with pytest.raises(ValueError, match="configuration 'none' has other flags"):
+        sites.load_reused([str(path)], args, other)

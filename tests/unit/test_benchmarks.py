@@ -489,6 +489,12 @@ def test_sites_summary_and_comparison_with_the_dense_run():
     assert fast["gap_pct"] == pytest.approx(-50.0) and fast["reached_target"]
     assert other_rate["time_to_target_s"] is None  # a failed run is not compared
     assert refused["time_to_target_s"] is None and not refused["reached_target"]
+    # The 50% milestone: the dense run's trailing mean at iteration 5 (window 1): 6.0, reached
+    # by it at 10 s, by the fast run between 9.0 at 0.5 s and 5.0 at 1.0 s.
+    assert base["half_target_loss"] == 6.0 and base["time_to_half_target_s"] == pytest.approx(10)
+    assert fast["time_to_half_target_s"] == pytest.approx(0.5 + 0.5 * 3.0 / 4.0)
+    assert fast["speedup_half_vs_none"] == pytest.approx(10.0 / 0.875)
+    assert not fast["speedup_half_is_lower_bound"] and refused["half_target_loss"] is None
 
 
 def test_sites_layouts_configs_and_commands():

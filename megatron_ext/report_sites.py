@@ -111,12 +111,27 @@ def pick(records: Sequence[Dict[str, Any]]) -> Tuple[str, Optional[Dict[str, Any
     return "none reached", (min(gaps, key=lambda r: r["gap_pct"]) if gaps else None)
 
 
-def _speedup(record: Dict[str, Any], digits: int) -> str:
-    """Recorded speed-up over ``none``: ``1.5x``, ``>= 1.5x`` when flagged a lower bound."""
-    s = record.get("speedup_vs_none")
+def _speedup(record: Dict[str, Any], digits: int, milestone: str = "") -> str:
+    """Recorded speed-up over ``none``: ``1.5x``, ``>= 1.5x`` when flagged a lower bound
+    (``milestone="half"``: at the dense run's loss at half its steps)."""
+    infix = f"_{milestone}" if milestone else ""
+    s = record.get(f"speedup{infix}_vs_none")
     if s is None:
         return "-"
-    return (">= " if record.get("speedup_is_lower_bound") else "") + f"{s:.{digits}f}x"
+    return (">= " if record.get(f"speedup{infix}_is_lower_bound") else "") + f"{s:.{digits}f}x"
+
+
+def _half_pick(group: Sequence[Dict[str, Any]]) -> str:
+    """The configuration other than ``none`` that reached the dense run's loss at half its
+    steps soonest (recorded ``time_to_half_target_s``), with its time and speed-up."""
+    reached = [
+        r for r in group if r["label"] != "none" and r.get("time_to_half_target_s") is not None
+    ]
+    if not reached:
+        has_target = any(r.get("half_target_loss") is not None for r in group)
+        return "none reached" if has_target else "-"
+    r = min(reached, key=lambda r: r["time_to_half_target_s"])
+    return f"{r['label']}: {r['time_to_half_target_s']:.0f} s ({_speedup(r, 1, 'half')})"
 
 
 def _mb(record: Dict[str, Any], category: str) -> str:
@@ -155,7 +170,7 @@ def front_page_md(records: Sequence[Dict[str, Any]]) -> List[str]:
         rows.append(
             [_layout_cell(layout, pp), rate, str(iters)]
             + cells
-            + [gap, _mb(r, "outer") if r else "-"]
+            + [gap, _mb(r, "outer") if r else "-", _half_pick(group)]
         )
     return [
         f"### {SECTION_TITLE}",
@@ -165,7 +180,8 @@ def front_page_md(records: Sequence[Dict[str, Any]]) -> List[str]:
         "configuration other than `none` that got there soonest, per layout and link rate, "
         "and its speed-up over `none` at that rate (`>=`: `none` was stopped by its time "
         "limit first, a lower bound). When none reached it: the closest configuration's gap "
-        "and its outer-exchange bytes.",
+        "and its outer-exchange bytes. Last column: the same at a nearer target, the `none` "
+        "run's trailing-mean loss at half its steps.",
         "",
         _table(
             [
@@ -177,6 +193,7 @@ def front_page_md(records: Sequence[Dict[str, Any]]) -> List[str]:
                 "vs none",
                 "gap",
                 "outer MB/step",
+                "soonest to the dense loss at 50% (vs none)",
             ],
             rows,
         ),
@@ -245,6 +262,7 @@ def sites_md(records: Sequence[Dict[str, Any]]) -> List[str]:
         out.append(_target_line(group))
         out.append("")
         cats = _categories(group)
+        half = any(r.get("half_target_loss") is not None for r in group)
         rows = []
         for r in group:
             gap = r.get("gap_pct")
@@ -258,10 +276,17 @@ def sites_md(records: Sequence[Dict[str, Any]]) -> List[str]:
                     _num(r.get("time_to_target_s"), ".1f"),
                     _speedup(r, 2),
                 ]
+                + (
+                    [_num(r.get("time_to_half_target_s"), ".1f"), _speedup(r, 2, "half")]
+                    if half
+                    else []
+                )
             )
         headers = ["config", "status", "final loss", "gap %"]
         headers += [f"{c} MB/step" for c in cats]
         headers += ["step s", "train s", "s to dense loss", "speed-up"]
+        if half:
+            headers += ["s to dense loss at 50%", "speed-up at 50%"]
         out.append(_table(headers, rows))
         out.append("")
         for r in group:

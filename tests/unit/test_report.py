@@ -332,7 +332,7 @@ def test_sites_front_page_picks_the_soonest_configuration_other_than_none():
         _site("powersgd-r14", gap=0.1),  # not reached
     ]
     (row,) = _front_rows(records)
-    assert row == "| dp2 | 100mbit | 20 | diloco-h10 | 20 s | 2.5x | +0.40 % | 1.50 |"
+    assert row == "| dp2 | 100mbit | 20 | diloco-h10 | 20 s | 2.5x | +0.40 % | 1.50 | - |"
 
 
 def test_sites_speedup_over_a_stopped_none_is_marked_as_a_lower_bound():
@@ -363,7 +363,8 @@ def test_sites_front_page_says_none_reached_with_the_closest_gap_and_its_outer_b
     records[2]["bytes_per_step_all_ranks"] = {"outer": {"sent": 150_040.96}}
     (row,) = _front_rows(records)
     assert row == (
-        "| dp2 | unshaped | 20 | none reached (closest: diloco-h50-q4) | - | - | +6.85 % | 0.15 |"
+        "| dp2 | unshaped | 20 | none reached (closest: diloco-h50-q4) | - | - | +6.85 % | 0.15 "
+        "| - |"
     )
     # Without a recorded target (the sweep's none run never completed) there is no pick.
     records = [_site(lab, gap=None, target=None) for lab in ("none", "diloco-h50")]
@@ -457,3 +458,26 @@ def test_report_without_sites_json_has_no_sites_parts(bench_dir, tmp_path):
     assert report.main([str(bench_dir), "--out", str(tmp_path / "out")]) == 0
     assert "Across sites" not in (tmp_path / "out" / "report.md").read_text()
     assert not (tmp_path / "out" / "loss_vs_time_sites.png").exists()
+
+
+def test_sites_half_way_milestone_picks_the_soonest_and_marks_bounds():
+    from megatron_ext import report_sites
+
+    records = [
+        _site("none", status="stopped", gap=None, speed=None),
+        _site("diloco-h50", gap=5.0),
+        _site("diloco-h10", gap=4.0),
+        _site("powersgd-r14", gap=0.5),
+    ]
+    for r, (t, speed) in zip(records, [(None, None), (30.0, 4.0), (20.0, 6.0), (None, None)]):
+        r.update(half_target_loss=7.0, time_to_half_target_s=t, speedup_half_vs_none=speed)
+        r["speedup_half_is_lower_bound"] = speed is not None
+    (row,) = _front_rows(records)
+    assert row.endswith("| diloco-h10: 20 s (>= 6.0x) |"), row
+    section = "\n".join(report_sites.sites_md(records))
+    assert "s to dense loss at 50% | speed-up at 50% |" in section
+    assert "| 30.0 | >= 4.00x |" in section and "| diloco-h10 |" in section
+    for r in records:
+        r["time_to_half_target_s"] = None
+    (row,) = _front_rows(records)
+    assert row.endswith("| none reached |"), row

@@ -608,8 +608,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="SITES_JSON",
         help="An earlier sweep's sites.json (repeatable): its complete or time-stopped runs "
-        "of a planned (layout, rate, config) are taken as they are instead of run again "
-        "(e.g. the unshaped none run as the 100mbit sweep's target). Refused unless its "
+        "of a planned (layout, rate, config) are taken as they are instead of run again; "
+        "those of the sweep's configurations at other rates are kept as references (e.g. "
+        "the unshaped none run as the 100mbit sweep's target). Refused unless its "
         "training settings (--iters, batch sizes, --model, --seed, --lr, --min-lr, --pp, "
         "--extra-train-args) and the configuration's flags are this sweep's.",
     )
@@ -712,7 +713,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         "below the none run's final loss, interpolated between the bracketing iterations"
     )
     plan = [(lay, rate, c) for lay in layouts for rate in rates for c in configs]
-    results: List[Dict[str, Any]] = []
+    # Reused runs outside the plan (e.g. the unshaped none run of a shaped sweep) are kept as
+    # references: the target is the final loss of a complete none run at any rate.
+    planned = {(lay.name, rate, c[0]) for lay, rate, c in plan}
+    results: List[Dict[str, Any]] = [r for k, r in reused.items() if k not in planned]
     t0 = time.time()
     for i, (lay, rate, (label, flags)) in enumerate(plan):
         print(f"[{i + 1}/{len(plan)}] {lay.name}, {rate}, {label}: {args.iters} steps", flush=True)

@@ -43,8 +43,9 @@ setup(
     extras_require={
         "gpu": ["transformer-engine[pytorch]"],
         # transformers: the tests of --tokenizer-type HuggingFaceTokenizer (a tokenizer built
-        # locally; no download).
-        "test": ["pytest", "tensorboard", "matplotlib", "transformers"],
+        # locally; no download). torchft: tests/distributed/test_diloco_torchft.py compares
+        # --outer-method diloco with torchft's DiLoCo on the same inputs.
+        "test": ["pytest", "tensorboard", "matplotlib", "transformers", "torchft==0.2.0"],
         # --tokenizer-type HuggingFaceTokenizer (prepare-data, the driver; Megatron-LM's own
         # HuggingFaceTokenizer needs it too).
         "hf": ["transformers"],

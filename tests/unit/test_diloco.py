@@ -149,8 +149,6 @@ def test_driver_refuses_the_replica_hash_with_several_sites():
 @pytest.mark.parametrize(
     "attrs,named",
     [
-        ({"save": "/tmp/x"}, "--save"),
-        ({"load": "/tmp/x"}, "--load"),
         ({"check_weight_hash_across_dp_replicas_interval": 5}, "--check-weight-hash"),
         ({"calculate_per_token_loss": True, "groups": 1}, "--calculate-per-token-loss"),
     ],
@@ -168,3 +166,12 @@ def test_megatron_lm_refusals(attrs, named):
         _check_outer_sites(args, cfg)
     if groups is None:  # one site: allowed
         _check_outer_sites(args, ext_config_from_flags(flags + ["--outer-groups", "1"]))
+
+
+def test_megatron_lm_checkpoints_with_several_sites_are_accepted():
+    from types import SimpleNamespace
+
+    from megatron_ext.megatron.lm.session import _check_outer_sites
+
+    args = SimpleNamespace(data_parallel_size=2, save="/tmp/x", load="/tmp/x")
+    _check_outer_sites(args, ext_config_from_flags(["--outer-method", "diloco"]))

@@ -234,21 +234,16 @@ def _check_outer_sites(args: Any, cfg: ExtConfig) -> None:
         )
     if sites == 1:
         return
-    for flag, attr in (
-        ("--save", "save"),
-        ("--load", "load"),
-        (
-            "--check-weight-hash-across-dp-replicas-interval",
-            "check_weight_hash_across_dp_replicas_interval",
-        ),
-    ):
-        if getattr(args, attr, None):
-            raise ConfigError(
-                [flag, "--outer-groups"],
-                f"{sites} DiLoCo sites hold different weights and optimizer states between "
-                "outer steps; Megatron-LM's checkpoint and the replica hash check assume "
-                "identical data-parallel replicas (supported with --outer-groups 1 only)",
-            )
+    # Checkpoints (--save/--load) are supported: Megatron-LM's checkpoint keeps one mix of the
+    # data-parallel replicas, and each rank's megatron-ext state (DiLoCo's "site" entry) holds
+    # its own weights and AdamW state, put back over megatron's at the first step.
+    if getattr(args, "check_weight_hash_across_dp_replicas_interval", None):
+        raise ConfigError(
+            ["--check-weight-hash-across-dp-replicas-interval", "--outer-groups"],
+            f"{sites} DiLoCo sites hold different weights between outer steps; the replica "
+            "hash check assumes identical data-parallel replicas (supported with "
+            "--outer-groups 1 only)",
+        )
 
 
 def _check_grass_optimizer(args: Any) -> None:

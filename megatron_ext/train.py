@@ -718,6 +718,7 @@ class Trainer:
         from megatron_ext.accounting import collective_device, comm_report, report_path
 
         cfg = self.cfg
+        self.runtime.finish()  # what is still in flight (DiLoCo's overlapped exchanges)
         step_times = log.step_times
         warm = step_times[1:] if len(step_times) > 1 else step_times
         final_loss = next(

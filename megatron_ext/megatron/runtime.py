@@ -428,8 +428,18 @@ class ExtRuntime(Runtime):
             self.pg_collection = _schedule_pg_collection()
         return {"p2p_communicator": self.communicator, "pg_collection": self.pg_collection}
 
+    def finish(self) -> None:
+        """End of training (collective): optimizer hooks with work in flight finish it (DiLoCo's
+        overlapped exchanges), before the report is written and the process groups go away."""
+        if self.optimizer_handle is not None:
+            for hook in self.optimizer_handle.hooks:
+                finish = getattr(hook, "finish", None)
+                if finish is not None:
+                    finish()
+
     def remove(self) -> None:
         """Undo every installation (for tests and in-process reuse)."""
+        self.finish()
         for handle in (self.grad_handle, self.linear_handle, self.optimizer_handle):
             if handle is not None:
                 handle.remove()

@@ -53,7 +53,8 @@ class OuterConfig:
     delay: int = 0
     """tau: inner steps a fragment's exchange overlaps (Streaming DiLoCo's tau, torchft's
     fragment_sync_delay): its pseudo-gradient is sent after step t and applied after step
-    t + tau; 0: blocking, applied at once. Needs --outer-compression none and tau < H."""
+    t + tau; 0: blocking, applied at once. tau < H. A compressed exchange
+    (--outer-compression) then runs on a worker thread."""
 
     merge_alpha: float = 0.0
     """alpha: after the outer step the fragment's weights become alpha * local + (1 - alpha)
@@ -111,12 +112,6 @@ class OuterConfig:
                 flag_of(cls, "compression"),
                 f"unknown exchange {self.compression!r} (choose from "
                 f"{', '.join(OUTER_EXCHANGES)})",
-            )
-        if self.delay and self.compression != "none":
-            raise ConfigError(
-                [flag_of(cls, "delay"), flag_of(cls, "compression")],
-                "the overlapped exchange is the dense all-reduce; the compressed exchanges "
-                "are blocking (pass --outer-delay 0 or --outer-compression none)",
             )
 
     def num_sites(self, dp: int) -> int:

@@ -26,9 +26,12 @@ What it does:
     in exactly one); fragment i is synchronized after the steps ``t`` (1-based count of
     steps taken) with ``t % H == (i * H) // F``. Each fragment has its own snapshot,
     momentum and exchange. With a delay ``tau`` > 0 (Streaming DiLoCo's overlap, torchft's
-    ``fragment_sync_delay``) the fragment's pseudo-gradient is computed and its dense
-    all-reduce started after step ``t``, and the outer step applied after step ``t + tau``:
-    the exchange runs while the next ``tau`` inner steps compute. The fragment's weights
+    ``fragment_sync_delay``) the fragment's pseudo-gradient is computed and its exchange
+    started after step ``t``, and the outer step applied after step ``t + tau``: the
+    exchange runs while the next ``tau`` inner steps compute. The dense exchange is an
+    asynchronous all-reduce; a compressed one (several dependent collectives and its
+    codec) runs on :class:`ExchangeWorker`'s thread, all of the hook's exchanges in one
+    order, its bytes counted when it lands. The fragment's weights
     then become ``alpha * local + (1 - alpha) * global`` (``alpha``: Streaming DiLoCo's
     merge, torchft's ``fragment_update_alpha``; 0, the default, takes the global weights and
     drops the fragment's local progress of the ``tau`` steps, as torchft does).
@@ -46,6 +49,8 @@ Constraints:
 
 from __future__ import annotations
 
+import queue
+import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -56,6 +61,8 @@ from megatron_ext.optim.hooks import OptimizerHook, OptimizerView
 __all__ = [
     "DenseOuterExchange",
     "PendingAverage",
+    "ThreadedAverage",
+    "ExchangeWorker",
     "make_outer_exchange",
     "OUTER_EXCHANGES",
     "site_groups",
@@ -164,6 +171,85 @@ class PendingAverage:
             if self._divide_by != 1:
                 self._out.div_(self._divide_by)
         return self._out
+
+    def in_flight(self) -> bool:
+        """Not yet waited for."""
+        return self._work is not None
+
+
+class ThreadedAverage:
+    """A compressed outer exchange running on :class:`ExchangeWorker`'s thread: ``wait()``
+    returns its mean (idempotent) or raises what the exchange raised (a NaN, a peer gone).
+
+    ``exchange`` is kept so the bytes it sent can be read once it has finished
+    (``wire_bytes()`` is only known then)."""
+
+    def __init__(self, exchange: Any):
+        self.exchange = exchange
+        self._done = threading.Event()
+        self._result: Optional[torch.Tensor] = None
+        self._error: Optional[BaseException] = None
+        self._waited = False
+
+    def _finish(self, result: Optional[torch.Tensor], error: Optional[BaseException]) -> None:
+        self._result, self._error = result, error
+        self._done.set()
+
+    def wait(self) -> torch.Tensor:
+        self._done.wait()
+        self._waited = True
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def in_flight(self) -> bool:
+        """Not yet waited for."""
+        return not self._waited
+
+
+class ExchangeWorker:
+    """One daemon thread that runs a hook's compressed outer exchanges (``--outer-delay``
+    with ``--outer-compression`` other than ``none``), one at a time, in submission order.
+
+    Every rank submits the same exchanges in the same order (the schedule is by iteration),
+    so the collectives on the outer group happen in the same order everywhere; the main
+    thread never uses the outer group while the worker exists (every exchange of the hook
+    goes through it). The worker tags its collectives ``outer`` (the traffic meter's tag is
+    thread-local) and, on CUDA, binds the rank's device first.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self._queue: "queue.Queue[Any]" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="megatron-ext-outer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            exchange, flat, handle = item
+            try:
+                with ProcessGroupTrafficMeter.tagged("outer", force=True):
+                    out = exchange.average(flat)  # ends with a host read of its isfinite
+                handle._finish(out, None)
+            except BaseException as exc:  # raised to the main thread by wait()
+                handle._finish(None, exc)
+
+    def submit(self, exchange: Any, flat: torch.Tensor) -> ThreadedAverage:
+        """Queue ``exchange.average(flat)``; ``flat`` must not be modified until it lands."""
+        handle = ThreadedAverage(exchange)
+        self._queue.put((exchange, flat, handle))
+        return handle
+
+    def close(self) -> None:
+        """Stop the thread once the queued exchanges have run."""
+        self._queue.put(None)
+        self._thread.join()
 
 
 def make_outer_exchange(
@@ -315,6 +401,8 @@ class DiLoCoHook(OptimizerHook):
         self.pending: Dict[int, Tuple[int, PendingAverage]] = {}
         self._pending_load: Optional[Dict[str, Any]] = None
         self._view: Optional[OptimizerView] = None
+        # --outer-delay with a compressed exchange: the thread that runs the exchanges
+        self.worker: Optional[ExchangeWorker] = None
 
     # -- setup --------------------------------------------------------------------------------
 
@@ -412,18 +500,29 @@ class DiLoCoHook(OptimizerHook):
         _, current = self._flat(view, fqns)
         snap = torch.cat([self.snapshot[f].reshape(-1).to(current.device) for f in fqns])
         exchange = self.exchanges[index]
+        if apply_after is not None and not hasattr(exchange, "start"):
+            # A compressed exchange overlapped: on the worker thread, every one of the hook's
+            # exchanges through it (the outer group's collectives in one order); its bytes
+            # are recorded when it has landed (finish_fragment).
+            if self.worker is None:
+                self.worker = ExchangeWorker(current.device)
+            self.pending[index] = (apply_after, self.worker.submit(exchange, snap - current))
+            return
+        if self.worker is not None:
+            raise RuntimeError("megatron-ext: DiLoCo mixes blocking and threaded exchanges")
         with ProcessGroupTrafficMeter.tagged("outer", force=True):
             if apply_after is None:
                 pending = PendingAverage(exchange.average(snap - current))
             else:
                 pending = exchange.start(snap - current)
+        self._record_bytes(exchange, current.numel())
+        self.pending[index] = (-1 if apply_after is None else apply_after, pending)
+
+    def _record_bytes(self, exchange: Any, numel: int) -> None:
         if self.meter is not None:
             sent = exchange.wire_bytes()
-            dense = collective_wire_bytes(
-                "all_reduce", 4 * current.numel(), getattr(exchange, "size", 1)
-            )
+            dense = collective_wire_bytes("all_reduce", 4 * numel, getattr(exchange, "size", 1))
             self.meter.record("outer", sent=sent, recv=sent, dense_sent=dense, dense_recv=dense)
-        self.pending[index] = (-1 if apply_after is None else apply_after, pending)
 
     def finish_fragment(self, view: OptimizerView, index: int) -> None:
         """Wait for fragment ``index``'s exchange; outer SGD step; write its parameters."""
@@ -435,6 +534,8 @@ class DiLoCoHook(OptimizerHook):
         _, pending = self.pending.pop(index)
         delta = pending.wait()
         states, current = self._flat(view, fqns)
+        if isinstance(pending, ThreadedAverage):
+            self._record_bytes(pending.exchange, current.numel())
         device = current.device
         delta = delta.to(device)
         snap = torch.cat([self.snapshot[f].reshape(-1).to(device) for f in fqns])
@@ -461,6 +562,16 @@ class DiLoCoHook(OptimizerHook):
             offset += n
         self.syncs += 1
 
+    def finish(self) -> None:
+        """End of training: wait for the exchanges in flight (their results stay pending, so
+        a later save still holds them) and stop the exchange thread, before the process
+        groups go away."""
+        for _, p in self.pending.values():
+            p.wait()
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+
     # -- state ----------------------------------------------------------------------------------
 
     def state_dict(self) -> Dict[str, Any]:
@@ -474,17 +585,19 @@ class DiLoCoHook(OptimizerHook):
             return self._pending_load
         if not self.initialized:
             raise RuntimeError("megatron-ext: DiLoCo state is allocated at the first step")
+        # Exchanges in flight (--outer-delay): waited for first (a threaded one updates its
+        # exchange's error feedback until it lands), saved, applied after the resume.
+        pending = {
+            str(i): {"apply_after": due, "delta": p.wait().detach().cpu().clone()}
+            for i, (due, p) in sorted(self.pending.items())
+        }
         out = {
             "snapshot": {f: t.detach().cpu().clone() for f, t in self.snapshot.items()},
             "momentum": {f: t.detach().cpu().clone() for f, t in self.momentum.items()},
             "exchanges": [{} if e is None else e.state_dict() for e in self.exchanges],
             "fragments": [list(f) for f in self.fragments],
             "syncs": self.syncs,
-            # exchanges in flight (--outer-delay): waited for here, applied after the resume
-            "pending": {
-                str(i): {"apply_after": due, "delta": p.wait().detach().cpu().clone()}
-                for i, (due, p) in sorted(self.pending.items())
-            },
+            "pending": pending,
         }
         if self.num_sites > 1:
             params, optim = {}, {}

@@ -182,7 +182,9 @@ def _inner_step(member, step, numel):
     return 0.01 * torch.randn(numel, generator=gen)
 
 
-def _overlap(members, group, *, delay, alpha, steps=14, save_at=None, state=None):
+def _overlap(
+    members, group, *, delay, alpha, steps=14, save_at=None, state=None, compression="none"
+):
     """Streaming DiLoCo with the exchange overlapped (``--outer-delay``) through
     :class:`DiLoCoHook` on a plain view: H = 4, F = 2 fragments, the paper's outer SGD; each
     site's inner step adds a fixed random vector. Returns the weights after every step, the
@@ -219,7 +221,7 @@ def _overlap(members, group, *, delay, alpha, steps=14, save_at=None, state=None
         nesterov=True,
         fragments=2,
         state_device="device",
-        compression="none",
+        compression=compression,
         delay=delay,
         merge_alpha=alpha,
     )
@@ -232,7 +234,7 @@ def _overlap(members, group, *, delay, alpha, steps=14, save_at=None, state=None
         for n, t in weights.items():
             params[n].copy_(t)
         hook.load_state_dict(hook_state)
-    out = {"weights": [], "in_flight": [], "fragments": hook.fragments}
+    out = {"weights": [], "in_flight": [], "fragments": hook.fragments, "hook": hook}
     for step in range(start, steps):
         clock["step"] = step
         flat = _inner_step(members[me], step, NUMEL)
@@ -245,9 +247,7 @@ def _overlap(members, group, *, delay, alpha, steps=14, save_at=None, state=None
         hook.post_step(view, True)
         out["weights"].append({n: t.clone() for n, t in params.items()})
         # in flight and not waited for: the handle still holds its collective
-        out["in_flight"].append(
-            sorted(i for i, (_, p) in hook.pending.items() if p._work is not None)
-        )
+        out["in_flight"].append(sorted(i for i, (_, p) in hook.pending.items() if p.in_flight()))
         if save_at is not None and step + 1 == save_at:
             import io
 
@@ -256,6 +256,11 @@ def _overlap(members, group, *, delay, alpha, steps=14, save_at=None, state=None
             buf.seek(0)
             weights, hook_state = torch.load(buf)
             out["saved"] = (weights, hook_state, step + 1)
+    # end of training: what is in flight lands and the exchange thread stops, before the
+    # group is used again by the next case
+    out["threaded"] = hook.worker is not None
+    hook.finish()
+    assert hook.worker is None
     return out
 
 
@@ -304,12 +309,74 @@ def _overlap_reference(members, fragments, *, delay, alpha, steps=14):
     return history
 
 
+def _overlap_blocking(members, group, fragments, *, delay, alpha, compression, steps=14):
+    """The overlapped compressed exchange's reference on this rank: the same schedule with
+    each exchange called (blocking) at its slot on fresh exchanges built as the hook builds
+    them, its mean held back and applied tau steps later, with the hook's own arithmetic
+    (``outer_sgd_step``, ``torch.lerp``: the outer step itself is checked against float64
+    above and against torchft in test_diloco_torchft.py), so the two agree bit for bit."""
+    import torch
+
+    from megatron_ext.optim.diloco import make_outer_exchange, outer_sgd_step
+
+    me = members.index(torch.distributed.get_rank())
+    shapes = dict(SHAPES)
+    local = {n: torch.full(shape, 0.1 * (i + 1)) for i, (n, shape) in enumerate(SHAPES)}
+    glob = {n: t.clone() for n, t in local.items()}
+    exchanges = [
+        make_outer_exchange(
+            compression,
+            None,
+            sum(local[n].numel() for n in frag),
+            group,
+            "cpu",
+            name=f"outer/{i}",
+            shapes=[(n, shapes[n]) for n in frag],
+        )
+        for i, frag in enumerate(fragments)
+    ]
+    mom, sent, history = [None] * len(fragments), {}, []
+    for step in range(steps):
+        t = step + 1
+        flat, offset = _inner_step(members[me], step, NUMEL), 0
+        for n, shape in SHAPES:
+            k = local[n].numel()
+            local[n] -= flat[offset : offset + k].view(shape)
+            offset += k
+        for f in sorted(sent):  # applies before sends, as the hook
+            due, avg = sent[f]
+            if due != t:
+                continue
+            del sent[f]
+            g = torch.cat([glob[n].reshape(-1) for n in fragments[f]])
+            cur = torch.cat([local[n].reshape(-1) for n in fragments[f]])
+            mom[f] = outer_sgd_step(g, mom[f], avg, lr=0.7, momentum=0.9, nesterov=True)
+            new = g if alpha == 0 else torch.lerp(g, cur, alpha)
+            offset = 0
+            for n in fragments[f]:
+                k = glob[n].numel()
+                glob[n] = g[offset : offset + k].view(shapes[n]).clone()
+                local[n] = new[offset : offset + k].view(shapes[n]).clone()
+                offset += k
+        for f in range(len(fragments)):
+            if t % 4 == (f * 4) // len(fragments):
+                delta = torch.cat([(glob[n] - local[n]).reshape(-1) for n in fragments[f]])
+                sent[f] = (t + delay, exchanges[f].average(delta))
+        history.append({n: x.clone() for n, x in local.items()})
+    return history
+
+
+COMPRESSED_OVERLAPS = (("quantized", 2, 0.0), ("powersgd", 3, 0.5), ("radius", 2, 0.0))
+
+
 def _overlaps(members, group):
     out = {}
-    for delay, alpha in ((2, 0.0), (3, 0.5), (0, 0.5)):
-        full = _overlap(members, group, delay=delay, alpha=alpha, save_at=5)
-        resumed = _overlap(members, group, delay=delay, alpha=alpha, state=full["saved"])
-        out[(delay, alpha)] = {
+    cases = [("none", d, a) for d, a in ((2, 0.0), (3, 0.5), (0, 0.5))]
+    for compression, delay, alpha in cases + list(COMPRESSED_OVERLAPS):
+        kw = dict(delay=delay, alpha=alpha, compression=compression)
+        full = _overlap(members, group, save_at=5, **kw)
+        resumed = _overlap(members, group, state=full["saved"], **kw)
+        entry = {
             "weights": full["weights"],
             "in_flight": full["in_flight"],
             "fragments": full["fragments"],
@@ -318,7 +385,11 @@ def _overlaps(members, group):
                 for a, b in zip(full["weights"][5:], resumed["weights"])
             ),
             "pending_saved": sorted(full["saved"][1]["pending"]),
+            "threaded": full["threaded"],
         }
+        if compression != "none":
+            entry["blocking"] = _overlap_blocking(members, group, full["fragments"], **kw)
+        out[(delay, alpha) if compression == "none" else (compression, delay, alpha)] = entry
     return out
 
 
@@ -425,6 +496,36 @@ def test_outer_exchange_error_feedback_resume_and_bytes(results, method, size):
             for wire in r["wire"]:
                 got = r["dense"] / wire
                 assert abs(got - want) <= 0.02 * want, (where, got, want)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("compression, delay, alpha", COMPRESSED_OVERLAPS)
+def test_overlapped_compressed_exchange_runs_on_a_thread_and_equals_the_blocking_one(
+    results, size, compression, delay, alpha
+):
+    """``--outer-delay`` with ``--outer-compression``: the exchange runs on the worker thread
+    (not waited for during its tau steps), every step's weights equal bit for bit the same
+    schedule run with the blocking exchange (error feedback included), and a state saved with
+    an exchange in flight resumes bit-exactly."""
+    import torch
+
+    for rank, out in enumerate(results):
+        r = out["overlap", size][compression, delay, alpha]
+        assert r["threaded"]
+        for step, (got, want) in enumerate(zip(r["weights"], r["blocking"])):
+            for n in got:
+                assert torch.equal(got[n], want[n]), (size, compression, rank, step, n)
+        assert r["resumed_equal"], (size, compression, rank)
+        expect = [
+            sorted(
+                f
+                for f, t in ((0, 4), (0, 8), (0, 12), (1, 2), (1, 6), (1, 10), (1, 14))
+                if t <= s < t + delay and not t <= 5 < s
+            )
+            for s in range(1, 15)
+        ]
+        assert r["in_flight"] == expect, r["in_flight"]
+        assert r["pending_saved"] == ["0"], r["pending_saved"]
 
 
 @pytest.mark.parametrize("size", [2, 4])

@@ -194,23 +194,28 @@ def _dp2(rank, world, root):
     # (d) the same at G = 2 (each rank a site), bf16, the exchange overlapped with 2 steps:
     # the sites' weights and AdamW moments differ at the save, the exchange sent after step 3
     # is in flight (applied after step 5); each rank resumes its own.
+    # The same with the 4-bit exchange, overlapped on the worker thread ("-q"); teardown
+    # (runtime.remove -> finish) waits for what is still in flight at the end.
     flags = ["--bf16", "--outer-method", "diloco", "--outer-interval", "3", "--outer-delay", "2"]
-    trainer = _configure(trainer, flags)
-    build(trainer, stock=False)
-    full_losses = train(trainer, 8)
-    full = params(trainer)
-    teardown(trainer)
-    build(trainer, stock=False)
-    train(trainer, 4)
-    out["sites_differ_at_save"] = params(trainer)
-    out["in_flight_at_save"] = sorted(_hook(trainer).pending)
-    save_checkpoint(trainer, root + "-sites", 4)
-    teardown(trainer)
-    build(trainer, stock=False)
-    load_checkpoint(trainer, root + "-sites")
-    out["sites_resume_losses_equal"] = train(trainer, 4, start=4) == full_losses[4:]
-    out["sites_resume_params"] = first_difference(full, params(trainer))
-    teardown(trainer)
+    for tag, extra in (("", []), ("-q", ["--outer-compression", "quantized"])):
+        trainer = _configure(trainer, flags + extra)
+        build(trainer, stock=False)
+        full_losses = train(trainer, 8)
+        full = params(trainer)
+        out["threaded" + tag] = _hook(trainer).worker is not None
+        teardown(trainer)
+        out["worker_closed" + tag] = _hook(trainer).worker is None
+        build(trainer, stock=False)
+        train(trainer, 4)
+        out["sites_differ_at_save" + tag] = params(trainer)
+        out["in_flight_at_save" + tag] = sorted(_hook(trainer).pending)
+        save_checkpoint(trainer, root + "-sites" + tag, 4)
+        teardown(trainer)
+        build(trainer, stock=False)
+        load_checkpoint(trainer, root + "-sites" + tag)
+        out["sites_resume_losses_equal" + tag] = train(trainer, 4, start=4) == full_losses[4:]
+        out["sites_resume_params" + tag] = first_difference(full, params(trainer))
+        teardown(trainer)
     return out
 
 
@@ -286,11 +291,15 @@ def test_diloco_dp2(tmp_path):
         assert r["resume_params"] is None, r["resume_params"]
         assert r["resume_state"] is None, r["resume_state"]
     for r in results:
-        # (d)
-        assert r["in_flight_at_save"] == [0]
-        assert r["sites_resume_losses_equal"]
-        assert r["sites_resume_params"] is None, r["sites_resume_params"]
-    assert first_difference(results[0]["sites_differ_at_save"], results[1]["sites_differ_at_save"])
+        # (d), dense and 4-bit (threaded)
+        for tag in ("", "-q"):
+            assert r["threaded" + tag] == (tag == "-q") and r["worker_closed" + tag]
+            assert r["in_flight_at_save" + tag] == [0]
+            assert r["sites_resume_losses_equal" + tag]
+            assert r["sites_resume_params" + tag] is None, r["sites_resume_params" + tag]
+    for tag in ("", "-q"):
+        first, second = (results[i]["sites_differ_at_save" + tag] for i in (0, 1))
+        assert first_difference(first, second)
     a, b = results[0]["replicas"], results[1]["replicas"]
     assert first_difference(a, b) is None
 

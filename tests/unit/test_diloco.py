@@ -82,7 +82,6 @@ def test_dense_exchange_without_group_and_factory():
         (["--outer-compression", "int4"], "--outer-compression"),
         (["--outer-delay", "-1"], "--outer-delay"),
         (["--outer-delay", "4", "--outer-interval", "4"], "--outer-delay"),
-        (["--outer-delay", "2", "--outer-compression", "quantized"], "--outer-compression"),
         (["--outer-merge-alpha", "1.5"], "--outer-merge-alpha"),
     ],
 )

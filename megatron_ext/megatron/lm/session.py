@@ -690,7 +690,11 @@ class MegatronLMSession:
         return report_path(self.cfg.comm.report, args.save)
 
     def write_report(self, args: Any) -> None:
-        """Write the JSON communication report (collective; rank 0 writes). Once per run."""
+        """Write the JSON communication report (collective; rank 0 writes). Once per run.
+
+        Called when training ends: the runtime first finishes what is in flight."""
+        if self.runtime is not None:
+            self.runtime.finish()
         if self.runtime is None or not self.cfg.comm.accounting or self._report_written:
             return
         self._report_written = True

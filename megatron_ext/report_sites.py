@@ -150,6 +150,16 @@ def _layout_cell(layout: str, pp: int) -> str:
     return layout if pp == 1 else f"{layout}, PP={pp}"
 
 
+def _step_cell(record: Optional[Dict[str, Any]], group: Sequence[Dict[str, Any]]) -> str:
+    """The record's measured mean step time and, in parentheses, the ``none`` run's at the
+    same rate (stopped or not: a step time is measured either way)."""
+    if record is None or record.get("mean_step_s") is None:
+        return "-"
+    none = [x for x in group if x["label"] == "none" and x.get("mean_step_s") is not None]
+    ref = f" ({none[0]['mean_step_s']:.2f})" if none else ""
+    return f"{record['mean_step_s']:.2f}{ref}"
+
+
 def front_page_md(records: Sequence[Dict[str, Any]]) -> List[str]:
     """The front page's table (a ``###`` subsection of "Which method at which bandwidth"):
     one row per (layout, pp, rate, steps)."""
@@ -170,7 +180,7 @@ def front_page_md(records: Sequence[Dict[str, Any]]) -> List[str]:
         rows.append(
             [_layout_cell(layout, pp), rate, str(iters)]
             + cells
-            + [gap, _mb(r, "outer") if r else "-", _half_pick(group)]
+            + [gap, _mb(r, "outer") if r else "-", _step_cell(r, group), _half_pick(group)]
         )
     return [
         f"### {SECTION_TITLE}",
@@ -180,7 +190,8 @@ def front_page_md(records: Sequence[Dict[str, Any]]) -> List[str]:
         "configuration other than `none` that got there soonest, per layout and link rate, "
         "and its speed-up over `none` at that rate (`>=`: `none` was stopped by its time "
         "limit first, a lower bound). When none reached it: the closest configuration's gap "
-        "and its outer-exchange bytes. Last column: the same at a nearer target, the `none` "
+        "and its outer-exchange bytes. Step s: its measured mean step time (the `none` "
+        "run's at that rate). Last column: the same at a nearer target, the `none` "
         "run's trailing-mean loss at half its steps.",
         "",
         _table(
@@ -193,6 +204,7 @@ def front_page_md(records: Sequence[Dict[str, Any]]) -> List[str]:
                 "vs none",
                 "gap",
                 "outer MB/step",
+                "step s (none)",
                 "soonest to the dense loss at 50% (vs none)",
             ],
             rows,

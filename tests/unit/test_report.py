@@ -332,7 +332,9 @@ def test_sites_front_page_picks_the_soonest_configuration_other_than_none():
         _site("powersgd-r14", gap=0.1),  # not reached
     ]
     (row,) = _front_rows(records)
-    assert row == "| dp2 | 100mbit | 20 | diloco-h10 | 20 s | 2.5x | +0.40 % | 1.50 | - |"
+    assert row == (
+        "| dp2 | 100mbit | 20 | diloco-h10 | 20 s | 2.5x | +0.40 % | 1.50 | 0.50 (0.50) | - |"
+    )
 
 
 def test_sites_speedup_over_a_stopped_none_is_marked_as_a_lower_bound():
@@ -361,10 +363,12 @@ def test_sites_front_page_says_none_reached_with_the_closest_gap_and_its_outer_b
         _site("diloco-h50", rate="unshaped", gap=6.86),
     ]
     records[2]["bytes_per_step_all_ranks"] = {"outer": {"sent": 150_040.96}}
+    records[0]["mean_step_s"] = 2.85  # the step time column: the pick's, then none's
+    records[2]["mean_step_s"] = 0.249
     (row,) = _front_rows(records)
     assert row == (
         "| dp2 | unshaped | 20 | none reached (closest: diloco-h50-q4) | - | - | +6.85 % | 0.15 "
-        "| - |"
+        "| 0.25 (2.85) | - |"
     )
     # Without a recorded target (the sweep's none run never completed) there is no pick.
     records = [_site(lab, gap=None, target=None) for lab in ("none", "diloco-h50")]

@@ -34,6 +34,7 @@ Constraints:
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 # Shared table, rate-order and pyplot helpers of the frontier report (same package).
@@ -150,6 +151,17 @@ def _layout_cell(layout: str, pp: int) -> str:
     return layout if pp == 1 else f"{layout}, PP={pp}"
 
 
+def _steps_cell(iters: int, group: Sequence[Dict[str, Any]]) -> str:
+    """``iters``, with the global batch when the runs' commands state it (``1000 (batch
+    8)``)."""
+    batches = set()
+    for r in group:
+        m = re.search(r"--global-batch-size (\d+)", r.get("command") or "")
+        if m:
+            batches.add(int(m.group(1)))
+    return f"{iters} (batch {batches.pop()})" if len(batches) == 1 else str(iters)
+
+
 def _step_cell(record: Optional[Dict[str, Any]], group: Sequence[Dict[str, Any]]) -> str:
     """The record's measured mean step time and, in parentheses, the ``none`` run's at the
     same rate (stopped or not: a step time is measured either way)."""
@@ -178,7 +190,7 @@ def front_page_md(records: Sequence[Dict[str, Any]]) -> List[str]:
             cells = ["no target (no complete none run)", "-", "-"]
         gap = "-" if r is None or r.get("gap_pct") is None else f"{r['gap_pct']:+.2f} %"
         rows.append(
-            [_layout_cell(layout, pp), rate, str(iters)]
+            [_layout_cell(layout, pp), rate, _steps_cell(iters, group)]
             + cells
             + [gap, _mb(r, "outer") if r else "-", _step_cell(r, group), _half_pick(group)]
         )
@@ -269,7 +281,7 @@ def sites_md(records: Sequence[Dict[str, Any]]) -> List[str]:
         where += "s" if sample.get("ranks_per_site") != 1 else ""
         if pp > 1:
             where += f", PP={pp}"
-        out.append(f"**{layout} ({where}), {rate}, {iters} steps**")
+        out.append(f"**{layout} ({where}), {rate}, {_steps_cell(iters, group)} steps**")
         out.append("")
         out.append(_target_line(group))
         out.append("")

@@ -485,3 +485,11 @@ def test_sites_half_way_milestone_picks_the_soonest_and_marks_bounds():
         r["time_to_half_target_s"] = None
     (row,) = _front_rows(records)
     assert row.endswith("| none reached |"), row
+
+
+def test_sites_rows_name_the_global_batch_from_the_runs_commands():
+    records = [_site("none", t=30.0, speed=1.0), _site("diloco-h50", t=15.0, speed=2.0)]
+    for r in records:
+        r["command"] = "python -m megatron_ext.train --global-batch-size 32 --train-iters 20"
+    (row,) = _front_rows(records)
+    assert row.startswith("| dp2 | 100mbit | 20 (batch 32) | diloco-h50 |")

@@ -498,6 +498,16 @@ def test_outer_exchange_error_feedback_resume_and_bytes(results, method, size):
                 assert abs(got - want) <= 0.02 * want, (where, got, want)
 
 
+def _expected_in_flight(delay):
+    """The fragments in flight after each of the 14 steps: fragment 0 is sent after steps 4,
+    8, 12, fragment 1 after 2, 6, 10, 14 (H = 4, F = 2), each for ``delay`` steps; the save
+    after step 5 waits for what is in flight then."""
+    sends = ((0, 4), (0, 8), (0, 12), (1, 2), (1, 6), (1, 10), (1, 14))
+    return [
+        sorted(f for f, t in sends if t <= s < t + delay and not t <= 5 < s) for s in range(1, 15)
+    ]
+
+
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("compression, delay, alpha", COMPRESSED_OVERLAPS)
 def test_overlapped_compressed_exchange_runs_on_a_thread_and_equals_the_blocking_one(
@@ -516,15 +526,7 @@ def test_overlapped_compressed_exchange_runs_on_a_thread_and_equals_the_blocking
             for n in got:
                 assert torch.equal(got[n], want[n]), (size, compression, rank, step, n)
         assert r["resumed_equal"], (size, compression, rank)
-        expect = [
-            sorted(
-                f
-                for f, t in ((0, 4), (0, 8), (0, 12), (1, 2), (1, 6), (1, 10), (1, 14))
-                if t <= s < t + delay and not t <= 5 < s
-            )
-            for s in range(1, 15)
-        ]
-        assert r["in_flight"] == expect, r["in_flight"]
+        assert r["in_flight"] == _expected_in_flight(delay), r["in_flight"]
         assert r["pending_saved"] == ["0"], r["pending_saved"]
 
 
@@ -549,18 +551,8 @@ def test_overlapped_exchange_is_streaming_diloco_and_resumes_in_flight(results, 
             worst = max(worst, (flat - want[me]).abs().max().item())
         assert worst < 1e-5, (size, delay, alpha, rank, worst)
         assert r["resumed_equal"], (size, delay, alpha, rank)
-        # fragment 0 sent after steps 4, 8, 12; fragment 1 after 2, 6, 10, 14 (H = 4, F = 2);
-        # the save after step 5 waits for what is in flight then
         if delay:
-            expect = [
-                sorted(
-                    f
-                    for f, t in ((0, 4), (0, 8), (0, 12), (1, 2), (1, 6), (1, 10), (1, 14))
-                    if t <= s < t + delay and not t <= 5 < s
-                )
-                for s in range(1, 15)
-            ]
-            assert r["in_flight"] == expect, r["in_flight"]
+            assert r["in_flight"] == _expected_in_flight(delay), r["in_flight"]
             assert r["pending_saved"] == ["0"], r["pending_saved"]  # sent at 4, saved at 5
         else:
             assert r["in_flight"] == [[]] * 14 and r["pending_saved"] == []

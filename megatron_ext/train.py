@@ -657,6 +657,7 @@ class Trainer:
             print_rank_0(
                 f"> exiting after receiving {stop_signal.name} at iteration {iteration}{where}"
             )
+        self.runtime.finish()  # what is still in flight (DiLoCo's overlapped exchanges)
         summary = self._summary(iteration, consumed, log, final_eval)
         summary["exit_signal"] = None if stop_signal is None else stop_signal.name
         log.close()
@@ -718,7 +719,6 @@ class Trainer:
         from megatron_ext.accounting import collective_device, comm_report, report_path
 
         cfg = self.cfg
-        self.runtime.finish()  # what is still in flight (DiLoCo's overlapped exchanges)
         step_times = log.step_times
         warm = step_times[1:] if len(step_times) > 1 else step_times
         final_loss = next(

@@ -275,9 +275,9 @@ def _wrap(session: MegatronLMSession, target: HookTarget, original: Callable, si
             except SystemExit as exc:
                 # train() exits the process itself at --exit-interval / --exit-duration-in-mins.
                 if exc.code in (None, 0):
-                    session.write_report(_args())
+                    session.end_training(_args())
                 raise
-            session.write_report(_args())
+            session.end_training(_args())
             return result
 
     elif role == "save_checkpoint":

@@ -689,12 +689,15 @@ class MegatronLMSession:
         """``--comm-report``, else ``<save>/comm_report.json``, else ``./comm_report.json``."""
         return report_path(self.cfg.comm.report, args.save)
 
-    def write_report(self, args: Any) -> None:
-        """Write the JSON communication report (collective; rank 0 writes). Once per run.
-
-        Called when training ends: the runtime first finishes what is in flight."""
+    def end_training(self, args: Any) -> None:
+        """Training has ended (collective): what is still in flight finishes (DiLoCo's
+        overlapped exchanges, before Megatron-LM's final save), then the report."""
         if self.runtime is not None:
             self.runtime.finish()
+        self.write_report(args)
+
+    def write_report(self, args: Any) -> None:
+        """Write the JSON communication report (collective; rank 0 writes). Once per run."""
         if self.runtime is None or not self.cfg.comm.accounting or self._report_written:
             return
         self._report_written = True

@@ -35,6 +35,9 @@ setup(
         # adapters would refuse them at run time, naming the supported releases).
         "megatron-core>=0.16.1,!=0.17.*,!=0.18.*,<0.20",
         "numpy",
+        # megatron-core's parallel_state imports it for several distributed-optimizer
+        # instances (DiLoCo's sites with --use-distributed-optimizer); Megatron-LM needs it.
+        "einops",
         "sentencepiece",
         "datasets",
         "pyyaml",

@@ -513,10 +513,14 @@ def validate_ext_config(cfg: ExtConfig, layout: ParallelLayout) -> None:
         cfg: the feature configs.
         layout: the Megatron parallel setup of this run.
     """
-    if cfg.enabled("grad") and layout.num_distributed_optimizer_instances != 1:
+    if layout.num_distributed_optimizer_instances != 1 and not cfg.enabled("outer"):
+        # megatron-ext's gradient seam reduces inside one instance; with DiLoCo the instances
+        # are its sites (methods.diloco validates that), otherwise megatron's all-reduce
+        # across instances would be missing.
         raise ConfigError(
-            ["--grad-compression", "--num-distributed-optimizer-instances"],
-            "compressed gradient reduction supports one distributed-optimizer instance only",
+            "--num-distributed-optimizer-instances",
+            "megatron-ext supports several distributed-optimizer instances only as DiLoCo's "
+            "sites (--outer-method diloco --outer-groups, the same number)",
         )
     if cfg.enabled("p2p") and layout.pipeline_model_parallel_size == 1:
         raise ConfigError(

@@ -214,6 +214,12 @@ def _layout_sizes(cfg: DriverConfig, world_size: int) -> Dict[str, int]:
             ["--num-query-groups", "--tensor-model-parallel-size"],
             "query groups must be divisible by the tensor-parallel size",
         )
+    instances = cfg.parallel.num_distributed_optimizer_instances
+    if dp % instances:
+        raise ConfigError(
+            "--num-distributed-optimizer-instances",
+            f"{instances} instances do not divide the data-parallel size {dp}",
+        )
     _check_outer(cfg, dp)
     return {"tp": tp, "pp": pp, "dp": dp, "gbs": gbs, "num_microbatches": gbs // (mbs * dp)}
 
@@ -300,6 +306,7 @@ class Trainer:
             tp=self.sizes["tp"],
             pp=self.sizes["pp"],
             timeout_minutes=cfg.parallel.distributed_timeout_minutes,
+            dist_opt_instances=cfg.parallel.num_distributed_optimizer_instances,
         )
         self.seed()
 

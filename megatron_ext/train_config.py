@@ -158,6 +158,10 @@ class ParallelArgs:
     overlap_param_gather: bool = False
     """Overlap the distributed optimizer's parameter all-gather with the forward pass."""
 
+    num_distributed_optimizer_instances: int = 1
+    """Distributed-optimizer instances (consecutive data-parallel ranks each); more than one
+    only as DiLoCo's sites (--outer-groups, the same number)."""
+
     ddp_bucket_size: Optional[int] = None
     """Gradient bucket size in elements (with --overlap-grad-reduce; default megatron's)."""
 
@@ -175,6 +179,14 @@ class ParallelArgs:
         check_positive(cls, "tensor_model_parallel_size", self.tensor_model_parallel_size)
         check_positive(cls, "pipeline_model_parallel_size", self.pipeline_model_parallel_size)
         check_positive(cls, "ddp_bucket_size", self.ddp_bucket_size)
+        check_positive(
+            cls, "num_distributed_optimizer_instances", self.num_distributed_optimizer_instances
+        )
+        if self.num_distributed_optimizer_instances > 1 and not self.use_distributed_optimizer:
+            raise ConfigError(
+                ["--num-distributed-optimizer-instances", "--use-distributed-optimizer"],
+                "several distributed-optimizer instances need the distributed optimizer",
+            )
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ConfigError(
                 ["--overlap-param-gather", "--use-distributed-optimizer"],

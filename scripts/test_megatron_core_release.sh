@@ -53,7 +53,7 @@ run pip install -q --no-deps --ignore-requires-python "megatron-core==${version}
 run pip install -q numpy packaging
 run pip install -q --no-deps -e .
 # megatron-ext's own dependencies and the test extra, without letting pip touch megatron-core.
-run pip install -q sentencepiece datasets pyyaml psutil pytest tensorboard matplotlib
+run pip install -q einops sentencepiece datasets pyyaml psutil pytest tensorboard matplotlib
 if [[ "$DRY_RUN" != 1 ]]; then
     installed=$(python -c "from megatron_ext.megatron.version import mcore_version; print(mcore_version())")
     echo "megatron-ext tests against megatron-core ${installed} (Python $(python -c 'import sys; print(sys.version.split()[0])'))"

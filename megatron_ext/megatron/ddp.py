@@ -20,12 +20,16 @@ Why:
 
 Constraints:
     * Only the megatron-core releases in ``megatron_ext.megatron.mcore.SUPPORTED``.
-    * One distributed-optimizer instance (``num_distributed_optimizer_instances == 1``).
+    * One distributed-optimizer instance (``num_distributed_optimizer_instances == 1``),
+      except as DiLoCo's sites: with ``group`` the site, several instances are the sites,
+      and the reduction stays inside one (megatron's all-reduce across instances is not
+      issued; the bucket groups are shown a DDP config of one instance).
     * Expert-parallel bucket groups are handled like dense ones, on their own group.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
@@ -69,6 +73,10 @@ def _param_slices(bucket: Any, names: Dict[Any, str], release: Any) -> List[Para
     return slices
 
 
+def _ranks(group: Any) -> List[int]:
+    return list(torch.distributed.get_process_group_ranks(group))
+
+
 def bucket_group_spec(
     bucket_group: Any,
     names: Dict[Any, str],
@@ -77,17 +85,23 @@ def bucket_group_spec(
 ) -> BucketGroupSpec:
     """The fixed description of one megatron-core bucket group (see module docstring).
 
-    ``group`` replaces megatron's data-parallel group (all-reduce only; see
-    :func:`install_grad_sync`)."""
+    ``group`` replaces megatron's data-parallel group (see :func:`install_grad_sync`); under
+    the distributed optimizer it must be the bucket group's optimizer instance."""
     from megatron.core.distributed import param_and_grad_buffer as pgb
 
     ddp_config = bucket_group.ddp_config
     dist_opt = ddp_config.use_distributed_optimizer
     if group is not None and dist_opt:
-        raise ConfigError(
-            ["--outer-groups", "--use-distributed-optimizer"],
-            "a replaced data-parallel group supports all-reduce only",
-        )
+        # The distributed optimizer shards over its instance: the subgroup must be it.
+        instance = bucket_group.intra_distributed_optimizer_instance_group
+        if _ranks(group) != _ranks(instance):
+            raise ConfigError(
+                ["--outer-groups", "--num-distributed-optimizer-instances"],
+                f"with the distributed optimizer a site must be one distributed-optimizer "
+                f"instance: this rank's site holds ranks {_ranks(group)}, its instance "
+                f"{_ranks(instance)}",
+            )
+        group = instance
     if group is None:
         group = (
             bucket_group.intra_distributed_optimizer_instance_group
@@ -141,12 +155,17 @@ class GradSyncHandle:
     bucket_groups: List[Any] = field(default_factory=list)
     scaling: List[Any] = field(default_factory=list)
     """(bucket, megatron's gradient_scaling_factor) of buckets rescaled for a subgroup."""
+    ddp_configs: List[Any] = field(default_factory=list)
+    """(bucket group, its DDP config) of bucket groups shown one optimizer instance."""
 
     def remove(self) -> None:
         """Drop the instance-level override on every patched bucket group."""
         for bucket, factor in self.scaling:
             bucket.gradient_scaling_factor = factor
         self.scaling.clear()
+        for bucket_group, ddp_config in self.ddp_configs:
+            bucket_group.ddp_config = ddp_config
+        self.ddp_configs.clear()
         for bucket_group in self.bucket_groups:
             if "start_grad_sync" in vars(bucket_group):
                 del bucket_group.start_grad_sync
@@ -174,7 +193,8 @@ def install_grad_sync(
         group: a subgroup of megatron's data-parallel group to reduce over instead of it
             (DiLoCo's site, ``--outer-groups``); the buckets' ``gradient_scaling_factor``
             (1/DP when megatron sums) is rescaled to 1/size of ``group`` so the reduced
-            gradient is the site's mean; ``remove()`` restores it. None keeps megatron's.
+            gradient is the site's mean; ``remove()`` restores it. Under the distributed
+            optimizer ``group`` must be this rank's optimizer instance. None keeps megatron's.
 
     Returns:
         A handle whose ``remove()`` undoes the installation.
@@ -193,10 +213,11 @@ def install_grad_sync(
                 f"needs megatron-core DistributedDataParallel model chunks, got {type(chunk)}",
             )
         ddp_config = chunk.ddp_config
-        if ddp_config.num_distributed_optimizer_instances != 1:
+        if ddp_config.num_distributed_optimizer_instances != 1 and group is None:
             raise ConfigError(
                 ["--grad-compression", "--num-distributed-optimizer-instances"],
-                "the gradient seam supports a single distributed-optimizer instance",
+                "the gradient seam supports several distributed-optimizer instances only as "
+                "DiLoCo's sites (--outer-groups)",
             )
         kinds = {"reduce_scatter" if ddp_config.use_distributed_optimizer else "all_reduce"}
         missing = kinds - set(reducer.supports)
@@ -207,14 +228,17 @@ def install_grad_sync(
             )
         names = global_param_names(chunk)
         for bucket_group in list(chunk.bucket_groups) + list(chunk.expert_parallel_bucket_groups):
-            specs.append((bucket_group, bucket_group_spec(bucket_group, names, meter, group)))
+            specs.append(
+                (chunk, bucket_group, bucket_group_spec(bucket_group, names, meter, group))
+            )
     # Bind first (it may check cross-rank agreement and raise) so a failure leaves megatron's
     # methods untouched.
-    bound = [reducer.bind(spec) for _, spec in specs]
+    bound = [reducer.bind(spec) for _, _, spec in specs]
     handle = GradSyncHandle()
     if group is not None:
-        for bucket_group, _ in specs:
-            full = torch.distributed.get_world_size(bucket_group.data_parallel_group)
+        for chunk, bucket_group, _ in specs:
+            # megatron scales by 1/DP (data parallel with context parallel, the whole DP).
+            full = torch.distributed.get_world_size(chunk.dp_cp_group)
             ratio = full / torch.distributed.get_world_size(group)
             for bucket in bucket_group.buckets:
                 handle.scaling.append((bucket, bucket.gradient_scaling_factor))
@@ -222,7 +246,16 @@ def install_grad_sync(
                 # AVG (average_in_collective: factor 1) already averages over the site.
                 if bucket.gradient_scaling_factor != 1.0:
                     bucket.gradient_scaling_factor = bucket.gradient_scaling_factor * ratio
-    for (bucket_group, _), b in zip(specs, bound):
+            if bucket_group.ddp_config.num_distributed_optimizer_instances > 1:
+                # Sites as distributed-optimizer instances: the reduction stays inside the
+                # instance (megatron would all-reduce across instances next, on a side
+                # stream). The bucket group sees one instance, so megatron's finish_grad_sync
+                # waits on our handle instead of that stream.
+                handle.ddp_configs.append((bucket_group, bucket_group.ddp_config))
+                bucket_group.ddp_config = dataclasses.replace(
+                    bucket_group.ddp_config, num_distributed_optimizer_instances=1
+                )
+    for (_, bucket_group, _), b in zip(specs, bound):
         bucket_group._megatron_ext = _GroupExt(bound=b, clock=clock, release=release)
         bucket_group.start_grad_sync = types.MethodType(_ext_start_grad_sync, bucket_group)
         handle.bucket_groups.append(bucket_group)

@@ -113,16 +113,20 @@ class MegatronOptimizerView(OptimizerView):
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
         self._clock = clock
+        self._chunks = list(model_chunks)
         self._leaves = _leaf_optimizers(optimizer)
         self._by_fqn: Dict[str, tuple] = {}
         self._leaf_fqns: List[tuple] = []
+        self._sharded = False
         names: Dict[Any, str] = {}
         for chunk in model_chunks:
             names.update(global_param_names(chunk))
+        self._numels = {n: p.numel() for p, n in names.items() if p.requires_grad}
         for leaf in _leaf_optimizers(optimizer):
             if getattr(leaf, "is_stub_optimizer", False) or leaf.optimizer is None:
                 continue
             if isinstance(leaf, DistributedOptimizer):
+                self._sharded = True
                 for model_param, (gi, go) in leaf.model_param_group_index_map.items():
                     self._by_fqn[names[model_param]] = ("dist", leaf, model_param, gi, go)
             elif hasattr(leaf, "float16_groups"):
@@ -157,6 +161,21 @@ class MegatronOptimizerView(OptimizerView):
 
     def fqns(self) -> List[str]:
         return sorted(self._by_fqn)
+
+    def param_numels(self) -> Dict[str, int]:
+        return dict(self._numels)
+
+    def sync_params(self) -> None:
+        """The distributed optimizer's parameter gather, synchronous (within its instance)."""
+        if not self._sharded:
+            return
+        for chunk in self._chunks:
+            groups = list(chunk.bucket_groups) + list(chunk.expert_parallel_bucket_groups)
+            if any(g.param_gather_handle is not None for g in groups):
+                # A gather in flight (of the values before the write): force_sync only
+                # waits for it, the next call gathers the written values.
+                chunk.start_param_sync(force_sync=True)
+            chunk.start_param_sync(force_sync=True)
 
     def leaf_fqns(self) -> List[tuple]:
         """``(leaf, fqns)`` of every megatron optimizer leaf with parameters on this rank."""

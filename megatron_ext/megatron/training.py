@@ -63,7 +63,7 @@ def _free_port() -> int:
 
 
 def init_distributed(
-    *, cpu: bool, backend: str, tp: int, pp: int, timeout_minutes: int
+    *, cpu: bool, backend: str, tp: int, pp: int, timeout_minutes: int, dist_opt_instances: int = 1
 ) -> Tuple[Any, int, int]:
     """Process group and megatron's model-parallel groups.
 
@@ -95,7 +95,11 @@ def init_distributed(
     )
     from megatron.core import parallel_state as ps
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        num_distributed_optimizer_instances=dist_opt_instances,
+    )
     return ps, torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
@@ -177,6 +181,7 @@ def ddp_config(parallel: Any, training: Any) -> Any:
         overlap_grad_reduce=parallel.overlap_grad_reduce,
         overlap_param_gather=parallel.overlap_param_gather,
         use_distributed_optimizer=parallel.use_distributed_optimizer,
+        num_distributed_optimizer_instances=parallel.num_distributed_optimizer_instances,
         bucket_size=parallel.ddp_bucket_size,
         check_for_nan_in_grad=True,
     )

@@ -134,11 +134,17 @@ def _validate(cfg, layout) -> None:
             f"{g} sites of one rank each have no data-parallel reduction to compress (it "
             "would only make the gradient lossy); use fewer sites or --grad-compression none",
         )
-    if layout.use_distributed_optimizer:
+    instances = layout.num_distributed_optimizer_instances
+    if (layout.use_distributed_optimizer or instances != 1) and instances != g:
+        # Inside a site the distributed optimizer is megatron-core's own instance: its
+        # shards, parameter gather and gradient statistics stay within the instance's
+        # consecutive data-parallel ranks (a site); the gradient seam drops the all-reduce
+        # across instances.
         raise ConfigError(
-            ["--outer-method", "--use-distributed-optimizer"],
-            "DiLoCo keeps whole parameters per rank; the distributed optimizer is not "
-            "supported yet",
+            ["--num-distributed-optimizer-instances", "--outer-groups"],
+            f"with --use-distributed-optimizer each of the {g} sites is one "
+            f"distributed-optimizer instance: pass --num-distributed-optimizer-instances {g} "
+            f"(got {instances})",
         )
     if cfg.enabled("linear"):
         # Grass's optimizer hook writes the selected rows into the frozen weight after the
@@ -170,11 +176,6 @@ def _validate(cfg, layout) -> None:
                 "with Protocol Models the pseudo-gradient exchange must be exact "
                 "(--outer-compression none): a compressed one adds components outside S",
             )
-    if layout.num_distributed_optimizer_instances != 1:
-        raise ConfigError(
-            ["--outer-method", "--num-distributed-optimizer-instances"],
-            "DiLoCo supports one distributed-optimizer instance",
-        )
 
 
 def _build(ctx: MethodContext) -> Components:

@@ -40,10 +40,15 @@ What it does:
     optimizer's step of a synchronizing iteration, and writes the result into both the fp32
     main parameters the optimizer updates and the (bf16/fp16) model parameters.
 
+    With a sharded optimizer (megatron's distributed optimizer inside a site) the hook holds
+    this rank's shards: snapshot, momentum and exchange follow the optimizer's main shard,
+    the ranks at one position in every site hold the same shards and exchange them;
+    fragments are of whole parameters (``OptimizerView.param_numels``), and after an outer
+    step the site gathers its parameters (``OptimizerView.sync_params``, scheduled by step so
+    every rank of the site joins it).
+
 Constraints:
-    Pure torch; never imports Megatron. The optimizer must hold whole parameters on each
-    rank (no distributed optimizer: its shards would need a sharded outer state). State is
-    keyed by parameter FQN. Synchronizations are scheduled by iteration number, identical on
+    Pure torch; never imports Megatron. State is keyed by parameter FQN. Synchronizations are scheduled by iteration number, identical on
     every site, whether or not a site's inner step was skipped (fp16 overflow).
 """
 
@@ -390,6 +395,8 @@ class DiLoCoHook(OptimizerHook):
         self.meter = meter
         self.exchange_factory = exchange_factory or make_outer_exchange
         self.fragments: List[List[str]] = []
+        # whether each fragment holds parameters anywhere (this rank may hold none of them)
+        self._nonempty: List[bool] = []
         self.snapshot: Dict[str, torch.Tensor] = {}
         self.momentum: Dict[str, torch.Tensor] = {}
         self.exchanges: List[Any] = []
@@ -419,16 +426,19 @@ class DiLoCoHook(OptimizerHook):
         the start of training): fragments, fp32 snapshots, exchanges."""
         o = self.options
         self._view = view
-        sizes = []
-        for fqn in view.fqns():
-            ps = view.param_state(fqn)
-            if ps.param_range is not None:
-                raise ValueError(
-                    "--outer-method diloco needs whole parameters on each rank (no "
-                    "--use-distributed-optimizer)"
-                )
-            sizes.append((fqn, ps.main_param.numel()))
-        self.fragments = split_fragments(sizes, o.fragments)
+        sizes = [(f, view.param_state(f).main_param.numel()) for f in view.fqns()]
+        if any(view.param_state(f).param_range is not None for f in view.fqns()):
+            # The distributed optimizer: this rank holds shards. Fragments are of whole
+            # parameters, the same on every rank (split by the whole sizes); this rank
+            # exchanges its shards of them with the ranks holding the same shards in the
+            # other sites.
+            whole = split_fragments(sorted(view.param_numels().items()), o.fragments)
+            mine = set(view.fqns())
+            self.fragments = [[f for f in frag if f in mine] for frag in whole]
+            self._nonempty = [bool(frag) for frag in whole]
+        else:
+            self.fragments = split_fragments(sizes, o.fragments)
+            self._nonempty = [bool(frag) for frag in self.fragments]
         device = None
         for fqn in view.fqns():
             main = view.param_state(fqn).main_param
@@ -473,11 +483,20 @@ class DiLoCoHook(OptimizerHook):
         for i in sorted(self.pending):
             if self.pending[i][0] == t:
                 self.finish_fragment(view, i)
-        for i in fragment_due(t, self.options.interval, self.options.fragments):
+        due = fragment_due(t, self.options.interval, self.options.fragments)
+        for i in due:
             if delay:
                 self.start_fragment(view, i, apply_after=t + delay)
             else:
                 self.sync_fragment(view, i)
+        # Fragments written at this step by the schedule (not by what this rank holds: a
+        # rank without a shard of one still joins its site's parameter gather).
+        applied = due
+        if delay:
+            o = self.options
+            applied = fragment_due(t - delay, o.interval, o.fragments) if t > delay else []
+        if any(self._nonempty[i] for i in applied):
+            view.sync_params()
 
     def sync_fragment(self, view: OptimizerView, index: int) -> None:
         """Outer step of fragment ``index``: exchange, SGD step, write parameters."""
@@ -548,17 +567,14 @@ class DiLoCoHook(OptimizerHook):
         for fqn, s in zip(fqns, states):
             n = s.main_param.numel()
             self.snapshot[fqn].copy_(snap[offset : offset + n].view_as(s.main_param))
-            new = weights[offset : offset + n].view_as(s.main_param)
             if buf is not None:
                 mom = buf[offset : offset + n].view_as(s.main_param)
                 if fqn in self.momentum:
                     self.momentum[fqn].copy_(mom)
                 else:
                     self.momentum[fqn] = mom.to(self._state_device(s.main_param), copy=True)
-            with torch.no_grad():
-                s.main_param.copy_(new)
-                if s.model_param is not s.main_param:
-                    s.model_param.data.copy_(new)
+            # The parameter gather of a sharded optimizer follows in post_step.
+            view.write_param(fqn, weights[offset : offset + n])
             offset += n
         self.syncs += 1
 
@@ -653,18 +669,23 @@ class DiLoCoHook(OptimizerHook):
             self._load_site(state["site"], view)
 
     def _load_site(self, site: Dict[str, Any], view: OptimizerView) -> None:
-        """This rank's own weights and inner optimizer state over megatron's replica."""
+        """This rank's own weights and inner optimizer state over megatron's replica (then
+        the site's parameter gather, with the distributed optimizer)."""
         if set(site["params"]) != set(view.fqns()):
             raise ValueError("diloco site state was saved for other parameters")
+        for fqn, value in site["params"].items():
+            ps = view.param_state(fqn)
+            if tuple(value.shape) != tuple(ps.main_param.shape):
+                raise ValueError(f"diloco site state: {fqn} does not fit (another sharding)")
+            for k, v in site["optim"][fqn].items():
+                if k not in ps.state or ps.state[k].shape != v.shape:
+                    raise ValueError(
+                        f"diloco site state: optimizer state {k!r} of {fqn} does not fit"
+                    )
         with torch.no_grad():
             for fqn, value in site["params"].items():
                 ps = view.param_state(fqn)
-                ps.main_param.copy_(value)
-                if ps.model_param is not ps.main_param:
-                    ps.model_param.data.copy_(value)
+                view.write_param(fqn, value.to(ps.main_param.device))
                 for k, v in site["optim"][fqn].items():
-                    if k not in ps.state or ps.state[k].shape != v.shape:
-                        raise ValueError(
-                            f"diloco site state: optimizer state {k!r} of {fqn} does not fit"
-                        )
                     ps.state[k].copy_(v)
+        view.sync_params()

@@ -80,6 +80,31 @@ class OptimizerView(abc.ABC):
     def step(self) -> int:
         """Training iteration being stepped."""
 
+    def param_numels(self) -> Dict[str, int]:
+        """Element count of every parameter the optimizer updates (whole parameters, also
+        those whose shards are on other ranks): the same on every data-parallel rank.
+        Default: the parameters of :meth:`fqns`, whole on this rank."""
+        return {f: self.param_state(f).model_param.numel() for f in self.fqns()}
+
+    def write_param(self, fqn: str, value: torch.Tensor) -> None:
+        """Set ``fqn``'s optimizer copy (``main_param``, shaped as it) to ``value`` and this
+        rank's part of the model parameter to match; other ranks' parts of a sharded
+        parameter become current at :meth:`sync_params`."""
+        ps = self.param_state(fqn)
+        with torch.no_grad():
+            ps.main_param.copy_(value.view_as(ps.main_param))
+            if ps.model_param is ps.main_param:
+                return
+            target = ps.model_param.data
+            if ps.param_range is not None:
+                target = target.view(-1)[ps.param_range[0] : ps.param_range[1]]
+            target.copy_(value.reshape(target.shape))
+
+    def sync_params(self) -> None:
+        """Make every rank's model parameters current after :meth:`write_param` (the
+        distributed optimizer's parameter gather; default: nothing to do). Collective over
+        the ranks that share the optimizer's shards."""
+
     def loss_scale(self) -> Optional[torch.Tensor]:
         """The optimizer's current loss scale (a device tensor) when it scales the loss
         (fp16), None otherwise. Under loss scaling the optimizer skips a step whose gradient

@@ -12,6 +12,11 @@ checkpoint every 2:
   rank's megatron-ext state carries its own weights and AdamW state (DiLoCo's ``site``
   entry) and puts them back at the first step. Measured: without that, iteration 3's loss
   differs.
+
+Both with megatron's DDP and optimizer, and with the distributed optimizer
+(``--use-distributed-optimizer --num-distributed-optimizer-instances 2``: each site one
+optimizer instance; Megatron-LM's checkpoint then holds site 0's instance and each rank its
+own shards in its megatron-ext state).
 """
 
 from pathlib import Path
@@ -32,20 +37,27 @@ def lm_dir() -> Path:
     return Path(os.environ["MEGATRON_LM_DIR"])
 
 
-@pytest.fixture(scope="module")
-def two_sites(lm_dir, tmp_path_factory):
+VARIANTS = {
+    "ddp": [],
+    "dist-opt": ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def two_sites(request, lm_dir, tmp_path_factory):
     """Uninterrupted 6 iterations, checkpoints (torch_dist) at 2, 4 and 6."""
+    extra = VARIANTS[request.param]
     root = tmp_path_factory.mktemp("diloco_two_sites")
     run = pretrain(
         lm_dir / "pretrain_gpt.py",
-        tiny_args(save=str(root / "ckpt"), save_interval="2", **FLAGS),
+        tiny_args(save=str(root / "ckpt"), save_interval="2", **FLAGS) + extra,
         cwd=root,
     ).check()
-    return root, run
+    return root, run, extra
 
 
 def test_zero_touch_diloco_sends_outer_bytes_at_outer_steps_only(two_sites):
-    _, run = two_sites
+    _, run, _ = two_sites
     assert "DiLoCo: site 0 of 2, H=3, 1 fragment(s), outer lr 0.7, momentum 0.9" in run.stdout
     iters = iterations(run.stdout)
     assert sorted(iters) == [1, 2, 3, 4, 5, 6]
@@ -56,10 +68,10 @@ def test_zero_touch_diloco_sends_outer_bytes_at_outer_steps_only(two_sites):
 
 
 def test_diloco_two_sites_resumes_exactly_between_outer_steps(two_sites, lm_dir, tmp_path):
-    root, full = two_sites
+    root, full, extra = two_sites
     resumed = pretrain(
         lm_dir / "pretrain_gpt.py",
-        tiny_args(load=str(root / "ckpt"), ckpt_step="2", **FLAGS),
+        tiny_args(load=str(root / "ckpt"), ckpt_step="2", **FLAGS) + extra,
         cwd=tmp_path,
     ).check()
     assert (

@@ -99,9 +99,40 @@ def test_layout_refusals():
         validate_ext_config(cfg, ParallelLayout(data_parallel_size=4))
     cfg = ext_config_from_flags(["--outer-method", "diloco"])
     validate_ext_config(cfg, ParallelLayout(data_parallel_size=4))
-    with pytest.raises(ConfigError, match="--use-distributed-optimizer"):
+    # The distributed optimizer inside a site: each site one optimizer instance.
+    named = "--num-distributed-optimizer-instances, --outer-groups: .*instances 4 .got 1"
+    with pytest.raises(ConfigError, match=named):
         validate_ext_config(
             cfg, ParallelLayout(data_parallel_size=4, use_distributed_optimizer=True)
+        )
+    validate_ext_config(
+        cfg,
+        ParallelLayout(
+            data_parallel_size=4,
+            use_distributed_optimizer=True,
+            num_distributed_optimizer_instances=4,
+        ),
+    )
+    two = ext_config_from_flags(["--outer-method", "diloco", "--outer-groups", "2"])
+    with pytest.raises(ConfigError, match="instances 2 .got 4"):
+        validate_ext_config(
+            two,
+            ParallelLayout(
+                data_parallel_size=4,
+                use_distributed_optimizer=True,
+                num_distributed_optimizer_instances=4,
+            ),
+        )
+    # Several instances are only ever DiLoCo's sites.
+    plain = ext_config_from_flags(["--grad-compression", "powersgd"])
+    with pytest.raises(ConfigError, match="^--num-distributed-optimizer-instances: .*DiLoCo"):
+        validate_ext_config(
+            plain,
+            ParallelLayout(
+                data_parallel_size=4,
+                use_distributed_optimizer=True,
+                num_distributed_optimizer_instances=2,
+            ),
         )
     cfg = ext_config_from_flags(["--outer-method", "diloco", "--grad-compression", "powersgd"])
     with pytest.raises(ConfigError, match="--grad-compression, --outer-groups"):

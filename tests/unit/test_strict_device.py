@@ -730,3 +730,147 @@ def test_protocol_resumed_from_cpu_loaded_state_steps_on_device():
     runs = run_ranks(2, body)
     for run in runs:
         _assert_clean(run.mode.steps, f"protocol resumed, rank {run.rank}")
+
+
+# -- DiLoCo: the outer step and its exchanges ----------------------------------------------
+
+from megatron_ext.optim.hooks import OptimizerView, ParamOptimState  # noqa: E402
+
+DILOCO_SHAPES = {"a.bias": (16,), "a.weight": (16, 8), "b.weight": (8, 16), "c.weight": (32, 8)}
+DILOCO_H = 4
+
+
+class _DiLoCoView(OptimizerView):
+    """bf16 model parameters with fp32 main copies on the device (whole, or this rank's half
+    of each parameter as a distributed optimizer's shard); counts the parameter gathers."""
+
+    def __init__(self, sharded):
+        self.states = {}
+        for fqn, shape in DILOCO_SHAPES.items():
+            model = torch.randn(shape, device=DEVICE).bfloat16()
+            n = model.numel()
+            main = torch.randn((n // 2,) if sharded else shape, device=DEVICE)
+            rng = (0, n // 2) if sharded else None
+            self.states[fqn] = ParamOptimState(
+                fqn=fqn, model_param=model, main_param=main, state={}, param_range=rng
+            )
+        self.current = 0
+        self.gathers = 0
+
+    def fqns(self):
+        return sorted(self.states)
+
+    def param_state(self, fqn):
+        return self.states.get(fqn)
+
+    @property
+    def step(self):
+        return self.current
+
+    def param_numels(self):
+        return {f: s.model_param.numel() for f, s in self.states.items()}
+
+    def sync_params(self):
+        self.gathers += 1
+
+
+def _diloco_steps(mode, hook, view, steps, first=0):
+    """Inner steps (a device update of the main parameters), then the hook's post_step;
+    steps where a fragment is sent or applied are named "outer", the others "steady"."""
+    from megatron_ext.optim.diloco import fragment_due
+
+    o = hook.options
+    for step in range(first, first + steps):
+        view.current = step
+        t = step + 1
+        outer = bool(fragment_due(t, o.interval, o.fragments)) or (
+            o.delay and t > o.delay and bool(fragment_due(t - o.delay, o.interval, o.fragments))
+        )
+        # Declared: a compressed exchange's non-finite check (one sync per exchange, on the
+        # worker thread when overlapped) and host-memory outer state moving at an outer step.
+        declared = outer and (o.compression != "none" or o.state_device == "cpu")
+        with mode.step("outer" if outer else "steady", sync_ok=declared):
+            for s in view.states.values():
+                s.main_param.add_(1e-3)
+            hook.pre_step(view)
+            hook.post_step(view, True)
+
+
+def _diloco_hook(view, **options):
+    from megatron_ext.methods.diloco import OuterConfig
+    from megatron_ext.optim.diloco import DiLoCoHook
+
+    o = OuterConfig(interval=DILOCO_H, fragments=2, **options)
+    hook = DiLoCoHook(o, dist.group.WORLD)
+    hook.setup(view)
+    return hook
+
+
+DILOCO_CASES = {
+    "dense": dict(),
+    "dense-overlapped": dict(delay=1),
+    "dense-sharded": dict(),
+    "dense-host-state": dict(state_device="cpu"),
+    "quantized": dict(compression="quantized"),
+    "radius": dict(compression="radius"),
+    "separate": dict(compression="separate"),
+    "powersgd": dict(compression="powersgd"),
+}
+
+
+@pytest.mark.parametrize("case", list(DILOCO_CASES))
+def test_diloco_steps_between_outer_syncs_stay_on_device(case):
+    """DiLoCo adds nothing to a step between outer syncs; the dense outer step itself stays
+    on the device; a compressed exchange syncs once per exchange (declared: its non-finite
+    check). The same collectives on every site."""
+    options = DILOCO_CASES[case]
+
+    def body(rank, mode):
+        view = _DiLoCoView(sharded=case.endswith("sharded"))
+        with mode.step("setup", sync_ok=True):
+            hook = _diloco_hook(view, **options)
+        _diloco_steps(mode, hook, view, steps=3 * DILOCO_H)
+        hook.finish()
+        return view.gathers
+
+    runs = run_ranks(2, body)
+    assert not compare_ranks(runs)
+    for run in runs:
+        assert run.mode.named("steady") and run.mode.named("outer")
+        # a parameter gather after each fragment sync applied (12 steps: 6, 5 overlapped)
+        assert run.result == (5 if options.get("delay") else 6)
+        for s in run.mode.named("steady"):
+            assert not s.findings and not s.collectives, format_findings(s.findings)
+        _assert_clean(run.mode.steps, f"diloco {case}, rank {run.rank}")
+        if options.get("compression", "none") != "none":
+            for s in run.mode.named("outer"):
+                syncs = [f for f in s.findings if f.kind == "host-sync"]
+                assert len(syncs) == 1 and {f.kind for f in s.findings} == {"host-sync"}
+        elif options.get("state_device") != "cpu":
+            assert not any(s.findings for s in run.mode.named("outer"))
+
+
+def test_diloco_resumed_from_cpu_loaded_state_steps_on_device():
+    """A resume (state loaded from a CPU checkpoint, an overlapped exchange in flight)
+    continues on the device."""
+
+    def body(rank, mode):
+        view = _DiLoCoView(sharded=False)
+        with mode.step("setup", sync_ok=True):
+            hook = _diloco_hook(view, delay=1)
+        _diloco_steps(mode, hook, view, steps=DILOCO_H)  # fragment 0's exchange in flight
+        assert hook.pending
+        with mode.step("save", sync_ok=True):
+            state = _to_cpu(hook.state_dict())
+        view = _DiLoCoView(sharded=False)
+        with mode.step("load", sync_ok=True):
+            hook = _diloco_hook(view, delay=1)
+            hook.load_state_dict(state)
+        _diloco_steps(mode, hook, view, steps=DILOCO_H + 1, first=DILOCO_H)
+
+    runs = run_ranks(2, body)
+    assert not compare_ranks(runs)
+    for run in runs:
+        _assert_clean(run.mode.steps, f"diloco resumed, rank {run.rank}")
+        found = [f for s in run.mode.steps if s.name in ("steady", "outer") for f in s.findings]
+        assert not found, format_findings(found)

@@ -118,6 +118,7 @@ def test_driver_commands_parse_and_validate_for_their_layout(text, words, monkey
             data_parallel_size=sizes["dp"],
             use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
             overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+            num_distributed_optimizer_instances=cfg.parallel.num_distributed_optimizer_instances,
             transformer_impl=cfg.model.transformer_impl,
         ),
     )

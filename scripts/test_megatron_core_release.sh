@@ -7,7 +7,9 @@
 # What runs: tests/megatron (seam parity, compressed training, resume, driver, data),
 # tests/megatron_lm (skipped without MEGATRON_LM_DIR), and the unit tests that import
 # megatron-core (flag clashes, CPU execution). The pure-torch tests (tests/distributed, the
-# other unit tests) do not depend on the megatron-core release and run once, in the main suite.
+# other unit tests) do not depend on the megatron-core release and run once, in the main suite;
+# so do the driver's refusals made before megatron-core builds anything (marker
+# release_independent: a subprocess each, about 80 s that would test nothing new here).
 #
 # megatron-core 0.17+ declares Python >= 3.12. On Python 3.11 its cp311 wheel is installed
 # with --ignore-requires-python (megatron-ext tests it there); on 3.12 nothing special is
@@ -58,5 +60,6 @@ if [[ "$DRY_RUN" != 1 ]]; then
     installed=$(python -c "from megatron_ext.megatron.version import mcore_version; print(mcore_version())")
     echo "megatron-ext tests against megatron-core ${installed} (Python $(python -c 'import sys; print(sys.version.split()[0])'))"
 fi
-run python -m pytest -q -p no:cacheprovider tests/megatron tests/megatron_lm \
-    tests/unit/test_flags.py tests/unit/test_cpu_execution.py tests/unit/test_mcore_releases.py "$@"
+run python -m pytest -q -p no:cacheprovider -m "not release_independent" tests/megatron \
+    tests/megatron_lm tests/unit/test_flags.py tests/unit/test_cpu_execution.py \
+    tests/unit/test_mcore_releases.py "$@"

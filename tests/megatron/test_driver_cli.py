@@ -143,6 +143,7 @@ def test_command_line_resume_is_exact(tmp_path):
     assert _losses(tmp_path / "a" / "log.jsonl") == _losses(tmp_path / "b" / "log.jsonl")
 
 
+@pytest.mark.release_independent
 @pytest.mark.parametrize(
     "args, flag",
     [
@@ -166,6 +167,7 @@ def test_bad_flags_stop_before_training(args, flag, tmp_path):
     assert "iteration" not in proc.stdout
 
 
+@pytest.mark.release_independent
 @pytest.mark.parametrize(
     "args, flag",
     [
@@ -193,6 +195,7 @@ def test_aqsgd_refusals_name_the_flag_before_training(args, flag, tmp_path):
     assert not _log_lines(proc.stdout)
 
 
+@pytest.mark.release_independent
 def test_aqsgd_bit_widths_outside_the_set_are_refused(tmp_path):
     env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
     proc = subprocess.run(
@@ -254,6 +257,7 @@ def test_finetune_loads_the_model_only_and_starts_at_iteration_zero(tmp_path):
     assert records[0]["lm_loss"] < pretrained_end + 0.3, (records[0], pretrained_end)
 
 
+@pytest.mark.release_independent
 @pytest.mark.parametrize(
     "args, flag",
     [
@@ -277,6 +281,7 @@ def _records(path):
     return {r["iteration"]: r for r in map(json.loads, Path(path).read_text().splitlines())}
 
 
+@pytest.mark.release_independent
 @pytest.mark.parametrize("case", ["typo", "no-tracker"])
 def test_load_without_a_checkpoint_is_refused_naming_the_path(case, tmp_path):
     """A --load naming no checkpoint stops before anything is built (it used to train from

@@ -202,6 +202,7 @@ def test_checkpoint_writer_processes_die_with_a_killed_rank(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.release_independent
 @pytest.mark.parametrize(
     "nproc, args, line",
     [

@@ -87,6 +87,7 @@ def test_readme_job_dp2_trains_and_reports_bytes(tmp_path):
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "12"
 
 
+@pytest.mark.cli_process
 @pytest.mark.slow
 def test_pp2_variant(tmp_path):
     proc = _torchrun(
@@ -110,6 +111,7 @@ def test_pp2_variant(tmp_path):
     assert "pp-act 1.05 MB" in lines[-1] and "pp-grad 1.05 MB" in lines[-1]
 
 
+@pytest.mark.cli_process
 @pytest.mark.slow
 def test_command_line_resume_is_exact(tmp_path):
     args = BASE + [
@@ -219,6 +221,7 @@ def test_aqsgd_bit_widths_outside_the_set_are_refused(tmp_path):
     assert proc.returncode == 2 and "--aqsgd-fw-bits" in proc.stderr
 
 
+@pytest.mark.cli_process
 def test_finetune_loads_the_model_only_and_starts_at_iteration_zero(tmp_path):
     pre = _torchrun(
         BASE
@@ -329,6 +332,7 @@ def distopt_run(tmp_path_factory):
     return root
 
 
+@pytest.mark.cli_process
 def test_load_of_an_iteration_directory_continues_the_saved_schedule(distopt_run, tmp_path):
     """--load DIR/iter_0000002 loads iteration 2 (not the latest, 4); with
     --use-checkpoint-opt-param-scheduler a new --lr is ignored; the distributed optimizer
@@ -347,6 +351,7 @@ def test_load_of_an_iteration_directory_continues_the_saved_schedule(distopt_run
         assert (resumed[it]["lm_loss"], resumed[it]["lr"]) == (full[it]["lm_loss"], full[it]["lr"])
 
 
+@pytest.mark.cli_process
 def test_override_opt_param_scheduler_takes_this_runs_schedule(distopt_run, tmp_path):
     proc = _torchrun(
         _tiny("--use-distributed-optimizer", "--load", str(distopt_run / "ckpt" / "iter_0000002"))
@@ -365,6 +370,7 @@ def test_override_opt_param_scheduler_takes_this_runs_schedule(distopt_run, tmp_
     assert resumed[6]["lr"] == pytest.approx(5e-5)
 
 
+@pytest.mark.cli_process
 @pytest.mark.parametrize(
     "flags, needles",
     [

@@ -48,8 +48,9 @@ What it does:
     every rank of the site joins it).
 
 Constraints:
-    Pure torch; never imports Megatron. State is keyed by parameter FQN. Synchronizations are scheduled by iteration number, identical on
-    every site, whether or not a site's inner step was skipped (fp16 overflow).
+    Pure torch; never imports Megatron. State is keyed by parameter FQN. Synchronizations
+    are scheduled by iteration number, identical on every site, whether or not a site's
+    inner step was skipped (fp16 overflow).
 """
 
 from __future__ import annotations
@@ -427,18 +428,16 @@ class DiLoCoHook(OptimizerHook):
         o = self.options
         self._view = view
         sizes = [(f, view.param_state(f).main_param.numel()) for f in view.fqns()]
-        if any(view.param_state(f).param_range is not None for f in view.fqns()):
-            # The distributed optimizer: this rank holds shards. Fragments are of whole
-            # parameters, the same on every rank (split by the whole sizes); this rank
-            # exchanges its shards of them with the ranks holding the same shards in the
-            # other sites.
-            whole = split_fragments(sorted(view.param_numels().items()), o.fragments)
-            mine = set(view.fqns())
-            self.fragments = [[f for f in frag if f in mine] for frag in whole]
-            self._nonempty = [bool(frag) for frag in whole]
-        else:
-            self.fragments = split_fragments(sizes, o.fragments)
-            self._nonempty = [bool(frag) for frag in self.fragments]
+        # Fragments are of whole parameters, split by whole sizes, the same on every rank.
+        # With the distributed optimizer this rank holds shards of some of them and
+        # exchanges those with the ranks holding the same shards in the other sites.
+        sharded = any(view.param_state(f).param_range is not None for f in view.fqns())
+        whole = split_fragments(
+            sorted(view.param_numels().items()) if sharded else sizes, o.fragments
+        )
+        mine = set(view.fqns())
+        self.fragments = [[f for f in frag if f in mine] for frag in whole]
+        self._nonempty = [bool(frag) for frag in whole]
         device = None
         for fqn in view.fqns():
             main = view.param_state(fqn).main_param

@@ -99,41 +99,26 @@ def test_layout_refusals():
         validate_ext_config(cfg, ParallelLayout(data_parallel_size=4))
     cfg = ext_config_from_flags(["--outer-method", "diloco"])
     validate_ext_config(cfg, ParallelLayout(data_parallel_size=4))
+
     # The distributed optimizer inside a site: each site one optimizer instance.
-    named = "--num-distributed-optimizer-instances, --outer-groups: .*instances 4 .got 1"
-    with pytest.raises(ConfigError, match=named):
-        validate_ext_config(
-            cfg, ParallelLayout(data_parallel_size=4, use_distributed_optimizer=True)
-        )
-    validate_ext_config(
-        cfg,
-        ParallelLayout(
+    def dist_opt(instances):
+        return ParallelLayout(
             data_parallel_size=4,
             use_distributed_optimizer=True,
-            num_distributed_optimizer_instances=4,
-        ),
-    )
+            num_distributed_optimizer_instances=instances,
+        )
+
+    named = "--num-distributed-optimizer-instances, --outer-groups: .*instances 4 .got 1"
+    with pytest.raises(ConfigError, match=named):
+        validate_ext_config(cfg, dist_opt(1))
+    validate_ext_config(cfg, dist_opt(4))
     two = ext_config_from_flags(["--outer-method", "diloco", "--outer-groups", "2"])
     with pytest.raises(ConfigError, match="instances 2 .got 4"):
-        validate_ext_config(
-            two,
-            ParallelLayout(
-                data_parallel_size=4,
-                use_distributed_optimizer=True,
-                num_distributed_optimizer_instances=4,
-            ),
-        )
+        validate_ext_config(two, dist_opt(4))
     # Several instances are only ever DiLoCo's sites.
     plain = ext_config_from_flags(["--grad-compression", "powersgd"])
     with pytest.raises(ConfigError, match="^--num-distributed-optimizer-instances: .*DiLoCo"):
-        validate_ext_config(
-            plain,
-            ParallelLayout(
-                data_parallel_size=4,
-                use_distributed_optimizer=True,
-                num_distributed_optimizer_instances=2,
-            ),
-        )
+        validate_ext_config(plain, dist_opt(2))
     cfg = ext_config_from_flags(["--outer-method", "diloco", "--grad-compression", "powersgd"])
     with pytest.raises(ConfigError, match="--grad-compression, --outer-groups"):
         validate_ext_config(cfg, ParallelLayout(data_parallel_size=2))

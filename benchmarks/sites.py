@@ -185,17 +185,40 @@ def config_flags(flags: Sequence[str], layout: Layout) -> List[str]:
     return flags
 
 
+def config_iters(flags: Sequence[str], default: int) -> Tuple[int, List[str]]:
+    """A configuration's own number of iterations: ``--train-iters N`` among its flags (a
+    method whose steps are cheap over a slow link may train longer than the dense run to
+    reach its loss), else ``default``; returns it and the flags without it."""
+    flags, iters = list(flags), default
+    while "--train-iters" in flags:
+        i = flags.index("--train-iters")
+        try:
+            iters = int(flags[i + 1])
+        except (IndexError, ValueError):
+            raise ValueError(f"--config: --train-iters needs an integer, got {flags[i + 1:i + 2]}")
+        if iters < 1:
+            raise ValueError(f"--config: --train-iters must be positive, got {iters}")
+        del flags[i : i + 2]
+    return iters, flags
+
+
 def train_command(
-    args: argparse.Namespace, layout: Layout, flags: Sequence[str], run_dir: str
+    args: argparse.Namespace,
+    layout: Layout,
+    flags: Sequence[str],
+    run_dir: str,
+    iters: Optional[int] = None,
 ) -> List[str]:
-    """The per-rank driver command of one run."""
+    """The per-rank driver command of one run of ``iters`` iterations (``args.iters``): a
+    linear warm-up over 10% of them, then cosine decay to ``--min-lr`` at the last."""
+    iters = iters or args.iters
     mbs = args.micro_batch_size or max(1, min(8, args.global_batch_size // layout.dp))
     cmd = [sys.executable, "-m", "megatron_ext.train", "--cpu", "--model", args.model]
     cmd += ["--num-threads", str(args.num_threads), "--micro-batch-size", str(mbs)]
     cmd += ["--global-batch-size", str(args.global_batch_size)]
-    cmd += ["--train-iters", str(args.iters), "--seed", str(args.seed)]
+    cmd += ["--train-iters", str(iters), "--seed", str(args.seed)]
     cmd += ["--lr", str(args.lr), "--min-lr", str(args.min_lr), "--lr-decay-style", "cosine"]
-    cmd += ["--lr-warmup-iters", str(max(1, args.iters // 10)), "--eval-iters", "0"]
+    cmd += ["--lr-warmup-iters", str(max(1, iters // 10)), "--eval-iters", "0"]
     cmd += ["--log-interval", "1", "--no-progress"]
     cmd += ["--log-json", os.path.join(run_dir, "log.jsonl")]
     cmd += ["--comm-report", os.path.join(run_dir, "comm_report.json")]
@@ -295,8 +318,17 @@ def time_to_loss(
     return None
 
 
-def summarize_run(records: List[Dict[str, Any]], iters: int) -> Dict[str, Any]:
-    """Curve, final loss, measured time and mean bytes per step by category of one run."""
+def summarize_run(
+    records: List[Dict[str, Any]], iters: int, smooth_iters: Optional[int] = None
+) -> Dict[str, Any]:
+    """Curve, final loss, measured time and mean bytes per step by category of one run.
+
+    Args:
+        records: The run's per-iteration log records.
+        iters: The run's iterations: the final loss is the mean of the last 10% of them.
+        smooth_iters: The sweep's iterations (``iters``): the trailing mean of the curve
+            spans 10% of them, the same window for every run of the sweep.
+    """
     from megatron_ext.report import final_loss, mean_bytes
 
     records = sorted(records, key=lambda r: r.get("iteration", 0))
@@ -305,7 +337,7 @@ def summarize_run(records: List[Dict[str, Any]], iters: int) -> Dict[str, Any]:
     for r in records:
         total += r.get("step_time_s") or 0.0
         elapsed.append(total)
-    window = max(1, int(round(FINAL_FRACTION * iters)))
+    window = max(1, int(round(FINAL_FRACTION * (smooth_iters or iters))))
     by_cat = mean_bytes(records) if records else {}
     return {
         "curve": {
@@ -459,8 +491,8 @@ def run_one(
     for stale in ("log.jsonl", "comm_report.json", "netbench.json"):
         if os.path.exists(os.path.join(run_dir, stale)):
             os.remove(os.path.join(run_dir, stale))
-    flags = config_flags(flags, layout)
-    train = train_command(args, layout, flags, run_dir)
+    iters, flags = config_iters(config_flags(flags, layout), args.iters)
+    train = train_command(args, layout, flags, run_dir, iters)
     limit = _per(args.time_limit).get(rate, args.run_timeout)
     cmd = netbench_command(
         layout, rate, os.path.join(run_dir, "netbench.json"), limit, train, args.check_seconds
@@ -473,7 +505,8 @@ def run_one(
         "pp": layout.pp,
         "nproc": layout.nproc,
         "rate": rate,
-        "iters": args.iters,
+        "iters": iters,
+        "sweep_iters": args.iters,
         "flags": list(flags),
         "command": shell_join(["python" if c == sys.executable else c for c in cmd]),
         "run_dir": os.path.relpath(run_dir, out_dir),
@@ -492,8 +525,8 @@ def run_one(
     log_path = os.path.join(run_dir, "log.jsonl")
     records = read_jsonl(log_path) if os.path.exists(log_path) else []
     if records:
-        result.update(summarize_run(records, args.iters))
-    done = len(records) >= args.iters
+        result.update(summarize_run(records, iters, args.iters))
+    done = len(records) >= iters
     if code == 0 and done:
         result["status"] = "ok"
     elif records and result["time_limit_s"] is not None and code != 0:
@@ -676,6 +709,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.config = args.config or list(QUICK_CONFIGS)
     try:
         configs = [parse_config(c) for c in (args.config or DEFAULT_CONFIGS)]
+        for label, flags in configs:
+            if label == "none" and config_iters(flags, args.iters)[0] != args.iters:
+                raise ValueError("--config: the 'none' reference trains --iters iterations")
         layouts = [parse_layout(t, args.pp) for t in parse_list(args.layouts)]
         rates = parse_list(args.rates)
         _per(args.time_limit)
@@ -719,7 +755,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     results: List[Dict[str, Any]] = [r for k, r in reused.items() if k not in planned]
     t0 = time.time()
     for i, (lay, rate, (label, flags)) in enumerate(plan):
-        print(f"[{i + 1}/{len(plan)}] {lay.name}, {rate}, {label}: {args.iters} steps", flush=True)
+        iters = config_iters(flags, args.iters)[0]
+        print(f"[{i + 1}/{len(plan)}] {lay.name}, {rate}, {label}: {iters} steps", flush=True)
         res = reused.get((lay.name, rate, label))
         if res is not None:
             print(f"    (reused from {res['reused_from']})", flush=True)

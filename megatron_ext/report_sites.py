@@ -77,11 +77,14 @@ def record_key(record: Dict[str, Any]) -> Tuple[str, int, str, str, int]:
 
 def group_records(records: Sequence[Dict[str, Any]]) -> List[Tuple[GroupKey, List[Dict]]]:
     """Records grouped by (layout, pp, rate, iters): layouts in order of first appearance,
-    then pipeline depth, fastest link first, fewest steps first; records in input order."""
+    then pipeline depth, fastest link first, fewest steps first; records in input order.
+    ``iters`` is the sweep's (``sweep_iters``): a configuration that trained longer than its
+    sweep's ``none`` run is compared with it, in its group."""
     groups: Dict[GroupKey, List[Dict[str, Any]]] = {}
     layouts: List[str] = []
     for r in records:
         layout, pp, rate, _, iters = record_key(r)
+        iters = int(r.get("sweep_iters") or iters)
         if layout not in layouts:
             layouts.append(layout)
         groups.setdefault((layout, pp, rate, iters), []).append(r)
@@ -122,7 +125,7 @@ def _speedup(record: Dict[str, Any], digits: int, milestone: str = "") -> str:
     return (">= " if record.get(f"speedup{infix}_is_lower_bound") else "") + f"{s:.{digits}f}x"
 
 
-def _half_pick(group: Sequence[Dict[str, Any]]) -> str:
+def _half_pick(group: Sequence[Dict[str, Any]], iters: int) -> str:
     """The configuration other than ``none`` that reached the dense run's loss at half its
     steps soonest (recorded ``time_to_half_target_s``), with its time and speed-up."""
     reached = [
@@ -132,7 +135,7 @@ def _half_pick(group: Sequence[Dict[str, Any]]) -> str:
         has_target = any(r.get("half_target_loss") is not None for r in group)
         return "none reached" if has_target else "-"
     r = min(reached, key=lambda r: r["time_to_half_target_s"])
-    return f"{r['label']}: {r['time_to_half_target_s']:.0f} s ({_speedup(r, 1, 'half')})"
+    return f"{_label(r, iters)}: {r['time_to_half_target_s']:.0f} s ({_speedup(r, 1, 'half')})"
 
 
 def _mb(record: Dict[str, Any], category: str) -> str:
@@ -162,6 +165,13 @@ def _steps_cell(iters: int, group: Sequence[Dict[str, Any]]) -> str:
     return f"{iters} (batch {batches.pop()})" if len(batches) == 1 else str(iters)
 
 
+def _label(record: Dict[str, Any], iters: int) -> str:
+    """The configuration's label, with its own number of steps when it trained longer (or
+    shorter) than its group's ``iters``."""
+    own = int(record.get("iters") or iters)
+    return record["label"] if own == iters else f"{record['label']} ({own} steps)"
+
+
 def _step_cell(record: Optional[Dict[str, Any]], group: Sequence[Dict[str, Any]]) -> str:
     """The record's measured mean step time and, in parentheses, the ``none`` run's at the
     same rate (stopped or not: a step time is measured either way)."""
@@ -181,9 +191,9 @@ def front_page_md(records: Sequence[Dict[str, Any]]) -> List[str]:
     for (layout, pp, rate, iters), group in group_records(records):
         outcome, r = pick(group)
         if outcome == "reached":
-            cells = [r["label"], f"{r['time_to_target_s']:.0f} s", _speedup(r, 1)]
+            cells = [_label(r, iters), f"{r['time_to_target_s']:.0f} s", _speedup(r, 1)]
         elif outcome == "none reached" and r is not None:
-            cells = [f"none reached (closest: {r['label']})", "-", "-"]
+            cells = [f"none reached (closest: {_label(r, iters)})", "-", "-"]
         elif outcome == "none reached":
             cells = ["none reached", "-", "-"]
         else:
@@ -192,7 +202,7 @@ def front_page_md(records: Sequence[Dict[str, Any]]) -> List[str]:
         rows.append(
             [_layout_cell(layout, pp), rate, _steps_cell(iters, group)]
             + cells
-            + [gap, _mb(r, "outer") if r else "-", _step_cell(r, group), _half_pick(group)]
+            + [gap, _mb(r, "outer") if r else "-", _step_cell(r, group), _half_pick(group, iters)]
         )
     return [
         f"### {SECTION_TITLE}",
@@ -291,7 +301,7 @@ def sites_md(records: Sequence[Dict[str, Any]]) -> List[str]:
         for r in group:
             gap = r.get("gap_pct")
             rows.append(
-                [r["label"], _status(r), _num(r.get("final_loss"), ".4f")]
+                [_label(r, iters), _status(r), _num(r.get("final_loss"), ".4f")]
                 + ["-" if gap is None else f"{gap:+.2f}"]
                 + [_mb(r, c) for c in cats]
                 + [

@@ -522,6 +522,25 @@ def test_sites_layouts_configs_and_commands():
     assert "--nproc 8 --pp 2 --bandwidth 10mbit --shape sites --sites 2" in text
     assert cmd[-3:] == ["--", "python", "x"]
     assert "--unshaped" in sites.netbench_command(dp2, "unshaped", "nb.json", 60, ["x"])
+    # A configuration may train longer than the sweep (its own --train-iters): its schedule
+    # (10% warm-up, cosine to the end) follows its own length; the smoothing window stays the
+    # sweep's.
+    assert sites.config_iters(["--outer-method", "diloco"], 1000) == (
+        1000,
+        ["--outer-method", "diloco"],
+    )
+    iters, rest = sites.config_iters(["--train-iters", "2000", "--outer-interval", "50"], 1000)
+    assert (iters, rest) == (2000, ["--outer-interval", "50"])
+    with pytest.raises(ValueError, match="--train-iters"):
+        sites.config_iters(["--train-iters", "x"], 1000)
+    args = sites.build_parser().parse_args(["--iters", "1000"])
+    cmd = sites.train_command(args, dp2, rest, "run", iters)
+    assert cmd[cmd.index("--train-iters") + 1] == "2000" and cmd.count("--train-iters") == 1
+    assert cmd[cmd.index("--lr-warmup-iters") + 1] == "200"
+    losses = [float(10 - i) for i in range(20)]
+    long = sites.summarize_run(_sites_records(losses, 1.0), 20, 10)
+    assert long["final_loss"] == pytest.approx((-8.0 + -9.0) / 2)
+    assert long["curve"]["smoothed_loss"][-1] == pytest.approx(-9.0)  # window: 1 of the sweep's 10
 
 
 def test_sites_check_config_reports_the_drivers_refusal(tmp_path):

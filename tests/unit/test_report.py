@@ -493,3 +493,21 @@ def test_sites_rows_name_the_global_batch_from_the_runs_commands():
         r["command"] = "python -m megatron_ext.train --global-batch-size 32 --train-iters 20"
     (row,) = _front_rows(records)
     assert row.startswith("| dp2 | 100mbit | 20 (batch 32) | diloco-h50 |")
+
+
+def test_sites_a_longer_run_is_compared_in_its_sweeps_group_and_names_its_steps():
+    """A configuration that trained longer than the sweep's ``none`` run (its own
+    ``--train-iters``) sits in the sweep's group, its label naming its steps."""
+    from megatron_ext import report_sites
+
+    records = [
+        _site("none", t=50.0, speed=1.0, sweep_iters=20),
+        _site("diloco-h50", t=8.0, speed=6.25, gap=-1.5, iters=40, sweep_iters=20),
+    ]
+    (row,) = _front_rows(records)
+    assert row.startswith("| dp2 | 100mbit | 20 | diloco-h50 (40 steps) | 8 s | 6.2x | -1.50 % |")
+    section = "\n".join(report_sites.sites_md(records))
+    assert "| diloco-h50 (40 steps) | ok |" in section and "| none | ok |" in section
+    # Records written before ``sweep_iters`` existed group by their own steps.
+    a, b = _front_rows([_site("none", t=5.0, speed=1.0), _site("none", t=5.0, iters=40)])
+    assert "| 20 |" in a and "| 40 |" in b

@@ -1,11 +1,20 @@
-"""Spawn-per-test multi-rank runner on gloo (nanotron-style, without hard-coded ports).
+"""Fresh-processes-per-test multi-rank runner on gloo (nanotron-style, without hard-coded
+ports).
 
-``run_ranks(fn, world_size, *args)`` starts ``world_size`` fresh processes (spawn), sets
-the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT on a free port), calls ``fn(rank, world_size, *args)`` in each and returns the
-list of per-rank return values (they must be picklable). A rank's exception is re-raised
-in the test with its traceback. If the port was taken between choosing and binding, the
-run is retried on a new port.
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` fresh processes, sets the torchrun
+environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a
+free port), calls ``fn(rank, world_size, *args)`` in each and returns the list of per-rank
+return values (they must be picklable). A rank's exception is re-raised in the test with its
+traceback. If the port was taken between choosing and binding, the run is retried on a new
+port.
+
+The processes are forked from a ``forkserver`` that imported torch, megatron-core and
+megatron-ext once (:data:`PRELOAD`) and has run nothing else: every test still gets ranks
+that ran no other test's code, without paying those imports (about 5 s of CPU per rank) for
+every run. A rank gets the test's environment variables and working directory as they are
+when ``run_ranks`` is called, as a spawned one would. Where CUDA is available the ranks are
+spawned (a forked process cannot use CUDA once its parent touched it);
+``MEGATRON_EXT_TEST_START_METHOD=spawn|forkserver`` chooses either way.
 """
 
 from __future__ import annotations
@@ -18,7 +27,23 @@ from typing import Any, Callable, List
 
 import torch.multiprocessing as mp
 
-__all__ = ["run_ranks", "free_port"]
+__all__ = ["run_ranks", "free_port", "PRELOAD"]
+
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "megatron_ext.megatron",
+    "megatron.core.parallel_state",
+    "megatron.core.tensor_parallel",
+    "megatron.core.distributed",
+    "megatron.core.optimizer",
+    "megatron.core.models.gpt",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.dist_checkpointing",
+    "megatron_ext.train",
+)
+"""Modules the forkserver imports once (one that fails to import is skipped by
+multiprocessing, and then imported by the rank that needs it, as before)."""
 
 _ADDRESS_IN_USE = ("Address already in use", "EADDRINUSE")
 
@@ -30,7 +55,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _context():
+    import torch
+
+    # Forked ranks cannot use CUDA once a parent touched it: on a GPU machine, spawn.
+    default = "spawn" if torch.cuda.is_available() else "forkserver"
+    method = os.environ.get("MEGATRON_EXT_TEST_START_METHOD", default)
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"MEGATRON_EXT_TEST_START_METHOD: forkserver or spawn, got {method!r}")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts (once)
+    return ctx
+
+
+def _entry(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, env: dict
+) -> None:
+    # The forkserver's environment is the one of the test that started it; this test's is
+    # the one to run with.
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(
         {
             "RANK": str(rank),
@@ -67,11 +112,14 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; see module doc."""
     for attempt in range(3):
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         queue = ctx.SimpleQueue()
         port = free_port()
+        env = dict(os.environ)
         procs = [
-            ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=False)
+            ctx.Process(
+                target=_entry, args=(r, world_size, port, fn, args, queue, env), daemon=False
+            )
             for r in range(world_size)
         ]
         for p in procs:

@@ -709,9 +709,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.config = args.config or list(QUICK_CONFIGS)
     try:
         configs = [parse_config(c) for c in (args.config or DEFAULT_CONFIGS)]
-        for label, flags in configs:
-            if label == "none" and config_iters(flags, args.iters)[0] != args.iters:
-                raise ValueError("--config: the 'none' reference trains --iters iterations")
+        iters_of = {label: config_iters(flags, args.iters)[0] for label, flags in configs}
+        if iters_of.get("none", args.iters) != args.iters:
+            raise ValueError("--config: the 'none' reference trains --iters iterations")
         layouts = [parse_layout(t, args.pp) for t in parse_list(args.layouts)]
         rates = parse_list(args.rates)
         _per(args.time_limit)
@@ -755,8 +755,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     results: List[Dict[str, Any]] = [r for k, r in reused.items() if k not in planned]
     t0 = time.time()
     for i, (lay, rate, (label, flags)) in enumerate(plan):
-        iters = config_iters(flags, args.iters)[0]
-        print(f"[{i + 1}/{len(plan)}] {lay.name}, {rate}, {label}: {iters} steps", flush=True)
+        print(
+            f"[{i + 1}/{len(plan)}] {lay.name}, {rate}, {label}: {iters_of[label]} steps",
+            flush=True,
+        )
         res = reused.get((lay.name, rate, label))
         if res is not None:
             print(f"    (reused from {res['reused_from']})", flush=True)

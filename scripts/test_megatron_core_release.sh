@@ -8,10 +8,9 @@
 # tests/megatron_lm (skipped without MEGATRON_LM_DIR), and the unit tests that import
 # megatron-core (flag clashes, CPU execution). The pure-torch tests (tests/distributed, the
 # other unit tests) do not depend on the megatron-core release and run once, in the main suite.
-# Every test of tests/megatron runs here, the driver's command-line launches and refusals too
-# (markers cli_process, release_independent). Budget: the README's test command (this script
-# its second half) stays under 30 minutes on 2 cores; with the multi-rank tests forked from a
-# preloaded forkserver (tests/helpers/dist.py) it measured 14:21 before they were added back.
+# Budget: the README's test command (this script its second half) stays under 30 minutes on
+# 2 cores; with the multi-rank tests forked from a preloaded forkserver (tests/helpers/dist.py)
+# it measured 14:50.
 #
 # megatron-core 0.17+ declares Python >= 3.12. On Python 3.11 its cp311 wheel is installed
 # with --ignore-requires-python (megatron-ext tests it there); on 3.12 nothing special is

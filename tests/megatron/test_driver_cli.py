@@ -87,7 +87,6 @@ def test_readme_job_dp2_trains_and_reports_bytes(tmp_path):
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "12"
 
 
-@pytest.mark.cli_process
 @pytest.mark.slow
 def test_pp2_variant(tmp_path):
     proc = _torchrun(
@@ -111,7 +110,6 @@ def test_pp2_variant(tmp_path):
     assert "pp-act 1.05 MB" in lines[-1] and "pp-grad 1.05 MB" in lines[-1]
 
 
-@pytest.mark.cli_process
 @pytest.mark.slow
 def test_command_line_resume_is_exact(tmp_path):
     args = BASE + [
@@ -145,7 +143,6 @@ def test_command_line_resume_is_exact(tmp_path):
     assert _losses(tmp_path / "a" / "log.jsonl") == _losses(tmp_path / "b" / "log.jsonl")
 
 
-@pytest.mark.release_independent
 @pytest.mark.parametrize(
     "args, flag",
     [
@@ -169,7 +166,6 @@ def test_bad_flags_stop_before_training(args, flag, tmp_path):
     assert "iteration" not in proc.stdout
 
 
-@pytest.mark.release_independent
 @pytest.mark.parametrize(
     "args, flag",
     [
@@ -197,7 +193,6 @@ def test_aqsgd_refusals_name_the_flag_before_training(args, flag, tmp_path):
     assert not _log_lines(proc.stdout)
 
 
-@pytest.mark.release_independent
 def test_aqsgd_bit_widths_outside_the_set_are_refused(tmp_path):
     env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
     proc = subprocess.run(
@@ -221,7 +216,6 @@ def test_aqsgd_bit_widths_outside_the_set_are_refused(tmp_path):
     assert proc.returncode == 2 and "--aqsgd-fw-bits" in proc.stderr
 
 
-@pytest.mark.cli_process
 def test_finetune_loads_the_model_only_and_starts_at_iteration_zero(tmp_path):
     pre = _torchrun(
         BASE
@@ -260,7 +254,6 @@ def test_finetune_loads_the_model_only_and_starts_at_iteration_zero(tmp_path):
     assert records[0]["lm_loss"] < pretrained_end + 0.3, (records[0], pretrained_end)
 
 
-@pytest.mark.release_independent
 @pytest.mark.parametrize(
     "args, flag",
     [
@@ -284,7 +277,6 @@ def _records(path):
     return {r["iteration"]: r for r in map(json.loads, Path(path).read_text().splitlines())}
 
 
-@pytest.mark.release_independent
 @pytest.mark.parametrize("case", ["typo", "no-tracker"])
 def test_load_without_a_checkpoint_is_refused_naming_the_path(case, tmp_path):
     """A --load naming no checkpoint stops before anything is built (it used to train from
@@ -332,7 +324,6 @@ def distopt_run(tmp_path_factory):
     return root
 
 
-@pytest.mark.cli_process
 def test_load_of_an_iteration_directory_continues_the_saved_schedule(distopt_run, tmp_path):
     """--load DIR/iter_0000002 loads iteration 2 (not the latest, 4); with
     --use-checkpoint-opt-param-scheduler a new --lr is ignored; the distributed optimizer
@@ -351,7 +342,6 @@ def test_load_of_an_iteration_directory_continues_the_saved_schedule(distopt_run
         assert (resumed[it]["lm_loss"], resumed[it]["lr"]) == (full[it]["lm_loss"], full[it]["lr"])
 
 
-@pytest.mark.cli_process
 def test_override_opt_param_scheduler_takes_this_runs_schedule(distopt_run, tmp_path):
     proc = _torchrun(
         _tiny("--use-distributed-optimizer", "--load", str(distopt_run / "ckpt" / "iter_0000002"))
@@ -370,7 +360,6 @@ def test_override_opt_param_scheduler_takes_this_runs_schedule(distopt_run, tmp_
     assert resumed[6]["lr"] == pytest.approx(5e-5)
 
 
-@pytest.mark.cli_process
 @pytest.mark.parametrize(
     "flags, needles",
     [

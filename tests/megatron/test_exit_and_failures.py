@@ -102,7 +102,6 @@ def _iteration_line(n):
     return f" iteration {n:8d}/"
 
 
-@pytest.mark.cli_process
 @pytest.mark.slow
 def test_exit_signal_handler_saves_and_exits_cleanly_then_resumes(tmp_path):
     save = tmp_path / "run"
@@ -175,7 +174,6 @@ def _alive(pid):
     return state != "Z"
 
 
-@pytest.mark.cli_process
 @pytest.mark.slow
 def test_checkpoint_writer_processes_die_with_a_killed_rank(tmp_path):
     # A save every iteration: most of the run is spent saving, so the kill lands in one.
@@ -204,7 +202,6 @@ def test_checkpoint_writer_processes_die_with_a_killed_rank(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.release_independent
 @pytest.mark.parametrize(
     "nproc, args, line",
     [

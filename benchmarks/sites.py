@@ -647,6 +647,14 @@ def build_parser() -> argparse.ArgumentParser:
         "training settings (--iters, batch sizes, --model, --seed, --lr, --min-lr, --pp, "
         "--extra-train-args) and the configuration's flags are this sweep's.",
     )
+    p.add_argument(
+        "--skip",
+        default="",
+        metavar="LABELS",
+        help="Configurations planned but not run in this sweep, comma-separated (e.g. 'none' "
+        "while the dense reference at the same rate runs in another sweep): they are left out "
+        "of its results; a later sweep that --reuse's both compares them.",
+    )
     p.add_argument("--out", default=None, help="Run directory (runs/bench-sites-<time>).")
     return p
 
@@ -726,6 +734,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         for rate in rates:
             if rate != "unshaped":
                 parse_rate(rate)
+        skip = set(parse_list(args.skip))
+        if skip - {label for label, _ in configs}:
+            raise ValueError(f"--skip: no configuration labelled {sorted(skip - set(iters_of))}")
         reused = load_reused(args.reuse, args, configs)
     except (ValueError, OSError) as exc:
         print(f"sites.py: error: {exc}")
@@ -749,10 +760,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         "below the none run's final loss, interpolated between the bracketing iterations"
     )
     plan = [(lay, rate, c) for lay in layouts for rate in rates for c in configs]
+    skipped = [
+        (lay, rate, c)
+        for lay, rate, c in plan
+        if c[0] in skip and (lay.name, rate, c[0]) not in reused
+    ]
+    plan = [p for p in plan if p not in skipped]
     # Reused runs outside the plan (e.g. the unshaped none run of a shaped sweep) are kept as
     # references: the target is the final loss of a complete none run at any rate.
     planned = {(lay.name, rate, c[0]) for lay, rate, c in plan}
     results: List[Dict[str, Any]] = [r for k, r in reused.items() if k not in planned]
+    for lay, rate, (label, _) in skipped:
+        print(f"skipped: {lay.name}, {rate}, {label} (--skip)", flush=True)
     t0 = time.time()
     for i, (lay, rate, (label, flags)) in enumerate(plan):
         print(

@@ -198,6 +198,11 @@ class MethodContext:
     handles: TrainingHandles = field(default_factory=TrainingHandles)
     """Model chunks, optimizer, scheduler: empty until the runtime installs (step 3)."""
 
+    peers: Mapping[str, "Components"] = field(default_factory=dict)
+    """Every family's components of the run, by family name (complete once every method is
+    built: read it from ``on_install`` or later, e.g. the outer synchronization collects
+    the other methods' :attr:`Components.outer_view`)."""
+
 
 @dataclass
 class Components:
@@ -241,6 +246,13 @@ class Components:
     describe: Optional[Callable[[], str]] = None
     """One line for the log once installed: what the method changed on this rank (e.g.
     Grass's parameter counts)."""
+
+    outer_view: Optional[Callable[[Any], Any]] = None
+    """How the outer synchronization (family ``outer``) sees the weights this method trains
+    outside the optimizer's parameters: wraps an
+    :class:`~megatron_ext.optim.hooks.OptimizerView` into one whose parameters are the
+    model's weights as the outer step should read and write them (Grass: its frozen
+    projected weights in place of its virtual parameters)."""
 
 
 @dataclass(frozen=True)
@@ -435,13 +447,23 @@ def build_components(
 ) -> Dict[str, Components]:
     """Build every family's selected method of ``config`` (an ExtConfig); family -> components.
 
-    The runtime calls this once per run; the contexts share ``clock``, ``meter``, ``groups``
-    and ``handles`` (which the runtime fills at install).
+    The runtime calls this once per run; the contexts share ``clock``, ``meter``, ``groups``,
+    ``handles`` (which the runtime fills at install) and ``peers`` (the returned mapping).
+
+    The ``outer`` family is built first: when it sets a :attr:`Components.grad_group` (this
+    rank's site), that group is the data-parallel group (``dp`` and ``dp_cp``) every other
+    family's method sees, since inside a site training is ordinary data parallelism (Grass
+    reduces its selection sketches over the site, not across sites). The mapping keeps the
+    families' order.
     """
+    import dataclasses
+
     groups = groups if groups is not None else ProcessGroups()
     handles = handles if handles is not None else TrainingHandles()
-    out: Dict[str, Components] = {}
-    for fam, method in config.selected():
+    selected = list(config.selected())
+    built: Dict[str, Components] = {}
+
+    def build(fam: Family, method: Method, seen: ProcessGroups) -> None:
         ctx = MethodContext(
             name=method.name,
             options=None if method.options is None else config.options_for(method.options),
@@ -450,8 +472,22 @@ def build_components(
             layout=layout,
             clock=clock,
             meter=meter,
-            groups=groups,
+            groups=seen,
             handles=handles,
+            peers=built,
         )
-        out[fam.name] = method.build(ctx)
-    return out
+        built[fam.name] = method.build(ctx)
+
+    for fam, method in selected:
+        if fam.name == "outer":
+            build(fam, method, groups)
+    site = built["outer"].grad_group if "outer" in built else None
+    inner = groups if site is None else dataclasses.replace(groups, dp=site, dp_cp=site)
+    for fam, method in selected:
+        if fam.name != "outer":
+            build(fam, method, inner)
+    order = [fam.name for fam, _ in selected]
+    ordered = {name: built[name] for name in order}
+    built.clear()
+    built.update(ordered)
+    return built

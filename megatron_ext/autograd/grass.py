@@ -277,6 +277,9 @@ class GrassLayer:
     sketching: bool = False
     sketch: Optional[torch.Tensor] = None
     omega: Optional[torch.Tensor] = None
+    # An fp32 copy of the whole weight (keep_master), for an outer synchronization that
+    # writes every row of a bf16/fp16 weight: row writes go to both, rows are read from it.
+    master: Optional[torch.Tensor] = None
     # col mode with P > 1: the column of each slot, and block / column of each unique unit
     _slot_col: Optional[torch.Tensor] = None
     _unit_block: Optional[torch.Tensor] = None
@@ -423,8 +426,9 @@ class GrassLayer:
         return t if self.mode == "row" else t.t()
 
     def _gather_units(self, unique: torch.Tensor) -> torch.Tensor:
-        """The weight's units ``unique`` (on its device) as rows ``[u, other]``."""
-        w = self.weight
+        """The weight's units ``unique`` (on its device) as rows ``[u, other]`` (from the
+        fp32 master copy where there is one)."""
+        w = self.weight if self.master is None else self.master
         if self.mode == "row":
             return w.index_select(0, unique)
         if self.num_col_parts == 1:
@@ -433,17 +437,21 @@ class GrassLayer:
         return blocks[self._unit_block, self._unit_col]
 
     def _scatter_units(self, rows: torch.Tensor) -> None:
-        """Write ``rows`` ``[u, other]`` into the weight's selected unique units."""
-        w = self.weight
+        """Write ``rows`` ``[u, other]`` (fp32) into the weight's selected unique units (and
+        into the fp32 master copy where there is one)."""
+        targets = [(self.weight, rows.to(self.weight.dtype))]
+        if self.master is not None:
+            targets.append((self.master, rows.to(self.master.dtype)))
         with torch.no_grad():
-            # distinct indices: index_copy_ and index_put_ are deterministic
-            if self.mode == "row":
-                w.index_copy_(0, self.unique, rows)
-            elif self.num_col_parts == 1:
-                w.t().index_copy_(0, self.unique, rows)
-            else:
-                blocks = w.view(self.num_col_parts, self._other, w.shape[1]).transpose(1, 2)
-                blocks.index_put_((self._unit_block, self._unit_col), rows)
+            for w, values in targets:
+                # distinct indices: index_copy_ and index_put_ are deterministic
+                if self.mode == "row":
+                    w.index_copy_(0, self.unique, values)
+                elif self.num_col_parts == 1:
+                    w.t().index_copy_(0, self.unique, values)
+                else:
+                    blocks = w.view(self.num_col_parts, self._other, w.shape[1]).transpose(1, 2)
+                    blocks.index_put_((self._unit_block, self._unit_col), values)
 
     @property
     def master_dtype(self) -> torch.dtype:
@@ -472,7 +480,36 @@ class GrassLayer:
         """Write ``base + P V`` into the selected rows of the frozen weight."""
         if self.index is None:
             return
-        self._scatter_units(self.current_rows(v).to(self.weight.dtype))
+        self._scatter_units(self.current_rows(v))
+
+    def keep_master(self) -> Optional[torch.Tensor]:
+        """Keep an fp32 copy of the whole weight when the weight itself is lower precision
+        (bf16/fp16), from now on written with every row write; returns it (None for an
+        fp32/fp64 weight, which is its own fp32 value). For an outer synchronization that
+        moves every row: without it, rows outside the selection would only hold bf16 values
+        and the outer step's fp32 result would be rounded away between syncs. It starts as
+        the weight (at install, before the first step; a resume then loads the saved copy);
+        the selected rows hold their fp32 values from the next row write on."""
+        if self.master is None and self.weight.dtype not in (torch.float32, torch.float64):
+            self.master = self.weight.detach().to(torch.float32, copy=True)
+        return self.master
+
+    def effective_weight(self) -> torch.Tensor:
+        """The weight at full precision: the fp32 master copy, or the fp32/fp64 weight.
+        Its selected rows are ``base + P V`` after every optimizer step (the hook's
+        :meth:`write_rows`)."""
+        if self.master is not None:
+            return self.master
+        if self.weight.dtype not in (torch.float32, torch.float64):
+            raise RuntimeError(f"{self.fqn}: a {self.weight.dtype} weight needs keep_master()")
+        return self.weight
+
+    def rebase(self) -> None:
+        """After the whole weight was written from outside (an outer step): take the
+        selected rows' values as ``base``. The caller then zeroes ``V`` (its Adam moments
+        stay: they are of the gradient, not of ``V``'s value)."""
+        if self.index is not None:
+            self.base = self._gather_units(self.unique).to(self.master_dtype)
 
     def _adopt(self, index: torch.Tensor, unique: torch.Tensor, device: Any) -> None:
         """Set ``index``, ``unique`` and the column-part helpers on ``device``."""

@@ -3,8 +3,9 @@
 The algorithm is ``megatron_ext.optim.diloco`` (the outer Nesterov-SGD step on the
 pseudo-gradient, its fragments and the dense outer exchange). This module turns the flags
 into the sites' process groups (the gradient seam reduces over a site's ranks through
-:attr:`~megatron_ext.methods.registry.Components.grad_group`) and the optimizer hook that
-runs the outer step.
+:attr:`~megatron_ext.methods.registry.Components.grad_group`, which the other methods also
+see as their data-parallel group) and the optimizer hook that runs the outer step, through
+the other methods' :attr:`~megatron_ext.methods.registry.Components.outer_view` (Grass).
 """
 
 from __future__ import annotations
@@ -146,14 +147,6 @@ def _validate(cfg, layout) -> None:
             f"distributed-optimizer instance: pass --num-distributed-optimizer-instances {g} "
             f"(got {instances})",
         )
-    if cfg.enabled("linear"):
-        # Grass's optimizer hook writes the selected rows into the frozen weight after the
-        # step; the order against the outer step's write is not settled nor tested.
-        raise ConfigError(
-            ["--outer-method", "--grass-method"],
-            "DiLoCo with Grass is not supported yet (both write the weights after the "
-            "optimizer step)",
-        )
     if cfg.enabled("subspace"):
         # DiLoCo's post_step runs after Protocol Models' constrained AdamW step (the runtime
         # puts the outer hooks first, their post_step last): the outer step writes the last
@@ -183,7 +176,19 @@ def _build(ctx: MethodContext) -> Components:
 
     o = ctx.options
     g = o.num_sites(ctx.layout.data_parallel_size)
-    inner, outer, site = site_groups(ctx.groups.dp, g)
+    dp, dp_cp = ctx.groups.dp, ctx.groups.dp_cp
+    if dp is not None and dp_cp is not None:
+        import torch
+
+        if torch.distributed.get_world_size(dp_cp) != torch.distributed.get_world_size(dp):
+            # The sites split the data-parallel group without context parallelism; megatron
+            # reduces gradients over the one with it, which the site's group would drop.
+            raise ConfigError(
+                ["--outer-method", "--context-parallel-size"],
+                "DiLoCo's sites are runs of data-parallel ranks; context parallelism is not "
+                "supported with them",
+            )
+    inner, outer, site = site_groups(dp, g)
     hook = DiLoCoHook(o, outer, meter=ctx.meter)
 
     def describe() -> str:
@@ -200,6 +205,9 @@ def _build(ctx: MethodContext) -> Components:
         from megatron_ext.megatron.optimizer import MegatronOptimizerView
 
         h = ctx.handles
+        # Weights other methods train outside the optimizer's parameters (Grass's frozen
+        # projected weights): the outer step reads and writes them through their views.
+        hook.view_wrappers = [c.outer_view for c in ctx.peers.values() if c.outer_view]
         hook.setup(MegatronOptimizerView(h.optimizer, h.model_chunks, ctx.clock))
 
     return Components(

@@ -99,7 +99,7 @@ def _build(ctx: MethodContext) -> Components:
         add_virtual_params,
         sketch_reducer,
     )
-    from megatron_ext.optim.grass import GrassOptimizerHook, GrassSchedule
+    from megatron_ext.optim.grass import GrassOptimizerHook, GrassOuterView, GrassSchedule
 
     opts = ctx.options
     layers: Dict[str, Any] = {}
@@ -146,7 +146,18 @@ def _build(ctx: MethodContext) -> Components:
             f"(x{virtual / max(1, full):.3f}) on this rank"
         )
 
+    def outer_view(view):
+        # An outer synchronization (DiLoCo) reads and writes the frozen projected weights,
+        # not their virtual parameters.
+        return GrassOuterView(
+            view,
+            layers,
+            param_fqn=lambda fqn: f"{fqn}.{VIRTUAL_PARAM}",
+            weight_fqn=lambda fqn: f"{fqn}.weight",
+        )
+
     return Components(
+        outer_view=outer_view,
         linear_hook=GrassLinearHook(layers),
         linear_layers=ctx.family_options.layers,
         optimizer_hooks=[hook],

@@ -40,6 +40,12 @@ What it does:
     optimizer's step of a synchronizing iteration, and writes the result into both the fp32
     main parameters the optimizer updates and the (bf16/fp16) model parameters.
 
+    Weights another method trains outside the optimizer's parameters (Grass's frozen
+    projected weights, whose optimizer parameters are virtual row offsets) are read and
+    written through a wrapped optimizer view (``view_wrappers``;
+    :class:`~megatron_ext.optim.grass.GrassOuterView`): the outer step sees them as whole
+    fp32 parameters.
+
     With a sharded optimizer (megatron's distributed optimizer inside a site) the hook holds
     this rank's shards: snapshot, momentum and exchange follow the optimizer's main shard,
     the ranks at one position in every site hold the same shards and exchange them;
@@ -379,6 +385,11 @@ class DiLoCoHook(OptimizerHook):
         meter: byte accounting (category ``outer``).
         exchange_factory: ``(method, options, numel, group, device, name=, shapes=)`` ->
             exchange, called once per fragment (default :func:`make_outer_exchange`).
+        view_wrappers: functions wrapping the optimizer's view into the one the outer step
+            reads and writes (another method's weights trained outside the optimizer's
+            parameters, e.g. :class:`~megatron_ext.optim.grass.GrassOuterView`), applied
+            in order. A wrapped view may add ``site_state()`` / ``load_site_state()``: what
+            a rank keeps of its own beyond the optimizer's parameters and state.
     """
 
     name = "diloco"
@@ -390,8 +401,10 @@ class DiLoCoHook(OptimizerHook):
         *,
         meter: Optional[CommMeter] = None,
         exchange_factory: Any = None,
+        view_wrappers: Sequence[Any] = (),
     ):
         self.options = options
+        self.view_wrappers = list(view_wrappers)
         self.outer_group = outer_group
         self.meter = meter
         self.exchange_factory = exchange_factory or make_outer_exchange
@@ -408,6 +421,9 @@ class DiLoCoHook(OptimizerHook):
         # fragment -> (step count after which it is applied, its exchange in flight)
         self.pending: Dict[int, Tuple[int, PendingAverage]] = {}
         self._pending_load: Optional[Dict[str, Any]] = None
+        # the optimizer's view (the inner state: a site's own parameters and moments) and the
+        # outer step's (view_wrappers applied)
+        self._raw: Optional[OptimizerView] = None
         self._view: Optional[OptimizerView] = None
         # --outer-delay with a compressed exchange: the thread that runs the exchanges
         self.worker: Optional[ExchangeWorker] = None
@@ -422,11 +438,20 @@ class DiLoCoHook(OptimizerHook):
     def _state_device(self, param: torch.Tensor) -> torch.device:
         return torch.device("cpu") if self.options.state_device == "cpu" else param.device
 
+    def outer_view(self, view: OptimizerView) -> OptimizerView:
+        """``view`` with :attr:`view_wrappers` applied (built once per optimizer view)."""
+        if view is not self._raw or self._view is None:
+            wrapped = view
+            for wrap in self.view_wrappers:
+                wrapped = wrap(wrapped)
+            self._raw, self._view = view, wrapped
+        return self._view
+
     def setup(self, view: OptimizerView) -> None:
         """Allocate the outer state from the current parameters (identical on every site at
         the start of training): fragments, fp32 snapshots, exchanges."""
         o = self.options
-        self._view = view
+        view = self.outer_view(view)
         sizes = [(f, view.param_state(f).main_param.numel()) for f in view.fqns()]
         # Fragments are of whole parameters, split by whole sizes, the same on every rank.
         # With the distributed optimizer this rank holds shards of some of them and
@@ -477,6 +502,7 @@ class DiLoCoHook(OptimizerHook):
 
     def post_step(self, view: OptimizerView, update_successful: bool) -> None:
         # Scheduled by iteration, the same on every site (a skipped inner step included).
+        view = self.outer_view(view)
         t = view.step + 1
         delay = getattr(self.options, "delay", 0)
         for i in sorted(self.pending):
@@ -595,6 +621,8 @@ class DiLoCoHook(OptimizerHook):
         With several sites also this rank's own weights (fp32 main parameters) and inner
         optimizer state tensors (``site``): between outer steps they differ from the other
         sites', and megatron-core's checkpoint keeps one data-parallel replica of them.
+        ``view``: what the outer view keeps of its own (its ``site_state()``, e.g. Grass's
+        frozen weights and their fp32 copies; empty without wrappers).
         """
         if not self.initialized and self._pending_load is not None:
             return self._pending_load
@@ -613,11 +641,12 @@ class DiLoCoHook(OptimizerHook):
             "fragments": [list(f) for f in self.fragments],
             "syncs": self.syncs,
             "pending": pending,
+            "view": self._view.site_state() if hasattr(self._view, "site_state") else {},
         }
         if self.num_sites > 1:
             params, optim = {}, {}
-            for fqn in self._view.fqns():
-                ps = self._view.param_state(fqn)
+            for fqn in self._raw.fqns():
+                ps = self._raw.param_state(fqn)
                 params[fqn] = ps.main_param.detach().cpu().clone()
                 optim[fqn] = {
                     k: v.detach().cpu().clone()
@@ -630,11 +659,13 @@ class DiLoCoHook(OptimizerHook):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; applied at the first step if the state is not yet
         allocated (a resume loads before training starts)."""
-        expected = {"snapshot", "momentum", "exchanges", "fragments", "syncs", "pending"}
+        expected = {"snapshot", "momentum", "exchanges", "fragments", "syncs", "pending", "view"}
         if self.num_sites > 1:
             expected.add("site")
         if "pending" not in state:  # saved before --outer-delay existed: nothing in flight
             state = {**state, "pending": {}}
+        if "view" not in state:  # saved before view wrappers (Grass) existed: none
+            state = {**state, "view": {}}
         if set(state) != expected:
             raise ValueError(f"diloco state keys {sorted(state)}, expected {sorted(expected)}")
         if self.initialized:
@@ -664,8 +695,15 @@ class DiLoCoHook(OptimizerHook):
             device = view.param_state(self.fragments[i][0]).main_param.device
             delta = p["delta"].to(device, torch.float32, copy=True)
             self.pending[i] = (int(p["apply_after"]), PendingAverage(delta))
+        if hasattr(view, "load_site_state"):
+            view.load_site_state(state["view"])
+        elif state["view"]:
+            raise ValueError(
+                f"diloco state holds a view's state ({sorted(state['view'])[:3]}) that this "
+                "run has no use for (saved with Grass?)"
+            )
         if "site" in state:
-            self._load_site(state["site"], view)
+            self._load_site(state["site"], self._raw)
 
     def _load_site(self, site: Dict[str, Any], view: OptimizerView) -> None:
         """This rank's own weights and inner optimizer state over megatron's replica (then

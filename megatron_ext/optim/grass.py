@@ -63,9 +63,9 @@ import torch
 
 from megatron_ext.autograd.grass import GrassLayer
 from megatron_ext.logging import get_logger
-from megatron_ext.optim.hooks import OptimizerHook, OptimizerView
+from megatron_ext.optim.hooks import OptimizerHook, OptimizerView, ParamOptimState
 
-__all__ = ["GrassOptimizerHook", "GrassSchedule"]
+__all__ = ["GrassOptimizerHook", "GrassSchedule", "GrassOuterView"]
 
 logger = get_logger(__name__)
 
@@ -388,3 +388,136 @@ def _reset_moments(state: Dict[str, Any]) -> None:
     for key in ("exp_avg", "exp_avg_sq"):
         if key in state:
             state[key].zero_()
+
+
+class GrassOuterView(OptimizerView):
+    """The optimizer view an outer synchronization (DiLoCo) works through when Grass trains
+    some weights: each projected weight is one whole parameter, its virtual parameter is
+    hidden.
+
+    The outer step reads and writes a model's weights: with Grass those of a projected layer
+    are the frozen weight ``W`` (its selected rows ``base + P V`` after every step), not the
+    virtual parameter ``V`` (an offset, zeroed at every selection). So this view lists, in
+    the place of ``V``'s FQN, the weight's FQN, whose ``main_param`` is ``W`` at full
+    precision (:meth:`GrassLayer.effective_weight`: the weight itself when fp32, else an fp32
+    master copy kept from now on, :meth:`GrassLayer.keep_master`). Writing it
+    (:meth:`write_param`) sets every row of ``W`` (and the master copy), takes the selected
+    rows as ``base`` and zeroes ``V`` through the wrapped view (main and model parameter):
+    the effective weight is what was written, and Grass's next step moves it from there.
+    ``V``'s Adam moments stay, as every other parameter's inner optimizer state does across
+    an outer step. Every other parameter passes through.
+
+    :meth:`site_state` is what a site must keep of its own beyond the optimizer's parameters
+    and state (megatron's checkpoint holds one data-parallel replica of the frozen weights):
+    the weights and their master copies.
+
+    Args:
+        inner: the optimizer's view (``V`` among its parameters).
+        layers: projected weights by layer FQN.
+        param_fqn: FQN of a layer's virtual parameter.
+        weight_fqn: FQN of a layer's weight.
+    """
+
+    def __init__(
+        self,
+        inner: OptimizerView,
+        layers: Dict[str, GrassLayer],
+        *,
+        param_fqn: Callable[[str], str],
+        weight_fqn: Callable[[str], str],
+    ):
+        self.inner = inner
+        self.layers = layers
+        self.param_fqn = param_fqn
+        self._by_virtual = {param_fqn(f): f for f in layers}
+        self._by_weight = {weight_fqn(f): f for f in layers}
+        self._weight_of = {f: w for w, f in self._by_weight.items()}
+        for layer in layers.values():
+            layer.keep_master()
+
+    def fqns(self) -> List[str]:
+        out = []
+        for fqn in self.inner.fqns():
+            layer = self._by_virtual.get(fqn)
+            out.append(fqn if layer is None else self._weight_of[layer])
+        return out
+
+    def param_state(self, fqn: str) -> Optional[ParamOptimState]:
+        layer_fqn = self._by_weight.get(fqn)
+        if layer_fqn is None:
+            return None if fqn in self._by_virtual else self.inner.param_state(fqn)
+        layer = self.layers[layer_fqn]
+        return ParamOptimState(
+            fqn=fqn, model_param=layer.weight, main_param=layer.effective_weight(), state={}
+        )
+
+    @property
+    def step(self) -> int:
+        return self.inner.step
+
+    def param_numels(self) -> Dict[str, int]:
+        out = {}
+        for fqn, n in self.inner.param_numels().items():
+            layer = self._by_virtual.get(fqn)
+            if layer is None:
+                out[fqn] = n
+            else:
+                out[self._weight_of[layer]] = self.layers[layer].weight.numel()
+        return out
+
+    def write_param(self, fqn: str, value: torch.Tensor) -> None:
+        layer_fqn = self._by_weight.get(fqn)
+        if layer_fqn is None:
+            self.inner.write_param(fqn, value)
+            return
+        layer = self.layers[layer_fqn]
+        with torch.no_grad():
+            if layer.master is not None:
+                layer.master.copy_(value.view_as(layer.master))
+            layer.weight.copy_(value.view_as(layer.weight))
+            layer.rebase()
+        v = self.inner.param_state(self.param_fqn(layer_fqn))
+        if v is not None:
+            self.inner.write_param(v.fqn, torch.zeros_like(v.main_param))
+
+    def sync_params(self) -> None:
+        self.inner.sync_params()
+
+    def loss_scale(self) -> Optional[torch.Tensor]:
+        return self.inner.loss_scale()
+
+    def site_state(self) -> Dict[str, torch.Tensor]:
+        """This rank's projected weights (and fp32 master copies), by weight FQN."""
+        out = {}
+        for fqn, layer_fqn in self._by_weight.items():
+            layer = self.layers[layer_fqn]
+            out[f"weight/{fqn}"] = layer.weight.detach().cpu().clone()
+            if layer.master is not None:
+                out[f"master/{fqn}"] = layer.master.detach().cpu().clone()
+        return out
+
+    def load_site_state(self, state: Dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`site_state` (ValueError when it does not fit these weights)."""
+        expected = set(self.site_state_keys())
+        if set(state) != expected:
+            raise ValueError(
+                f"Grass site state does not fit this model: missing "
+                f"{sorted(expected - set(state))[:5]}, unexpected {sorted(set(state) - expected)[:5]}"
+            )
+        with torch.no_grad():
+            for key, value in state.items():
+                kind, _, fqn = key.partition("/")
+                layer = self.layers[self._by_weight[fqn]]
+                target = layer.weight if kind == "weight" else layer.master
+                if tuple(value.shape) != tuple(target.shape):
+                    raise ValueError(f"Grass site state: {key} does not fit its weight")
+                target.copy_(value)
+
+    def site_state_keys(self) -> List[str]:
+        """The keys :meth:`site_state` returns."""
+        keys = []
+        for fqn, layer_fqn in self._by_weight.items():
+            keys.append(f"weight/{fqn}")
+            if self.layers[layer_fqn].master is not None:
+                keys.append(f"master/{fqn}")
+        return keys

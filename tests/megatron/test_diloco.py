@@ -271,6 +271,92 @@ def _dp4(rank, world, root):
     return out
 
 
+GRASS = ["--grass-method", "topr", "--grass-rank", "8", "--grass-update-interval", "3"]
+GRASS += ["--grass-rewarmup-steps", "2", "--grass-sketch-size", "16"]
+
+
+def _without_virtual(p):
+    return {f: t for f, t in p.items() if not f.endswith(".grass_weight")}
+
+
+def _grass(rank, world, root):
+    """DiLoCo with Grass at DP = 2 (module doc)."""
+    import torch
+
+    out = {}
+    # (a) G = 1, H = 1, lr 1, momentum 0 == Grass alone: the outer step writes every
+    # projected weight, rebases its rows and zeroes V at every step, which must not change
+    # the training (V's value is an offset; the weights are what counts).
+    trainer = make_trainer(GRASS)
+    build(trainer, stock=False)
+    out["plain_losses"] = train(trainer, 5)
+    plain = _without_virtual(params(trainer))
+    teardown(trainer)
+    _configure(
+        trainer,
+        GRASS
+        + ["--outer-method", "diloco", "--outer-groups", "1", "--outer-interval", "1"]
+        + ["--outer-lr", "1", "--outer-momentum", "0"],
+    )
+    build(trainer, stock=False)
+    out["h1_losses"] = train(trainer, 5)
+    h1 = _without_virtual(params(trainer))
+    out["h1_maxdiff"] = max((h1[f] - plain[f]).abs().max().item() for f in plain)
+    out["h1_virtual_zero"] = all(
+        not t.any() for f, t in params(trainer).items() if f.endswith(".grass_weight")
+    )
+    teardown(trainer)
+
+    # (b) G = 2, H = 2, bf16, the paper's outer optimizer: the frozen weights are outer
+    # parameters (their virtual ones are not), each site selects its own rows (sketches
+    # reduced inside the site), the outer step matches the float64 statement.
+    _configure(trainer, GRASS + ["--bf16", "--outer-method", "diloco", "--outer-interval", "2"])
+    build(trainer, stock=False)
+    hook = _hook(trainer)
+    layers = trainer.runtime.components["linear"].optimizer_hooks[0].layers
+    view, _ = _main_params(trainer)
+    initial = {
+        f: hook.outer_view(view).param_state(f).main_param.detach().clone()
+        for f in hook.outer_view(view).fqns()
+    }
+    out["outer_fqns"] = sorted(initial)
+    out["grass_weights"] = sorted(f"{f}.weight" for f in layers)
+    log = _record_syncs(trainer)
+    train(trainer, 3)
+    out["sites_differ_before_sync"] = bool(
+        first_difference(*_gather(_without_virtual(params(trainer))))
+    )
+    out["selections"] = _gather({f: layer.index.tolist() for f, layer in layers.items()})
+    train(trainer, 1, start=3)
+    out["agree_after_sync"] = first_difference(*_gather(_without_virtual(params(trainer))))
+    out["ref_err"] = _reference_check(log, initial, lr=0.7, momentum=0.9, nesterov=True)
+    out["syncs"] = hook.syncs
+    out["weights_are_bf16_of_master"] = all(
+        layer.weight.dtype == torch.bfloat16 and torch.equal(layer.weight, layer.master.bfloat16())
+        for layer in layers.values()
+    )
+    teardown(trainer)
+
+    # (c) resume at G = 2, bf16, H = 3 across a reselection and an outer step: the sites'
+    # weights, master copies, V and moments differ at the save; each rank resumes its own.
+    _configure(trainer, GRASS + ["--bf16", "--outer-method", "diloco", "--outer-interval", "3"])
+    build(trainer, stock=False)
+    full_losses = train(trainer, 8)
+    full = params(trainer)
+    teardown(trainer)
+    build(trainer, stock=False)
+    train(trainer, 4)
+    out["differ_at_save"] = bool(first_difference(*_gather(params(trainer))))
+    save_checkpoint(trainer, root + "-grass", 4)
+    teardown(trainer)
+    build(trainer, stock=False)
+    load_checkpoint(trainer, root + "-grass")
+    out["resume_losses_equal"] = train(trainer, 4, start=4) == full_losses[4:]
+    out["resume_params"] = first_difference(full, params(trainer))
+    teardown(trainer)
+    return out
+
+
 def _reinit_model_parallel(instances):
     """megatron's groups again, now with ``instances`` distributed-optimizer instances."""
     from megatron.core import parallel_state as ps
@@ -401,3 +487,26 @@ def test_diloco_dp4_two_sites_of_two(tmp_path):
         assert snapshot[0] + snapshot[1] == ref_snapshot and 0 < snapshot[0] < ref_snapshot
         assert r["do_in_flight_at_save"] == [0]
         assert r["do_resume_params"] is None, r["do_resume_params"]
+
+
+def test_diloco_with_grass_dp2(tmp_path):
+    results = run_ranks(_grass, 2, str(tmp_path / "ckpt"))
+    for r in results:
+        # (a)
+        assert r["h1_losses"] == pytest.approx(r["plain_losses"], abs=1e-6)
+        assert r["h1_maxdiff"] <= 1e-6, r["h1_maxdiff"]
+        assert r["h1_virtual_zero"]
+        # (b)
+        assert set(r["grass_weights"]) <= set(r["outer_fqns"]), r["outer_fqns"]
+        assert not any(f.endswith(".grass_weight") for f in r["outer_fqns"])
+        assert r["sites_differ_before_sync"]
+        assert r["agree_after_sync"] is None, r["agree_after_sync"]
+        assert r["syncs"] == 2
+        assert r["ref_err"] <= 1e-6, r["ref_err"]
+        assert r["weights_are_bf16_of_master"]
+        # (c)
+        assert r["differ_at_save"]
+        assert r["resume_losses_equal"]
+        assert r["resume_params"] is None, r["resume_params"]
+    first, second = results[0]["selections"]
+    assert first != second, "each site selects from its own gradient"

@@ -13,10 +13,11 @@ checkpoint every 2:
   entry) and puts them back at the first step. Measured: without that, iteration 3's loss
   differs.
 
-Both with megatron's DDP and optimizer, and with the distributed optimizer
+With megatron's DDP and optimizer, with the distributed optimizer
 (``--use-distributed-optimizer --num-distributed-optimizer-instances 2``: each site one
 optimizer instance; Megatron-LM's checkpoint then holds site 0's instance and each rank its
-own shards in its megatron-ext state).
+own shards in its megatron-ext state), and with Grass (the outer step moves its frozen
+projected weights, which each rank's megatron-ext state also carries).
 """
 
 from pathlib import Path
@@ -40,6 +41,11 @@ def lm_dir() -> Path:
 VARIANTS = {
     "ddp": [],
     "dist-opt": ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
+    # Grass (r=8 of 64, reselected every 2 steps): the outer step moves the frozen
+    # projected weights; Megatron-LM's checkpoint holds site 0's, each rank its own in its
+    # megatron-ext state (GrassOuterView.site_state).
+    "grass": ["--grass-method", "norm2", "--grass-rank", "8", "--grass-update-interval", "2"]
+    + ["--grass-rewarmup-steps", "1"],
 }
 
 
@@ -74,10 +80,12 @@ def test_diloco_two_sites_resumes_exactly_between_outer_steps(two_sites, lm_dir,
         tiny_args(load=str(root / "ckpt"), ckpt_step="2", **FLAGS) + extra,
         cwd=tmp_path,
     ).check()
+    objects = "grad_reducer, optimizer_hook.0.diloco"
+    if "--grass-method" in extra:
+        objects += ", optimizer_hook.1.grass"
     assert (
         f"> megatron-ext: loaded the state of 2 ranks from {root / 'ckpt' / 'iter_0000002'} "
-        "(ShardedObject 'megatron_ext/rank_state'; objects: grad_reducer, "
-        "optimizer_hook.0.diloco)" in resumed.stdout
+        f"(ShardedObject 'megatron_ext/rank_state'; objects: {objects})" in resumed.stdout
     )
     a, b = iterations(full.stdout), iterations(resumed.stdout)
     assert sorted(b) == [3, 4, 5, 6]

@@ -128,7 +128,6 @@ def test_layout_refusals():
     validate_ext_config(cfg, ParallelLayout(data_parallel_size=2))
     pp2 = ParallelLayout(data_parallel_size=2, pipeline_model_parallel_size=2)
     refused = [
-        (["--grass-method", "topr"], "--outer-method, --grass-method"),
         (
             ["--subspace-method", "protocol", "--subspace-update-interval", "10"],
             "--outer-method, --subspace-update-interval",
@@ -145,6 +144,15 @@ def test_layout_refusals():
     # Protocol Models with a fixed subspace and the exact exchange: accepted.
     cfg = ext_config_from_flags(["--outer-method", "diloco", "--subspace-method", "protocol"])
     validate_ext_config(cfg, pp2)
+    # Grass: accepted (the outer step moves its frozen weights, GrassOuterView); with the
+    # distributed optimizer refused by Grass itself.
+    cfg = ext_config_from_flags(["--outer-method", "diloco", "--grass-method", "topr"])
+    validate_ext_config(cfg, pp2)
+    cfg = ext_config_from_flags(
+        ["--outer-method", "diloco", "--outer-groups", "4", "--grass-method", "topr"]
+    )
+    with pytest.raises(ConfigError, match="--grass-method, --use-distributed-optimizer"):
+        validate_ext_config(cfg, dist_opt(4))
 
 
 def test_driver_refuses_the_replica_hash_with_several_sites():

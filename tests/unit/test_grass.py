@@ -722,3 +722,113 @@ def test_moments_follow_their_rows_across_a_reselection_as_the_paper_rule(method
     assert new_rows > 0
     if not reset and method == "topr":
         assert moved > 0, "no kept row changed slot: the test would not see slot-carried moments"
+
+
+# -- with an outer synchronization (DiLoCo): the frozen weight as one parameter ----------------
+
+
+def _inner_view(param, optimizer, other):
+    """An OptimizerView over Grass's V (``"v"``, a torch AdamW parameter) and one more
+    parameter (``"other"``): what the outer view wraps."""
+    from megatron_ext.optim.hooks import OptimizerView, ParamOptimState
+
+    class View(OptimizerView):
+        step = 0
+
+        def fqns(self):
+            return ["other", "v"]
+
+        def param_state(self, fqn):
+            if fqn == "other":
+                return ParamOptimState("other", other, other, {})
+            return ParamOptimState(
+                fqn, param, param, optimizer.state.get(param, {}), None, optimizer.param_groups[0]
+            )
+
+    return View()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_outer_view_reads_and_writes_the_frozen_weight_at_full_precision(dtype):
+    """GrassOuterView lists the projected weight in place of V; its main parameter is the
+    weight with the selected rows at base + P V (an fp32 master copy for a bf16 weight,
+    kept exact by every row write); writing it sets every row, takes the selected rows as
+    base and zeroes V, keeping V's Adam moments; Grass then moves the selected rows from
+    the written values only. The site state round-trips."""
+    from megatron_ext.optim.grass import GrassOptimizerHook, GrassOuterView, GrassSchedule
+
+    torch.manual_seed(0)
+    m, n, r = 10, 12, 6  # uniform with replacement: duplicate rows likely
+    layer = _layer(m, n, r, "uniform", dtype=torch.float64)
+    layer.weight = layer.weight.to(dtype)
+    master_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    v = torch.nn.Parameter(torch.zeros(r, n, dtype=master_dtype))
+    layer.param = v
+    opt = torch.optim.AdamW([v], lr=0.05, betas=(0.9, 0.99), weight_decay=0.1)
+    hook = GrassOptimizerHook(
+        {"l": layer},
+        GrassSchedule(update_interval=0, rewarmup=0, scale=0.5),
+        lambda flat: None,
+        reset_state=True,
+        param_fqn=lambda f: "v",
+    )
+    hook.initial_selection()
+    other = torch.zeros(3, dtype=torch.float32)
+    inner = _inner_view(v, opt, other)
+    view = GrassOuterView(inner, {"l": layer}, param_fqn=lambda f: "v", weight_fqn=lambda f: "w")
+    assert view.fqns() == ["other", "w"] and view.param_state("v") is None
+    assert view.param_state("other").main_param is other
+    assert view.param_numels() == {"other": 3, "w": m * n}
+
+    def step(s):
+        inner.step = s
+        hook.begin_step(s)
+        v.grad = torch.randn(r, n, dtype=master_dtype)
+        hook.pre_step(inner)
+        opt.step()
+        hook.post_step(inner, True)
+
+    for s in range(3):
+        step(s)
+    main = view.param_state("w").main_param
+    assert main.dtype == master_dtype and tuple(main.shape) == (m, n)
+    assert (layer.master is None) == (dtype == torch.float64)
+    assert torch.equal(main.index_select(0, layer.unique), layer.current_rows(v.detach()))
+    assert torch.equal(layer.weight, main.to(dtype))  # the weight is the master rounded
+    assert v.detach().abs().sum() > 0
+
+    # The outer step writes the whole weight.
+    moments = {k: t.clone() for k, t in opt.state[v].items()}
+    value = torch.randn(m, n, dtype=master_dtype)
+    view.write_param("w", value)
+    assert torch.equal(view.param_state("w").main_param, value)
+    assert torch.equal(layer.weight, value.to(dtype))
+    assert torch.equal(v.detach(), torch.zeros_like(v))
+    assert torch.equal(layer.current_rows(v.detach()), value.index_select(0, layer.unique))
+    for k, t in moments.items():
+        assert torch.equal(opt.state[v][k], t), k  # V's Adam moments kept
+    # Grass's next step moves the selected rows from the written values, nothing else.
+    step(3)
+    after = view.param_state("w").main_param
+    others = [i for i in range(m) if i not in set(layer.unique.tolist())]
+    assert torch.equal(after[others], value[others])
+    torch.testing.assert_close(
+        after.index_select(0, layer.unique),
+        value.index_select(0, layer.unique) * (1 - 0.5 * 0.05 * 0.1)
+        + (layer.current_rows(v.detach()) - layer.base),
+        rtol=0,
+        atol=1e-6,
+    )
+
+    # This rank's own weights (and master copies) round-trip; a misfit is refused.
+    saved = view.site_state()
+    assert sorted(saved) == (["weight/w"] if dtype == torch.float64 else ["master/w", "weight/w"])
+    kept = (layer.weight.clone(), main.clone())
+    with torch.no_grad():
+        layer.weight.add_(1)
+        if layer.master is not None:
+            layer.master.add_(1)
+    view.load_site_state(saved)
+    assert torch.equal(layer.weight, kept[0]) and torch.equal(main, kept[1])
+    with pytest.raises(ValueError, match="does not fit"):
+        view.load_site_state({"weight/x": saved["weight/w"]})

@@ -850,6 +850,81 @@ def test_diloco_steps_between_outer_syncs_stay_on_device(case):
             assert not any(s.findings for s in run.mode.named("outer"))
 
 
+def test_diloco_with_grass_steps_stay_on_device():
+    """DiLoCo through Grass's outer view, bf16 weights (so the fp32 master copies): a step
+    between outer syncs adds only the master copy's row write, the dense outer step (every
+    projected weight written, rebased, V zeroed) stays on the device; Grass's selection
+    steps are declared. The same collectives on every site."""
+    from megatron_ext.autograd.grass import grass_linear
+    from megatron_ext.optim.diloco import DiLoCoHook, fragment_due
+    from megatron_ext.methods.diloco import OuterConfig
+    from megatron_ext.optim.grass import GrassOuterView
+
+    bf16 = torch.bfloat16
+
+    def body(rank, mode):
+        layers, grass = grass_setup(
+            "topr", True, DEVICE, lambda i, shape: torch.randn(shape, device=DEVICE).to(bf16)
+        )
+        states = {}
+        for fqn, layer in layers.items():
+            layer.param = torch.nn.Parameter(torch.zeros_like(layer.param, dtype=bf16))
+            states[f"{fqn}.grass_weight"] = ParamOptimState(
+                fqn=f"{fqn}.grass_weight",
+                model_param=layer.param,
+                main_param=torch.zeros(layer.param.shape, device=DEVICE),
+                state={"step": torch.tensor(0.0)},
+                group={"lr": 1e-2, "weight_decay": 0.1},
+            )
+
+        class View(OptimizerView):
+            step = 0
+
+            def fqns(self):
+                return sorted(states)
+
+            def param_state(self, fqn):
+                return states.get(fqn)
+
+        view = View()
+        wrap = lambda v: GrassOuterView(  # noqa: E731
+            v, layers, param_fqn=lambda f: f"{f}.grass_weight", weight_fqn=lambda f: f
+        )
+        o = OuterConfig(interval=DILOCO_H)
+        with mode.step("setup", sync_ok=True):
+            outer = DiLoCoHook(o, dist.group.WORLD, view_wrappers=[wrap])
+            outer.setup(view)
+        for step in range(2 * DILOCO_H):
+            view.step = step
+            selecting = grass.schedule.is_selection_step(step)
+            due = bool(fragment_due(step + 1, o.interval, o.fragments))
+            name = "select" if selecting else "outer" if due else "steady"
+            with mode.step(name, sync_ok=selecting):
+                grass.begin_step(step)
+                x = torch.randn(4, 16, device=DEVICE, dtype=bf16, requires_grad=True)
+                h = grass_linear(x, layers["l0.weight"].weight, None, layers["l0.weight"])
+                y = grass_linear(h, layers["l1.weight"].weight, None, layers["l1.weight"])
+                y.float().sum().backward()
+                outer.pre_step(view)  # the runtime's order: outer hooks first,
+                grass.pre_step(view)
+                for s in states.values():
+                    s.main_param.add_(s.model_param.grad.float(), alpha=-1e-2)
+                    s.model_param.grad = None
+                    s.state["step"] += 1
+                grass.post_step(view, True)  # ... their post_step last
+                outer.post_step(view, True)
+        return [layer.master is not None for layer in layers.values()]
+
+    runs = run_ranks(2, body)
+    assert not compare_ranks(runs)
+    for run in runs:
+        assert run.result == [True, True]
+        assert run.mode.named("steady") and run.mode.named("outer") and run.mode.named("select")
+        for s in run.mode.named("steady") + run.mode.named("outer"):
+            assert not s.findings, format_findings(s.findings)
+        _assert_clean(run.mode.steps, f"diloco with grass, rank {run.rank}")
+
+
 def test_diloco_resumed_from_cpu_loaded_state_steps_on_device():
     """A resume (state loaded from a CPU checkpoint, an overlapped exchange in flight)
     continues on the device."""

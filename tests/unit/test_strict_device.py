@@ -48,6 +48,23 @@ def _to_cpu(state):
     return state
 
 
+def _states_view(states):
+    """An OptimizerView over ``states`` (FQN -> ParamOptimState); its ``step`` is set by
+    the caller."""
+    from megatron_ext.optim.hooks import OptimizerView
+
+    class View(OptimizerView):
+        step = 0
+
+        def fqns(self):
+            return sorted(states)
+
+        def param_state(self, fqn):
+            return states.get(fqn)
+
+    return View()
+
+
 # -- positive control ----------------------------------------------------------------------
 
 
@@ -607,7 +624,7 @@ def _protocol_stage(accumulate):
     WORLD (all-reduce ``A``, the Grassmann step on rank 0, broadcast)."""
     from megatron_ext.collectives.subspace import SubspaceCodec
     from megatron_ext.compressors.subspace import Subspace, grassmann_step, project
-    from megatron_ext.optim.hooks import OptimizerView, ParamOptimState
+    from megatron_ext.optim.hooks import ParamOptimState
     from megatron_ext.optim.subspace import SubspaceOptimizerHook
 
     subspace = Subspace(D, K, seed=0)
@@ -636,15 +653,6 @@ def _protocol_stage(accumulate):
         for fqn, (p, _) in params.items()
     }
 
-    class View(OptimizerView):
-        step = 0
-
-        def fqns(self):
-            return sorted(states)
-
-        def param_state(self, fqn):
-            return states.get(fqn)
-
     def update_basis():
         u = subspace.u
         new = torch.empty_like(u)
@@ -664,7 +672,7 @@ def _protocol_stage(accumulate):
         reproject_interval=2,
         update_basis=update_basis,
     )
-    return codec, hook, View(), states
+    return codec, hook, _states_view(states), states
 
 
 def _protocol_steps(mode, first, last, steps, start=0, microbatches=2):
@@ -877,16 +885,7 @@ def test_diloco_with_grass_steps_stay_on_device():
                 group={"lr": 1e-2, "weight_decay": 0.1},
             )
 
-        class View(OptimizerView):
-            step = 0
-
-            def fqns(self):
-                return sorted(states)
-
-            def param_state(self, fqn):
-                return states.get(fqn)
-
-        view = View()
+        view = _states_view(states)
         wrap = lambda v: GrassOuterView(  # noqa: E731
             v, layers, param_fqn=lambda f: f"{f}.grass_weight", weight_fqn=lambda f: f
         )

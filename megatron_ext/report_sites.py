@@ -344,11 +344,17 @@ def plot_loss_vs_time(records: Sequence[Dict[str, Any]], path: str) -> Optional[
                 panels.setdefault((layout, pp, rate), []).append(r)
     if not panels:
         return None
-    # One colour per configuration across panels (``none`` black).
+    # One colour per configuration across panels (``none`` black): the default cycle's 10
+    # while they suffice, else tab20's 20 (beyond that colours repeat).
     labels = list(dict.fromkeys(r["label"] for runs in panels.values() for r in runs))
-    colors = {lab: f"C{i}" for i, lab in enumerate(x for x in labels if x != "none")}
-    colors["none"] = "black"
+    others = [x for x in labels if x != "none"]
     plt = _pyplot()
+    if len(others) <= 10:
+        colors = {lab: f"C{i}" for i, lab in enumerate(others)}
+    else:
+        palette = plt.get_cmap("tab20")
+        colors = {lab: palette(i % 20) for i, lab in enumerate(others)}
+    colors["none"] = "black"
     ncols = min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4.2 * nrows), squeeze=False)

@@ -735,9 +735,21 @@ def main(argv: Optional[List[str]] = None) -> int:
             if rate != "unshaped":
                 parse_rate(rate)
         skip = set(parse_list(args.skip))
-        if skip - {label for label, _ in configs}:
-            raise ValueError(f"--skip: no configuration labelled {sorted(skip - set(iters_of))}")
+        unknown = skip - {label for label, _ in configs}
+        if unknown:
+            raise ValueError(f"--skip: no configuration labelled {sorted(unknown)}")
         reused = load_reused(args.reuse, args, configs)
+        # The dense reference first, so every later run is compared as soon as it ends.
+        configs.sort(key=lambda c: c[0] != "none")
+        plan = [(lay, rate, c) for lay in layouts for rate in rates for c in configs]
+        skipped = [
+            (lay, rate, c)
+            for lay, rate, c in plan
+            if c[0] in skip and (lay.name, rate, c[0]) not in reused
+        ]
+        plan = [p for p in plan if p not in skipped]
+        if not plan:
+            raise ValueError("--skip: nothing left to run or reuse (no report to write)")
     except (ValueError, OSError) as exc:
         print(f"sites.py: error: {exc}")
         return 2
@@ -747,8 +759,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     if reason:
         print(f"sites.py: error: this benchmark runs inside megatron-ext netbench: {reason}")
         return 2
-    # The dense reference first, so every later run is compared as soon as it ends.
-    configs.sort(key=lambda c: c[0] != "none")
     out = args.out or default_out_dir("sites")
     os.makedirs(out, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k != "out"}
@@ -759,13 +769,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         "the target: first time the trailing-mean loss (window 10% of the iterations) is at or "
         "below the none run's final loss, interpolated between the bracketing iterations"
     )
-    plan = [(lay, rate, c) for lay in layouts for rate in rates for c in configs]
-    skipped = [
-        (lay, rate, c)
-        for lay, rate, c in plan
-        if c[0] in skip and (lay.name, rate, c[0]) not in reused
-    ]
-    plan = [p for p in plan if p not in skipped]
     # Reused runs outside the plan (e.g. the unshaped none run of a shaped sweep) are kept as
     # references: the target is the final loss of a complete none run at any rate.
     planned = {(lay.name, rate, c[0]) for lay, rate, c in plan}

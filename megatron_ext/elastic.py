@@ -109,6 +109,10 @@ RULES: Dict[str, Dict[str, str]] = {
     "SubspaceCodec": {},
     "DirectQCodec": {},
     "AQSGDCodec": {"policy": SAME, "send": RESET, "recv": RESET},
+    # Every role reset: the fresh state's ``anchored`` is False, so DiLoCo's first step
+    # takes its snapshots from the loaded weights (the sites' own weights are not remapped:
+    # every rank resumes from the loaded replica, and the outer momentum starts at zero).
+    "DiLoCoHook": {},
 }
 """Per state-object class, per role: how the role carries over to another DP size."""
 

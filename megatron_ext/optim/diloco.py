@@ -421,6 +421,13 @@ class DiLoCoHook(OptimizerHook):
         # fragment -> (step count after which it is applied, its exchange in flight)
         self.pending: Dict[int, Tuple[int, PendingAverage]] = {}
         self._pending_load: Optional[Dict[str, Any]] = None
+        # The snapshots hold the weights training starts from: False until the first step
+        # (or a load of a saved state) confirms it. State allocated at install is taken from
+        # the weights before any checkpoint load; a load that writes the model's weights but
+        # not this state (--finetune, a release checkpoint, --ext-state-on-mismatch reset, an
+        # elastic resume, which resets it) leaves it False, and the first step takes the
+        # snapshots (and the outer view's copies) from the loaded weights (:meth:`anchor`).
+        self.anchored = False
         # the optimizer's view (the inner state: a site's own parameters and moments) and the
         # outer step's (view_wrappers applied)
         self._raw: Optional[OptimizerView] = None
@@ -499,6 +506,20 @@ class DiLoCoHook(OptimizerHook):
     def pre_step(self, view: OptimizerView) -> None:
         if not self.initialized:
             self.setup(view)
+        if not self.anchored:
+            self.anchor(view)
+
+    def anchor(self, view: OptimizerView) -> None:
+        """Take the snapshots from the weights as they are now (the first step of a run
+        whose state was not loaded): the outer state starts afresh from the loaded weights,
+        the same on every site (every rank loaded the same replica), with no momentum."""
+        view = self.outer_view(view)
+        if hasattr(view, "anchor"):
+            view.anchor()
+        for fqn in view.fqns():
+            self.snapshot[fqn].copy_(view.param_state(fqn).main_param.detach())
+        self.momentum = {}
+        self.anchored = True
 
     def post_step(self, view: OptimizerView, update_successful: bool) -> None:
         # Scheduled by iteration, the same on every site (a skipped inner step included).
@@ -622,7 +643,9 @@ class DiLoCoHook(OptimizerHook):
         optimizer state tensors (``site``): between outer steps they differ from the other
         sites', and megatron-core's checkpoint keeps one data-parallel replica of them.
         ``view``: what the outer view keeps of its own (its ``site_state()``, e.g. Grass's
-        frozen weights and their fp32 copies; empty without wrappers).
+        frozen weights and their fp32 copies; empty without wrappers). ``anchored``: False
+        while the snapshots are the weights taken at install, before any step (a load then
+        takes nothing from this state: :meth:`anchor`).
         """
         if not self.initialized and self._pending_load is not None:
             return self._pending_load
@@ -642,6 +665,7 @@ class DiLoCoHook(OptimizerHook):
             "syncs": self.syncs,
             "pending": pending,
             "view": self._view.site_state() if hasattr(self._view, "site_state") else {},
+            "anchored": self.anchored,
         }
         if self.num_sites > 1:
             params, optim = {}, {}
@@ -659,13 +683,24 @@ class DiLoCoHook(OptimizerHook):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; applied at the first step if the state is not yet
         allocated (a resume loads before training starts)."""
-        expected = {"snapshot", "momentum", "exchanges", "fragments", "syncs", "pending", "view"}
+        expected = {
+            "snapshot",
+            "momentum",
+            "exchanges",
+            "fragments",
+            "syncs",
+            "pending",
+            "view",
+            "anchored",
+        }
         if self.num_sites > 1:
             expected.add("site")
         if "pending" not in state:  # saved before --outer-delay existed: nothing in flight
             state = {**state, "pending": {}}
         if "view" not in state:  # saved before view wrappers (Grass) existed: none
             state = {**state, "view": {}}
+        if "anchored" not in state:  # saved before the flag existed: after training steps
+            state = {**state, "anchored": True}
         if set(state) != expected:
             raise ValueError(f"diloco state keys {sorted(state)}, expected {sorted(expected)}")
         if self.initialized:
@@ -674,6 +709,12 @@ class DiLoCoHook(OptimizerHook):
             self._pending_load = state
 
     def _apply_load(self, state: Dict[str, Any], view: OptimizerView) -> None:
+        if not state["anchored"]:
+            # State taken before any step (a save at iteration 0, or an elastic resume's
+            # reset, which keeps the freshly built state): nothing in it but the initial
+            # weights; the first step takes the snapshots from the loaded ones.
+            self.anchored = False
+            return
         if [list(f) for f in state["fragments"]] != self.fragments:
             raise ValueError("diloco state was saved with other fragments (--outer-fragments)")
         if set(state["snapshot"]) != set(self.snapshot):
@@ -704,6 +745,7 @@ class DiLoCoHook(OptimizerHook):
             )
         if "site" in state:
             self._load_site(state["site"], self._raw)
+        self.anchored = True
 
     def _load_site(self, site: Dict[str, Any], view: OptimizerView) -> None:
         """This rank's own weights and inner optimizer state over megatron's replica (then

@@ -513,6 +513,16 @@ class GrassOuterView(OptimizerView):
                     raise ValueError(f"Grass site state: {key} does not fit its weight")
                 target.copy_(value)
 
+    def anchor(self) -> None:
+        """Take the master copies from the weights as they are now: after a load that wrote
+        the model's weights but not DiLoCo's state (``--finetune``, a release checkpoint,
+        ``--ext-state-on-mismatch reset``, an elastic resume), the copies made at install
+        hold the initial weights."""
+        with torch.no_grad():
+            for layer in self.layers.values():
+                if layer.master is not None:
+                    layer.master.copy_(layer.weight)
+
     def site_state_keys(self) -> List[str]:
         """The keys :meth:`site_state` returns."""
         keys = []

@@ -347,12 +347,66 @@ def _grass(rank, world, root):
     build(trainer, stock=False)
     train(trainer, 4)
     out["differ_at_save"] = bool(first_difference(*_gather(params(trainer))))
+    at_save = _gather(_without_virtual(params(trainer)))[0]  # the replica saved: DP rank 0's
     save_checkpoint(trainer, root + "-grass", 4)
     teardown(trainer)
     build(trainer, stock=False)
     load_checkpoint(trainer, root + "-grass")
     out["resume_losses_equal"] = train(trainer, 4, start=4) == full_losses[4:]
     out["resume_params"] = first_difference(full, params(trainer))
+    teardown(trainer)
+
+    # (d) the model weights of that checkpoint without megatron-ext's state, as --finetune
+    # loads them (and --ext-state-on-mismatch reset): DiLoCo's snapshots and Grass's master
+    # copies, made at install from the initial weights, are taken from the loaded weights
+    # at the first step. (d1) G = 1, H = 1, lr 1 equals Grass alone (a stale master copy
+    # writes initial rows at the first selection); (d2) G = 2, H = 2, the paper's outer
+    # optimizer against the float64 statement chained from the loaded weights.
+    def finetune(flags):
+        from megatron_ext.megatron import checkpoint as ckpt
+
+        _configure(trainer, GRASS + ["--bf16"] + flags)
+        build(trainer, stock=False)
+        ckpt.load_checkpoint(
+            root + "-grass",
+            model_chunks=trainer.model,
+            optimizer=trainer.optimizer,
+            scheduler=trainer.scheduler,
+            runtime=trainer.runtime,
+            model_only=True,
+        )
+        trainer.optimizer.reload_model_params()  # as the driver's --finetune
+
+    finetune([])
+    out["ft_plain_losses"] = train(trainer, 4)
+    plain = _without_virtual(params(trainer))
+    teardown(trainer)
+    finetune(
+        ["--outer-method", "diloco", "--outer-groups", "1", "--outer-interval", "1"]
+        + ["--outer-lr", "1", "--outer-momentum", "0"]
+    )
+    out["ft_h1_losses"] = train(trainer, 4)
+    h1 = _without_virtual(params(trainer))
+    out["ft_h1_maxdiff"] = max((h1[f] - plain[f]).abs().max().item() for f in plain)
+    teardown(trainer)
+    finetune(["--outer-method", "diloco", "--outer-interval", "2"])
+    hook = _hook(trainer)
+    view, _ = _main_params(trainer)
+    # the loaded weights at full precision: a projected weight's own (bf16) values, not its
+    # master copy (made at install; the first step takes it from the weight)
+    weights = {
+        f"{f}.weight": layer.weight.detach().float()
+        for f, layer in trainer.runtime.components["linear"].optimizer_hooks[0].layers.items()
+    }
+    loaded = {
+        f: weights.get(f, hook.outer_view(view).param_state(f).main_param).detach().clone()
+        for f in hook.outer_view(view).fqns()
+    }
+    out["ft_loaded_is_checkpoint"] = first_difference(_without_virtual(params(trainer)), at_save)
+    log = _record_syncs(trainer)
+    train(trainer, 4)
+    out["ft_ref_err"] = _reference_check(log, loaded, lr=0.7, momentum=0.9, nesterov=True)
+    out["ft_syncs"] = hook.syncs
     teardown(trainer)
     return out
 
@@ -508,5 +562,11 @@ def test_diloco_with_grass_dp2(tmp_path):
         assert r["differ_at_save"]
         assert r["resume_losses_equal"]
         assert r["resume_params"] is None, r["resume_params"]
+        # (d)
+        assert r["ft_h1_losses"] == pytest.approx(r["ft_plain_losses"], abs=1e-6)
+        assert r["ft_h1_maxdiff"] <= 1e-6, r["ft_h1_maxdiff"]
+        assert r["ft_loaded_is_checkpoint"] is None, r["ft_loaded_is_checkpoint"]
+        assert r["ft_syncs"] == 2
+        assert r["ft_ref_err"] <= 1e-6, r["ft_ref_err"]
     first, second = results[0]["selections"]
     assert first != second, "each site selects from its own gradient"

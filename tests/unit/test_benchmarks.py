@@ -535,6 +535,7 @@ def test_sites_layouts_configs_and_commands():
         sites.config_iters(["--train-iters", "x"], 1000)
     assert sites.main(["--iters", "4", "--config", "none=--train-iters 8"]) == 2  # the reference
     assert sites.main(["--iters", "4", "--config", "none=", "--skip", "nonee"]) == 2  # a typo
+    assert sites.main(["--iters", "4", "--config", "none=", "--skip", "none"]) == 2  # nothing
     args = sites.build_parser().parse_args(["--iters", "1000"])
     cmd = sites.train_command(args, dp2, rest, "run", iters)
     assert cmd[cmd.index("--train-iters") + 1] == "2000" and cmd.count("--train-iters") == 1

@@ -71,6 +71,114 @@ def test_dense_exchange_without_group_and_factory():
         make_outer_exchange("int4", None, 4, None, "cpu")
 
 
+class _View:
+    """fp32 parameters that are their own main copies (an OptimizerView's surface)."""
+
+    def __init__(self, params):
+        from megatron_ext.optim.hooks import ParamOptimState
+
+        self.params = params
+        self.step = 0
+        self.states = {
+            f: ParamOptimState(fqn=f, model_param=p, main_param=p, state={})
+            for f, p in params.items()
+        }
+
+    def fqns(self):
+        return sorted(self.params)
+
+    def param_state(self, fqn):
+        return self.states.get(fqn)
+
+    def param_numels(self):
+        return {f: p.numel() for f, p in self.params.items()}
+
+    def write_param(self, fqn, value):
+        self.params[fqn].copy_(value.view_as(self.params[fqn]))
+
+    def sync_params(self):
+        pass
+
+
+def test_outer_state_starts_from_the_loaded_weights_unless_it_was_loaded():
+    """Allocated at install from the initial weights; a load that writes the weights but not
+    DiLoCo's state (--finetune, reset, an elastic resume's fresh state) must not leave the
+    initial weights as the snapshot, or the first outer step pulls the model back to them."""
+    import types
+
+    from megatron_ext.elastic import remap_objects
+    from megatron_ext.optim.diloco import DiLoCoHook
+
+    opts = types.SimpleNamespace(
+        interval=2,
+        lr=0.7,
+        momentum=0.9,
+        nesterov=True,
+        fragments=1,
+        state_device="device",
+        compression="none",
+        delay=0,
+        merge_alpha=0.0,
+    )
+
+    def run(load=None, elastic=False):
+        params = {"w": torch.zeros(3), "b": torch.zeros(2)}  # the initial weights
+        view = _View(params)
+        hook = DiLoCoHook(opts, None)
+        hook.setup(view)  # at install, before the checkpoint load
+        fresh = hook.state_dict()
+        for p in params.values():  # the checkpoint's weights
+            p.fill_(5.0)
+        if elastic:  # every role reset: the freshly built state goes back in
+            objects, reset = remap_objects(
+                [{"diloco": fresh}],
+                {"diloco": fresh},
+                {"diloco": fresh},
+                {"diloco": "DiLoCoHook"},
+                old_dp=2,
+                new_dp=1,
+            )
+            assert "diloco: anchored" in reset and "diloco: snapshot" in reset
+            hook.load_state_dict(objects["diloco"])
+        elif load is not None:
+            hook.load_state_dict(load)
+        assert not fresh["anchored"]
+        for step in range(2):  # an inner step each, then the outer step after the second
+            view.step = step
+            hook.pre_step(view)
+            for p in params.values():
+                p.sub_(1.0)
+            hook.post_step(view, True)
+        return params, hook
+
+    # Not loaded (--finetune, reset) and the elastic reset: the pseudo-gradient is 5 - 3 = 2
+    # from the loaded weights; the first Nesterov step moves by lr * (1 + mu) * 2.
+    expected = 5.0 - 0.7 * 1.9 * 2.0
+    for params, hook in (run(), run(elastic=True)):
+        assert hook.anchored and hook.syncs == 1
+        assert all(torch.allclose(p, torch.full_like(p, expected)) for p in params.values())
+    # A saved state after training steps is loaded as saved (snapshot 4: pseudo-gradient 2
+    # from it, momentum continues from the saved buffer of 1).
+    _, trained = run()
+    saved = trained.state_dict()
+    assert saved["anchored"]
+    saved["snapshot"] = {f: torch.full_like(t, 4.0) for f, t in saved["snapshot"].items()}
+    saved["momentum"] = {f: torch.full_like(t, 1.0) for f, t in saved["snapshot"].items()}
+    params, hook = run(load=saved)
+    buf = 0.9 * 1.0 + 1.0  # delta = 4 - 3
+    assert all(
+        torch.allclose(p, torch.full_like(p, 4.0 - 0.7 * (1.0 + 0.9 * buf)))
+        for p in params.values()
+    )
+    # Saved before the flag existed: taken as a trained state.
+    legacy = {k: v for k, v in saved.items() if k != "anchored"}
+    params, _ = run(load=legacy)
+    assert all(
+        torch.allclose(p, torch.full_like(p, 4.0 - 0.7 * (1.0 + 0.9 * buf)))
+        for p in params.values()
+    )
+
+
 @pytest.mark.parametrize(
     "flags,named",
     [

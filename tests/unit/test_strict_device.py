@@ -795,9 +795,14 @@ def _diloco_steps(mode, hook, view, steps, first=0):
             o.delay and t > o.delay and bool(fragment_due(t - o.delay, o.interval, o.fragments))
         )
         # Declared: a compressed exchange's non-finite check (one sync per exchange, on the
-        # worker thread when overlapped) and host-memory outer state moving at an outer step.
+        # worker thread when overlapped) and host-memory outer state moving at an outer step,
+        # and at the run's first step, which takes the snapshots from the weights training
+        # starts from (DiLoCoHook.anchor: into host memory with --outer-state-device cpu).
         declared = outer and (o.compression != "none" or o.state_device == "cpu")
-        with mode.step("outer" if outer else "steady", sync_ok=declared):
+        name = "outer" if outer else "steady"
+        if step == 0 and o.state_device == "cpu":
+            name, declared = "first", True
+        with mode.step(name, sync_ok=declared):
             for s in view.states.values():
                 s.main_param.add_(1e-3)
             hook.pre_step(view)

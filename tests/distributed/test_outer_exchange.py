@@ -237,13 +237,13 @@ def _overlap(
     out = {"weights": [], "in_flight": [], "fragments": hook.fragments, "hook": hook}
     for step in range(start, steps):
         clock["step"] = step
+        hook.pre_step(view)  # as megatron's step: before the inner update
         flat = _inner_step(members[me], step, NUMEL)
         offset = 0
         for n, shape in SHAPES:
             k = params[n].numel()
             params[n].sub_(flat[offset : offset + k].view(shape))
             offset += k
-        hook.pre_step(view)
         hook.post_step(view, True)
         out["weights"].append({n: t.clone() for n, t in params.items()})
         # in flight and not waited for: the handle still holds its collective

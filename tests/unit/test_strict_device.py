@@ -803,9 +803,9 @@ def _diloco_steps(mode, hook, view, steps, first=0):
         if step == 0 and o.state_device == "cpu":
             name, declared = "first", True
         with mode.step(name, sync_ok=declared):
+            hook.pre_step(view)  # as megatron's step: before the inner update
             for s in view.states.values():
                 s.main_param.add_(1e-3)
-            hook.pre_step(view)
             hook.post_step(view, True)
 
 

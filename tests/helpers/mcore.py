@@ -118,17 +118,22 @@ def save_checkpoint(trainer, root: str, iteration: int) -> None:
     )
 
 
-def load_checkpoint(trainer, root: str) -> Dict[str, Any]:
-    """Load the latest checkpoint under ``root`` into the built trainer."""
+def load_checkpoint(trainer, root: str, *, model_only: bool = False) -> Dict[str, Any]:
+    """Load the latest checkpoint under ``root`` into the built trainer (``model_only``: its
+    model weights only, as the driver's ``--finetune`` does, main copies refreshed)."""
     from megatron_ext.megatron import checkpoint as ckpt
 
-    return ckpt.load_checkpoint(
+    loaded = ckpt.load_checkpoint(
         root,
         model_chunks=trainer.model,
         optimizer=trainer.optimizer,
         scheduler=trainer.scheduler,
         runtime=trainer.runtime,
+        model_only=model_only,
     )
+    if model_only:
+        trainer.optimizer.reload_model_params()
+    return loaded
 
 
 def teardown(trainer) -> None:

@@ -363,19 +363,9 @@ def _grass(rank, world, root):
     # writes initial rows at the first selection); (d2) G = 2, H = 2, the paper's outer
     # optimizer against the float64 statement chained from the loaded weights.
     def finetune(flags):
-        from megatron_ext.megatron import checkpoint as ckpt
-
         _configure(trainer, GRASS + ["--bf16"] + flags)
         build(trainer, stock=False)
-        ckpt.load_checkpoint(
-            root + "-grass",
-            model_chunks=trainer.model,
-            optimizer=trainer.optimizer,
-            scheduler=trainer.scheduler,
-            runtime=trainer.runtime,
-            model_only=True,
-        )
-        trainer.optimizer.reload_model_params()  # as the driver's --finetune
+        load_checkpoint(trainer, root + "-grass", model_only=True)
 
     finetune([])
     out["ft_plain_losses"] = train(trainer, 4)
@@ -394,10 +384,8 @@ def _grass(rank, world, root):
     view, _ = _main_params(trainer)
     # the loaded weights at full precision: a projected weight's own (bf16) values, not its
     # master copy (made at install; the first step takes it from the weight)
-    weights = {
-        f"{f}.weight": layer.weight.detach().float()
-        for f, layer in trainer.runtime.components["linear"].optimizer_hooks[0].layers.items()
-    }
+    layers = trainer.runtime.components["linear"].optimizer_hooks[0].layers
+    weights = {f"{f}.weight": layer.weight.detach().float() for f, layer in layers.items()}
     loaded = {
         f: weights.get(f, hook.outer_view(view).param_state(f).main_param).detach().clone()
         for f in hook.outer_view(view).fqns()

@@ -104,22 +104,11 @@ def test_outer_state_starts_from_the_loaded_weights_unless_it_was_loaded():
     """Allocated at install from the initial weights; a load that writes the weights but not
     DiLoCo's state (--finetune, reset, an elastic resume's fresh state) must not leave the
     initial weights as the snapshot, or the first outer step pulls the model back to them."""
-    import types
-
     from megatron_ext.elastic import remap_objects
+    from megatron_ext.methods.diloco import OuterConfig
     from megatron_ext.optim.diloco import DiLoCoHook
 
-    opts = types.SimpleNamespace(
-        interval=2,
-        lr=0.7,
-        momentum=0.9,
-        nesterov=True,
-        fragments=1,
-        state_device="device",
-        compression="none",
-        delay=0,
-        merge_alpha=0.0,
-    )
+    opts = OuterConfig(interval=2)  # the paper's outer optimizer: lr 0.7, Nesterov 0.9
 
     def run(load=None, elastic=False):
         params = {"w": torch.zeros(3), "b": torch.zeros(2)}  # the initial weights

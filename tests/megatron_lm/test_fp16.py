@@ -1,4 +1,4 @@
-"""Every DP compressor trains under Megatron-LM's ``--fp16`` (dynamic loss scaling).
+"""Every DP compressor, and DiLoCo, trains under Megatron-LM's ``--fp16`` (loss scaling).
 
 Megatron's loss scaler starts at 2^32, so the first iterations overflow by design and are
 skipped while the scale comes down. Before the step transaction (collectives/grad_reducer.py)
@@ -37,13 +37,22 @@ METHODS = {
     "quantized-adam": {"quantized_adam_warmup_steps": "3"},
     # Both Radius paper run files use fp16; reselect inside the run.
     "radius": {"radius_interval": "10"},
+    # DiLoCo, 2 sites, 4-bit exchange: outer steps fall inside the overflowing start too
+    # (scheduled by iteration; a skipped inner step moves nothing), and its first step takes
+    # the snapshots from the weights.
+    "diloco": {
+        "grad_compression": "none",
+        "outer_method": "diloco",
+        "outer_interval": "5",
+        "outer_compression": "quantized",
+    },
 }
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_fp16_trains_through_the_overflowing_start(method, tmp_path):
     lm_dir = Path(os.environ["MEGATRON_LM_DIR"])
-    args = tiny_args(train_iters="40", grad_compression=method, **METHODS[method])
+    args = tiny_args(train_iters="40", **{"grad_compression": method, **METHODS[method]})
     # No --no-masked-softmax-fusion: CPU execution turns the CUDA-only fused softmax off.
     args += ["--fp16"]
     run = pretrain(lm_dir / "pretrain_gpt.py", args, cwd=tmp_path).check()

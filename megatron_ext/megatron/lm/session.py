@@ -68,6 +68,7 @@ from megatron_ext.config import (
 from megatron_ext.logging import is_rank_0, print_rank_0
 from megatron_ext.megatron.lm import checkpoint as lm_ckpt
 from megatron_ext.megatron.lm.releases import MegatronLMRelease, UnsupportedReleaseError
+from megatron_ext.preflight import PreflightError, check_megatron_lm_defaults
 from megatron_ext.refusal import report_refusal
 from megatron_ext.state import StateMismatch
 
@@ -350,7 +351,7 @@ class MegatronLMSession:
         """Turn user-fixable errors into ``megatron-ext: error: ...`` and exit code 2."""
         try:
             yield
-        except (ConfigError, StateMismatch, UnsupportedReleaseError) as exc:
+        except (ConfigError, PreflightError, StateMismatch, UnsupportedReleaseError) as exc:
             # Every refusing rank reports: the line is printed once, by the first of them,
             # and is out before any of them exits (megatron_ext.refusal).
             report_refusal(f"megatron-ext: error: {exc}")
@@ -362,7 +363,7 @@ class MegatronLMSession:
         """Build and check megatron-ext's config from Megatron-LM's validated args.
 
         Raises:
-            ConfigError: naming the flag(s).
+            ConfigError, PreflightError: naming the flag(s).
         """
         if self.cpu:
             # First: it sets the CUDA-only fusions off, which the checks below read, and a
@@ -370,6 +371,8 @@ class MegatronLMSession:
             from megatron_ext.megatron.lm.cpu import check_cpu_args
 
             self.cpu_set_flags = check_cpu_args(args)
+        # The zero-touch launcher checked these already; a patched pretrain_gpt.py did not.
+        check_megatron_lm_defaults(args)
         cfg = ext_config_from_args(args)
         validate_ext_config(cfg, layout_from_args(args))
         check_megatron_lm_args(args, cfg)

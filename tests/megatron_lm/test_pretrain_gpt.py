@@ -17,10 +17,14 @@ off), 2 processes:
   into the stored embedding stop the load, naming the tensor and the ``.distcp`` file; so
   does a truncated ``.distcp`` file, named;
 * zero-touch PP=2 through ``scripts/pretrain_gpt_ext.sh`` and the run file: pipeline bytes;
-* patched (``megatron-ext patch`` on a copy, then ``torchrun pretrain_gpt.py``): DP=2 and
-  PP=2; bf16 with LLaMA-style layers (RMSNorm, SwiGLU, RoPE, GQA) on the local spec, where
+* patched (``megatron-ext patch`` on a copy, then ``torchrun pretrain_gpt.py``): DP=2, and
+  PP=2 in bf16 with LLaMA-style layers (RMSNorm, SwiGLU, RoPE, GQA) on the local spec, where
   CPU execution turns off the CUDA-only fused softmax and RoPE itself;
-* a bad megatron-ext flag stops before training, naming the flag.
+* AQ-SGD fine-tuning at PP=2, Grass (full rank against dense training with activation
+  recomputation, sparse with resume, under --fp16), Protocol Models at PP=2 with resume;
+* refusals made once the optimizer exists (QuantizedAdam with SGD) or printed once per job
+  under torchrun (Protocol Models with dropout). The refusals made when Megatron-LM
+  validates its arguments run in one process (test_session.py).
 
 Megatron-LM does not reset its loss accumulator on the first logged iteration, so with
 ``--log-interval 1`` the second iteration after a (re)start prints the mean of the first
@@ -371,17 +375,6 @@ def test_zero_touch_pp2_aqsgd_finetunes_a_checkpoint(dp2_torch_dist, lm_dir, tmp
     assert all(0 < loss < 7.0 for loss in losses), iters
 
 
-def test_aqsgd_without_fixed_samples_stops_naming_the_flag(lm_dir, tmp_path):
-    run = pretrain(
-        lm_dir / "pretrain_gpt.py",
-        tiny_args(p2p_compression="aqsgd") + ["--pipeline-model-parallel-size", "2"],
-        cwd=tmp_path,
-    )
-    assert run.returncode != 0
-    assert "megatron-ext: error: --p2p-compression, --fixed-samples:" in run.stderr
-    assert not iterations(run.stdout)
-
-
 # -- Grass: virtual parameters added before Megatron-LM wraps the model ------------------------
 
 # Every default layer of the tiny GPT (hidden 64, ffn 256) projects a 64-wide dimension.
@@ -407,22 +400,31 @@ def _bucket_elements(run) -> int:
     return sum(map(int, found.values()))
 
 
+# Megatron-LM's full activation recomputation: the backward re-runs each layer's forward,
+# Grass's included. Dense training is the same with it or without.
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+             "--recompute-num-layers", "1"]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def dense_dp2(lm_dir, tmp_path_factory):
-    """DP=2 without compression: 4 iterations of stock Megatron-LM training (plus accounting)."""
+    """DP=2 without compression: 4 iterations of stock Megatron-LM training (plus accounting),
+    with full activation recomputation."""
     root = tmp_path_factory.mktemp("dense_dp2")
     return pretrain(
-        lm_dir / "pretrain_gpt.py", tiny_args(grad_compression="none"), cwd=root
+        lm_dir / "pretrain_gpt.py", tiny_args(grad_compression="none") + RECOMPUTE, cwd=root
     ).check()
 
 
 def test_zero_touch_grass_full_rank_reproduces_dense_training(dense_dp2, lm_dir, tmp_path):
     """All rows selected, alpha 1: Grass is dense training computed another way, so the
     virtual parameters (made inside setup_model_and_optimizer, before Megatron-LM's DDP and
-    optimizer) must train exactly like the weights themselves."""
+    optimizer) must train exactly like the weights themselves, step for step, also when
+    Megatron-LM's full activation recomputation re-runs Grass's forward inside the backward
+    (both runs recompute; Grass without it: the sparse runs below)."""
     run = pretrain(
         lm_dir / "pretrain_gpt.py",
-        tiny_args(grad_compression="none", **GRASS_FULL_RANK),
+        tiny_args(grad_compression="none", **GRASS_FULL_RANK) + RECOMPUTE,
         cwd=tmp_path,
     ).check()
     assert "linear hooks (--grass-method topr)" in run.stdout
@@ -436,38 +438,23 @@ def test_zero_touch_grass_full_rank_reproduces_dense_training(dense_dp2, lm_dir,
     assert _dp_grad_kb(run) == _dp_grad_kb(dense_dp2)
 
 
-def test_zero_touch_grass_full_rank_with_activation_recomputation(lm_dir, tmp_path):
-    """Megatron-LM's full activation recomputation re-runs Grass's forward inside the
-    backward: still dense training, step for step."""
-    recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                 "--recompute-num-layers", "1"]  # fmt: skip
-    runs = [
-        pretrain(
-            lm_dir / "pretrain_gpt.py",
-            tiny_args(grad_compression="none", train_iters="3", **extra) + recompute,
-            cwd=tmp_path,
-        ).check()
-        for extra in ({}, GRASS_FULL_RANK)
-    ]
-    dense, grass = (iterations(r.stdout) for r in runs)
-    assert sorted(grass) == [1, 2, 3]
-    for it in grass:
-        for key in ("loss", "grad_norm"):
-            assert float(grass[it][key]) == pytest.approx(float(dense[it][key]), rel=2e-5), it
-
-
 def test_grass_under_fp16_postpones_selections_while_the_loss_scale_overflows(lm_dir, tmp_path):
     """--fp16 starts at a loss scale of 2^32: the first steps overflow and are skipped, and
     their sketches are not finite. Top-r must not select from them (NaN would rank first and
     those rows would train for K steps): each such selection is postponed with a warning,
-    and training proceeds with finite, falling losses once the scale has come down."""
+    and training proceeds with finite, falling losses once the scale has come down.
+    Megatron-LM's replica check runs too: both data-parallel replicas select the same rows
+    and hold bit-identical weights (before training, at 10 and 20)."""
     run = pretrain(
         lm_dir / "pretrain_gpt.py",
         tiny_args(grad_compression="none", grass_method="topr", grass_rank="8",
-                  grass_update_interval="20", grass_rewarmup_steps="1", train_iters="20")
+                  grass_update_interval="20", grass_rewarmup_steps="1", train_iters="20",
+                  check_weight_hash_across_dp_replicas_interval="10")
         + ["--fp16", "--no-masked-softmax-fusion"],
         cwd=tmp_path,
     ).check()  # fmt: skip
+    hashes = [l for l in run.stdout.splitlines() if l.startswith(">>> Weight hashes match")]
+    assert hashes == [f">>> Weight hashes match after {i} iterations..." for i in (0, 10, 20)]
     assert "Grass: the gradient sketch of step 0 is not finite" in run.output
     losses = [float(r["loss"]) for _, r in sorted(iterations(run.stdout).items()) if "loss" in r]
     assert len(losses) >= 3 and all(math.isfinite(x) for x in losses), losses
@@ -567,15 +554,7 @@ def patched_copy(lm_dir, tmp_path_factory):
     return copy
 
 
-@pytest.mark.parametrize(
-    "layout, expected",
-    [
-        ([], "dp-grad "),
-        (["--pipeline-model-parallel-size", "2", "--grad-compression", "none"], "pp-act "),
-    ],
-    ids=["dp2-separate", "pp2"],
-)
-def test_patched_pretrain_gpt_trains(patched_copy, tmp_path, layout, expected):
+def _patched_run(patched_copy, tmp_path, layout):
     run = pretrain(
         patched_copy / "pretrain_gpt.py",
         tiny_args(train_iters="3") + layout,
@@ -585,40 +564,39 @@ def test_patched_pretrain_gpt_trains(patched_copy, tmp_path, layout, expected):
     assert f"> megatron-ext: hooked Megatron-LM {checkout_release().tag}:" in run.stdout
     iters = iterations(run.stdout)
     assert sorted(iters) == [1, 2, 3]
-    assert all(r["bytes"].startswith(expected) for r in iters.values()), iters
+    return run, iters
+
+
+def test_patched_pretrain_gpt_trains_dp2_separate(patched_copy, tmp_path):
+    _, iters = _patched_run(patched_copy, tmp_path, [])
+    assert all(r["bytes"].startswith("dp-grad ") for r in iters.values()), iters
+
+
+def test_patched_pretrain_gpt_trains_pp2_bf16_llama_layers_without_the_fusion_flags(
+    patched_copy, tmp_path
+):
+    """PP=2 with LLaMA-style layers in bf16 on the local spec. Megatron-LM's default fusions
+    that exist only as CUDA kernels: the fused masked softmax (imports Apex's
+    scaled_masked_softmax_cuda at the first bf16/fp16 forward) and the fused RoPE (needs
+    Transformer Engine). CPU execution (here MEGATRON_EXT_CPU=1 on a patched
+    pretrain_gpt.py; tests/megatron_lm/test_fp16.py covers fp16 zero-touch) turns them off
+    itself and says so; before, the first was refused (or crashed at the first forward) and
+    the second crashed at the first forward."""
+    llama = ["--bf16", "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type",
+             "rope", "--untie-embeddings-and-output-weights", "--group-query-attention",
+             "--num-query-groups", "2", "--disable-bias-linear"]  # fmt: skip
+    pp2 = ["--pipeline-model-parallel-size", "2", "--grad-compression", "none"]
+    run, iters = _patched_run(patched_copy, tmp_path, pp2 + llama)
+    assert (
+        "> megatron-ext: CPU execution on (set: --no-masked-softmax-fusion --no-rope-fusion)"
+        in run.stdout
+    ), run.stdout[-3000:]
+    assert all(r["bytes"].startswith("pp-act ") for r in iters.values()), iters
+    losses = [float(iters[it]["loss"]) for it in (1, 2, 3)]
+    assert all(0 < loss < 10 for loss in losses), losses
 
 
 # -- bad flags ----------------------------------------------------------------------------------
-
-
-def test_bad_flag_stops_before_training(lm_dir, tmp_path):
-    run = pretrain(
-        lm_dir / "pretrain_gpt.py",
-        tiny_args(separate_ratio="7"),
-        cwd=tmp_path,
-        nproc=1,
-    )
-    assert run.returncode != 0
-    assert (
-        "megatron-ext: error: --separate-ratio, --separate-block-size: ratio 7 must divide the "
-        "block size 256" in run.stderr
-    )
-    assert not iterations(run.stdout)
-
-
-def test_grass_with_another_optimizer_stops_before_training(lm_dir, tmp_path):
-    # Grass's update is decoupled AdamW's: SGD's momentum would survive reselections and
-    # its weight decay would act on V, the change since the selection (issue 27).
-    run = pretrain(
-        lm_dir / "pretrain_gpt.py",
-        tiny_args(**GRASS_SPARSE) + ["--optimizer", "sgd"],
-        cwd=tmp_path,
-        nproc=1,
-    )
-    assert run.returncode != 0
-    assert "megatron-ext: error: --grass-method, --optimizer:" in run.stderr, run.output[-3000:]
-    assert "got --optimizer sgd" in run.stderr
-    assert not iterations(run.stdout)
 
 
 def test_quantized_adam_with_sgd_stops_before_training(lm_dir, tmp_path):
@@ -630,32 +608,6 @@ def test_quantized_adam_with_sgd_stops_before_training(lm_dir, tmp_path):
     assert run.returncode != 0
     assert "megatron-ext: error: --grad-compression, --optimizer:" in run.stderr, run.output[-3000:]
     assert not iterations(run.stdout)
-
-
-def test_cpu_mode_trains_bf16_llama_layers_without_the_fusion_flags(patched_copy, tmp_path):
-    # Megatron-LM's default fusions that exist only as CUDA kernels: the fused masked softmax
-    # (imports Apex's scaled_masked_softmax_cuda at the first bf16/fp16 forward) and the
-    # fused RoPE (needs Transformer Engine). CPU execution (here MEGATRON_EXT_CPU=1 on a
-    # patched pretrain_gpt.py; tests/megatron_lm/test_fp16.py covers fp16 zero-touch) turns
-    # them off itself and says so; before, the first was refused (or crashed at the first
-    # forward) and the second crashed at the first forward.
-    llama = ["--bf16", "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type",
-             "rope", "--untie-embeddings-and-output-weights", "--group-query-attention",
-             "--num-query-groups", "2", "--disable-bias-linear"]  # fmt: skip
-    run = pretrain(
-        patched_copy / "pretrain_gpt.py",
-        tiny_args(train_iters="3") + llama,
-        cwd=tmp_path,
-        zero_touch=False,
-    ).check()
-    assert (
-        "> megatron-ext: CPU execution on (set: --no-masked-softmax-fusion --no-rope-fusion)"
-        in run.stdout
-    ), run.stdout[-3000:]
-    iters = iterations(run.stdout)
-    assert sorted(iters) == [1, 2, 3]
-    losses = [float(iters[it]["loss"]) for it in (1, 2, 3)]
-    assert all(0 < loss < 10 for loss in losses), losses
 
 
 # -- Protocol Models: the residual stream confined before Megatron-LM wraps the model ----------

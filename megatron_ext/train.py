@@ -959,10 +959,11 @@ def run_training(cfg: DriverConfig) -> Dict[str, Any]:
 
     # An unsupported megatron-core is refused before any process group or model exists.
     mcore.release()
-    # megatron-core's checkpoint writer processes must not outlive a killed rank.
-    from megatron_ext.child_processes import children_die_with_parent
+    # megatron-core's checkpoint writer processes must not outlive a killed rank, nor a rank
+    # its killed launcher.
+    from megatron_ext.child_processes import bind_process_lifetimes
 
-    children_die_with_parent()
+    bind_process_lifetimes()
     if cfg.checkpoint.load:
         from megatron_ext.megatron.checkpoint import resolve_load
 

@@ -376,6 +376,13 @@ class MegatronLMSession:
         cfg = ext_config_from_args(args)
         validate_ext_config(cfg, layout_from_args(args))
         check_megatron_lm_args(args, cfg)
+        if getattr(args, "exit_signal_handler", False):
+            # Megatron-LM catches this one signal to save and exit (--exit-signal, default
+            # SIGTERM); the checkpoint writer processes it starts must outlive it until the
+            # save is done (they die with their rank: megatron_ext.child_processes).
+            from megatron_ext.child_processes import shield_children
+
+            shield_children((args.exit_signal,))
         self.cfg = cfg
         return cfg
 

@@ -571,6 +571,7 @@ class Trainer:
                 on_mismatch=cfg.ext.checkpoint.on_mismatch,
                 model_only=cfg.checkpoint.finetune,
                 save=cfg.checkpoint.save,
+                verify_checksums=cfg.ext.checkpoint.verify_checksums,
             )
         if loaded is None:
             if cfg.checkpoint.finetune:

@@ -12,10 +12,13 @@ off), 2 processes:
   resumed run that loads it and continues exactly as the uninterrupted run (SEPARATE's
   error feedback is in that state: without it iteration 3's grad norm differs, 3.228 vs
   3.304 when measured); the same in the ``torch`` format (per-rank files), compared
-  bit for bit; a resume with other settings stops, naming ``--ext-state-on-mismatch``;
-* DP=2 with ``--use-distributed-optimizer``: a resume continues exactly; 1,024 NaN written
-  into the stored embedding stop the load, naming the tensor and the ``.distcp`` file; so
-  does a truncated ``.distcp`` file, named;
+  bit for bit, its checksums covering every file (resumed with
+  ``--no-verify-checkpoint-checksums``); a resume with other settings stops, naming
+  ``--ext-state-on-mismatch``;
+* DP=2 with ``--use-distributed-optimizer``: a resume continues exactly, its checksums
+  verified first; a truncated ``.distcp`` file stops the load at the checksum check, named;
+  without checksums (a checkpoint saved before megatron-ext wrote them), 1,024 NaN written
+  into the stored embedding stop the load, naming the tensor and the ``.distcp`` file;
 * zero-touch PP=2 through ``scripts/pretrain_gpt_ext.sh`` and the run file: pipeline bytes;
 * patched (``megatron-ext patch`` on a copy, then ``torchrun pretrain_gpt.py``): DP=2, and
   PP=2 in bf16 with LLaMA-style layers (RMSNorm, SwiGLU, RoPE, GQA) on the local spec, where
@@ -188,6 +191,9 @@ def test_distributed_optimizer_resume_continues_exactly(dp2_distopt, lm_dir, tmp
         + ["--use-distributed-optimizer"],
         cwd=tmp_path,
     ).check()
+    # Its checksums (written before Megatron-LM moved its marker) checked before the load.
+    assert f"> verified the crc32 checksums of " in resumed.stdout
+    assert f" in {root / 'ckpt' / 'iter_0000002'} (" in resumed.stdout
     a, b = iterations(full.stdout), iterations(resumed.stdout)
     assert sorted(b) == [3, 4]
     assert (b[3]["loss"], b[3]["grad_norm"]) == (a[3]["loss"], a[3]["grad_norm"])
@@ -197,12 +203,17 @@ def test_distributed_optimizer_resume_continues_exactly(dp2_distopt, lm_dir, tmp
 
 
 def test_non_finite_checkpoint_values_stop_the_load_naming_tensor_and_file(dp2_distopt, tmp_path):
-    """4 KB of 0xFF inside the stored embedding (1,024 NaN) used to load silently."""
+    """4 KB of 0xFF inside the stored embedding (1,024 NaN) used to load silently. Without its
+    checksums (as a checkpoint saved before megatron-ext wrote them), the finite check still
+    names the tensor and the file."""
     from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_ext.megatron.checksums import MANIFEST
 
     root, _ = dp2_distopt
     shutil.copytree(root / "ckpt", tmp_path / "ckpt")
     directory = tmp_path / "ckpt" / "iter_0000002"
+    (directory / MANIFEST).unlink()
     items = FileSystemReader(str(directory)).read_metadata().storage_data
     item = next(i for k, i in items.items() if k.fqn == "embedding.word_embeddings.weight")
     with open(directory / item.relative_path, "r+b") as f:
@@ -218,11 +229,13 @@ def test_non_finite_checkpoint_values_stop_the_load_naming_tensor_and_file(dp2_d
     stored = directory / item.relative_path
     assert f"megatron-ext: error: --load: non-finite values in {stored}" in run.stderr, run.stderr
     assert "'embedding.word_embeddings.weight'" in run.stderr and "1024 of" in run.stderr
+    assert f"> {directory} has no {MANIFEST} (saved without checksums)" in run.stdout
     assert not iterations(run.stdout)
 
 
 def test_truncated_checkpoint_file_stops_the_load_naming_it(dp2_distopt, tmp_path):
-    """dist_checkpointing's own error (a CheckpointException per rank) names no file."""
+    """dist_checkpointing's own error (a CheckpointException per rank) names no file; the
+    checksum check, before Megatron-LM reads anything, does."""
     root, _ = dp2_distopt
     shutil.copytree(root / "ckpt", tmp_path / "ckpt")
     stored = tmp_path / "ckpt" / "iter_0000002" / "__1_0.distcp"
@@ -234,10 +247,12 @@ def test_truncated_checkpoint_file_stops_the_load_naming_it(dp2_distopt, tmp_pat
         + ["--use-distributed-optimizer"],
         cwd=tmp_path,
     )
-    assert run.returncode != 0
-    assert f"megatron-ext: error: --load: cannot load {stored.parent}: {stored} is truncated" in (
-        run.stderr
+    assert run.returncode == 2
+    assert (
+        f"megatron-ext: error: --load: checksum check of {stored.parent} failed: {stored} has "
+        in run.stderr
     ), run.stderr[-3000:]
+    assert "--no-verify-checkpoint-checksums" in run.stderr
     assert not iterations(run.stdout)
 
 
@@ -272,18 +287,29 @@ def test_torch_format_checkpoint_and_resume(lm_dir, tmp_path):
     full = pretrain(
         script, tiny_args(save=str(tmp_path / "a"), save_interval="2") + fmt, cwd=tmp_path
     ).check()
+    from megatron_ext.megatron import checksums
+
     for it in (2, 4):
         files = sorted(p.name for p in (tmp_path / f"a/iter_000000{it}/megatron_ext").iterdir())
         assert files == ["rank_00000.pt", "rank_00001.pt"]
+        # The checksums of every file, written once Megatron-LM's save returned.
+        manifest, problem = checksums.verify_manifest(str(tmp_path / f"a/iter_000000{it}"))
+        assert problem == "" and set(manifest["files"]) == {
+            "mp_rank_00/model_optim_rng.pt",
+            "megatron_ext/rank_00000.pt",
+            "megatron_ext/rank_00001.pt",
+        }
     resumed = pretrain(
         script,
         tiny_args(
             load=str(tmp_path / "a"), ckpt_step="2", save=str(tmp_path / "b"), save_interval="2"
         )
-        + fmt,
+        + fmt
+        + ["--no-verify-checkpoint-checksums"],
         cwd=tmp_path,
     ).check()
     assert "(megatron_ext/rank_XXXXX.pt; objects: grad_reducer)" in resumed.stdout
+    assert f"> checksums of {tmp_path / 'a' / 'iter_0000002'} not verified (" in resumed.stdout
     a, b = iterations(full.stdout), iterations(resumed.stdout)
     assert (b[3]["loss"], b[3]["grad_norm"]) == (a[3]["loss"], a[3]["grad_norm"])
     # Bit for bit at iteration 4: model, Megatron's optimizer state, megatron-ext's state.

@@ -247,7 +247,7 @@ def test_truncated_checkpoint_file_stops_the_load_naming_it(dp2_distopt, tmp_pat
         + ["--use-distributed-optimizer"],
         cwd=tmp_path,
     )
-    assert run.returncode == 2
+    assert run.returncode != 0
     assert (
         f"megatron-ext: error: --load: checksum check of {stored.parent} failed: {stored} has "
         in run.stderr

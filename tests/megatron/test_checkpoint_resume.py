@@ -304,9 +304,9 @@ def test_load_names_the_file_and_tensor_of_a_bad_checkpoint(tmp_path):
         # With the checksum check (the default): every damaged file is named by it first.
         flipped, flipped_key = out["optimizer-flip/file"].split(" ", 1)
         for name in [n for n in CORRUPTIONS if not n.startswith("tracker")] + ["optimizer-flip"]:
-            message = out[f"{name}/checked"]
             if out.get(name) == "skipped":
                 continue
+            message = out[f"{name}/checked"]
             file = flipped if name == "optimizer-flip" else _DAMAGED.get(name, stored)
             damaged = str(tmp_path / name / "iter_0000002" / file)
             assert message.startswith("CheckpointError: --load: checksum check of "), message

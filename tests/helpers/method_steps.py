@@ -99,8 +99,8 @@ NO_MODE = _NoMode()
 class HostTimer:
     """Accumulates the wall time of each part (``time.perf_counter``), across steps.
 
-    :meth:`take` returns and clears the seconds spent in the given parts since the last
-    call: the cost model runs one training step, then takes its parts' time.
+    :meth:`take` returns and clears the seconds spent in each part since the last call: the
+    cost model runs one training step, then takes its parts' time.
     """
 
     def __init__(self) -> None:
@@ -121,11 +121,10 @@ class HostTimer:
                 self._spent[name] += time.perf_counter() - start
             self._part = outer
 
-    def take(self, parts: Sequence[str]) -> float:
-        """Seconds spent in ``parts`` since the last :meth:`take`; clears every part."""
-        total = sum(self._spent.get(p, 0.0) for p in parts)
-        self._spent.clear()
-        return total
+    def take(self) -> Dict[str, float]:
+        """Seconds spent in each part since the last :meth:`take` (then cleared)."""
+        spent, self._spent = dict(self._spent), defaultdict(float)
+        return spent
 
 
 # -- shared pieces -----------------------------------------------------------------------------
@@ -518,8 +517,9 @@ def dense_linear_steps(
 
 
 def protocol_stage(
-    accumulate: bool,
+    last: bool,
     *,
+    accumulate: Optional[bool] = None,
     d: int,
     k: int,
     vocab: int,
@@ -533,6 +533,8 @@ def protocol_stage(
     optimizer hook over the constrained ``params`` (``(fqn, shape, axis of size d)``), with
     Adam state; ``update_basis`` is megatron_ext.megatron.subspace.basis_exchange's
     collective on WORLD (all-reduce ``A``, the Grassmann step on rank 0, broadcast).
+    ``last``: the receiving (last) stage of the boundary, which accumulates the boundary
+    gradients into ``A`` unless ``accumulate`` is False (a fixed subspace).
 
     Returns:
         ``(codec, hook, view, states)``.
@@ -545,7 +547,8 @@ def protocol_stage(
     subspace = Subspace(d, k, seed=0)
     subspace.make_fixed(vocab, 0.02, dtype, device)
     subspace.on(device)
-    codec = SubspaceCodec(subspace, sends_forward=not accumulate, accumulate=accumulate)
+    accumulate = last if accumulate is None else accumulate
+    codec = SubspaceCodec(subspace, sends_forward=not last, accumulate=accumulate)
     tensors = {}
     for fqn, shape, axis in params:
         p = torch.nn.Parameter(torch.randn(shape, device=device))
@@ -562,7 +565,7 @@ def protocol_stage(
     def update_basis():
         u = subspace.u
         new = torch.empty_like(u)
-        if accumulate:  # the owner: the last stage holds A
+        if last:  # the owner: the last stage holds A
             a = subspace.a if subspace.a is not None else torch.zeros(d, d)
             a = a.to(u.device)
             dist.all_reduce(a)

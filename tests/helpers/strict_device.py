@@ -266,7 +266,8 @@ class Finding:
     """Shapes, devices, dtypes involved."""
 
     where: str
-    """``file:line (function)`` of the innermost ``megatron_ext`` frame (else the caller)."""
+    """``file:line (function)`` of the innermost ``megatron_ext`` frame (else the caller in
+    ``tests/`` or ``benchmarks/``)."""
 
     step: str
     """Name of the step it happened in."""
@@ -375,8 +376,9 @@ def _where(depth: int = 2) -> str:
         if "/megatron_ext/" in name and "/torch/" not in name:
             short = name[name.rindex("/megatron_ext/") + 1 :]
             return f"{short}:{frame.f_lineno} ({frame.f_code.co_name})"
-        if fallback is None and "/tests/" in name and name != __file__:
-            fallback = f"{name[name.rindex('/tests/') + 1 :]}:{frame.f_lineno}"
+        for top in ("/tests/", "/benchmarks/"):
+            if fallback is None and top in name and name != __file__:
+                fallback = f"{name[name.rindex(top) + 1 :]}:{frame.f_lineno}"
         frame = frame.f_back
     return fallback or "?"
 
@@ -904,15 +906,20 @@ class RankRun:
     result: Any = None
 
 
-def run_ranks(world_size: int, body: Callable[[int, StrictDeviceMode], Any]) -> List[RankRun]:
-    """Run ``body(rank, mode)`` for every rank, one after another, each on a fresh fake
-    process group of ``world_size`` (WORLD) and under its own :class:`StrictDeviceMode`."""
+def run_ranks(
+    world_size: int,
+    body: Callable[[int, StrictDeviceMode], Any],
+    ranks: Optional[Sequence[int]] = None,
+) -> List[RankRun]:
+    """Run ``body(rank, mode)`` for every rank (or only ``ranks``), one after another, each on
+    a fresh fake process group of ``world_size`` (WORLD) and under its own
+    :class:`StrictDeviceMode`."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("strict-device runs need this process without a process group")
     runs = []
-    for rank in range(world_size):
+    for rank in range(world_size) if ranks is None else ranks:
         # init_process_group chains a rank-prefixing sys.excepthook; do not let them pile up.
         excepthook = sys.excepthook
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)

@@ -6,7 +6,10 @@ run one after another on torch's fake process group. A steady-state step must sh
 finding (a CPU tensor meeting a device tensor, a CPU generator for device tensors, a host
 sync, a data-dependent shape, a host-to-device copy, a collective on a CPU tensor or in a
 dtype/reduction NCCL refuses), issue the same collectives on every rank, and stay within
-its launch budget. Selection/update steps every K steps are declared ``sync_ok``.
+its launch budget (a DP bucket's device ops do not grow with its parameters, with matrices of
+one shape or with the data-parallel size). Selection/update steps every K steps are declared
+``sync_ok``. The steps themselves are ``tests/helpers/method_steps.py``'s, which the cost
+model (``benchmarks/gpu_cost.py``) runs at model shapes.
 
 Tests that fail on the current code are marked ``xfail(strict=True)`` with the finding as
 the reason: each turns into an XPASS failure the moment its fix lands (then drop the mark).
@@ -224,8 +227,20 @@ def test_dp_reducer_resumed_from_cpu_loaded_state_steps_on_device(method):
     assert not compare_ranks(resumed)
 
 
-def _steady_ops(runs):
-    """Device ops of the last steady step of rank 0."""
+# -- launch budgets: device ops per bucket ---------------------------------------------------
+#
+# A bucket's steady step must launch a number of device ops that does not depend on how many
+# parameters the bucket holds, on how many matrices share a shape, or on the data-parallel
+# size (benchmarks/gpu_cost.py reports the counts at model shapes). Rank 0 is enough: the
+# ranks' collectives are compared above.
+
+_BUDGET_METHODS = {"none": ({}, 2, None), **DP_METHODS}
+
+
+def _steady_ops(method, world=2, **kwargs):
+    """Device ops of rank 0's last steady step of ``method``."""
+    kw, steps, _ = _BUDGET_METHODS[method]
+    runs = run_ranks(world, _dp_body(method, kw, steps, **kwargs), ranks=[0])
     return len([s for s in runs[0].mode.steps if s.name == "steady"][-1].device_ops)
 
 
@@ -236,36 +251,52 @@ _DP_SIZE_FINDINGS: dict = {}
 
 @pytest.mark.parametrize(
     "method",
-    [pytest.param(m, marks=_xfail_if(_DP_SIZE_FINDINGS.get(m))) for m in DP_METHODS],
+    [pytest.param(m, marks=_xfail_if(_DP_SIZE_FINDINGS.get(m))) for m in _BUDGET_METHODS],
 )
 def test_dp_reducer_device_ops_per_bucket_do_not_grow_with_dp_size(method):
-    ops = {w: _steady_ops(_dp_runs(method, world=w)) for w in (2, 4, 8)}
+    ops = {w: _steady_ops(method, world=w) for w in (2, 4, 8)}
     assert ops[2] == ops[4] == ops[8], ops
 
 
 def _same_shape_params(count):
+    """``count`` weight matrices of one shape and a bias."""
     return [(f"w{i}", (16, 32)) for i in range(count)] + [("b", (32,))]
 
 
-# Fixed: PowerSGD looped per matrix (11 device ops and two QRs each: 25 ops at 2 matrices
-# of one shape, 69 at 6); it now batches the matrices of one shape (bmm, batched QR).
-def test_powersgd_device_ops_are_batched_by_shape():
-    kw, steps, _ = DP_METHODS["powersgd"]
-    ops = {
-        k: _steady_ops(run_ranks(2, _dp_body("powersgd", kw, steps, params=_same_shape_params(k))))
-        for k in (2, 6)
-    }
-    assert ops[2] == ops[6], ops
+def _mixed_params(count):
+    """``count`` times a weight matrix, its bias and a norm, as a layer holds them."""
+    return [
+        p for i in range(count) for p in ((f"w{i}", (16, 32)), (f"b{i}", (32,)), (f"ln{i}", (16,)))
+    ]
 
 
-# Fixed: SEPARATE packed and unpacked each weight with its own copy_ (12 ops at 2 matrices,
-# 20 at 6); one fused _foreach_copy_ each way now.
-def test_separate_device_ops_per_bucket_do_not_grow_with_parameters():
-    kw, steps, _ = DP_METHODS["separate"]
-    ops = {
-        k: _steady_ops(run_ranks(2, _dp_body("separate", kw, steps, params=_same_shape_params(k))))
-        for k in (2, 6)
-    }
+_GROWTH = {"same-shape-matrices": _same_shape_params, "parameters": _mixed_params}
+
+# Fixed: PowerSGD looped per matrix (11 device ops and two QRs each: 25 ops at 2 matrices of
+# one shape, 69 at 6); it now batches the matrices of one shape (bmm, batched QR). Fixed:
+# SEPARATE packed and unpacked each weight with its own copy_ (12 ops at 2 matrices, 20 at
+# 6); one fused _foreach_copy_ each way now.
+_ONE_D = (
+    "{}: {} device ops at 2 x (matrix, bias, norm), {} at 6: each 1-D parameter (biases, "
+    "norms) gets its own non-finite check (grad_reducer.py input_flag: isfinite as eq, abs, "
+    "ne, mul, then logical_not, any) and its own copy back (unpack_dense), 7 ops each"
+)
+_PARAM_COUNT_FINDINGS = {
+    ("separate", "parameters"): _ONE_D.format("SEPARATE", 55, 111),
+    ("powersgd", "parameters"): _ONE_D.format("PowerSGD", 55, 111),
+}
+
+
+@pytest.mark.parametrize(
+    "method, growth",
+    [
+        pytest.param(m, g, marks=_xfail_if(_PARAM_COUNT_FINDINGS.get((m, g))), id=f"{m}-{g}")
+        for m in _BUDGET_METHODS
+        for g in _GROWTH
+    ],
+)
+def test_dp_reducer_device_ops_per_bucket_do_not_grow_with_parameters(method, growth):
+    ops = {k: _steady_ops(method, params=_GROWTH[growth](k)) for k in (2, 6)}
     assert ops[2] == ops[6], ops
 
 

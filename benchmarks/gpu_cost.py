@@ -341,8 +341,10 @@ def _dp_case(method: str) -> Case:
         return _Runner(lambda mode, i: run.steps(mode, 1, i), buckets=len(ctx.buckets))
 
     unit = "one training step: every gradient bucket's launch, wait and commit"
+    if method == "none":
+        unit += " (megatron-core's own collectives)"
     entry = Entry(
-        method if method != "none" else "none (dense DP)",
+        method,
         ("reduce",),
         _grad_copy_bytes,
         "one copy of the gradient buckets (2 x their bytes)",

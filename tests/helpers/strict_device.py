@@ -51,9 +51,10 @@ Memory traffic (the cost model's unit; ``benchmarks/gpu_cost.py``):
     once per distinct device tensor (compulsory traffic; caches and re-reads inside a kernel
     are not modelled, so a matmul counts its operands once):
 
-    * **reads**: every distinct device tensor argument (two views of the same elements count
-      once; a broadcast (stride-0) dimension counts once); host tensors and Python scalars
-      are kernel arguments, not device memory;
+    * **reads**: every distinct device tensor argument (a tensor, or an identical view of
+      it, passed twice counts once; different views count apart, even of one storage; a
+      broadcast (stride-0) dimension counts once); host tensors and Python scalars are
+      kernel arguments, not device memory;
     * **writes**: every tensor the op returns that does not alias an argument, and every
       argument the schema marks as written (``Tensor(a!)``: in-place ``self``, ``out=``,
       a custom op's ``mutates_args``);
@@ -461,7 +462,8 @@ def _footprint(t: torch.Tensor) -> int:
 
 
 def _tensor_key(t: torch.Tensor) -> Tuple[Any, ...]:
-    """Identity of the elements ``t`` addresses (views of the same elements compare equal)."""
+    """Identity of ``t``'s view: storage, offset, shape, strides and dtype (identical views of
+    one storage compare equal)."""
     try:
         storage = t.untyped_storage()._cdata
     except (NotImplementedError, RuntimeError):  # no storage (e.g. a nested tensor)

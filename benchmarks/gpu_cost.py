@@ -64,8 +64,8 @@ Output:
     {MODEL: {DTYPE: {...}}}}},
     "settings": {...}, "environment": {...}}``. Top-level numbers are gpt2-345m's (the
     first model) in the dtype a ``--bf16`` run uses; ``detail`` holds every model and dtype
-    with traffic and launches by part, collective bytes and the top ops by traffic and by
-    launches (op, ``megatron_ext`` frame, share).
+    with traffic and launches by part, collective bytes, the top ops by traffic and by
+    launches (op, ``megatron_ext`` frame, share) and the top functions by traffic.
 
 Adding a method:
     1. Write its steps in ``tests/helpers/method_steps.py`` (the runtime's calls, shapes as
@@ -95,6 +95,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import warnings
@@ -634,21 +635,26 @@ CASES: Tuple[Case, ...] = (
 # -- measuring ---------------------------------------------------------------------------------
 
 
-def _top(costs, key: str, n: int, total: float) -> List[Dict[str, Any]]:
+def _function(where: str) -> str:
+    """``file (function)`` of a ``file:line (function)`` frame."""
+    return re.sub(r":\d+ ", " ", where)
+
+
+def _top(costs, key: str, n: int, total: float, by_function: bool = False) -> List[Dict[str, Any]]:
+    """The ``n`` heaviest groups of ``costs`` by ``key`` ("traffic" or "launches"): groups of
+    one op at one source line, or (``by_function``) of every op of one function."""
     groups: Dict[Tuple[str, str], List[Any]] = defaultdict(list)
     for c in costs:
-        groups[(c.op, c.where)].append(c)
+        groups[("", _function(c.where)) if by_function else (c.op, c.where)].append(c)
     rows = []
     for (op, where), cs in groups.items():
         traffic = sum(c.traffic for c in cs)
-        rows.append(
-            {
-                "op": op,
-                "where": where,
-                "launches": len(cs),
-                "traffic_share": traffic / total if total else 0.0,
-            }
-        )
+        row = {"op": op, "where": where, "launches": len(cs)}
+        if by_function:
+            del row["op"]
+            row["ops"] = sorted({c.op.split(".")[1] for c in cs})
+        row["traffic_share"] = traffic / total if total else 0.0
+        rows.append(row)
     sort = (lambda r: -r["traffic_share"]) if key == "traffic" else (lambda r: -r["launches"])
     return sorted(rows, key=sort)[:n]
 
@@ -694,6 +700,7 @@ def _measure_meta(case: Case, ctx: Ctx, top: int) -> Dict[str, Dict[str, Any]]:
             "findings": sorted({str(f) for r in records for f in r.violations}),
             "top_by_traffic": _top(costs, "traffic", top, traffic),
             "top_by_launches": _top(costs, "launches", top, traffic),
+            "top_functions": _top(costs, "traffic", top, traffic, by_function=True),
         }
         if "buckets" in runner.extra:
             result["buckets"] = runner.extra["buckets"]
@@ -877,17 +884,21 @@ def table(methods: Dict[str, Any], *, top_level: bool = False) -> str:
 
 
 def offenders(methods: Dict[str, Any], n: int) -> str:
-    """The top ``n`` ops by traffic of each top-level row (op, frame, launches, share)."""
+    """Of each top-level row, the ``n`` functions that move the most bytes (their share of
+    the traffic, their launches) and the ``n`` ops at one line launched most often."""
     lines = []
     for name, m in methods.items():
         r = m["detail"][m["model"]][m["dtype"]]
-        if not r["top_by_traffic"]:
+        if not r["top_functions"]:
             continue
-        lines.append(f"{name} ({m['model']} {m['dtype']}):")
-        for t in r["top_by_traffic"][:n]:
+        lines.append(f"{name} ({m['model']} {m['dtype']}, {r['launches_per_step']} launches):")
+        for t in r["top_functions"][:n]:
             lines.append(
-                f"  {100 * t['traffic_share']:5.1f}%  {t['launches']:4d} x {t['op']}  {t['where']}"
+                f"  traffic {100 * t['traffic_share']:5.1f}%  {t['launches']:5d} launches  "
+                f"{t['where']}: {', '.join(t['ops'])}"
             )
+        for t in r["top_by_launches"][:n]:
+            lines.append(f"  launches {t['launches']:5d} x {t['op']}  {t['where']}")
     return "\n".join(lines)
 
 

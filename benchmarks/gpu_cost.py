@@ -20,7 +20,8 @@ What it does:
       tensors at small sizes (every dimension divided by ``--host-shrink``, so the same
       parameters, buckets, layers and shape groups with a few thousand elements each) on
       torch's fake process group (collectives return at once), one torch thread, median of
-      ``--repeats`` steps after a warm-up. It includes the Python, the dispatcher and the
+      ``--repeats`` steps after a warm-up (``host_ms_min`` in the detail: the fastest, less
+      disturbed by other processes on a shared machine). It includes the Python, the dispatcher and the
       small CPU kernels of the method's parts; it excludes communication and the harness's
       inputs. A proxy for the host cost on a GPU (launch overhead there is a few us per op
       more); never asserted in tests.
@@ -709,9 +710,10 @@ def _measure_meta(case: Case, ctx: Ctx, top: int) -> Dict[str, Dict[str, Any]]:
     return out
 
 
-def _measure_host(case: Case, ctx: Ctx, repeats: int) -> Dict[str, float]:
-    """Median host milliseconds per step of each entry of ``case`` at the (shrunk) ``ctx``
-    on CPU tensors, fake process group of ``ctx.dp_size`` ranks, rank 0, one thread."""
+def _measure_host(case: Case, ctx: Ctx, repeats: int) -> Dict[str, Tuple[float, float]]:
+    """Median and smallest host milliseconds per step of each entry of ``case`` at the
+    (shrunk) ``ctx`` on CPU tensors, fake process group of ``ctx.dp_size`` ranks, rank 0,
+    one thread."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -743,7 +745,7 @@ def _measure_host(case: Case, ctx: Ctx, repeats: int) -> Dict[str, float]:
         dist.destroy_process_group()
         sys.excepthook = excepthook
         torch.set_num_threads(threads)
-    return {name: 1e3 * statistics.median(v) for name, v in samples.items()}
+    return {name: (1e3 * statistics.median(v), 1e3 * min(v)) for name, v in samples.items()}
 
 
 def make_ctx(
@@ -816,7 +818,7 @@ def measure(
                     )
                 for entry in case.entries:
                     r = results[entry.name]
-                    r["host_ms"] = hosts.get(entry.name)
+                    r["host_ms"], r["host_ms_min"] = hosts.get(entry.name, (None, None))
                     row = methods.setdefault(
                         entry.name,
                         {

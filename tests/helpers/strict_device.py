@@ -812,7 +812,13 @@ class StrictDeviceMode(TorchDispatchMode):
         if func in _NO_KERNEL or func.is_view:
             return
         outs = _tensors(out) if out is not None else []
-        if host or (outs and not any(_is_dev(t) for t in outs)):
+        # A device op writes a device tensor: one it returns, or (ops that return nothing,
+        # e.g. _foreach_*_ or a custom op's mutated argument) one of its arguments. Ops on
+        # host tensors (torch.equal of CPU indices, item() of a CPU step count) are host ops.
+        on_device = any(_is_dev(t) for t in outs) or (
+            not outs and any(_is_dev(t) for t in _tensors((args, kwargs or {})))
+        )
+        if host or not on_device:
             self._current.host_ops.append(str(func))
             return
         name = func._schema.name.split("::")[-1]

@@ -462,6 +462,10 @@ def grass_steps(
                         y = grass_linear(x, layer.weight, None, layer)
                     with mode.part("backward"):
                         torch.autograd.backward(y, dy)
+                    if hasattr(layer.param, "main_grad"):
+                        # megatron's DDP hook drops the dummy gradient once Grass has added
+                        # into main_grad: the next microbatch accumulates nothing into .grad.
+                        layer.param.grad = None
             with mode.part("hook"):
                 hook.pre_step(view)
             for state in view.states.values():

@@ -21,10 +21,10 @@ What it does:
       parameters, buckets, layers and shape groups with a few thousand elements each) on
       torch's fake process group (collectives return at once), one torch thread, median of
       ``--repeats`` steps after a warm-up (``host_ms_min`` in the detail: the fastest, less
-      disturbed by other processes on a shared machine). It includes the Python, the dispatcher and the
-      small CPU kernels of the method's parts; it excludes communication and the harness's
-      inputs. A proxy for the host cost on a GPU (launch overhead there is a few us per op
-      more); never asserted in tests.
+      disturbed by other processes on a shared machine). It includes the Python, the
+      dispatcher and the small CPU kernels of the method's parts; it excludes communication
+      and the harness's inputs. A proxy for the host cost on a GPU (where each launch adds
+      its own overhead); never asserted in tests.
 
     Only the method's *parts* are charged (``tests/helpers/method_steps.py`` marks them):
     the DP reducers' launch, wait and commit over every bucket; a codec direction's encode
@@ -58,15 +58,15 @@ Steps and shapes (``--models``, ``--microbatches``, ``--dp-size``, ``--bucket-si
 
 Output:
     A table on stdout (method, model, dtype, launches per step, traffic vs copy, host ms, the
-    target of :data:`TARGETS`),
-    the top ops of each top-level row (``--offenders``), and with ``--json PATH``:
+    target of :data:`TARGETS`); per top-level row the functions that move the most bytes and
+    the ops launched most often (``--offenders N``); with ``--json PATH`` the report
     ``{"methods": {NAME: {"launches_per_step": int, "traffic_vs_copy": float, "host_ms":
     float, "model", "dtype", "target", "meets_target", "unit", "denominator", "detail":
-    {MODEL: {DTYPE: {...}}}}},
-    "settings": {...}, "environment": {...}}``. Top-level numbers are gpt2-345m's (the
-    first model) in the dtype a ``--bf16`` run uses; ``detail`` holds every model and dtype
-    with traffic and launches by part, collective bytes, the top ops by traffic and by
-    launches (op, ``megatron_ext`` frame, share) and the top functions by traffic.
+    {MODEL: {DTYPE: {...}}}}}, "settings": {...}, "environment": {...}}``. Top-level numbers
+    are the first model's (gpt2-345m) in the dtype a ``--bf16`` run uses; ``detail`` holds
+    every model and dtype with traffic and launches by part, collective bytes, the top ops
+    by traffic and by launches (op, ``megatron_ext`` frame, share) and the top functions by
+    traffic.
 
 Adding a method:
     1. Write its steps in ``tests/helpers/method_steps.py`` (the runtime's calls, shapes as

@@ -30,10 +30,12 @@ What it does:
       ``sync_ok`` (setup, a checkpoint load, a selection step every K steps) syncs and
       host-to-device copies are recorded as *declared* and are not violations; the other
       classes always are (on a GPU they raise or silently serialize).
-    * **device ops** per step: every op with a device output that launches a kernel (views,
-      ``empty`` and other metadata-only ops excluded), to assert launch budgets, each with
-      its **memory traffic** (:class:`OpCost`: bytes read and written, the ``megatron_ext``
-      frame that issued it, and the *part* of the step it belongs to, see :meth:`part`);
+    * **device ops** per step: every op with a device output (or, returning nothing, a device
+      argument: ``_foreach_*_``, a custom op's mutated tensor) that launches a kernel (views,
+      ``empty`` and other metadata-only ops excluded; ops on host tensors are host ops), to
+      assert launch budgets, each with its **memory traffic** (:class:`OpCost`: bytes read
+      and written, the ``megatron_ext`` frame that issued it, and the *part* of the step it
+      belongs to, see :meth:`StrictDeviceMode.part`);
     * **collectives** per step (:class:`CollectiveCall`: op, dtype, numel, reduction, group
       size), so runs of different ranks can be compared (:func:`compare_ranks`).
 
@@ -71,7 +73,7 @@ Memory traffic (the cost model's unit; ``benchmarks/gpu_cost.py``):
       ``index_put_(accumulate=True)``, ...) also read the addressed destination elements;
     * views and metadata-only ops cost nothing (they are not device ops);
     * collectives are not memory traffic: their buffer bytes are reported apart
-      (:attr:`StepRecord.collective_bytes`).
+      (:meth:`StepRecord.collective_bytes`).
 
     A fused kernel registered as a ``torch.library`` custom op with a fake (meta)
     implementation reaches the mode as one op with its own inputs, outputs and

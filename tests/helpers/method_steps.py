@@ -683,7 +683,7 @@ class DiLoCoView(OptimizerView):
         self.gathers += 1
 
 
-def diloco_hook(view: Any, *, interval: int, fragments: int = 2, **options: Any):
+def diloco_hook(view: Any, *, interval: int, fragments: int = 1, **options: Any):
     """DiLoCo's hook over ``view`` on WORLD (the sites), set up in the caller's step."""
     from megatron_ext.methods.diloco import OuterConfig
     from megatron_ext.optim.diloco import DiLoCoHook

@@ -232,3 +232,21 @@ def test_traffic_within_target(report, name, dtype):
 
     measured = report["methods"][name]["detail"]["gpt-tiny"][dtype]["traffic_vs_copy"]
     assert measured <= TARGETS[name], f"{name} {dtype}: {measured:.2f}x a copy"
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--models", "gpt-huge"], "--models"),
+        (["--methods", "separate,fused"], "--methods"),
+        (["--dp-size", "0"], "--dp-size"),
+        (["--bucket-size", "-1"], "--bucket-size"),
+    ],
+)
+def test_bad_flags_are_refused_naming_the_flag(argv, flag, capsys):
+    from benchmarks.gpu_cost import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert flag in capsys.readouterr().err

@@ -61,6 +61,7 @@ __all__ = [
     "LinearLayersConfig",
     "CommAccountingConfig",
     "ExtCheckpointConfig",
+    "KernelsConfig",
     "ParallelLayout",
     "ExtConfig",
     "ext_config_classes",
@@ -326,6 +327,26 @@ class ExtCheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class KernelsConfig:
+    """Fused kernels of the methods' tensor chains (megatron_ext.kernels)."""
+
+    ARG_GROUP: ClassVar[str] = "megatron-ext: fused kernels"
+    ARG_PREFIX: ClassVar[str] = "kernels"
+
+    fused: str = field(
+        default="auto", metadata=arg(flag="--fused-kernels", choices=("auto", "on", "off"))
+    )
+    """Run each method's chains of tensor operations as kernels compiled by torch.compile
+    (one pass through memory each) instead of one torch operation at a time: 'auto' on GPUs
+    and eagerly on the CPU (where the compile time would dominate small runs), 'on' on
+    every device, 'off' never (the eager reference). Results agree as each kernel's test
+    states (integer codes bit for bit)."""
+
+    def __post_init__(self):
+        _check_choice(type(self), "fused", self.fused)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ParallelLayout:
     """The Megatron parallel setup that flag combinations are validated against."""
 
@@ -362,7 +383,7 @@ def _registry():
 
 def ext_config_classes() -> Tuple[type, ...]:
     """Every options dataclass behind megatron_ext's flags (families', methods', run-wide)."""
-    return _registry().option_classes() + (CommAccountingConfig, ExtCheckpointConfig)
+    return _registry().option_classes() + (CommAccountingConfig, ExtCheckpointConfig, KernelsConfig)
 
 
 def _default_methods() -> Dict[str, str]:
@@ -384,6 +405,9 @@ class ExtConfig:
 
     checkpoint: ExtCheckpointConfig = field(default_factory=ExtCheckpointConfig)
     """Checkpointed state."""
+
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    """Fused kernels."""
 
     def __post_init__(self):
         registry = _registry()
@@ -412,7 +436,7 @@ class ExtConfig:
         """Build from keyword arguments: family names select methods (``grad="separate"``),
         options instances are passed positionally by class through ``options=[...]``."""
         opts = {type(o): o for o in kwargs.pop("options", ())}
-        extra = {k: kwargs.pop(k) for k in ("comm", "checkpoint") if k in kwargs}
+        extra = {k: kwargs.pop(k) for k in ("comm", "checkpoint", "kernels") if k in kwargs}
         return cls(methods=kwargs, options=opts, **extra)
 
     def method(self, family: str) -> str:
@@ -439,7 +463,7 @@ class ExtConfig:
         out: Dict[str, Any] = {}
         for fam, method in self.selected():
             out[fam.dest] = method.name
-        for sub in list(self.options.values()) + [self.comm, self.checkpoint]:
+        for sub in list(self.options.values()) + [self.comm, self.checkpoint, self.kernels]:
             for sf in dataclasses.fields(sub):
                 out[_dest_of(type(sub), sf)] = getattr(sub, sf.name)
         return out
@@ -503,6 +527,7 @@ def ext_config_from_args(args: argparse.Namespace) -> ExtConfig:
         options={cls: config_from_args(cls, args) for cls in registry.option_classes()},
         comm=config_from_args(CommAccountingConfig, args),
         checkpoint=config_from_args(ExtCheckpointConfig, args),
+        kernels=config_from_args(KernelsConfig, args),
     )
 
 
@@ -519,6 +544,12 @@ def validate_ext_config(cfg: ExtConfig, layout: ParallelLayout) -> None:
         cfg: the feature configs.
         layout: the Megatron parallel setup of this run.
     """
+    if cfg.kernels.fused == "on":
+        from megatron_ext.kernels import fused_unavailable
+
+        why = fused_unavailable("cpu")
+        if why:
+            raise ConfigError("--fused-kernels", f"'on' compiles CPU kernels too: {why}")
     if layout.num_distributed_optimizer_instances != 1 and not cfg.enabled("outer"):
         # megatron-ext's gradient seam reduces inside one instance; with DiLoCo the instances
         # are its sites (methods.diloco validates that), otherwise megatron's all-reduce

@@ -212,6 +212,9 @@ class ExtRuntime(Runtime):
             ConfigError: unsupported flag combination (names the flags).
         """
         validate_ext_config(cfg, layout)
+        from megatron_ext import kernels
+
+        kernels.set_mode(cfg.kernels.fused)
         clock = StepClock()
         meter = CommMeter(enabled=cfg.comm.accounting)
         handles = TrainingHandles()

@@ -178,6 +178,8 @@ def _wrap(session: MegatronLMSession, target: HookTarget, original: Callable, si
     elif role == "validate_args":
 
         def wrapper(*args, **kwargs):
+            with session.clean_errors():
+                session.check_values(bound(args, kwargs)["args"])
             result = original(*args, **kwargs)
             with session.clean_errors():
                 session.configure(bound(args, kwargs)["args"])

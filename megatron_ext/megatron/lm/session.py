@@ -70,6 +70,13 @@ from megatron_ext.megatron.lm import checkpoint as lm_ckpt
 from megatron_ext.megatron.lm.releases import MegatronLMRelease, UnsupportedReleaseError
 from megatron_ext.refusal import report_refusal
 from megatron_ext.state import StateMismatch
+from megatron_ext.validation import (
+    check_backend,
+    check_flag_relations,
+    check_flag_values,
+    check_transformer_engine,
+    check_writable,
+)
 
 __all__ = ["MegatronLMSession", "layout_from_args", "check_megatron_lm_args"]
 
@@ -358,6 +365,17 @@ class MegatronLMSession:
 
     # -- arguments ---------------------------------------------------------------------------
 
+    def check_values(self, args: Any) -> None:
+        """Before Megatron-LM's ``validate_args``: every numeric flag in its range and the
+        flag relations of :mod:`megatron_ext.validation` (the driver's table), refused with
+        one line naming the flag instead of an assertion or a failure inside training.
+
+        Raises:
+            ConfigError: naming the flag and its range.
+        """
+        check_flag_values(args)
+        check_flag_relations(args)
+
     def configure(self, args: Any) -> ExtConfig:
         """Build and check megatron-ext's config from Megatron-LM's validated args.
 
@@ -373,6 +391,10 @@ class MegatronLMSession:
         cfg = ext_config_from_args(args)
         validate_ext_config(cfg, layout_from_args(args))
         check_megatron_lm_args(args, cfg)
+        # The environment, as the driver checks it: before any process group or model.
+        check_transformer_engine(args.transformer_impl)
+        check_backend(getattr(args, "distributed_backend", None), self.cpu)
+        check_writable(args.save, "--save")
         self.cfg = cfg
         return cfg
 

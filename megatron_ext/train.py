@@ -1021,6 +1021,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for message in _EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=f".*{message}.*")
     from megatron_ext.megatron.checkpoint import CheckpointSaveError
+    from megatron_ext.optim.hooks import NonFiniteError
     from megatron_ext.refusal import report_refusal
     from megatron_ext.state import StateMismatch
 
@@ -1039,6 +1040,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except CheckpointSaveError as exc:
         # Rank 0 holds every rank's failure; the others report only if it does not.
         report_refusal(f"megatron-ext train: error: {exc}", defer_s=0 if exc.detailed else 15)
+        return 1
+    except NonFiniteError as exc:
+        # A NaN or Inf that nothing could skip, stopped before it was applied or saved.
+        report_refusal(f"megatron-ext train: error: {str(exc).removeprefix('megatron-ext: ')}")
         return 1
     finally:
         import torch

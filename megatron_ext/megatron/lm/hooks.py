@@ -216,7 +216,8 @@ def _wrap(session: MegatronLMSession, target: HookTarget, original: Callable, si
 
         def wrapper(*args, **kwargs):
             session.begin_train_step(bound(args, kwargs)["iteration"], _args())
-            result = original(*args, **kwargs)
+            with session.stop_on_nonfinite():
+                result = original(*args, **kwargs)
             # train_step returns (loss dict, skipped_iter, ...) in 0.16 and 0.19:
             # skipped_iter is 1 (or True, for a rerun) when the optimizer step was not taken.
             session.end_train_step(update_successful=not result[1])
@@ -286,10 +287,11 @@ def _wrap(session: MegatronLMSession, target: HookTarget, original: Callable, si
 
         def wrapper(*args, **kwargs):
             arguments = bound(args, kwargs)
-            session.before_save(arguments["iteration"], bool(arguments["release"]), _args())
-            # Checkpoint I/O collectives are not training communication.
-            with ProcessGroupTrafficMeter.untracked():
-                return original(*args, **kwargs)
+            with session.stop_on_nonfinite():
+                session.before_save(arguments["iteration"], bool(arguments["release"]), _args())
+                # Checkpoint I/O collectives are not training communication.
+                with ProcessGroupTrafficMeter.untracked():
+                    return original(*args, **kwargs)
 
     elif role == "load_checkpoint":
 

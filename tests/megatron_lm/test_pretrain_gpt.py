@@ -606,6 +606,19 @@ def test_bad_flag_stops_before_training(lm_dir, tmp_path):
     assert not iterations(run.stdout)
 
 
+def test_out_of_range_value_stops_before_megatron_lm_validates_it(lm_dir, tmp_path):
+    """Megatron-LM's own flags go through megatron-ext's range table (the driver's) before
+    Megatron-LM's validate_args: an Adam beta of 2 used to reach torch's optimizer as a
+    worker traceback; a NaN learning rate an assertion (min_lr <= lr)."""
+    run = pretrain(lm_dir / "pretrain_gpt.py", tiny_args(adam_beta1="2"), cwd=tmp_path)
+    assert run.returncode != 0
+    output = run.stderr + run.stdout
+    line = "megatron-ext: error: --adam-beta1: must be a finite number in [0, 1), got 2.0"
+    assert output.count(line) == 1, output[-3000:]
+    assert "Traceback" not in run.stdout and "[rank0]: Traceback" not in run.stderr
+    assert not iterations(run.stdout)
+
+
 def test_grass_with_another_optimizer_stops_before_training(lm_dir, tmp_path):
     # Grass's update is decoupled AdamW's: SGD's momentum would survive reselections and
     # its weight decay would act on V, the change since the selection (issue 27).

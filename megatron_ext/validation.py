@@ -60,6 +60,7 @@ __all__ = [
     "sample_index_bytes",
     "check_fits_host_memory",
     "available_memory",
+    "agreed_minimum",
     "format_bytes",
 ]
 
@@ -455,6 +456,25 @@ def available_memory(device: Any) -> Optional[int]:
 
         return available_host_memory()
     return None
+
+
+def agreed_minimum(value: Optional[int], group: Any = None, device: Any = None) -> Optional[int]:
+    """The smallest ``value`` over the ranks of ``group`` (collective when torch.distributed
+    is initialized; None anywhere gives None), so that ranks measuring memory a moment
+    apart refuse alike, with the same line. ``device``: where the reduced value lives
+    (default: the group's collective device)."""
+    import torch
+
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return value
+    from megatron_ext.accounting import ProcessGroupTrafficMeter, collective_device
+
+    flag = torch.tensor([-1 if value is None else int(value)], dtype=torch.int64)
+    flag = flag.to(device if device is not None else collective_device(group))
+    with ProcessGroupTrafficMeter.untracked():
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+    low = int(flag.item())
+    return None if low < 0 else low
 
 
 def check_fits_host_memory(

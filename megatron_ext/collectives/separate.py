@@ -203,20 +203,21 @@ class _SeparateReduction(CompressedReduction):
         segment's :func:`projection_peak_bytes`, plus the fp32 blocks kept between draws
         when the projection is reused (``--separate-refresh-interval`` other than 1)."""
         from megatron_ext.config import ConfigError
-        from megatron_ext.validation import available_memory, format_bytes
+        from megatron_ext.validation import agreed_minimum, available_memory, format_bytes
 
         sizes = [
             (seg.block, seg.block // self._smallest_ratio(seg))
             for segments in self.segments
             for seg in segments
         ]
-        if not sizes:
-            return
         device = self.spec.buckets[0].grad.device
-        need = max(projection_peak_bytes(c, k) for c, k in sizes)
+        if device.type == "meta":
+            return  # no memory behind it (the strict-device tests)
+        need = max((projection_peak_bytes(c, k) for c, k in sizes), default=0)
         if (getattr(self.cfg, "refresh_interval", 1) or 0) != 1:
             need += sum(4 * c * k for c, k in sizes)
-        free = available_memory(device)
+        # The smallest over the group (collective): every rank refuses alike, in one line.
+        free = agreed_minimum(available_memory(device), self.spec.group, device)
         if free is not None and need > free:
             c, k = max(sizes, key=lambda ck: ck[0] * ck[1])
             raise ConfigError(

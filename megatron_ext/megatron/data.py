@@ -496,8 +496,9 @@ def check_index_memory(
     dataset: all of them with one dataset, ``ceil(ceil(S w) * 1.005)`` with blend weights
     ``w``, one epoch (``num_samples`` None) for a blend without weights. They are summed:
     a built dataset keeps its indices while the next one is built. Measured against
-    ``MemAvailable`` (:func:`~megatron_ext.validation.check_fits_host_memory`); a cached
-    index would be memory-mapped instead, but needed the same memory where it was built.
+    ``MemAvailable`` (:func:`~megatron_ext.validation.check_fits_host_memory`), the
+    smallest over the ranks when a process group exists (collective); a cached index would
+    be memory-mapped instead, but needed the same memory where it was built.
 
     Raises:
         ConfigError: naming the flags that set the samples of the largest split.
@@ -527,6 +528,14 @@ def check_index_memory(
             if largest is None or need > largest[0]:
                 largest = (need, epochs, prefix, split, samples, docs, tokens)
     if largest is None:
+        return
+    if available is None:
+        from megatron_ext.preflight import available_host_memory
+        from megatron_ext.validation import agreed_minimum
+
+        # Every rank calls this (collective): one verdict and one line for all of them.
+        available = agreed_minimum(available_host_memory())
+    if available is None:
         return
     need, epochs, prefix, split, samples, docs, tokens = largest
     what = (

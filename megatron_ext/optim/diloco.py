@@ -715,7 +715,7 @@ class DiLoCoHook(OptimizerHook):
         mine = -1.0 if sent_finite is None else float(not bool(sent_finite))
         if self.outer_group is None or self.num_sites == 1:
             return [mine]
-        flag = torch.tensor([mine], dtype=torch.float32, device=collective_device())
+        flag = torch.tensor([mine], dtype=torch.float32, device=collective_device(self.outer_group))
 
         def gather() -> List[float]:
             out = [torch.empty_like(flag) for _ in range(self.num_sites)]

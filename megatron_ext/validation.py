@@ -188,7 +188,7 @@ FLAG_RANGES: Dict[str, Range] = {
     # -- megatron-ext: SEPARATE --------------------------------------------------------------
     "separate_ratio": _count(),
     "separate_block_size": _count(),
-    "separate_ef_beta": _POSITIVE,
+    "separate_ef_beta": _NON_NEGATIVE,  # 0: no error feedback
     "separate_reset_interval": _count(),
     "separate_refresh_interval": _count(0),
     "separate_seed": _INTEGER,  # hashed (any integer)

@@ -14,6 +14,7 @@ stored embedding (1,024 NaN), and non-finite megatron-ext and optimizer state sa
 each stop the load on every rank with a ``CheckpointError`` naming the file (and tensor).
 """
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -193,6 +194,32 @@ CORRUPTIONS = {
 }
 
 
+def _refused_save(trainer, root):
+    """The message of a save that must be refused, and whether it left ``root`` without an
+    ``iter_`` directory and without a latest marker."""
+    from megatron_ext.megatron.checkpoint import CheckpointSaveError
+
+    try:
+        save_checkpoint(trainer, root, 2)
+        return "saved", False
+    except CheckpointSaveError as exc:
+        empty = not os.path.exists(root) or not os.listdir(root)
+        return str(exc), empty
+
+
+@contextlib.contextmanager
+def _unchecked_saves():
+    """Saves without the finite check (how a non-finite checkpoint could still exist)."""
+    from megatron_ext.megatron import checkpoint
+
+    original = checkpoint.check_finite_for_save
+    checkpoint.check_finite_for_save = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        checkpoint.check_finite_for_save = original
+
+
 def _load_checks(rank, world, flags, root):
     import torch
 
@@ -215,9 +242,13 @@ def _load_checks(rank, world, flags, root):
         except Exception as exc:  # noqa: BLE001 (the test reads the message)
             out[name] = f"{type(exc).__name__}: {exc}"
         out[f"{name}/file"] = stored
-    # Non-finite values that were saved as such: megatron-ext state and optimizer state.
+    # Non-finite values in megatron-ext state and optimizer state: refused at save; written
+    # anyway (as a checkpoint of an older version, or corrupted after it was saved), refused
+    # at load.
     probe.value[1] = float("inf")
-    save_checkpoint(trainer, os.path.join(root, "ext-inf"), 2)
+    out["ext-inf/save"] = _refused_save(trainer, os.path.join(root, "ext-inf-refused"))
+    with _unchecked_saves():
+        save_checkpoint(trainer, os.path.join(root, "ext-inf"), 2)
     probe.value[1] = 0.0
     try:
         load_checkpoint(trainer, os.path.join(root, "ext-inf"))
@@ -227,7 +258,9 @@ def _load_checks(rank, world, flags, root):
     inner = trainer.optimizer.chained_optimizers[0].optimizer
     state = next(iter(inner.state.values()))
     state["exp_avg_sq"][0] = float("nan")
-    save_checkpoint(trainer, os.path.join(root, "opt-nan"), 2)
+    out["opt-nan/save"] = _refused_save(trainer, os.path.join(root, "opt-nan-refused"))
+    with _unchecked_saves():
+        save_checkpoint(trainer, os.path.join(root, "opt-nan"), 2)
     try:
         load_checkpoint(trainer, os.path.join(root, "opt-nan"))
         out["opt-nan"] = "loaded"
@@ -258,6 +291,12 @@ def test_load_names_the_file_and_tensor_of_a_bad_checkpoint(tmp_path):
                 assert needle in message, (rank, name, message)
         for name in ("distcp-truncated", "distcp-header", "embedding-nan"):
             assert stored in out[name], (rank, name, out[name])
+        message, empty = out["ext-inf/save"]
+        assert message.startswith("--save: the checkpoint of iteration 2 was not written"), message
+        assert "'megatron_ext/rank_state/objects.test_probe.value'" in message and empty, message
+        assert "of rank 0 holds 1 non-finite values (NaN or inf) of 3" in message, message
+        message, empty = out["opt-nan/save"]
+        assert "was not written" in message and "exp_avg_sq" in message and empty, message
         message = out["ext-inf"]
         assert message.startswith("CheckpointError") and "'megatron_ext/rank_state'" in message
         assert "1 of 3 values are not finite" in message and ".distcp" in message, message

@@ -65,7 +65,7 @@ BAD = [
     (DILOCO + ["--outer-lr", "inf"], "--outer-lr", "a finite number > 0"),
     (DILOCO + ["--outer-momentum", "nan"], "--outer-momentum", "in [0, 1)"),
     (DILOCO + ["--outer-merge-alpha", "inf"], "--outer-merge-alpha", "in [0, 1]"),
-    (["--grad-compression", "separate", "--separate-ef-beta", "nan"], "--separate-ef-beta", "> 0"),
+    (["--grad-compression", "separate", "--separate-ef-beta", "nan"], "--separate-ef-beta", ">= 0"),
     (["--grad-compression", "radius", "--radius-density", "nan"], "--radius-density", "(0, 1]"),
     (["--powersgd-min-compression-rate", "nan"], "--powersgd-min-compression-rate", ">= 1"),
     (["--grass-scale", "inf"], "--grass-scale", "> 0"),

@@ -280,14 +280,18 @@ class _FakeDPGroup:
         dist.destroy_process_group()
 
 
-def megatron_buckets(params, dp_size: int) -> List[List[Tuple[str, Tuple[int, ...]]]]:
-    """Parameters in backward order, split like megatron-core's default buckets."""
-    limit = max(40_000_000, 1_000_000 * dp_size)
+def megatron_buckets(
+    params, dp_size: int, bucket_size: Optional[int] = None
+) -> List[List[Tuple[str, Tuple[int, ...]]]]:
+    """Parameters in backward order, split like megatron-core's buckets: a bucket closes once
+    it holds ``bucket_size`` elements (default megatron-core's with
+    ``--overlap-grad-reduce``, ``max(4e7, 1e6 x DP)``; 0: one bucket, as without it)."""
+    limit = max(40_000_000, 1_000_000 * dp_size) if bucket_size is None else bucket_size
     buckets, current, size = [], [], 0
     for name, shape in reversed(params):
         current.append((name, shape))
         size += _numel(shape)
-        if size >= limit:
+        if limit and size >= limit:
             buckets.append(current)
             current, size = [], 0
     if current:

@@ -319,6 +319,12 @@ class ExtCheckpointConfig:
     data-parallel size alone is no mismatch for ``megatron-ext train``: the state is
     remapped (megatron_ext.elastic). Megatron-LM's pretrain_gpt.py still treats it as one."""
 
+    verify_checksums: bool = field(default=True, metadata=arg(flag="--verify-checkpoint-checksums"))
+    """Before a load, check every file of the checkpoint against the checksums written when
+    it was saved (megatron_ext_checksums.json in the iteration directory, crc32) and stop,
+    naming the file, when one changed. A checkpoint without them (saved before megatron-ext
+    wrote checksums, or by another program) loads unverified, saying so."""
+
     def __post_init__(self):
         _check_choice(type(self), "on_mismatch", self.on_mismatch)
 

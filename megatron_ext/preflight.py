@@ -18,10 +18,12 @@ What it does:
        number of ``TP x CP x PP`` model replicas, and the global batch a multiple of
        micro-batch x data-parallel size; multi-node launches need ``NODE_RANK`` and a
        ``MASTER_ADDR`` other than localhost (checked by the shell script);
-    4. **inputs** (:func:`check_inputs`): the ``--data-path`` prefixes' ``.bin`` / ``.idx``,
+    4. **Megatron-LM defaults that fail late** (:func:`check_megatron_lm_defaults`): a
+       missing ``--eval-interval``, which Megatron-LM divides by after the model is built;
+    5. **inputs** (:func:`check_inputs`): the ``--data-path`` prefixes' ``.bin`` / ``.idx``,
        ``--vocab-file``, ``--merge-file``, a SentencePiece ``--tokenizer-model`` and the
        ``--load`` directory of a ``--finetune`` run exist;
-    5. **memory** (:func:`memory_needs`): AQ-SGD's per-sample buffers, per node (host or
+    6. **memory** (:func:`memory_needs`): AQ-SGD's per-sample buffers, per node (host or
        disk) or per GPU (device), from :func:`megatron_ext.megatron.memory.
        aqsgd_buffer_plan` (the codec's and ``benchmarks/state_memory.py``'s computation).
        Printed always; outside a dry run the node's available host memory
@@ -52,12 +54,13 @@ import os
 import shlex
 import shutil
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __all__ = [
     "PreflightError",
     "resume_args",
     "check_layout",
+    "check_megatron_lm_defaults",
     "check_inputs",
     "memory_needs",
     "method_state_needs",
@@ -92,6 +95,9 @@ def _megatron_subset(args: Sequence[str]) -> argparse.Namespace:
         ("--kv-channels", None),
         ("--vocab-size", None),
         ("--make-vocab-size-divisible-by", 128),
+        ("--eval-interval", None),
+        ("--train-iters", None),
+        ("--train-samples", None),
     ]:
         p.add_argument(flag, type=int, default=default)
     for flag in (
@@ -104,13 +110,20 @@ def _megatron_subset(args: Sequence[str]) -> argparse.Namespace:
         "--swiglu",
         "--disable-bias-linear",
         "--untie-embeddings-and-output-weights",
+        "--skip-train",
+        "--full-validation",
     ):
         p.add_argument(flag, action="store_true")
     p.add_argument("--position-embedding-type", default="learned_absolute")
     for flag in ("--save", "--load", "--vocab-file", "--merge-file", "--tokenizer-type"):
         p.add_argument(flag)
     p.add_argument("--tokenizer-model")
-    p.add_argument("--data-path", nargs="*")
+    p.add_argument("--lr", type=float)
+    p.add_argument("--mock-data", action="store_true")
+    for flag in ("--data-path", "--train-data-path"):
+        p.add_argument(flag, nargs="*")
+    for flag in ("--data-args-path", "--per-split-data-args-path", "--yaml-cfg"):
+        p.add_argument(flag)
     return p.parse_known_args(list(args))[0]
 
 
@@ -189,6 +202,104 @@ def check_layout(args: Sequence[str], nodes: int, gpus_per_node: int) -> int:
                 f"({world} ranks / {model} per replica)"
             )
     return dp
+
+
+# Tokenizers and what Megatron-LM's build_tokenizer asserts (without a message) for each,
+# after the arguments are printed and before the model is built.
+_TOKENIZER_NEEDS = {
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "BertWordPieceLowerCase": ("vocab_file",),
+    "BertWordPieceCase": ("vocab_file",),
+    "SentencePieceTokenizer": ("tokenizer_model",),
+    "GPTSentencePieceTokenizer": ("tokenizer_model",),
+    "Llama2Tokenizer": ("tokenizer_model",),
+    "HuggingFaceTokenizer": ("tokenizer_model",),
+    "TikTokenizer": ("tokenizer_model",),
+    "NullTokenizer": ("vocab_size",),
+}
+
+# What gives pretrain_gpt.py its training data (any one of them).
+_DATA_SOURCES = (
+    "mock_data",
+    "data_path",
+    "train_data_path",
+    "data_args_path",
+    "per_split_data_args_path",
+)
+
+
+def _flag(attribute: str) -> str:
+    return "--" + attribute.replace("_", "-")
+
+
+def check_megatron_lm_defaults(a: Any) -> None:
+    """Refuse Megatron-LM flags left at a default that fails only after start-up.
+
+    ``a`` is :func:`_megatron_subset` of an argument list (the pre-flight, the zero-touch
+    launcher) or Megatron-LM's own parsed arguments (a patched ``pretrain_gpt.py``); an
+    attribute it lacks counts as unset. Measured on core_v0.16.1 and core_v0.19.0, a tiny GPT
+    launched without each flag in turn:
+
+    * ``--eval-interval`` (default None): Megatron-LM sizes the validation split as
+      ``train_iters // eval_interval`` in ``get_train_valid_test_num_samples``, after the
+      model is built (``TypeError: unsupported operand type(s) for //: 'int' and
+      'NoneType'`` on every rank), unless it skips training or validates on the whole split;
+    * ``--train-iters`` / ``--train-samples`` (both None): "either train-iters or
+      train-samples should be provided" once the model is built;
+    * ``--lr`` (None): the learning-rate scheduler compares it with ``--min-lr`` once the
+      model is built (``TypeError: '<=' not supported between instances of 'float' and
+      'NoneType'``);
+    * no training data (``--data-path``, ``--train-data-path``, ``--data-args-path``,
+      ``--per-split-data-args-path`` or ``--mock-data``): "GPTDataset failed to build as a
+      mock data generator" once the model is built;
+    * a tokenizer without its files (``--tokenizer-type`` defaults to GPT2BPETokenizer in
+      ``pretrain_gpt.py``, which needs ``--vocab-file`` and ``--merge-file``; NullTokenizer
+      needs ``--vocab-size``; the SentencePiece, Llama2, HuggingFace and TikToken ones
+      ``--tokenizer-model``): a bare ``AssertionError`` in ``build_tokenizer``.
+
+    Every problem found is named, in one line. With ``--yaml-cfg`` the arguments come from
+    that file: only Megatron-LM's parsed arguments can be checked.
+
+    Raises:
+        PreflightError: naming each flag and what to give.
+    """
+    if getattr(a, "yaml_cfg", None):
+        # The arguments come from that file: the session checks them once parsed.
+        return
+    problems = []
+    training = not getattr(a, "skip_train", False)
+    if training and getattr(a, "eval_interval", None) is None:
+        if not getattr(a, "full_validation", False):
+            problems.append(
+                "--eval-interval: Megatron-LM needs it to size the validation split (its "
+                "default, None, fails after start-up): give --eval-interval N, e.g. "
+                "--eval-interval 1000 --eval-iters 10"
+            )
+    if training and getattr(a, "train_iters", None) is None:
+        if getattr(a, "train_samples", None) is None:
+            problems.append(
+                "--train-iters: Megatron-LM needs the run's length (None fails once the model "
+                "is built): give --train-iters N (or --train-samples N)"
+            )
+    if getattr(a, "lr", None) is None:
+        problems.append(
+            "--lr: Megatron-LM has no default learning rate (None fails once the model is "
+            "built): give --lr, e.g. --lr 3e-4"
+        )
+    if training and not any(getattr(a, name, None) for name in _DATA_SOURCES):
+        problems.append(
+            "--data-path: no training data: give --data-path PREFIX (or --train-data-path, "
+            "--data-args-path, --per-split-data-args-path), or --mock-data"
+        )
+    tokenizer = getattr(a, "tokenizer_type", None) or "GPT2BPETokenizer"
+    missing = [n for n in _TOKENIZER_NEEDS.get(tokenizer, ()) if getattr(a, n, None) is None]
+    if missing:
+        problems.append(
+            f"--tokenizer-type {tokenizer}: needs {' and '.join(map(_flag, missing))}"
+            + ("" if getattr(a, "tokenizer_type", None) else " (pretrain_gpt.py's default)")
+        )
+    if problems:
+        raise PreflightError("; ".join(problems))
 
 
 def check_inputs(args: Sequence[str]) -> None:
@@ -478,6 +589,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if note:
             print(f"megatron-ext: {note}", file=sys.stderr)
         check_layout(args, opts.nodes, opts.gpus_per_node)
+        check_megatron_lm_defaults(_megatron_subset(args))
         check_inputs(args)
         _report_memory(memory_needs(args, opts.nodes, opts.gpus_per_node), opts.dry_run)
     except (OSError, RunFileError, PreflightError) as exc:

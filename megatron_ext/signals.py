@@ -1,16 +1,20 @@
-"""Stop a run cleanly on SIGTERM or Ctrl-C: finish the step, save, exit 0.
+"""Stop a run cleanly on SIGTERM, SIGUSR1 or Ctrl-C: finish the step, save, exit 0.
 
 What it does:
-    :class:`ExitSignalHandler` replaces the handlers of SIGTERM and SIGINT with one that only
-    records that the signal came. The training loop asks :meth:`ExitSignalHandler.
+    :class:`ExitSignalHandler` replaces the handlers of SIGTERM, SIGINT and SIGUSR1 with one
+    that only records that the signal came, and shields the rank's child processes from
+    them (:func:`megatron_ext.child_processes.shield_children`: megatron-core's checkpoint
+    writer processes, which get the same signal, live until the save is done). The training loop asks :meth:`ExitSignalHandler.
     stop_requested` between iterations; that call all-reduces the record (MAX) so every rank
     takes the same decision at the same iteration, even when the signal reached only some of
     them. The loop then saves and returns, and the process exits with status 0. This is
     Megatron-LM's ``--exit-signal-handler`` (``megatron/training/dist_signal_handler.py``,
-    used by ``checkpoint_and_decide_exit`` in its ``training.py``), for both signals at once.
+    used by ``checkpoint_and_decide_exit`` in its ``training.py``, one signal chosen by its
+    ``--exit-signal``), for the three signals at once.
 
 Why:
-    A Slurm preemption or time limit sends SIGTERM, and Ctrl-C in a terminal sends SIGINT to
+    A Slurm preemption or time limit sends SIGTERM (``scancel``, ``KillWait``) or the
+    signal of ``--signal`` (commonly SIGUSR1), and Ctrl-C in a terminal sends SIGINT to
     torchrun, which forwards it to its workers. With Python's default handlers every rank
     dies inside whatever it was doing (a traceback per rank for SIGINT) and everything
     since the last save is lost.
@@ -25,6 +29,11 @@ Constraints:
       forwards a signal, then kills them; a save that takes longer needs a larger timeout.
       torchrun itself then exits with status 1 (torch re-raises the signal as
       ``SignalException`` after its workers stopped), whatever its workers returned.
+    * torchrun forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT; SIGUSR1 sent to torchrun
+      kills it (and its ranks with it, :func:`megatron_ext.child_processes.
+      die_with_launcher`) unless it runs with ``--signals-to-handle
+      SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1``. Slurm's ``--signal=B:USR1`` signals only
+      the batch shell, which forwards SIGTERM (``scripts/slurm/pretrain_gpt_ext.sbatch``).
     * Signal handlers can only be installed from the main thread.
 """
 
@@ -37,8 +46,9 @@ import torch
 
 __all__ = ["ExitSignalHandler", "DEFAULT_EXIT_SIGNALS"]
 
-DEFAULT_EXIT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-"""SIGTERM (Slurm, ``kill``, torchrun's forward) and SIGINT (Ctrl-C)."""
+DEFAULT_EXIT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+"""SIGTERM (Slurm, ``kill``, torchrun's forward), SIGINT (Ctrl-C) and SIGUSR1 (Slurm's
+usual ``--signal`` choice before the time limit)."""
 
 
 class ExitSignalHandler:
@@ -54,17 +64,24 @@ class ExitSignalHandler:
         self._original: Dict[signal.Signals, Any] = {}
 
     def install(self) -> "ExitSignalHandler":
-        """Install the recording handler for every signal (main thread only)."""
+        """Install the recording handler for every signal (main thread only); child
+        processes started from now on ignore them."""
+        from megatron_ext.child_processes import shield_children
+
         for sig in self.signals:
             self._original[sig] = signal.getsignal(sig)
             signal.signal(sig, self._record)
+        shield_children(self.signals)
         return self
 
     def restore(self) -> None:
-        """Put the previous handlers back."""
+        """Put the previous handlers back (children started later are no longer shielded)."""
+        from megatron_ext.child_processes import shield_children
+
         for sig, handler in self._original.items():
             signal.signal(sig, handler)
         self._original.clear()
+        shield_children(())
 
     def __enter__(self) -> "ExitSignalHandler":
         return self.install()

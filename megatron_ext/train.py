@@ -585,6 +585,7 @@ class Trainer:
                 on_mismatch=cfg.ext.checkpoint.on_mismatch,
                 model_only=cfg.checkpoint.finetune,
                 save=cfg.checkpoint.save,
+                verify_checksums=cfg.ext.checkpoint.verify_checksums,
             )
         if loaded is None:
             if cfg.checkpoint.finetune:
@@ -973,10 +974,11 @@ def run_training(cfg: DriverConfig) -> Dict[str, Any]:
 
     # An unsupported megatron-core is refused before any process group or model exists.
     mcore.release()
-    # megatron-core's checkpoint writer processes must not outlive a killed rank.
-    from megatron_ext.child_processes import children_die_with_parent
+    # megatron-core's checkpoint writer processes must not outlive a killed rank, nor a rank
+    # its killed launcher.
+    from megatron_ext.child_processes import bind_process_lifetimes
 
-    children_die_with_parent()
+    bind_process_lifetimes()
     # A --save that cannot be written stops here, not at the first checkpoint.
     check_writable(cfg.checkpoint.save, "--save")
     if cfg.checkpoint.load:

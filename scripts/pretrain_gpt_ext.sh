@@ -68,6 +68,11 @@ fi
 
 # Megatron-LM requires it for tensor parallelism with overlapped communication.
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+# Signals torchrun forwards to the ranks (its --signals-to-handle; older torch ignores the
+# variable): SIGUSR1 too, Slurm's usual --signal choice (with Megatron-LM's --exit-signal
+# SIGUSR1). Unhandled, a SIGUSR1 from Slurm kills torchrun, and its ranks die with it
+# (megatron_ext/child_processes.py).
+export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 
 DISTRIBUTED_ARGS=(
     --nproc-per-node "$GPUS_PER_NODE"

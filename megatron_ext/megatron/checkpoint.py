@@ -68,6 +68,7 @@ import torch.distributed.checkpoint.api
 from megatron_ext import elastic
 from megatron_ext.config import ConfigError
 from megatron_ext.logging import print_rank_0
+from megatron_ext.megatron import checksums
 from megatron_ext.megatron.naming import unwrap
 from megatron_ext.megatron.save_checks import check_finite_for_save
 from megatron_ext.state import StateMismatch, fingerprint
@@ -466,6 +467,8 @@ def save_checkpoint(
 
     try:
         dist_checkpointing.save(sd, directory)
+        # Before the marker names the checkpoint: one it names has its checksums.
+        checksums.write_manifest(directory)
     # torch's CheckpointException (what megatron-core's torch_dist save raises for a failed
     # write) derives from BaseException.
     except (Exception, CheckpointException) as exc:
@@ -1251,6 +1254,7 @@ def load_checkpoint(
     on_mismatch: str = "error",
     model_only: bool = False,
     save: Optional[str] = None,
+    verify_checksums: bool = True,
 ) -> Optional[Dict[str, Any]]:
     """Restore the checkpoint ``root`` names (collective); see :func:`resolve_load`.
 
@@ -1264,13 +1268,17 @@ def load_checkpoint(
             a Megatron-LM torch_dist one, whose model state has the same layout.
         save: ``--save``: when ``root`` is the same directory and holds no checkpoint yet,
             None is returned (a first run) instead of an error.
+        verify_checksums: check the files against the checksums written at save first
+            (:mod:`megatron_ext.megatron.checksums`; off with
+            ``--no-verify-checkpoint-checksums``).
 
     Returns:
         The common state (``iteration``, ``consumed_samples``, ...), or None (see
         ``save``); with ``model_only`` iteration and consumed samples are 0.
 
     Raises:
-        CheckpointError: no checkpoint at ``root``, an unreadable file, a non-finite value.
+        CheckpointError: no checkpoint at ``root``, an unreadable file, a file that does
+            not match its checksum, a non-finite value.
         ConfigError: the learning-rate schedule or ``--use-distributed-optimizer`` differs.
         StateMismatch: megatron_ext state saved with another layout or settings and
             ``on_mismatch == 'error'``.
@@ -1279,6 +1287,7 @@ def load_checkpoint(
     if resolved is None:
         return None
     directory, _ = resolved
+    checksums.verify_checkpoint(directory, verify=verify_checksums)
     common = load_common_state(directory)
     if model_only:
         return _load_model(directory, model_chunks)

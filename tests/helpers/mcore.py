@@ -118,9 +118,12 @@ def save_checkpoint(trainer, root: str, iteration: int) -> None:
     )
 
 
-def load_checkpoint(trainer, root: str, *, model_only: bool = False) -> Dict[str, Any]:
+def load_checkpoint(
+    trainer, root: str, *, model_only: bool = False, verify_checksums: bool = True
+) -> Dict[str, Any]:
     """Load the latest checkpoint under ``root`` into the built trainer (``model_only``: its
-    model weights only, as the driver's ``--finetune`` does, main copies refreshed)."""
+    model weights only, as the driver's ``--finetune`` does, main copies refreshed;
+    ``verify_checksums=False``: as ``--no-verify-checkpoint-checksums``)."""
     from megatron_ext.megatron import checkpoint as ckpt
 
     loaded = ckpt.load_checkpoint(
@@ -130,6 +133,7 @@ def load_checkpoint(trainer, root: str, *, model_only: bool = False) -> Dict[str
         scheduler=trainer.scheduler,
         runtime=trainer.runtime,
         model_only=model_only,
+        verify_checksums=verify_checksums,
     )
     if model_only:
         trainer.optimizer.reload_model_params()

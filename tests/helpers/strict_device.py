@@ -30,8 +30,12 @@ What it does:
       ``sync_ok`` (setup, a checkpoint load, a selection step every K steps) syncs and
       host-to-device copies are recorded as *declared* and are not violations; the other
       classes always are (on a GPU they raise or silently serialize).
-    * **device ops** per step: every op with a device output that launches a kernel (views,
-      ``empty`` and other metadata-only ops excluded), to assert launch budgets;
+    * **device ops** per step: every op with a device output (or, returning nothing, a device
+      argument: ``_foreach_*_``, a custom op's mutated tensor) that launches a kernel (views,
+      ``empty`` and other metadata-only ops excluded; ops on host tensors are host ops), to
+      assert launch budgets, each with its **memory traffic** (:class:`OpCost`: bytes read
+      and written, the ``megatron_ext`` frame that issued it, and the *part* of the step it
+      belongs to, see :meth:`StrictDeviceMode.part`);
     * **collectives** per step (:class:`CollectiveCall`: op, dtype, numel, reduction, group
       size), so runs of different ranks can be compared (:func:`compare_ranks`).
 
@@ -44,6 +48,38 @@ What it does:
     (``allreduce_coalesced_``, used by megatron's coalescing manager) run the fake group on
     host stand-ins of the same shapes.
 
+Memory traffic (the cost model's unit; ``benchmarks/gpu_cost.py``):
+    Each recorded device op moves the bytes it must read plus the bytes it must write, counted
+    once per distinct device tensor (compulsory traffic; caches and re-reads inside a kernel
+    are not modelled, so a matmul counts its operands once):
+
+    * **reads**: every distinct device tensor argument (a tensor, or an identical view of
+      it, passed twice counts once; different views count apart, even of one storage; a
+      broadcast (stride-0) dimension counts once); host tensors and Python scalars are
+      kernel arguments, not device memory;
+    * **writes**: every tensor the op returns that does not alias an argument, and every
+      argument the schema marks as written (``Tensor(a!)``: in-place ``self``, ``out=``,
+      a custom op's ``mutates_args``);
+    * an in-place op reads and writes ``self``; an ``out=`` argument is written, not read;
+      **write-only** ops (``fill_``, ``zero_``, ``normal_``, ``uniform_``, ``bernoulli_``,
+      ``random_``, ``exponential_``, ...; ``copy_`` and ``_foreach_copy_``) do not read their
+      destination;
+    * **gather-like** ops (``index_select``, ``gather``, ``index``, ``take``,
+      ``take_along_dim``, ``embedding``) read only the elements they output (plus the
+      index), not their whole source;
+    * **scatter-like** ops (``index_copy_``, ``index_put_``, ``scatter_``, ``index_add_``,
+      ``index_fill_``, ``put_``, ...) write only the addressed elements and read the values
+      and the index; the accumulating ones (``index_add_``, ``scatter_add_``,
+      ``index_put_(accumulate=True)``, ...) also read the addressed destination elements;
+    * views and metadata-only ops cost nothing (they are not device ops);
+    * collectives are not memory traffic: their buffer bytes are reported apart
+      (:meth:`StepRecord.collective_bytes`).
+
+    A fused kernel registered as a ``torch.library`` custom op with a fake (meta)
+    implementation reaches the mode as one op with its own inputs, outputs and
+    ``mutates_args``, so it is counted as one launch with exactly its own traffic, by the
+    same rules and with no change here (``tests/unit/test_gpu_cost.py`` shows it).
+
 What it proves, and what only a GPU can:
     It proves, on a CPU machine, that a steady-state step keeps every tensor on the device,
     never waits on the device from the host, never copies host data to the device, issues
@@ -54,7 +90,9 @@ What it proves, and what only a GPU can:
     fits, or anything about NCCL's behaviour at run time (hangs, timeouts, algorithm
     choice). Ops implemented below the dispatcher (a C++ kernel calling another) are seen
     once, as the op the Python code called. Launch counts are counts of aten ops, a proxy
-    for kernels (a fused CUDA op may launch several, ``torch.compile`` fewer).
+    for kernels (a fused CUDA op may launch several, ``linalg_qr`` many, ``torch.compile``
+    fewer); traffic is the compulsory traffic defined above, a lower bound of what the
+    kernels move.
 
 Constraints:
     Test helper; pure torch. Needs a torch with the ``fake`` process-group backend.
@@ -76,6 +114,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 __all__ = [
     "DEVICE",
     "Finding",
+    "OpCost",
     "CollectiveCall",
     "StepRecord",
     "StrictDeviceMode",
@@ -230,7 +269,8 @@ class Finding:
     """Shapes, devices, dtypes involved."""
 
     where: str
-    """``file:line (function)`` of the innermost ``megatron_ext`` frame (else the caller)."""
+    """``file:line (function)`` of the innermost ``megatron_ext`` frame (else the caller in
+    ``tests/`` or ``benchmarks/``)."""
 
     step: str
     """Name of the step it happened in."""
@@ -253,6 +293,36 @@ class CollectiveCall:
     reduce_op: Optional[str]
     group_size: int
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors the call names (its buffers, not what goes on the wire)."""
+        return sum(n * getattr(torch, d).itemsize for d, n in zip(self.dtypes, self.numels))
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One device op (a launch) with its memory traffic (see the module docstring)."""
+
+    op: str
+    """The aten / custom op, e.g. ``aten.add_.Tensor``."""
+
+    read: int
+    """Bytes read from device memory."""
+
+    written: int
+    """Bytes written to device memory."""
+
+    where: str
+    """``file:line (function)`` of the innermost ``megatron_ext`` frame (else the caller)."""
+
+    part: Optional[str] = None
+    """The part of the step it ran in (:meth:`StrictDeviceMode.part`), None outside any."""
+
+    @property
+    def traffic(self) -> int:
+        """Bytes read plus written."""
+        return self.read + self.written
+
 
 @dataclass
 class StepRecord:
@@ -261,8 +331,12 @@ class StepRecord:
     name: str
     sync_ok: bool
     device_ops: List[str] = field(default_factory=list)
+    op_costs: List[OpCost] = field(default_factory=list)
+    """One entry per ``device_ops`` entry, in the same order."""
     host_ops: List[str] = field(default_factory=list)
     collectives: List[CollectiveCall] = field(default_factory=list)
+    collective_parts: List[Optional[str]] = field(default_factory=list)
+    """The part each collective ran in, in ``collectives`` order."""
     findings: List[Finding] = field(default_factory=list)
 
     @property
@@ -274,17 +348,40 @@ class StepRecord:
         """Device ops by name."""
         return Counter(self.device_ops)
 
+    def costs(self, parts: Optional[Sequence[Optional[str]]] = None) -> List[OpCost]:
+        """The device ops' costs, only those of ``parts`` when given."""
+        if parts is None:
+            return list(self.op_costs)
+        return [c for c in self.op_costs if c.part in parts]
 
-def _where() -> str:
-    frame = sys._getframe(2)
+    def launches(self, parts: Optional[Sequence[Optional[str]]] = None) -> int:
+        """Device ops (launch proxy), of ``parts`` when given."""
+        return len(self.costs(parts))
+
+    def traffic(self, parts: Optional[Sequence[Optional[str]]] = None) -> int:
+        """Bytes read plus written by the device ops, of ``parts`` when given."""
+        return sum(c.traffic for c in self.costs(parts))
+
+    def collective_bytes(self, parts: Optional[Sequence[Optional[str]]] = None) -> int:
+        """Buffer bytes of the collectives (not memory traffic), of ``parts`` when given."""
+        return sum(
+            c.nbytes
+            for c, p in zip(self.collectives, self.collective_parts)
+            if parts is None or p in parts
+        )
+
+
+def _where(depth: int = 2) -> str:
+    frame = sys._getframe(depth)
     fallback = None
     while frame is not None:
         name = frame.f_code.co_filename
         if "/megatron_ext/" in name and "/torch/" not in name:
             short = name[name.rindex("/megatron_ext/") + 1 :]
             return f"{short}:{frame.f_lineno} ({frame.f_code.co_name})"
-        if fallback is None and "/tests/" in name and name != __file__:
-            fallback = f"{name[name.rindex('/tests/') + 1 :]}:{frame.f_lineno}"
+        for top in ("/tests/", "/benchmarks/"):
+            if fallback is None and top in name and name != __file__:
+                fallback = f"{name[name.rindex(top) + 1 :]}:{frame.f_lineno}"
         frame = frame.f_back
     return fallback or "?"
 
@@ -309,6 +406,179 @@ def _made_up(shape: Sequence[int], dtype: torch.dtype, device: Any) -> torch.Ten
     return torch.ones(tuple(shape), dtype=dtype, device=device)
 
 
+# -- memory traffic (module docstring) ---------------------------------------------------------
+
+# Ops whose first argument is written without being read.
+_WRITE_ONLY = {
+    "fill_",
+    "zero_",
+    "normal_",
+    "uniform_",
+    "bernoulli_",
+    "random_",
+    "exponential_",
+    "geometric_",
+    "cauchy_",
+    "log_normal_",
+    "copy_",
+    "_foreach_copy_",
+    "_foreach_zero_",
+}
+
+# Ops that read only the elements they output (plus the index tensors).
+_GATHER = {
+    "index_select",
+    "gather",
+    "index",
+    "_unsafe_index",
+    "take",
+    "take_along_dim",
+    "embedding",
+}
+
+# In-place ops that write only the addressed elements of ``self``: name -> whether they also
+# read the addressed destination elements (accumulate / reduce).
+_SCATTER = {
+    "index_copy_": False,
+    "index_fill_": False,
+    "index_put_": None,  # accumulate=
+    "_index_put_impl_": None,
+    "put_": None,
+    "scatter_": None,  # reduce=
+    "scatter_add_": True,
+    "scatter_reduce_": True,
+    "index_add_": True,
+    "index_reduce_": True,
+}
+
+
+def _footprint(t: torch.Tensor) -> int:
+    """Bytes of the distinct elements ``t`` addresses (a stride-0 dimension counts once)."""
+    if t.numel() == 0:
+        return 0
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            n *= size
+    return n * t.element_size()
+
+
+def _tensor_key(t: torch.Tensor) -> Tuple[Any, ...]:
+    """Identity of ``t``'s view: storage, offset, shape, strides and dtype (identical views of
+    one storage compare equal)."""
+    try:
+        storage = t.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError):  # no storage (e.g. a nested tensor)
+        storage = id(t)
+    return (storage, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _arg_values(func, args, kwargs) -> List[Tuple[Any, Any]]:
+    """``(schema argument, value)`` of every argument the call passed."""
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.name in kwargs:
+            out.append((a, kwargs[a.name]))
+        elif i < len(args) and not a.kwarg_only:
+            out.append((a, args[i]))
+    return out
+
+
+def _flat(v: Any) -> List[torch.Tensor]:
+    """The tensors of one argument or return value (a tensor or a list of them)."""
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [t for t in v if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _numel_of(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def op_traffic(func, name: str, args, kwargs, out) -> Tuple[int, int]:
+    """``(bytes read, bytes written)`` of one device op by the rules of the module docstring.
+
+    Args:
+        func: the op overload.
+        name: its short name (``add_``).
+        args, kwargs: the arguments as the caller passed them (host tensors are not counted).
+        out: what the op returned.
+    """
+    values = _arg_values(func, args, kwargs)
+    read: dict = {}
+    written: dict = {}
+
+    def add(table, t):
+        if _is_dev(t):
+            table.setdefault(_tensor_key(t), _footprint(t))
+
+    if name in _GATHER:
+        outs = [t for t in _flat(out) if _is_dev(t)]
+        source = values[0][1]
+        indices = [t for _, v in values[1:] for t in _flat(v) if _is_dev(t)]
+        moved = sum(o.numel() for o in outs)
+        r = moved * source.element_size() + sum(_footprint(i) for i in indices)
+        return r, sum(_footprint(o) for o in outs)
+
+    if name in _SCATTER and _is_dev(values[0][1]):
+        dst = values[0][1]
+        byname = {a.name: v for a, v in values}
+        index_ts = [
+            t for _, v in values[1:] for t in _flat(v) if _is_dev(t) and not t.is_floating_point()
+        ]
+        src = byname.get("source", byname.get("src", byname.get("values")))
+        accumulate = _SCATTER[name]
+        if accumulate is None:
+            accumulate = bool(byname.get("accumulate", False)) or byname.get("reduce") is not None
+        if name in ("index_put_", "_index_put_impl_"):
+            indices = list(byname.get("indices") or [])
+            shapes = [tuple(i.shape) for i in indices if isinstance(i, torch.Tensor)]
+            n = _numel_of(torch.broadcast_shapes(*shapes)) if shapes else 1
+            rest = [d for k, d in enumerate(dst.shape) if k >= len(indices) or indices[k] is None]
+            count = n * _numel_of(rest)
+        elif name in ("index_copy_", "index_add_", "index_reduce_"):
+            count = src.numel()
+        elif name == "index_fill_":
+            dim = byname["dim"] % max(dst.dim(), 1)
+            count = byname["index"].numel() * (
+                dst.numel() // max(dst.shape[dim], 1) if dst.dim() else 1
+            )
+        else:  # scatter_*, put_
+            count = byname["index"].numel()
+        w = count * dst.element_size()
+        r = sum(_footprint(i) for i in index_ts)
+        if isinstance(src, torch.Tensor) and _is_dev(src):
+            r += min(_footprint(src), count * src.element_size()) if src.dim() else _footprint(src)
+        if accumulate:
+            r += w
+        return r, w
+
+    write_only_first = name in _WRITE_ONLY
+    for i, (a, v) in enumerate(values):
+        mutable = a.alias_info is not None and a.alias_info.is_write
+        for t in _flat(v):
+            if not _is_dev(t):
+                continue
+            if mutable:
+                add(written, t)
+                if not (a.kwarg_only or (write_only_first and i == 0)):
+                    add(read, t)
+            else:
+                add(read, t)
+    returns = func._schema.returns
+    outs = out if isinstance(out, (tuple, list)) and len(returns) > 1 else [out]
+    for r_schema, o in zip(returns, outs):
+        if r_schema.alias_info is None:
+            for t in _flat(o):
+                add(written, t)
+    return sum(read.values()), sum(written.values())
+
+
 class StrictDeviceMode(TorchDispatchMode):
     """The strict-device dispatch mode (see module docstring).
 
@@ -321,6 +591,7 @@ class StrictDeviceMode(TorchDispatchMode):
         self.steps: List[StepRecord] = []
         self._current = StepRecord("setup", sync_ok=True)
         self.steps.append(self._current)
+        self._part: Optional[str] = None
 
     # -- host data that never reaches the dispatcher ---------------------------------------
 
@@ -414,6 +685,18 @@ class StrictDeviceMode(TorchDispatchMode):
         finally:
             self._current = outer
 
+    @contextlib.contextmanager
+    def part(self, name: Optional[str]) -> Iterator[None]:
+        """Tag the device ops and collectives inside with ``name`` (:attr:`OpCost.part`),
+        within the current step: a harness marks what a method does (``"codec"``,
+        ``"hook"``) apart from its own scaffolding (inputs, megatron's optimizer), so a
+        cost model charges the method only for its parts."""
+        outer, self._part = self._part, name
+        try:
+            yield
+        finally:
+            self._part = outer
+
     def named(self, name: str) -> List[StepRecord]:
         """Every recorded step called ``name``."""
         return [s for s in self.steps if s.name == name]
@@ -482,8 +765,9 @@ class StrictDeviceMode(TorchDispatchMode):
                 return _made_up(src.shape, kwargs.get("dtype") or src.dtype, "cpu")
             if _is_cpu(src) and target.type == DEVICE.type:
                 self._find("h2d-copy", func, f"host-to-device copy of {_desc(src)}")
-                self._count(func)
-                return func(src.to(DEVICE), **kwargs)
+                out = func(src.to(DEVICE), **kwargs)
+                self._count(func, out=out, args=args, kwargs=kwargs)
+                return out
         if func is _aten.copy_.default:
             dst, src = args[0], args[1]
             if _is_cpu(dst) and _is_dev(src):
@@ -494,8 +778,9 @@ class StrictDeviceMode(TorchDispatchMode):
                 return dst
             if _is_dev(dst) and _is_cpu(src):
                 self._find("h2d-copy", func, f"host-to-device copy_ of {_desc(src)}")
-                self._count(func)
-                return func(dst, src.to(DEVICE), *args[2:], **kwargs)
+                out = func(dst, src.to(DEVICE), *args[2:], **kwargs)
+                self._count(func, out=out, args=args, kwargs=kwargs)
+                return out
 
         # Random draws: a CPU generator for device tensors.
         gen = kwargs.get("generator")
@@ -504,6 +789,7 @@ class StrictDeviceMode(TorchDispatchMode):
             kwargs["generator"] = None
 
         # CPU tensors meeting device tensors.
+        called = (args, kwargs)  # as passed: host operands are not device traffic
         if dev:
             cpu = [
                 t
@@ -519,17 +805,28 @@ class StrictDeviceMode(TorchDispatchMode):
             if any(_is_cpu(t) for t in flat):
                 args, kwargs = tree_map(lambda a: a.to(DEVICE) if _is_cpu(a) else a, (args, kwargs))
         out = func(*args, **kwargs)
-        self._count(func, out=out)
+        self._count(func, out=out, args=called[0], kwargs=called[1])
         return out
 
-    def _count(self, func, out: Any = None, host: bool = False) -> None:
+    def _count(
+        self, func, out: Any = None, host: bool = False, args: Any = (), kwargs: Any = None
+    ) -> None:
         if func in _NO_KERNEL or func.is_view:
             return
         outs = _tensors(out) if out is not None else []
-        if host or (outs and not any(_is_dev(t) for t in outs)):
+        # A device op writes a device tensor: one it returns, or (ops that return nothing,
+        # e.g. _foreach_*_ or a custom op's mutated argument) one of its arguments. Ops on
+        # host tensors (torch.equal of CPU indices, item() of a CPU step count) are host ops.
+        on_device = any(_is_dev(t) for t in outs) or (
+            not outs and any(_is_dev(t) for t in _tensors((args, kwargs or {})))
+        )
+        if host or not on_device:
             self._current.host_ops.append(str(func))
-        else:
-            self._current.device_ops.append(str(func))
+            return
+        name = func._schema.name.split("::")[-1]
+        read, written = op_traffic(func, name, args, kwargs or {}, out)
+        self._current.device_ops.append(str(func))
+        self._current.op_costs.append(OpCost(str(func), read, written, _where(3), self._part))
 
     def _mask_to_index(self, i: Any) -> Any:
         if not (isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)):
@@ -573,6 +870,7 @@ class StrictDeviceMode(TorchDispatchMode):
             group_size=group_size,
         )
         self._current.collectives.append(call)
+        self._current.collective_parts.append(self._part)
         cpu = [t for t in tensors if _is_cpu(t)]
         if cpu:
             self._find("collective-cpu", func, f"{name} on {_desc(cpu[0])}")
@@ -618,15 +916,20 @@ class RankRun:
     result: Any = None
 
 
-def run_ranks(world_size: int, body: Callable[[int, StrictDeviceMode], Any]) -> List[RankRun]:
-    """Run ``body(rank, mode)`` for every rank, one after another, each on a fresh fake
-    process group of ``world_size`` (WORLD) and under its own :class:`StrictDeviceMode`."""
+def run_ranks(
+    world_size: int,
+    body: Callable[[int, StrictDeviceMode], Any],
+    ranks: Optional[Sequence[int]] = None,
+) -> List[RankRun]:
+    """Run ``body(rank, mode)`` for every rank (or only ``ranks``), one after another, each on
+    a fresh fake process group of ``world_size`` (WORLD) and under its own
+    :class:`StrictDeviceMode`."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("strict-device runs need this process without a process group")
     runs = []
-    for rank in range(world_size):
+    for rank in range(world_size) if ranks is None else ranks:
         # init_process_group chains a rank-prefixing sys.excepthook; do not let them pile up.
         excepthook = sys.excepthook
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)

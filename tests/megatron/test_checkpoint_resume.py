@@ -11,7 +11,11 @@ differs on every rank, so a rank-mixing or deduplicating save would be caught).
 Also, in one launch: what a load reads is checked. A garbage or binary tracker, a truncated
 ``common.pt`` / ``.metadata`` / ``.distcp``, a garbled stored item, 4 KB of 0xFF inside the
 stored embedding (1,024 NaN), and non-finite megatron-ext and optimizer state saved as such
-each stop the load on every rank with a ``CheckpointError`` naming the file (and tensor).
+each stop the load on every rank with a ``CheckpointError`` naming the file (and tensor):
+first the checksum check (megatron_ext/megatron/checksums.py), which also stops one flipped
+bit that leaves the value finite, and, with it skipped (``--no-verify-checkpoint-checksums``,
+or a checkpoint saved without checksums), the checks after it. Without the checksum check
+the flipped bit loads silently.
 """
 
 import contextlib
@@ -163,6 +167,21 @@ def _corrupt(root, name, directory, rank):
         elif name == "embedding-nan":
             # 4 KB of 0xFF inside the stored tensor's bytes: 1,024 float32 NaN.
             _overwrite(os.path.join(it, embedding.relative_path), embedding.offset + 8192, 4096)
+        elif name == "optimizer-flip":
+            # One bit in the middle of the largest stored optimizer tensor: one value changes
+            # (by a factor of 4 if it hit an exponent bit) and stays finite.
+            key, item = max(
+                ((k, i) for k, i in items.items() if k.fqn.startswith("optimizer.")),
+                key=lambda ki: ki[1].length,
+            )
+            with open(os.path.join(it, item.relative_path), "r+b") as f:
+                f.seek(item.offset + item.length // 2)
+                byte = f.read(1)[0]
+                f.seek(-1, 1)
+                f.write(bytes([byte ^ 0x01]))
+            Path(directory, "flipped.txt").write_text(f"{item.relative_path} {key.fqn}")
+        elif name == "no-manifest":
+            os.remove(os.path.join(it, "megatron_ext_checksums.json"))
         else:
             raise AssertionError(name)
     torch.distributed.barrier()
@@ -192,6 +211,12 @@ CORRUPTIONS = {
     "distcp-header": ["embedding.word_embeddings.weight cannot be read"],
     "embedding-nan": ["'embedding.word_embeddings.weight'", "1024 of", "not finite"],
 }
+"""What each corruption gives with the checksum check skipped (--no-verify-checkpoint-
+checksums, or a checkpoint saved without checksums): the checks after it still name the file."""
+
+# The file each corruption damages (None: the embedding's .distcp file); the checksum check
+# names it first.
+_DAMAGED = {"common": "common.pt", "metadata": ".metadata"}
 
 
 def _refused_save(trainer, root):
@@ -236,12 +261,30 @@ def _load_checks(rank, world, flags, root):
             out[name] = "skipped"  # megatron-core 0.19 keeps the common state in .distcp files
             continue
         _, stored = _corrupt(os.path.join(root, "good"), name, os.path.join(root, name), rank)
-        try:
-            load_checkpoint(trainer, os.path.join(root, name))
-            out[name] = "loaded"
-        except Exception as exc:  # noqa: BLE001 (the test reads the message)
-            out[name] = f"{type(exc).__name__}: {exc}"
+        for checked in (True, False):
+            key = name if not checked else f"{name}/checked"
+            try:
+                load_checkpoint(trainer, os.path.join(root, name), verify_checksums=checked)
+                out[key] = "loaded"
+            except Exception as exc:  # noqa: BLE001 (the test reads the message)
+                out[key] = f"{type(exc).__name__}: {exc}"
         out[f"{name}/file"] = stored
+    # A finite change: refused by the checksum check, loaded silently without it (the
+    # loaded optimizer state differs from the intact checkpoint's, every value finite).
+    load_checkpoint(trainer, os.path.join(root, "good"))
+    good = optimizer_state(trainer)
+    for name in ("optimizer-flip", "no-manifest"):
+        _corrupt(os.path.join(root, "good"), name, os.path.join(root, name), rank)
+        for checked in (True, False):
+            key = name if not checked else f"{name}/checked"
+            try:
+                load_checkpoint(trainer, os.path.join(root, name), verify_checksums=checked)
+                loaded = optimizer_state(trainer)
+                finite = all(bool(v.isfinite().all()) for v in loaded.values())
+                out[key] = ("loaded", first_difference(good, loaded), finite)
+            except Exception as exc:  # noqa: BLE001
+                out[key] = f"{type(exc).__name__}: {exc}"
+    out["optimizer-flip/file"] = Path(root, "optimizer-flip", "flipped.txt").read_text()
     # Non-finite values in megatron-ext state and optimizer state: refused at save; written
     # anyway (as a checkpoint of an older version, or corrupted after it was saved), refused
     # at load.
@@ -291,6 +334,23 @@ def test_load_names_the_file_and_tensor_of_a_bad_checkpoint(tmp_path):
                 assert needle in message, (rank, name, message)
         for name in ("distcp-truncated", "distcp-header", "embedding-nan"):
             assert stored in out[name], (rank, name, out[name])
+        # With the checksum check (the default): every damaged file is named by it first.
+        flipped, flipped_key = out["optimizer-flip/file"].split(" ", 1)
+        for name in [n for n in CORRUPTIONS if not n.startswith("tracker")] + ["optimizer-flip"]:
+            if out.get(name) == "skipped":
+                continue
+            message = out[f"{name}/checked"]
+            file = flipped if name == "optimizer-flip" else _DAMAGED.get(name, stored)
+            damaged = str(tmp_path / name / "iter_0000002" / file)
+            assert message.startswith("CheckpointError: --load: checksum check of "), message
+            assert damaged in message and "--no-verify-checkpoint-checksums" in message, message
+        for name in ("tracker-text", "tracker-bytes"):
+            assert out[f"{name}/checked"] == out[name]
+        # Without it, a finite change loads silently (finite values; which rank's optimizer
+        # shard differs is checked below).
+        assert out["optimizer-flip"][0] == "loaded" and out["optimizer-flip"][2], out
+        # A checkpoint saved without checksums loads (unverified, saying so), intact.
+        assert out["no-manifest/checked"] == out["no-manifest"] == ("loaded", None, True)
         message, empty = out["ext-inf/save"]
         assert message.startswith("--save: the checkpoint of iteration 2 was not written"), message
         assert "'megatron_ext/rank_state/objects.test_probe.value'" in message and empty, message
@@ -303,3 +363,5 @@ def test_load_names_the_file_and_tensor_of_a_bad_checkpoint(tmp_path):
         message = out["opt-nan"]
         assert message.startswith("CheckpointError") and "optimizer." in message, message
         assert "exp_avg_sq" in message and ".distcp" in message, message
+    differs = [out["optimizer-flip"][1] for out in results if out["optimizer-flip"][1]]
+    assert len(differs) == 1, (flipped_key, differs)

@@ -280,7 +280,7 @@ def _without_virtual(p):
 
 
 def _grass(rank, world, root):
-    """DiLoCo with Grass at DP = 2 (module doc)."""
+    """DiLoCo with Grass at DP = 2 (:func:`test_diloco_with_grass_dp2`)."""
     import torch
 
     out = {}
@@ -359,9 +359,9 @@ def _grass(rank, world, root):
     # (d) the model weights of that checkpoint without megatron-ext's state, as --finetune
     # loads them (and --ext-state-on-mismatch reset): DiLoCo's snapshots and Grass's master
     # copies, made at install from the initial weights, are taken from the loaded weights
-    # at the first step. (d1) G = 1, H = 1, lr 1 equals Grass alone (a stale master copy
-    # writes initial rows at the first selection); (d2) G = 2, H = 2, the paper's outer
-    # optimizer against the float64 statement chained from the loaded weights.
+    # at the first step. (d1) G = 1, H = 1, lr 1 follows Grass alone, to bf16 rounding (a
+    # stale master copy writes initial rows at the first selection); (d2) G = 2, H = 2, the
+    # paper's outer optimizer against the float64 statement chained from the loaded weights.
     def finetune(flags):
         _configure(trainer, GRASS + ["--bf16"] + flags)
         build(trainer, stock=False)
@@ -377,7 +377,12 @@ def _grass(rank, world, root):
     )
     out["ft_h1_losses"] = train(trainer, 4)
     h1 = _without_virtual(params(trainer))
-    out["ft_h1_maxdiff"] = max((h1[f] - plain[f]).abs().max().item() for f in plain)
+    # bf16 weights: how many elements differ, and by how much on average (test docstring).
+    numel = sum(t.numel() for t in plain.values())
+    out["ft_h1_differing"] = sum((h1[f] != plain[f]).sum().item() for f in plain) / numel
+    out["ft_h1_mean_diff"] = (
+        sum((h1[f].double() - plain[f].double()).abs().sum().item() for f in plain) / numel
+    )
     teardown(trainer)
     finetune(["--outer-method", "diloco", "--outer-interval", "2"])
     hook = _hook(trainer)
@@ -532,6 +537,35 @@ def test_diloco_dp4_two_sites_of_two(tmp_path):
 
 
 def test_diloco_with_grass_dp2(tmp_path):
+    """DiLoCo with Grass at DP = 2 (one launch):
+
+    (a) fp32, G = 1, H = 1, outer lr 1, momentum 0 equals Grass alone to 1e-6; (b) G = 2,
+    H = 2, bf16, the paper's outer optimizer: the frozen weights are the outer parameters (not
+    the virtual ones), each site selects its own rows, the outer step matches the float64
+    statement; (c) a bf16 resume across a reselection and an outer step is bitwise exact;
+    (d) fine-tuning from that checkpoint's weights without megatron-ext's state: (d1) G = 1,
+    H = 1, lr 1 follows Grass alone, (d2) G = 2 against the float64 statement chained from
+    the loaded weights.
+
+    (d1) in bf16 is equal only up to rounding, and the rounding decides how far apart the
+    two runs end, so its bound is on the damage, not on a bit pattern. The outer step at
+    lr 1 computes ``snapshot - (snapshot - w)``, which is ``w`` only where the subtraction is
+    exact (Sterbenz: within a factor 2 of each other); elsewhere (a weight crossing zero) it
+    is off by an fp32 step, which moves the bf16 weight by a whole bf16 step where ``w`` lies
+    at a rounding boundary; and with DiLoCo each projected weight keeps an fp32 master copy
+    that Grass alone does not (rows leaving a selection stay at fp32), and every outer step
+    adds ``V`` into ``base`` in another order. One flipped bf16 weight changes every later
+    gradient slightly, and Adam's normalized update turns slight changes into whole steps
+    where a gradient is near zero. Which weight flips first depends on the fp32 values to the
+    last bit, so on the CPU's matrix kernels: deterministic on one machine (the same values in
+    every run, idle or loaded), different between machines. Measured on a 2-core x86 machine
+    after 4 steps: 0.35% of the weights differ, by 1.9e-7 on average, the 4th loss by 1.6e-6
+    relative (the first difference, one embedding weight, after the 2nd step). The fault (d1)
+    guards against, a master copy left at the initial weights at the first selection, gives
+    22.6% of the weights differing, by 4.0e-5 on average, and the 2nd loss off by 1.3e-3: the
+    bounds (5%, 4e-6, 2e-4 relative) sit between the two. (a) is fp32, where the same
+    rounding stays below 1e-6.
+    """
     results = run_ranks(_grass, 2, str(tmp_path / "ckpt"))
     for r in results:
         # (a)
@@ -550,9 +584,11 @@ def test_diloco_with_grass_dp2(tmp_path):
         assert r["differ_at_save"]
         assert r["resume_losses_equal"]
         assert r["resume_params"] is None, r["resume_params"]
-        # (d)
-        assert r["ft_h1_losses"] == pytest.approx(r["ft_plain_losses"], abs=1e-6)
-        assert r["ft_h1_maxdiff"] <= 1e-6, r["ft_h1_maxdiff"]
+        # (d1), to the rounding the test's docstring states
+        assert r["ft_h1_losses"] == pytest.approx(r["ft_plain_losses"], rel=2e-4)
+        assert r["ft_h1_differing"] <= 0.05, r["ft_h1_differing"]
+        assert r["ft_h1_mean_diff"] <= 4e-6, r["ft_h1_mean_diff"]
+        # (d2)
         assert r["ft_loaded_is_checkpoint"] is None, r["ft_loaded_is_checkpoint"]
         assert r["ft_syncs"] == 2
         assert r["ft_ref_err"] <= 1e-6, r["ft_ref_err"]

@@ -11,6 +11,12 @@ too high), a loss scale far above 1, a falling loss. (Measured: ``none`` skips 1
 iterations, 16 in the first 16 and one later when the scale probes too high, at iteration 27;
 every compressed method now does the same, 16-17; Radius's late one fell at iteration 37.)
 
+Each launch also runs Megatron-LM's ``--check-weight-hash-across-dp-replicas-interval`` (its
+replicas bit-identical before training and every 20 iterations, asserted by Megatron-LM
+itself): the DP compressors keep the two replicas equal through the overflowing start too.
+Not for DiLoCo, whose sites differ between outer steps by design (tests/megatron_lm/
+test_replica_check.py has the other methods).
+
 Needs ``MEGATRON_LM_DIR`` (skipped otherwise); ~10 s per method.
 """
 
@@ -55,7 +61,13 @@ def test_fp16_trains_through_the_overflowing_start(method, tmp_path):
     args = tiny_args(train_iters="40", **{"grad_compression": method, **METHODS[method]})
     # No --no-masked-softmax-fusion: CPU execution turns the CUDA-only fused softmax off.
     args += ["--fp16"]
+    replicas = method != "diloco"  # DiLoCo's sites differ between outer steps
+    if replicas:
+        args += ["--check-weight-hash-across-dp-replicas-interval", "20"]
     run = pretrain(lm_dir / "pretrain_gpt.py", args, cwd=tmp_path).check()
+    if replicas:
+        lines = [l for l in run.stdout.splitlines() if l.startswith(">>> Weight hashes match")]
+        assert lines == [f">>> Weight hashes match after {i} iterations..." for i in (0, 20, 40)]
     iters = iterations(run.output)
     assert sorted(iters) == list(range(1, 41)), sorted(iters)
     skipped = {it: int(_SKIPPED.search(iters[it]["line"]).group(1)) for it in iters}

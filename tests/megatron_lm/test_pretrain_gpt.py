@@ -12,15 +12,22 @@ off), 2 processes:
   resumed run that loads it and continues exactly as the uninterrupted run (SEPARATE's
   error feedback is in that state: without it iteration 3's grad norm differs, 3.228 vs
   3.304 when measured); the same in the ``torch`` format (per-rank files), compared
-  bit for bit; a resume with other settings stops, naming ``--ext-state-on-mismatch``;
-* DP=2 with ``--use-distributed-optimizer``: a resume continues exactly; 1,024 NaN written
-  into the stored embedding stop the load, naming the tensor and the ``.distcp`` file; so
-  does a truncated ``.distcp`` file, named;
+  bit for bit, its checksums covering every file (resumed with
+  ``--no-verify-checkpoint-checksums``); a resume with other settings stops, naming
+  ``--ext-state-on-mismatch``;
+* DP=2 with ``--use-distributed-optimizer``: a resume continues exactly, its checksums
+  verified first; a truncated ``.distcp`` file stops the load at the checksum check, named;
+  without checksums (a checkpoint saved before megatron-ext wrote them), 1,024 NaN written
+  into the stored embedding stop the load, naming the tensor and the ``.distcp`` file;
 * zero-touch PP=2 through ``scripts/pretrain_gpt_ext.sh`` and the run file: pipeline bytes;
-* patched (``megatron-ext patch`` on a copy, then ``torchrun pretrain_gpt.py``): DP=2 and
-  PP=2; bf16 with LLaMA-style layers (RMSNorm, SwiGLU, RoPE, GQA) on the local spec, where
+* patched (``megatron-ext patch`` on a copy, then ``torchrun pretrain_gpt.py``): DP=2, and
+  PP=2 in bf16 with LLaMA-style layers (RMSNorm, SwiGLU, RoPE, GQA) on the local spec, where
   CPU execution turns off the CUDA-only fused softmax and RoPE itself;
-* a bad megatron-ext flag stops before training, naming the flag.
+* AQ-SGD fine-tuning at PP=2, Grass (full rank against dense training with activation
+  recomputation, sparse with resume, under --fp16), Protocol Models at PP=2 with resume;
+* refusals made once the optimizer exists (QuantizedAdam with SGD) or printed once per job
+  under torchrun (Protocol Models with dropout). The refusals made when Megatron-LM
+  validates its arguments run in one process (test_session.py).
 
 Megatron-LM does not reset its loss accumulator on the first logged iteration, so with
 ``--log-interval 1`` the second iteration after a (re)start prints the mean of the first
@@ -184,6 +191,9 @@ def test_distributed_optimizer_resume_continues_exactly(dp2_distopt, lm_dir, tmp
         + ["--use-distributed-optimizer"],
         cwd=tmp_path,
     ).check()
+    # Its checksums (written before Megatron-LM moved its marker) checked before the load.
+    assert f"> verified the crc32 checksums of " in resumed.stdout
+    assert f" in {root / 'ckpt' / 'iter_0000002'} (" in resumed.stdout
     a, b = iterations(full.stdout), iterations(resumed.stdout)
     assert sorted(b) == [3, 4]
     assert (b[3]["loss"], b[3]["grad_norm"]) == (a[3]["loss"], a[3]["grad_norm"])
@@ -193,12 +203,17 @@ def test_distributed_optimizer_resume_continues_exactly(dp2_distopt, lm_dir, tmp
 
 
 def test_non_finite_checkpoint_values_stop_the_load_naming_tensor_and_file(dp2_distopt, tmp_path):
-    """4 KB of 0xFF inside the stored embedding (1,024 NaN) used to load silently."""
+    """4 KB of 0xFF inside the stored embedding (1,024 NaN) used to load silently. Without its
+    checksums (as a checkpoint saved before megatron-ext wrote them), the finite check still
+    names the tensor and the file."""
     from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_ext.megatron.checksums import MANIFEST
 
     root, _ = dp2_distopt
     shutil.copytree(root / "ckpt", tmp_path / "ckpt")
     directory = tmp_path / "ckpt" / "iter_0000002"
+    (directory / MANIFEST).unlink()
     items = FileSystemReader(str(directory)).read_metadata().storage_data
     item = next(i for k, i in items.items() if k.fqn == "embedding.word_embeddings.weight")
     with open(directory / item.relative_path, "r+b") as f:
@@ -214,11 +229,13 @@ def test_non_finite_checkpoint_values_stop_the_load_naming_tensor_and_file(dp2_d
     stored = directory / item.relative_path
     assert f"megatron-ext: error: --load: non-finite values in {stored}" in run.stderr, run.stderr
     assert "'embedding.word_embeddings.weight'" in run.stderr and "1024 of" in run.stderr
+    assert f"> {directory} has no {MANIFEST} (saved without checksums)" in run.stdout
     assert not iterations(run.stdout)
 
 
 def test_truncated_checkpoint_file_stops_the_load_naming_it(dp2_distopt, tmp_path):
-    """dist_checkpointing's own error (a CheckpointException per rank) names no file."""
+    """dist_checkpointing's own error (a CheckpointException per rank) names no file; the
+    checksum check, before Megatron-LM reads anything, does."""
     root, _ = dp2_distopt
     shutil.copytree(root / "ckpt", tmp_path / "ckpt")
     stored = tmp_path / "ckpt" / "iter_0000002" / "__1_0.distcp"
@@ -231,9 +248,11 @@ def test_truncated_checkpoint_file_stops_the_load_naming_it(dp2_distopt, tmp_pat
         cwd=tmp_path,
     )
     assert run.returncode != 0
-    assert f"megatron-ext: error: --load: cannot load {stored.parent}: {stored} is truncated" in (
-        run.stderr
+    assert (
+        f"megatron-ext: error: --load: checksum check of {stored.parent} failed: {stored} has "
+        in run.stderr
     ), run.stderr[-3000:]
+    assert "--no-verify-checkpoint-checksums" in run.stderr
     assert not iterations(run.stdout)
 
 
@@ -268,18 +287,29 @@ def test_torch_format_checkpoint_and_resume(lm_dir, tmp_path):
     full = pretrain(
         script, tiny_args(save=str(tmp_path / "a"), save_interval="2") + fmt, cwd=tmp_path
     ).check()
+    from megatron_ext.megatron import checksums
+
     for it in (2, 4):
         files = sorted(p.name for p in (tmp_path / f"a/iter_000000{it}/megatron_ext").iterdir())
         assert files == ["rank_00000.pt", "rank_00001.pt"]
+        # The checksums of every file, written once Megatron-LM's save returned.
+        manifest, problem = checksums.verify_manifest(str(tmp_path / f"a/iter_000000{it}"))
+        assert problem == "" and set(manifest["files"]) == {
+            "mp_rank_00/model_optim_rng.pt",
+            "megatron_ext/rank_00000.pt",
+            "megatron_ext/rank_00001.pt",
+        }
     resumed = pretrain(
         script,
         tiny_args(
             load=str(tmp_path / "a"), ckpt_step="2", save=str(tmp_path / "b"), save_interval="2"
         )
-        + fmt,
+        + fmt
+        + ["--no-verify-checkpoint-checksums"],
         cwd=tmp_path,
     ).check()
     assert "(megatron_ext/rank_XXXXX.pt; objects: grad_reducer)" in resumed.stdout
+    assert f"> checksums of {tmp_path / 'a' / 'iter_0000002'} not verified (" in resumed.stdout
     a, b = iterations(full.stdout), iterations(resumed.stdout)
     assert (b[3]["loss"], b[3]["grad_norm"]) == (a[3]["loss"], a[3]["grad_norm"])
     # Bit for bit at iteration 4: model, Megatron's optimizer state, megatron-ext's state.
@@ -371,17 +401,6 @@ def test_zero_touch_pp2_aqsgd_finetunes_a_checkpoint(dp2_torch_dist, lm_dir, tmp
     assert all(0 < loss < 7.0 for loss in losses), iters
 
 
-def test_aqsgd_without_fixed_samples_stops_naming_the_flag(lm_dir, tmp_path):
-    run = pretrain(
-        lm_dir / "pretrain_gpt.py",
-        tiny_args(p2p_compression="aqsgd") + ["--pipeline-model-parallel-size", "2"],
-        cwd=tmp_path,
-    )
-    assert run.returncode != 0
-    assert "megatron-ext: error: --p2p-compression, --fixed-samples:" in run.stderr
-    assert not iterations(run.stdout)
-
-
 # -- Grass: virtual parameters added before Megatron-LM wraps the model ------------------------
 
 # Every default layer of the tiny GPT (hidden 64, ffn 256) projects a 64-wide dimension.
@@ -407,22 +426,31 @@ def _bucket_elements(run) -> int:
     return sum(map(int, found.values()))
 
 
+# Megatron-LM's full activation recomputation: the backward re-runs each layer's forward,
+# Grass's included. Dense training is the same with it or without.
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+             "--recompute-num-layers", "1"]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def dense_dp2(lm_dir, tmp_path_factory):
-    """DP=2 without compression: 4 iterations of stock Megatron-LM training (plus accounting)."""
+    """DP=2 without compression: 4 iterations of stock Megatron-LM training (plus accounting),
+    with full activation recomputation."""
     root = tmp_path_factory.mktemp("dense_dp2")
     return pretrain(
-        lm_dir / "pretrain_gpt.py", tiny_args(grad_compression="none"), cwd=root
+        lm_dir / "pretrain_gpt.py", tiny_args(grad_compression="none") + RECOMPUTE, cwd=root
     ).check()
 
 
 def test_zero_touch_grass_full_rank_reproduces_dense_training(dense_dp2, lm_dir, tmp_path):
     """All rows selected, alpha 1: Grass is dense training computed another way, so the
     virtual parameters (made inside setup_model_and_optimizer, before Megatron-LM's DDP and
-    optimizer) must train exactly like the weights themselves."""
+    optimizer) must train exactly like the weights themselves, step for step, also when
+    Megatron-LM's full activation recomputation re-runs Grass's forward inside the backward
+    (both runs recompute; Grass without it: the sparse runs below)."""
     run = pretrain(
         lm_dir / "pretrain_gpt.py",
-        tiny_args(grad_compression="none", **GRASS_FULL_RANK),
+        tiny_args(grad_compression="none", **GRASS_FULL_RANK) + RECOMPUTE,
         cwd=tmp_path,
     ).check()
     assert "linear hooks (--grass-method topr)" in run.stdout
@@ -436,38 +464,23 @@ def test_zero_touch_grass_full_rank_reproduces_dense_training(dense_dp2, lm_dir,
     assert _dp_grad_kb(run) == _dp_grad_kb(dense_dp2)
 
 
-def test_zero_touch_grass_full_rank_with_activation_recomputation(lm_dir, tmp_path):
-    """Megatron-LM's full activation recomputation re-runs Grass's forward inside the
-    backward: still dense training, step for step."""
-    recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                 "--recompute-num-layers", "1"]  # fmt: skip
-    runs = [
-        pretrain(
-            lm_dir / "pretrain_gpt.py",
-            tiny_args(grad_compression="none", train_iters="3", **extra) + recompute,
-            cwd=tmp_path,
-        ).check()
-        for extra in ({}, GRASS_FULL_RANK)
-    ]
-    dense, grass = (iterations(r.stdout) for r in runs)
-    assert sorted(grass) == [1, 2, 3]
-    for it in grass:
-        for key in ("loss", "grad_norm"):
-            assert float(grass[it][key]) == pytest.approx(float(dense[it][key]), rel=2e-5), it
-
-
 def test_grass_under_fp16_postpones_selections_while_the_loss_scale_overflows(lm_dir, tmp_path):
     """--fp16 starts at a loss scale of 2^32: the first steps overflow and are skipped, and
     their sketches are not finite. Top-r must not select from them (NaN would rank first and
     those rows would train for K steps): each such selection is postponed with a warning,
-    and training proceeds with finite, falling losses once the scale has come down."""
+    and training proceeds with finite, falling losses once the scale has come down.
+    Megatron-LM's replica check runs too: both data-parallel replicas select the same rows
+    and hold bit-identical weights (before training, at 10 and 20)."""
     run = pretrain(
         lm_dir / "pretrain_gpt.py",
         tiny_args(grad_compression="none", grass_method="topr", grass_rank="8",
-                  grass_update_interval="20", grass_rewarmup_steps="1", train_iters="20")
+                  grass_update_interval="20", grass_rewarmup_steps="1", train_iters="20",
+                  check_weight_hash_across_dp_replicas_interval="10")
         + ["--fp16", "--no-masked-softmax-fusion"],
         cwd=tmp_path,
     ).check()  # fmt: skip
+    hashes = [l for l in run.stdout.splitlines() if l.startswith(">>> Weight hashes match")]
+    assert hashes == [f">>> Weight hashes match after {i} iterations..." for i in (0, 10, 20)]
     assert "Grass: the gradient sketch of step 0 is not finite" in run.output
     losses = [float(r["loss"]) for _, r in sorted(iterations(run.stdout).items()) if "loss" in r]
     assert len(losses) >= 3 and all(math.isfinite(x) for x in losses), losses
@@ -567,15 +580,7 @@ def patched_copy(lm_dir, tmp_path_factory):
     return copy
 
 
-@pytest.mark.parametrize(
-    "layout, expected",
-    [
-        ([], "dp-grad "),
-        (["--pipeline-model-parallel-size", "2", "--grad-compression", "none"], "pp-act "),
-    ],
-    ids=["dp2-separate", "pp2"],
-)
-def test_patched_pretrain_gpt_trains(patched_copy, tmp_path, layout, expected):
+def _patched_run(patched_copy, tmp_path, layout):
     run = pretrain(
         patched_copy / "pretrain_gpt.py",
         tiny_args(train_iters="3") + layout,
@@ -585,53 +590,39 @@ def test_patched_pretrain_gpt_trains(patched_copy, tmp_path, layout, expected):
     assert f"> megatron-ext: hooked Megatron-LM {checkout_release().tag}:" in run.stdout
     iters = iterations(run.stdout)
     assert sorted(iters) == [1, 2, 3]
-    assert all(r["bytes"].startswith(expected) for r in iters.values()), iters
+    return run, iters
+
+
+def test_patched_pretrain_gpt_trains_dp2_separate(patched_copy, tmp_path):
+    _, iters = _patched_run(patched_copy, tmp_path, [])
+    assert all(r["bytes"].startswith("dp-grad ") for r in iters.values()), iters
+
+
+def test_patched_pretrain_gpt_trains_pp2_bf16_llama_layers_without_the_fusion_flags(
+    patched_copy, tmp_path
+):
+    """PP=2 with LLaMA-style layers in bf16 on the local spec. Megatron-LM's default fusions
+    that exist only as CUDA kernels: the fused masked softmax (imports Apex's
+    scaled_masked_softmax_cuda at the first bf16/fp16 forward) and the fused RoPE (needs
+    Transformer Engine). CPU execution (here MEGATRON_EXT_CPU=1 on a patched
+    pretrain_gpt.py; tests/megatron_lm/test_fp16.py covers fp16 zero-touch) turns them off
+    itself and says so; before, the first was refused (or crashed at the first forward) and
+    the second crashed at the first forward."""
+    llama = ["--bf16", "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type",
+             "rope", "--untie-embeddings-and-output-weights", "--group-query-attention",
+             "--num-query-groups", "2", "--disable-bias-linear"]  # fmt: skip
+    pp2 = ["--pipeline-model-parallel-size", "2", "--grad-compression", "none"]
+    run, iters = _patched_run(patched_copy, tmp_path, pp2 + llama)
+    assert (
+        "> megatron-ext: CPU execution on (set: --no-masked-softmax-fusion --no-rope-fusion)"
+        in run.stdout
+    ), run.stdout[-3000:]
+    assert all(r["bytes"].startswith("pp-act ") for r in iters.values()), iters
+    losses = [float(iters[it]["loss"]) for it in (1, 2, 3)]
+    assert all(0 < loss < 10 for loss in losses), losses
 
 
 # -- bad flags ----------------------------------------------------------------------------------
-
-
-def test_bad_flag_stops_before_training(lm_dir, tmp_path):
-    run = pretrain(
-        lm_dir / "pretrain_gpt.py",
-        tiny_args(separate_ratio="7"),
-        cwd=tmp_path,
-        nproc=1,
-    )
-    assert run.returncode != 0
-    assert (
-        "megatron-ext: error: --separate-ratio, --separate-block-size: ratio 7 must divide the "
-        "block size 256" in run.stderr
-    )
-    assert not iterations(run.stdout)
-
-
-def test_out_of_range_value_stops_before_megatron_lm_validates_it(lm_dir, tmp_path):
-    """Megatron-LM's own flags go through megatron-ext's range table (the driver's) before
-    Megatron-LM's validate_args: an Adam beta of 2 used to reach torch's optimizer as a
-    worker traceback; a NaN learning rate an assertion (min_lr <= lr)."""
-    run = pretrain(lm_dir / "pretrain_gpt.py", tiny_args(adam_beta1="2"), cwd=tmp_path)
-    assert run.returncode != 0
-    output = run.stderr + run.stdout
-    line = "megatron-ext: error: --adam-beta1: must be a finite number in [0, 1), got 2.0"
-    assert output.count(line) == 1, output[-3000:]
-    assert "Traceback" not in run.stdout and "[rank0]: Traceback" not in run.stderr
-    assert not iterations(run.stdout)
-
-
-def test_grass_with_another_optimizer_stops_before_training(lm_dir, tmp_path):
-    # Grass's update is decoupled AdamW's: SGD's momentum would survive reselections and
-    # its weight decay would act on V, the change since the selection (issue 27).
-    run = pretrain(
-        lm_dir / "pretrain_gpt.py",
-        tiny_args(**GRASS_SPARSE) + ["--optimizer", "sgd"],
-        cwd=tmp_path,
-        nproc=1,
-    )
-    assert run.returncode != 0
-    assert "megatron-ext: error: --grass-method, --optimizer:" in run.stderr, run.output[-3000:]
-    assert "got --optimizer sgd" in run.stderr
-    assert not iterations(run.stdout)
 
 
 def test_quantized_adam_with_sgd_stops_before_training(lm_dir, tmp_path):
@@ -643,32 +634,6 @@ def test_quantized_adam_with_sgd_stops_before_training(lm_dir, tmp_path):
     assert run.returncode != 0
     assert "megatron-ext: error: --grad-compression, --optimizer:" in run.stderr, run.output[-3000:]
     assert not iterations(run.stdout)
-
-
-def test_cpu_mode_trains_bf16_llama_layers_without_the_fusion_flags(patched_copy, tmp_path):
-    # Megatron-LM's default fusions that exist only as CUDA kernels: the fused masked softmax
-    # (imports Apex's scaled_masked_softmax_cuda at the first bf16/fp16 forward) and the
-    # fused RoPE (needs Transformer Engine). CPU execution (here MEGATRON_EXT_CPU=1 on a
-    # patched pretrain_gpt.py; tests/megatron_lm/test_fp16.py covers fp16 zero-touch) turns
-    # them off itself and says so; before, the first was refused (or crashed at the first
-    # forward) and the second crashed at the first forward.
-    llama = ["--bf16", "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type",
-             "rope", "--untie-embeddings-and-output-weights", "--group-query-attention",
-             "--num-query-groups", "2", "--disable-bias-linear"]  # fmt: skip
-    run = pretrain(
-        patched_copy / "pretrain_gpt.py",
-        tiny_args(train_iters="3") + llama,
-        cwd=tmp_path,
-        zero_touch=False,
-    ).check()
-    assert (
-        "> megatron-ext: CPU execution on (set: --no-masked-softmax-fusion --no-rope-fusion)"
-        in run.stdout
-    ), run.stdout[-3000:]
-    iters = iterations(run.stdout)
-    assert sorted(iters) == [1, 2, 3]
-    losses = [float(iters[it]["loss"]) for it in (1, 2, 3)]
-    assert all(0 < loss < 10 for loss in losses), losses
 
 
 # -- Protocol Models: the residual stream confined before Megatron-LM wraps the model ----------

@@ -5,6 +5,9 @@ Megatron-LM checks that the data-parallel replicas hold bit-identical weights (m
 iterations, and asserts otherwise. One zero-touch ``pretrain_gpt.py`` launch per method on the
 tiny run file (``configs/megatron_lm/gpt_tiny_separate_cpu.yaml``), always with 2
 data-parallel replicas (the PP=2 methods on 4 processes), checking every 2 of 4 iterations.
+The DP compressors (SEPARATE, Radius, PowerSGD, the quantized exchange, QuantizedAdam) are
+checked in their ``--fp16`` launches (tests/megatron_lm/test_fp16.py), Grass (top-r) in its
+``--fp16`` launch (tests/megatron_lm/test_pretrain_gpt.py): one launch each checks both.
 The driver's test of the same flag (tests/megatron/test_replica_check.py) holds the negative
 control.
 """
@@ -21,11 +24,6 @@ pytestmark = [pytest.mark.megatron_lm, pytest.mark.slow]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 
 METHODS = {
-    "separate": (2, dict(grad_compression="separate"), []),
-    "radius": (2, dict(grad_compression="radius"), []),
-    "powersgd": (2, dict(grad_compression="powersgd", powersgd_start_step="0"), []),
-    "quantized": (2, dict(grad_compression="quantized"), []),
-    "grass-topr": (2, dict(grad_compression="none", grass_method="topr", grass_rank="8"), []),
     "aqsgd-pp2": (4, dict(grad_compression="none", p2p_compression="aqsgd", fixed_samples="16"),
                   PP2),
     "protocol-pp2": (4, dict(grad_compression="none", subspace_method="protocol",

@@ -21,7 +21,7 @@ from megatron_ext.megatron.lm import checkpoint as lm_ckpt
 from megatron_ext.megatron.lm.releases import RELEASES
 from megatron_ext.megatron.lm.session import MegatronLMSession, check_megatron_lm_args
 from megatron_ext.state import ExtState, StateMismatch
-from tests.megatron_lm.lm_runs import hook_module
+from tests.megatron_lm.lm_runs import hook_module, tiny_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -443,3 +443,91 @@ def test_install_then_remove_restores_megatron_lm():
         print("restored", len(hooks.session.hook_names))
         """)
     assert f"restored {len(hook_module().HOOK_TARGETS)}" in out
+
+
+def _without(args, flag):
+    """``args`` without ``flag`` and its value."""
+    i = args.index(flag)
+    return args[:i] + args[i + 2 :]
+
+
+# name: (world size, pretrain_gpt.py arguments, what the refusal line holds)
+_REFUSALS = {
+    "separate-ratio": (
+        1,
+        tiny_args(separate_ratio="7"),
+        ["--separate-ratio, --separate-block-size: ratio 7 must divide the block size 256"],
+    ),
+    # Grass's update is decoupled AdamW's: SGD's momentum would survive reselections and
+    # its weight decay would act on V, the change since the selection.
+    "grass-sgd": (
+        1,
+        tiny_args(grad_compression="none", grass_method="norm2", grass_rank="8", optimizer="sgd"),
+        ["--grass-method, --optimizer:", "got --optimizer sgd"],
+    ),
+    "aqsgd-without-fixed-samples": (
+        2,
+        tiny_args(p2p_compression="aqsgd", pipeline_model_parallel_size="2"),
+        ["--p2p-compression, --fixed-samples:"],
+    ),
+    # A patched pretrain_gpt.py has no launcher to check it before Megatron-LM parses.
+    "no-eval-interval": (2, _without(tiny_args(), "--eval-interval"), ["--eval-interval: "]),
+    # Megatron-LM's own flags through megatron-ext's range table (the driver's), before
+    # Megatron-LM's validate_args: an Adam beta of 2 reached torch's optimizer as a worker
+    # traceback, a NaN learning rate Megatron-LM's assertion min_lr <= lr.
+    "adam-beta1": (
+        1,
+        tiny_args(adam_beta1="2"),
+        ["--adam-beta1: must be a finite number in [0, 1)"],
+    ),
+    "lr-nan": (1, tiny_args(lr="nan"), ["--lr: must be a finite number > 0, got nan"]),
+}
+
+
+@pytest.mark.megatron_lm
+def test_refusals_through_megatron_lm_parser_and_hooked_validate_args():
+    """Each refusal as a launch of a patched pretrain_gpt.py meets it: Megatron-LM's own
+    parser (with megatron-ext's flags added by the hooked ``parse_args``) and its
+    ``validate_args``, whose hook checks megatron-ext's configuration and exits with code 2
+    and one ``megatron-ext: error:`` line. One process for every case (a launch each would
+    cost a Megatron-LM start-up each); the printing and exit of a refusal under torchrun are
+    tested by launches (test_pretrain_gpt.py, test_patch_and_launcher.py)."""
+    cases = {name: (world, argv) for name, (world, argv, _) in _REFUSALS.items()}
+    out = _run_with_checkout(f"""
+        import contextlib, io, os
+        from megatron_ext.megatron.lm import install_megatron_lm_hooks
+
+        installed = install_megatron_lm_hooks(cpu=True)
+        call = {{
+            t.role: getattr(importlib.import_module(t.module), t.name)
+            for t in hooks.HOOK_TARGETS
+            if t.role in ("parse_args", "validate_args")
+        }}
+        for name, (world, argv) in {cases!r}.items():
+            os.environ.update(WORLD_SIZE=str(world), RANK="0", LOCAL_RANK="0")
+            sys.argv = ["pretrain_gpt.py", *argv]
+            args = call["parse_args"](None, False)
+            err = io.StringIO()
+            try:
+                with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                    # pretrain_gpt.py's defaults
+                    call["validate_args"](args, {{"tokenizer_type": "GPT2BPETokenizer"}})
+                result = "passed"
+            except SystemExit as exc:
+                result = f"exit {{exc.code}}"
+            lines = err.getvalue().strip().splitlines()
+            print(f"@@ {{name}} | {{result}} | {{lines[-1] if lines else ''}}")
+        installed.remove()
+        """)
+    results = {}
+    for line in out.splitlines():
+        if line.startswith("@@ "):
+            name, result, last = line[3:].split(" | ", 2)
+            results[name] = (result, last)
+    assert sorted(results) == sorted(_REFUSALS), out[-3000:]
+    for name, (_, _, expected) in _REFUSALS.items():
+        result, last = results[name]
+        assert result == "exit 2", (name, result, last)
+        assert last.startswith("megatron-ext: error: "), (name, last)
+        for text in expected:
+            assert text in last, (name, last)

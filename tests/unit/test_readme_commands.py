@@ -171,7 +171,8 @@ def _setup_extras() -> set:
     text = (REPO / "setup.py").read_text()
     block = text[text.index("extras_require") :]
     block = block[: block.index("},") + 1]
-    return set(re.findall(r'^\s*"([a-z0-9-]+)": \[', block, re.M))
+    # "name": [...] or "name": _A_LIST
+    return set(re.findall(r'^\s*"([a-z0-9-]+)": (?:\[|_[A-Z_]+)', block, re.M))
 
 
 def test_pip_extras_megatron_ext_subcommands_and_named_files_exist():

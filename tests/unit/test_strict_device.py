@@ -6,7 +6,10 @@ run one after another on torch's fake process group. A steady-state step must sh
 finding (a CPU tensor meeting a device tensor, a CPU generator for device tensors, a host
 sync, a data-dependent shape, a host-to-device copy, a collective on a CPU tensor or in a
 dtype/reduction NCCL refuses), issue the same collectives on every rank, and stay within
-its launch budget. Selection/update steps every K steps are declared ``sync_ok``.
+its launch budget (a DP bucket's device ops do not grow with its parameters, with matrices of
+one shape or with the data-parallel size). Selection/update steps every K steps are declared
+``sync_ok``. The steps themselves are ``tests/helpers/method_steps.py``'s, which the cost
+model (``benchmarks/gpu_cost.py``) runs at model shapes.
 
 Tests that fail on the current code are marked ``xfail(strict=True)`` with the finding as
 the reason: each turns into an XPASS failure the moment its fix lands (then drop the mark).
@@ -19,6 +22,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.helpers.method_steps import (
+    CodecBoundary,
+    DiLoCoView,
+    diloco_hook,
+    diloco_steps,
+    dp_body,
+    grass_steps,
+    protocol_stage,
+    protocol_steps,
+    states_view,
+)
+from tests.helpers.method_steps import to_cpu as _to_cpu
 from tests.helpers.strict_device import (
     DEVICE,
     StrictDeviceMode,
@@ -32,37 +47,6 @@ def _assert_clean(records, what="steady-state step"):
     """No undeclared finding in ``records`` (StepRecords)."""
     bad = [f for r in records for f in r.violations]
     assert not bad, f"{what} findings:\n{format_findings(bad)}"
-
-
-def _to_cpu(state):
-    """A state dict as ``torch.load(map_location="cpu")`` returns it: host tensors as they
-    are, device tensors as host tensors of their shape (meta tensors hold no values)."""
-    if isinstance(state, torch.Tensor):
-        if state.device.type == "cpu":
-            return state.clone()
-        return torch.zeros(state.shape, dtype=state.dtype)
-    if isinstance(state, dict):
-        return {k: _to_cpu(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_to_cpu(v) for v in state)
-    return state
-
-
-def _states_view(states):
-    """An OptimizerView over ``states`` (FQN -> ParamOptimState); its ``step`` is set by
-    the caller."""
-    from megatron_ext.optim.hooks import OptimizerView
-
-    class View(OptimizerView):
-        step = 0
-
-        def fqns(self):
-            return sorted(states)
-
-        def param_state(self, fqn):
-            return states.get(fqn)
-
-    return View()
 
 
 # -- positive control ----------------------------------------------------------------------
@@ -143,7 +127,6 @@ def test_nccl_support_rules(dtype, reduce_op, refused):
 
 # (fqn, shape) in bucket order, as in tests/distributed/test_grad_reducers.py.
 PARAMS = [("w1", (8, 64)), ("b1", (64,)), ("w2", (16, 32)), ("ln", (32,))]
-PAD = 24
 
 # method -> (options, steps, names of the steps: "steady" must be clean, others declared)
 DP_METHODS = {
@@ -154,96 +137,12 @@ DP_METHODS = {
 }
 
 
-def _radius_view(slices, step):
-    """An OptimizerView over device AdamW moments of every weight (selection input)."""
-    from megatron_ext.optim.hooks import OptimizerView, ParamOptimState
-
-    class View(OptimizerView):
-        def fqns(self):
-            return [s.fqn for s in slices]
-
-        def param_state(self, fqn):
-            s = next(x for x in slices if x.fqn == fqn)
-            n = s.end - s.start
-            return ParamOptimState(
-                fqn=fqn,
-                model_param=torch.zeros(n, device=DEVICE),
-                main_param=torch.zeros(n, device=DEVICE),
-                state={
-                    "exp_avg": torch.randn(n, device=DEVICE),
-                    "exp_avg_sq": torch.ones(n, device=DEVICE),
-                    "step": torch.tensor(float(step + 1)),  # torch AdamW keeps a CPU step
-                },
-                group={"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1},
-            )
-
-        @property
-        def step(self):
-            return step
-
-    return View()
-
-
-def _phase(method, kw, step):
-    """The step's name: "steady", or the declared kind of a step every K steps."""
-    if method == "radius":
-        if step < kw["dense_steps"]:
-            return "dense"
-        return "select" if (step - kw["dense_steps"]) % kw["interval"] == 0 else "steady"
-    if method == "powersgd" and step < kw["start_step"]:
-        return "dense"
-    return "steady"
-
-
-def _dp_body(
-    method,
-    kw,
-    steps,
-    *,
-    params=PARAMS,
-    reduce_scatter=False,
-    resume_from=None,
-    op=None,
-    dtype=torch.float32,
-):
-    """A rank's run: bind one bucket (``dtype``, reduced with ``op``) on the device, then
-    ``steps`` launch/wait steps; dense steps before a method's start are checked like the
-    others, selection steps are declared."""
-
-    def body(rank, mode):
-        from tests.helpers.reducers import bind, make_reducer, param_slices
-
-        slices, n = param_slices(params)
-        grad = torch.zeros(n + PAD, dtype=dtype, device=DEVICE)
-        reducer = make_reducer(method, **kw)
-        bound = bind(
-            reducer,
-            grad,
-            slices,
-            key="bucket",
-            async_op=True,
-            distributed_optimizer=reduce_scatter,
-            op=op,
-        )
-        first = 0
-        if resume_from is not None:
-            with mode.step("load", sync_ok=True):
-                state, first = resume_from
-                reducer.load_state_dict(state)
-        for step in range(first, first + steps):
-            name = _phase(method, kw, step)
-            grad[:n].normal_()  # megatron's backward (outside the step's own ops)
-            with mode.step(name, sync_ok=name == "select"):
-                handle = bound.launch(step)
-                if handle is not None:
-                    handle.wait()
-                if name == "select":
-                    reducer.select(_radius_view(slices, step))
-                # The optimizer hook's commit of the step's staged state is part of it.
-                reducer.end_step(True)
-        return _to_cpu(reducer.state_dict())
-
-    return body
+def _dp_body(method, kw, steps, *, params=PARAMS, **kwargs):
+    """A rank's run (tests.helpers.method_steps.dp_body): one bucket of ``params`` (dtype,
+    reduction, reduce-scatter, resume as ``kwargs``), then ``steps`` launch/wait steps; dense
+    steps before a method's start are checked like the others, selection steps are
+    declared."""
+    return dp_body(method, kw, steps, params=params, **kwargs)
 
 
 def _dp_runs(method, world=2, **kwargs):
@@ -328,8 +227,20 @@ def test_dp_reducer_resumed_from_cpu_loaded_state_steps_on_device(method):
     assert not compare_ranks(resumed)
 
 
-def _steady_ops(runs):
-    """Device ops of the last steady step of rank 0."""
+# -- launch budgets: device ops per bucket ---------------------------------------------------
+#
+# A bucket's steady step must launch a number of device ops that does not depend on how many
+# parameters the bucket holds, on how many matrices share a shape, or on the data-parallel
+# size (benchmarks/gpu_cost.py reports the counts at model shapes). Rank 0 is enough: the
+# ranks' collectives are compared above.
+
+_BUDGET_METHODS = {"none": ({}, 2, None), **DP_METHODS}
+
+
+def _steady_ops(method, world=2, **kwargs):
+    """Device ops of rank 0's last steady step of ``method``."""
+    kw, steps, _ = _BUDGET_METHODS[method]
+    runs = run_ranks(world, _dp_body(method, kw, steps, **kwargs), ranks=[0])
     return len([s for s in runs[0].mode.steps if s.name == "steady"][-1].device_ops)
 
 
@@ -340,36 +251,52 @@ _DP_SIZE_FINDINGS: dict = {}
 
 @pytest.mark.parametrize(
     "method",
-    [pytest.param(m, marks=_xfail_if(_DP_SIZE_FINDINGS.get(m))) for m in DP_METHODS],
+    [pytest.param(m, marks=_xfail_if(_DP_SIZE_FINDINGS.get(m))) for m in _BUDGET_METHODS],
 )
 def test_dp_reducer_device_ops_per_bucket_do_not_grow_with_dp_size(method):
-    ops = {w: _steady_ops(_dp_runs(method, world=w)) for w in (2, 4, 8)}
+    ops = {w: _steady_ops(method, world=w) for w in (2, 4, 8)}
     assert ops[2] == ops[4] == ops[8], ops
 
 
 def _same_shape_params(count):
+    """``count`` weight matrices of one shape and a bias."""
     return [(f"w{i}", (16, 32)) for i in range(count)] + [("b", (32,))]
 
 
-# Fixed: PowerSGD looped per matrix (11 device ops and two QRs each: 25 ops at 2 matrices
-# of one shape, 69 at 6); it now batches the matrices of one shape (bmm, batched QR).
-def test_powersgd_device_ops_are_batched_by_shape():
-    kw, steps, _ = DP_METHODS["powersgd"]
-    ops = {
-        k: _steady_ops(run_ranks(2, _dp_body("powersgd", kw, steps, params=_same_shape_params(k))))
-        for k in (2, 6)
-    }
-    assert ops[2] == ops[6], ops
+def _mixed_params(count):
+    """``count`` times a weight matrix, its bias and a norm, as a layer holds them."""
+    return [
+        p for i in range(count) for p in ((f"w{i}", (16, 32)), (f"b{i}", (32,)), (f"ln{i}", (16,)))
+    ]
 
 
-# Fixed: SEPARATE packed and unpacked each weight with its own copy_ (12 ops at 2 matrices,
-# 20 at 6); one fused _foreach_copy_ each way now.
-def test_separate_device_ops_per_bucket_do_not_grow_with_parameters():
-    kw, steps, _ = DP_METHODS["separate"]
-    ops = {
-        k: _steady_ops(run_ranks(2, _dp_body("separate", kw, steps, params=_same_shape_params(k))))
-        for k in (2, 6)
-    }
+_GROWTH = {"same-shape-matrices": _same_shape_params, "parameters": _mixed_params}
+
+# Fixed: PowerSGD looped per matrix (11 device ops and two QRs each: 25 ops at 2 matrices of
+# one shape, 69 at 6); it now batches the matrices of one shape (bmm, batched QR). Fixed:
+# SEPARATE packed and unpacked each weight with its own copy_ (12 ops at 2 matrices, 20 at
+# 6); one fused _foreach_copy_ each way now.
+_ONE_D = (
+    "{}: {} device ops at 2 x (matrix, bias, norm), {} at 6: each 1-D parameter (biases, "
+    "norms) gets its own non-finite check (grad_reducer.py input_flag: isfinite as eq, abs, "
+    "ne, mul, then logical_not, any) and its own copy back (unpack_dense), 7 ops each"
+)
+_PARAM_COUNT_FINDINGS = {
+    ("separate", "parameters"): _ONE_D.format("SEPARATE", 55, 111),
+    ("powersgd", "parameters"): _ONE_D.format("PowerSGD", 55, 111),
+}
+
+
+@pytest.mark.parametrize(
+    "method, growth",
+    [
+        pytest.param(m, g, marks=_xfail_if(_PARAM_COUNT_FINDINGS.get((m, g))), id=f"{m}-{g}")
+        for m in _BUDGET_METHODS
+        for g in _GROWTH
+    ],
+)
+def test_dp_reducer_device_ops_per_bucket_do_not_grow_with_parameters(method, growth):
+    ops = {k: _steady_ops(method, params=_GROWTH[growth](k)) for k in (2, 6)}
     assert ops[2] == ops[6], ops
 
 
@@ -378,61 +305,18 @@ def test_separate_device_ops_per_bucket_do_not_grow_with_parameters():
 SEQ, HIDDEN, MBS, NMB, NUM = 8, 16, 2, 2, 8
 
 
-def _codec_pair(method, **options):
-    """Sender (stage 0) and receiver (stage 1) of one boundary, device buffers."""
-    from megatron_ext.collectives.aqsgd import AQSGDCodec, DirectQCodec
-    from megatron_ext.methods.aqsgd import AQSGDConfig
-    from megatron_ext.methods.registry import SampleSpace
-
-    cfg = AQSGDConfig(**options)
-    cls = AQSGDCodec if method == "aqsgd" else DirectQCodec
-    sender, receiver = cls(cfg, None), cls(cfg, None)
-    if method == "aqsgd":
-        samples = SampleSpace(
-            fixed=True,
-            num_samples=NUM,
-            dp_rank=0,
-            dp_size=1,
-            micro_batch_size=MBS,
-            num_microbatches=NMB,
-            seq_length=SEQ,
-        )
-        for codec, stage in ((sender, 0), (receiver, 1)):
-            codec.allocate(samples, SEQ, HIDDEN, stage=stage, num_stages=2, device=DEVICE)
-    return sender, receiver
-
-
-def _codec_steps(mode, sender, receiver, steps, first_step=0):
-    """``steps`` training steps of NMB microbatches: forward activations sender -> receiver,
-    their gradients back, then ``end_step`` (the commit, every step: not declared). Sample
-    ids are host tensors, as the runtime computes them from ``consumed_samples``; only
-    ``begin_step``, which gets every microbatch's ids, is declared ``sync_ok``: the one
-    place a step may copy them to the device (AQ-SGD: one copy per codec) and read the
-    previous commit's per-sample flags on the host (AQ-SGD's visit flags; one copy per
-    codec, non-blocking on CUDA)."""
-    from megatron_ext.collectives.p2p import P2PContext
-
-    for step in range(first_step, first_step + steps):
-        base = (step * NMB * MBS) % NUM
-
-        def ids_of(mb, base=base):
-            return torch.arange(base + mb * MBS, base + (mb + 1) * MBS)
-
-        with mode.step("begin_step", sync_ok=True):
-            sender.begin_step(ids_of)
-            receiver.begin_step(ids_of)
-        for mb in range(NMB):
-            with mode.step("microbatch"):
-                x = torch.randn(SEQ, MBS, HIDDEN, device=DEVICE)
-                fwd = P2PContext("forward", mb, ids_of(mb), step, False)
-                receiver.payload_spec(tuple(x.shape), x.dtype, fwd)
-                y = receiver.decode(sender.encode(x, fwd), fwd, tuple(x.shape), x.dtype)
-                bwd = P2PContext("backward", mb, ids_of(mb), step, False)
-                g = torch.randn_like(y)
-                sender.decode(receiver.encode(g, bwd), bwd, tuple(g.shape), g.dtype)
-        with mode.step("end_step"):
-            sender.end_step()
-            receiver.end_step()
+def _boundary(method, **options):
+    """Sender (stage 0) and receiver (stage 1) of one boundary, device buffers
+    (tests.helpers.method_steps.CodecBoundary)."""
+    return CodecBoundary(
+        method,
+        seq=SEQ,
+        micro_batch=MBS,
+        hidden=HIDDEN,
+        num_microbatches=NMB,
+        num_samples=NUM,
+        **options,
+    )
 
 
 @pytest.mark.parametrize(
@@ -449,9 +333,9 @@ def _codec_steps(mode, sender, receiver, steps, first_step=0):
 )
 def test_pipeline_codec_steps_stay_on_device(method, rounding):
     with StrictDeviceMode() as mode:
-        sender, receiver = _codec_pair(method, rounding=rounding)
+        boundary = _boundary(method, rounding=rounding)
         # Two epochs: first visits (full precision), then revisits (quantized deltas).
-        _codec_steps(mode, sender, receiver, steps=2 * NUM // (NMB * MBS))
+        boundary.steps(mode, 2 * boundary.steps_per_epoch)
     _assert_clean(mode.steps)
     assert mode.named("microbatch") and all(s.device_ops for s in mode.named("microbatch"))
     for record in mode.named("begin_step"):  # two codecs: at most one copy each way each
@@ -461,14 +345,14 @@ def test_pipeline_codec_steps_stay_on_device(method, rounding):
 
 def test_aqsgd_resumed_from_cpu_loaded_buffers_steps_on_device():
     with StrictDeviceMode() as mode:
-        sender, receiver = _codec_pair("aqsgd", checkpoint_buffers=True)
-        _codec_steps(mode, sender, receiver, steps=2)
-        states = [_to_cpu(c.state_dict()) for c in (sender, receiver)]
-        sender, receiver = _codec_pair("aqsgd", checkpoint_buffers=True)
+        boundary = _boundary("aqsgd", checkpoint_buffers=True)
+        boundary.steps(mode, 2)
+        states = [_to_cpu(c.state_dict()) for c in (boundary.sender, boundary.receiver)]
+        boundary = _boundary("aqsgd", checkpoint_buffers=True)
         with mode.step("load", sync_ok=True):
-            sender.load_state_dict(states[0])
-            receiver.load_state_dict(states[1])
-        _codec_steps(mode, sender, receiver, steps=2, first_step=2)
+            boundary.sender.load_state_dict(states[0])
+            boundary.receiver.load_state_dict(states[1])
+        boundary.steps(mode, 2, first=2)
     _assert_clean(mode.steps)
 
 
@@ -529,31 +413,11 @@ def _grass_setup(method, reset=True):
     return grass_setup(method, reset, DEVICE, lambda i, shape: torch.randn(shape, device=DEVICE))
 
 
-def _grass_steps(mode, layers, hook, view, steps, first=0, microbatches=2):
-    """Training steps: begin_step, microbatches of forward/backward through grass_linear,
-    pre_step, an Adam-like device update of V, post_step (selection every GRASS_K steps,
-    declared ``sync_ok``)."""
-    from megatron_ext.autograd.grass import grass_linear
-
-    for step in range(first, first + steps):
-        view.step = step
-        selecting = hook.schedule.is_selection_step(step)
-        with mode.step("select" if selecting else "steady", sync_ok=selecting):
-            hook.begin_step(step)
-            for _ in range(microbatches):
-                x = torch.randn(4, 16, device=DEVICE, requires_grad=True)
-                h = grass_linear(x, layers["l0.weight"].weight, None, layers["l0.weight"])
-                y = grass_linear(h, layers["l1.weight"].weight, None, layers["l1.weight"])
-                y.sum().backward()
-            hook.pre_step(view)
-            for state in view.states.values():
-                p = state.main_param
-                if p.grad is not None:
-                    state.state["exp_avg"].mul_(0.9).add_(p.grad, alpha=0.1)
-                    p.data.add_(state.state["exp_avg"], alpha=-1e-2)
-                    p.grad = None
-                state.state["step"] += 1
-            hook.post_step(view, True)
+def _grass_steps(mode, layers, hook, view, steps, first=0):
+    """Training steps (tests.helpers.method_steps.grass_steps): begin_step, two microbatches
+    of forward/backward through grass_linear, pre_step, an Adam-like device update of V,
+    post_step (selection every GRASS_K steps, declared ``sync_ok``)."""
+    grass_steps(mode, layers, hook, view, steps, first, microbatches=2, tokens=4)
 
 
 # Fixed: Grass kept its selection on the CPU and copied it per layer per microbatch.
@@ -618,97 +482,25 @@ D, K, VOCAB, PM_UPDATE = 32, 4, 16, 3
 
 
 def _protocol_stage(accumulate):
-    """One stage's subspace (on the device, as constrain_model leaves it), its codec and its
-    optimizer hook over one constrained writer ``d x n`` and an embedding ``vocab x d``;
-    ``update_basis`` is megatron_ext.megatron.subspace.basis_exchange's collective on
-    WORLD (all-reduce ``A``, the Grassmann step on rank 0, broadcast)."""
-    from megatron_ext.collectives.subspace import SubspaceCodec
-    from megatron_ext.compressors.subspace import Subspace, grassmann_step, project
-    from megatron_ext.optim.hooks import ParamOptimState
-    from megatron_ext.optim.subspace import SubspaceOptimizerHook
-
-    subspace = Subspace(D, K, seed=0)
-    subspace.make_fixed(VOCAB, 0.02, torch.float32, DEVICE)
-    subspace.on(DEVICE)
-    codec = SubspaceCodec(subspace, sends_forward=not accumulate, accumulate=accumulate)
-    params = {
-        "writer.weight": (torch.nn.Parameter(torch.randn(D, 12, device=DEVICE)), 0),
-        "embedding.weight": (torch.nn.Parameter(torch.randn(VOCAB, D, device=DEVICE)), 1),
-    }
-    with torch.no_grad():
-        for p, axis in params.values():
-            p.copy_(project(p, subspace.u, axis))
-    states = {
-        fqn: ParamOptimState(
-            fqn=fqn,
-            model_param=p,
-            main_param=p,
-            state={
-                "exp_avg": torch.zeros_like(p),
-                "exp_avg_sq": torch.zeros_like(p),
-                "step": torch.tensor(0.0),  # torch's Adam keeps a host step count
-            },
-            group={"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1},
-        )
-        for fqn, (p, _) in params.items()
-    }
-
-    def update_basis():
-        u = subspace.u
-        new = torch.empty_like(u)
-        if accumulate:  # the owner: the last stage holds A
-            a = subspace.a if subspace.a is not None else torch.zeros(D, D)
-            a = a.to(u.device)
-            dist.all_reduce(a)
-            if dist.get_rank() == 0:
-                new = grassmann_step(u, a, 0.5)
-            dist.broadcast(new, src=0)
-        return new
-
-    hook = SubspaceOptimizerHook(
-        subspace,
-        {fqn: axis for fqn, (_, axis) in params.items()},
+    """One stage (tests.helpers.method_steps.protocol_stage) over one constrained writer
+    ``d x n`` and an embedding ``vocab x d``."""
+    return protocol_stage(
+        accumulate,
+        d=D,
+        k=K,
+        vocab=VOCAB,
+        params=[("writer.weight", (D, 12), 0), ("embedding.weight", (VOCAB, D), 1)],
         update_interval=PM_UPDATE,
         reproject_interval=2,
-        update_basis=update_basis,
     )
-    return codec, hook, _states_view(states), states
 
 
-def _protocol_steps(mode, first, last, steps, start=0, microbatches=2):
-    """Steps of both stages: token ids from the (device) batch, forward send/receive, the
-    boundary gradient back (accumulated into ``A`` on the last stage), the optimizer step
-    with the hook; the Grassmann update every PM_UPDATE steps is declared ``sync_ok``."""
-    from megatron_ext.collectives.p2p import P2PContext
-
-    shape = (8, 2, D)
-    for step in range(start, start + steps):
-        updating = (step + 1) % PM_UPDATE == 0
-        with mode.step("update" if updating else "steady", sync_ok=updating):
-            for codec, *_ in (first, last):
-                codec.begin_step(None)
-            for mb in range(microbatches):
-                fwd = P2PContext("forward", mb, None, step, False)
-                bwd = P2PContext("backward", mb, None, step, False)
-                ids = torch.randint(VOCAB, shape[:2], device=DEVICE)
-                first[0].push_token_ids(ids)
-                x = torch.randn(shape, device=DEVICE)
-                last[0].payload_spec(shape, x.dtype, fwd)
-                y = last[0].decode(first[0].encode(x, fwd), fwd, shape, x.dtype)
-                g = torch.randn_like(y)
-                first[0].decode(last[0].encode(g, bwd), bwd, shape, g.dtype)
-            for _, hook, view, states in (first, last):
-                view.step = step
-                for st in states.values():
-                    st.model_param.grad = torch.randn_like(st.model_param)
-                hook.pre_step(view)
-                for st in states.values():  # Adam's own update, on the device
-                    p, s = st.main_param, st.state
-                    s["step"] += 1
-                    s["exp_avg"].mul_(0.9).add_(p.grad, alpha=0.1)
-                    s["exp_avg_sq"].mul_(0.95).addcmul_(p.grad, p.grad, value=0.05)
-                    p.data.addcdiv_(s["exp_avg"], s["exp_avg_sq"].sqrt().add_(1e-8), value=-1e-3)
-                hook.post_step(view, True)
+def _protocol_steps(mode, first, last, steps, start=0):
+    """Steps of both stages (tests.helpers.method_steps.protocol_steps); the Grassmann
+    update every PM_UPDATE steps is declared ``sync_ok``."""
+    protocol_steps(
+        mode, first, last, steps, start, shape=(8, 2, D), vocab=VOCAB, update_interval=PM_UPDATE
+    )
 
 
 def test_protocol_steady_steps_stay_on_device_and_ranks_agree():
@@ -742,72 +534,20 @@ def test_protocol_resumed_from_cpu_loaded_state_steps_on_device():
 
 # -- DiLoCo: the outer step and its exchanges ----------------------------------------------
 
-from megatron_ext.optim.hooks import OptimizerView, ParamOptimState  # noqa: E402
+from megatron_ext.optim.hooks import ParamOptimState  # noqa: E402
 
 DILOCO_SHAPES = {"a.bias": (16,), "a.weight": (16, 8), "b.weight": (8, 16), "c.weight": (32, 8)}
 DILOCO_H = 4
 
 
-class _DiLoCoView(OptimizerView):
+def _DiLoCoView(sharded):
     """bf16 model parameters with fp32 main copies on the device (whole, or this rank's half
-    of each parameter as a distributed optimizer's shard); counts the parameter gathers."""
-
-    def __init__(self, sharded):
-        self.states = {}
-        for fqn, shape in DILOCO_SHAPES.items():
-            model = torch.randn(shape, device=DEVICE).bfloat16()
-            n = model.numel()
-            main = torch.randn((n // 2,) if sharded else shape, device=DEVICE)
-            rng = (0, n // 2) if sharded else None
-            self.states[fqn] = ParamOptimState(
-                fqn=fqn, model_param=model, main_param=main, state={}, param_range=rng
-            )
-        self.current = 0
-        self.gathers = 0
-
-    def fqns(self):
-        return sorted(self.states)
-
-    def param_state(self, fqn):
-        return self.states.get(fqn)
-
-    @property
-    def step(self):
-        return self.current
-
-    def param_numels(self):
-        return {f: s.model_param.numel() for f, s in self.states.items()}
-
-    def sync_params(self):
-        self.gathers += 1
+    of each parameter); counts the parameter gathers."""
+    return DiLoCoView(DILOCO_SHAPES, sharded)
 
 
 def _diloco_steps(mode, hook, view, steps, first=0):
-    """Inner steps (a device update of the main parameters), then the hook's post_step;
-    steps where a fragment is sent or applied are named "outer", the others "steady"."""
-    from megatron_ext.optim.diloco import fragment_due
-
-    o = hook.options
-    for step in range(first, first + steps):
-        view.current = step
-        t = step + 1
-        outer = bool(fragment_due(t, o.interval, o.fragments)) or (
-            o.delay and t > o.delay and bool(fragment_due(t - o.delay, o.interval, o.fragments))
-        )
-        # Declared at an outer step: the outer update's non-finite check (one read per
-        # fragment applied, _outer_checks), a compressed exchange's (one sync per exchange, on
-        # the worker thread when overlapped) and host-memory outer state moving; and at the
-        # run's first step, which takes the snapshots from the weights training starts from
-        # (DiLoCoHook.anchor: into host memory with --outer-state-device cpu).
-        declared = outer
-        name = "outer" if outer else "steady"
-        if step == 0 and o.state_device == "cpu":
-            name, declared = "first", True
-        with mode.step(name, sync_ok=declared):
-            hook.pre_step(view)  # as megatron's step: before the inner update
-            for s in view.states.values():
-                s.main_param.add_(1e-3)
-            hook.post_step(view, True)
+    diloco_steps(mode, hook, view, steps, first)
 
 
 def _outer_checks(findings):
@@ -824,13 +564,7 @@ def _outer_checks(findings):
 
 
 def _diloco_hook(view, **options):
-    from megatron_ext.methods.diloco import OuterConfig
-    from megatron_ext.optim.diloco import DiLoCoHook
-
-    o = OuterConfig(interval=DILOCO_H, fragments=2, **options)
-    hook = DiLoCoHook(o, dist.group.WORLD)
-    hook.setup(view)
-    return hook
+    return diloco_hook(view, interval=DILOCO_H, fragments=2, **options)
 
 
 DILOCO_CASES = {
@@ -909,7 +643,7 @@ def test_diloco_with_grass_steps_stay_on_device():
                 group={"lr": 1e-2, "weight_decay": 0.1},
             )
 
-        view = _states_view(states)
+        view = states_view(states)
         wrap = lambda v: GrassOuterView(  # noqa: E731
             v, layers, param_fqn=lambda f: f"{f}.grass_weight", weight_fqn=lambda f: f
         )

@@ -187,10 +187,11 @@ def install_megatron_lm_hooks(cpu: Optional[bool] = None) -> Any:
     install = getattr(importlib.import_module(module_name), function_name)
     session = MegatronLMSession(release, cpu=bool(cpu_on))
     session.python_shims = shims
-    # megatron-core's checkpoint writer processes must not outlive a killed rank.
-    from megatron_ext.child_processes import children_die_with_parent
+    # megatron-core's checkpoint writer processes must not outlive a killed rank, nor a rank
+    # its killed launcher.
+    from megatron_ext.child_processes import bind_process_lifetimes
 
-    children_die_with_parent()
+    bind_process_lifetimes()
     _HOOKS = install(session)
     if cpu_on:
         from megatron_ext.megatron.lm.cpu import disable_megatron_lm_cpu

@@ -72,6 +72,7 @@ __all__ = [
     "unreadable_file",
     "CheckpointError",
     "iteration_dir_to_load",
+    "iteration_dir_to_verify",
     "check_finite",
     "sharded_leaves",
     "init_optimizer_state_for_load",
@@ -107,6 +108,38 @@ def iteration_dir_to_load(args: Any) -> Optional[str]:
     step = getattr(args, "ckpt_step", None)
     iteration = step if step is not None else latest_iteration(args.load)
     return None if iteration is None else checkpoint_dir(args.load, iteration)
+
+
+def iteration_dir_to_verify(args: Any, load_arg: str = "load") -> Optional[str]:
+    """The directory Megatron-LM's ``load_checkpoint(load_arg=...)`` will read, as it picks
+    it (``--ckpt-step``, the marker's iteration or ``release``, ``--pretrained-checkpoint``
+    when the load directory has no marker); None when there is none to name."""
+    load_dir = getattr(args, load_arg, None)
+    pretrained = getattr(args, "pretrained_checkpoint", None)
+    if pretrained and _marker(load_dir) is None:
+        load_dir = pretrained
+    if not load_dir:
+        return None
+    step = getattr(args, "ckpt_step", None)
+    if step is not None:
+        return checkpoint_dir(load_dir, step)
+    text = _marker(load_dir)
+    if text == "release":
+        return os.path.join(load_dir, "release")
+    if text is None or not text.isdigit():
+        return None  # Megatron-LM reports a missing or bad marker itself.
+    return checkpoint_dir(load_dir, int(text))
+
+
+def _marker(load_dir: Optional[str]) -> Optional[str]:
+    """The stripped text of ``<load_dir>/latest_checkpointed_iteration.txt`` (None)."""
+    if not load_dir:
+        return None
+    try:
+        with open(os.path.join(load_dir, "latest_checkpointed_iteration.txt"), "rb") as f:
+            return f.read(64).decode("ascii", "replace").strip()
+    except OSError:
+        return None
 
 
 def save_rank_file(iteration_dir: str, runtime: Any, state: Optional[Dict[str, Any]] = None) -> str:

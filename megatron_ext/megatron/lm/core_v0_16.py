@@ -22,11 +22,16 @@ What it does:
     * ``training.training_log`` and ``training.print_rank_last``: bytes per category in the
       iteration line, TensorBoard and W&B scalars;
     * ``training.train``: the JSON communication report at the end of training;
-    * ``training.save_checkpoint``: the torch format's per-rank state files;
-    * ``training.load_checkpoint``: load megatron-ext's state after Megatron-LM's own;
+    * ``training.save_checkpoint``: the torch format's per-rank state files, and its
+      checksum manifest once Megatron-LM's save returned;
+    * ``training.load_checkpoint``: verify the checkpoint's checksums first; load
+      megatron-ext's state after Megatron-LM's own;
     * ``checkpointing.generate_state_dict``: the torch_dist per-rank ShardedObject (save
       dict and load template) and the metadata in the common state;
-    * ``checkpointing._load_base_checkpoint``: read the metadata and the loaded object back.
+    * ``checkpointing._load_base_checkpoint``: read the metadata and the loaded object back;
+    * ``megatron.core.dist_checkpointing.save`` (called by ``save_checkpoint``): the
+      checksum manifest of a torch_dist checkpoint, before Megatron-LM moves its
+      ``latest_checkpointed_iteration.txt`` (:mod:`megatron_ext.megatron.checksums`).
 
     Every target is checked before anything is replaced: it must exist and take the
     parameters this module relies on, otherwise the checkout is refused (it is not the
@@ -93,9 +98,15 @@ HOOK_TARGETS: Tuple[HookTarget, ...] = (
     HookTarget(_TRAINING, "print_rank_last", "print_log_line", ("message",)),
     HookTarget(_TRAINING, "train", "train", ()),
     HookTarget(_TRAINING, "save_checkpoint", "save_checkpoint", ("iteration", "release")),
-    HookTarget(_TRAINING, "load_checkpoint", "load_checkpoint", ()),
+    HookTarget(_TRAINING, "load_checkpoint", "load_checkpoint", ("load_arg",)),
     HookTarget(_CHECKPOINTING, "generate_state_dict", "generate_state_dict", ("args", "optimizer")),
     HookTarget(_CHECKPOINTING, "_load_base_checkpoint", "load_base_checkpoint", ("rank0", "args")),
+    HookTarget(
+        "megatron.core.dist_checkpointing",
+        "save",
+        "dist_checkpointing_save",
+        ("sharded_state_dict", "checkpoint_dir"),
+    ),
 )
 
 

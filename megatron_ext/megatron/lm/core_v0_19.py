@@ -27,9 +27,9 @@ What it does:
       same way), since the communicator only exists once the model is built, after
       ``pretrain()`` started;
     * logging, ``train``, ``save_checkpoint``, ``load_checkpoint``,
-      ``generate_state_dict``, ``_load_base_checkpoint``: same names, same parameters
-      (``_load_base_checkpoint`` returns a 4-tuple, of which the session reads the first
-      three).
+      ``generate_state_dict``, ``_load_base_checkpoint``, ``dist_checkpointing.save``: same
+      names, same parameters (``_load_base_checkpoint`` returns a 4-tuple, of which the
+      session reads the first three).
 
 Why module globals:
     As for 0.16: ``parse_and_validate_args``, ``pretrain()``, ``setup_model_and_optimizer``
@@ -90,9 +90,15 @@ HOOK_TARGETS: Tuple[HookTarget, ...] = (
     HookTarget(_TRAINING, "print_rank_last", "print_log_line", ("message",)),
     HookTarget(_TRAINING, "train", "train", ("p2p_communicator",)),
     HookTarget(_TRAINING, "save_checkpoint", "save_checkpoint", ("iteration", "release")),
-    HookTarget(_TRAINING, "load_checkpoint", "load_checkpoint", ()),
+    HookTarget(_TRAINING, "load_checkpoint", "load_checkpoint", ("load_arg",)),
     HookTarget(_CHECKPOINTING, "generate_state_dict", "generate_state_dict", ("args", "optimizer")),
     HookTarget(_CHECKPOINTING, "_load_base_checkpoint", "load_base_checkpoint", ("rank0", "args")),
+    HookTarget(
+        "megatron.core.dist_checkpointing",
+        "save",
+        "dist_checkpointing_save",
+        ("sharded_state_dict", "checkpoint_dir"),
+    ),
 )
 
 

@@ -56,6 +56,7 @@ ROLES = (
     "load_checkpoint",
     "generate_state_dict",
     "load_base_checkpoint",
+    "dist_checkpointing_save",
 )
 """What a wrapper does (see :func:`_wrap`)."""
 
@@ -287,16 +288,22 @@ def _wrap(session: MegatronLMSession, target: HookTarget, original: Callable, si
 
         def wrapper(*args, **kwargs):
             arguments = bound(args, kwargs)
+            iteration, release = arguments["iteration"], bool(arguments["release"])
             with session.stop_on_nonfinite():
-                session.before_save(arguments["iteration"], bool(arguments["release"]), _args())
+                session.before_save(iteration, release, _args())
                 # Checkpoint I/O collectives are not training communication.
                 with ProcessGroupTrafficMeter.untracked():
-                    return original(*args, **kwargs)
+                    with session.saving():
+                        result = original(*args, **kwargs)
+                    session.after_save(iteration, release, _args())
+            return result
 
     elif role == "load_checkpoint":
 
         def wrapper(*args, **kwargs):
             session.begin_load()
+            with session.clean_errors(), ProcessGroupTrafficMeter.untracked():
+                session.verify_checksums(bound(args, kwargs).get("load_arg", "load"), _args())
             try:
                 # No autograd in a load; megatron-core 0.16's distributed optimizer copies
                 # into views of leaf parameters (fp32 on CPU) and fails under autograd.
@@ -328,6 +335,13 @@ def _wrap(session: MegatronLMSession, target: HookTarget, original: Callable, si
             arguments = bound(args, kwargs)
             session.on_base_checkpoint(result, bool(arguments["rank0"]), arguments["args"])
             return result
+
+    elif role == "dist_checkpointing_save":
+
+        def wrapper(*args, **kwargs):
+            arguments = bound(args, kwargs)
+            result = original(*args, **kwargs)
+            return session.after_dist_checkpointing_save(str(arguments["checkpoint_dir"]), result)
 
     else:
         raise AssertionError(f"no wrapper for role {role!r}")

@@ -16,7 +16,9 @@ What it does:
        shadows the checkout's: only ``pretrain_gpt.py``, ``gpt_builders.py``,
        ``model_provider.py`` and the packages the wheel lacks (``megatron/post_training``,
        ``megatron/rl``) come from the checkout;
-    3. names every Python package Megatron-LM's training code needs that is missing
+    3. refuses Megatron-LM flags left at a default that fails only after start-up
+       (:func:`megatron_ext.preflight.check_megatron_lm_defaults`: ``--eval-interval``);
+       names every Python package Megatron-LM's training code needs that is missing
        (:mod:`megatron_ext.megatron.lm.requirements`) and stops, before importing any;
     4. installs megatron-ext's hooks (:func:`~megatron_ext.megatron.lm.
        install_megatron_lm_hooks`), with CPU execution on ``--cpu`` or ``MEGATRON_EXT_CPU=1``;
@@ -198,6 +200,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     script = os.path.abspath(script)
     if not os.path.isfile(script):
         report_refusal(f"megatron-ext pretrain: error: {script}: no such file")
+        return 2
+    from megatron_ext.preflight import (
+        PreflightError,
+        _megatron_subset,
+        check_megatron_lm_defaults,
+    )
+
+    try:
+        # Before Megatron-LM is imported: a default it would fail on minutes later.
+        check_megatron_lm_defaults(_megatron_subset(rest))
+    except PreflightError as exc:
+        report_refusal(f"megatron-ext pretrain: error: {exc}")
         return 2
     checkout = os.path.dirname(script)
     cpu = options["cpu"] or cpu_requested_by_env()

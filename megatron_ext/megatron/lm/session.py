@@ -23,7 +23,10 @@ What it does:
     * logging: the interval's bytes per category, summed over ranks, as a field of
       Megatron-LM's iteration line and as TensorBoard / W&B scalars;
     * checkpoints: megatron-ext's per-rank state in ``torch_dist`` and ``torch``
-      checkpoints (:mod:`megatron_ext.megatron.lm.checkpoint`);
+      checkpoints (:mod:`megatron_ext.megatron.lm.checkpoint`), their checksums (written at
+      save, verified before a load: :mod:`megatron_ext.megatron.checksums`), and, with
+      Megatron-LM's ``--exit-signal-handler``, child processes shielded from its exit
+      signal (:mod:`megatron_ext.child_processes`);
     * the JSON communication report at the end of training.
 
 Why a session object:
@@ -70,6 +73,7 @@ from megatron_ext.megatron.lm import checkpoint as lm_ckpt
 from megatron_ext.megatron.lm.releases import MegatronLMRelease, UnsupportedReleaseError
 from megatron_ext.megatron.save_checks import check_finite_for_save
 from megatron_ext.optim.hooks import NonFiniteError
+from megatron_ext.preflight import PreflightError, check_megatron_lm_defaults
 from megatron_ext.refusal import report_refusal
 from megatron_ext.state import StateMismatch
 from megatron_ext.validation import (
@@ -349,6 +353,7 @@ class MegatronLMSession:
         self._sample_ids_fn: Optional[Callable[[int], torch.Tensor]] = None
         self._fixed: Any = None
         self._load: Optional[_LoadContext] = None
+        self._saving = False
         self._optimizer: Any = None
         self._model_chunks: List[Any] = []
         self._saving_iteration: Optional[int] = None
@@ -361,7 +366,7 @@ class MegatronLMSession:
         """Turn user-fixable errors into ``megatron-ext: error: ...`` and exit code 2."""
         try:
             yield
-        except (ConfigError, StateMismatch, UnsupportedReleaseError) as exc:
+        except (ConfigError, PreflightError, StateMismatch, UnsupportedReleaseError) as exc:
             # Every refusing rank reports: the line is printed once, by the first of them,
             # and is out before any of them exits (megatron_ext.refusal).
             report_refusal(f"megatron-ext: error: {exc}")
@@ -395,7 +400,7 @@ class MegatronLMSession:
         """Build and check megatron-ext's config from Megatron-LM's validated args.
 
         Raises:
-            ConfigError: naming the flag(s).
+            ConfigError, PreflightError: naming the flag(s).
         """
         if self.cpu:
             # First: it sets the CUDA-only fusions off, which the checks below read, and a
@@ -403,6 +408,8 @@ class MegatronLMSession:
             from megatron_ext.megatron.lm.cpu import check_cpu_args
 
             self.cpu_set_flags = check_cpu_args(args)
+        # The zero-touch launcher checked these already; a patched pretrain_gpt.py did not.
+        check_megatron_lm_defaults(args)
         cfg = ext_config_from_args(args)
         validate_ext_config(cfg, layout_from_args(args))
         check_megatron_lm_args(args, cfg)
@@ -410,6 +417,13 @@ class MegatronLMSession:
         check_transformer_engine(args.transformer_impl)
         check_backend(getattr(args, "distributed_backend", None), self.cpu)
         check_writable(args.save, "--save")
+        if getattr(args, "exit_signal_handler", False):
+            # Megatron-LM catches this one signal to save and exit (--exit-signal, default
+            # SIGTERM); the checkpoint writer processes it starts must outlive it until the
+            # save is done (they die with their rank: megatron_ext.child_processes).
+            from megatron_ext.child_processes import shield_children
+
+            shield_children((args.exit_signal,))
         self.cfg = cfg
         return cfg
 
@@ -826,6 +840,55 @@ class MegatronLMSession:
             f"> megatron-ext: saving the state of {torch.distributed.get_world_size()} ranks "
             f"at iteration {iteration} to {where}"
         )
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Megatron-LM's ``save_checkpoint`` runs (its ``dist_checkpointing.save`` calls are
+        the checkpoint's)."""
+        self._saving = True
+        try:
+            yield
+        finally:
+            self._saving = False
+
+    def after_dist_checkpointing_save(self, checkpoint_dir: str, request: Any) -> Any:
+        """After ``dist_checkpointing.save`` of a torch_dist checkpoint (collective): its
+        checksum manifest, before Megatron-LM moves the marker; for an asynchronous save
+        (``request``), as a finalize step ahead of Megatron-LM's own. Returns ``request``."""
+        if not self._saving:
+            return request
+        from megatron_ext.megatron import checksums
+
+        if request is None:
+            checksums.write_manifest(checkpoint_dir)
+        else:
+            request.add_finalize_fn(lambda: checksums.write_manifest(checkpoint_dir))
+        return request
+
+    def after_save(self, iteration: int, release: bool, args: Any) -> None:
+        """After Megatron-LM's ``save_checkpoint`` (collective): the torch format's checksum
+        manifest (Megatron-LM has moved the marker already; see
+        :mod:`megatron_ext.megatron.checksums`)."""
+        if args.save is None or args.ckpt_format != "torch":
+            return
+        from megatron.training.checkpointing import get_checkpoint_name
+
+        from megatron_ext.megatron import checksums
+
+        directory = get_checkpoint_name(args.save, iteration, release=release, return_base_dir=True)
+        checksums.write_manifest(directory)
+
+    def verify_checksums(self, load_arg: str, args: Any) -> None:
+        """Before Megatron-LM's ``load_checkpoint`` reads anything (collective): the files of
+        the checkpoint it will load match their checksums (or ``--no-verify-checkpoint-
+        checksums``)."""
+        directory = lm_ckpt.iteration_dir_to_verify(args, load_arg)
+        if directory is None or not os.path.isdir(directory):
+            return
+        from megatron_ext.megatron import checksums
+
+        verify = self.cfg.checkpoint.verify_checksums if self.cfg is not None else True
+        checksums.verify_checkpoint(directory, verify=verify)
 
     def begin_load(self) -> None:
         """Megatron-LM's ``load_checkpoint`` starts."""

@@ -34,6 +34,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import math
 import textwrap
 import typing
 from dataclasses import dataclass, field
@@ -256,12 +257,15 @@ def _check_choice(cls: type, name: str, value: Any) -> None:
 
 
 def check_positive(cls: type, name: str, value: Any, *, allow_zero: bool = False) -> None:
-    """Raise :class:`ConfigError` naming the flag unless ``value`` is > 0 (or >= 0)."""
+    """Raise :class:`ConfigError` naming the flag unless ``value`` is > 0 (or >= 0) and, for
+    a float, finite (NaN passes ``value < 0`` unnoticed)."""
     if value is None:
         return
-    if value < 0 or (value == 0 and not allow_zero):
+    finite = not isinstance(value, float) or math.isfinite(value)
+    if not finite or value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(flag_of(cls, name), f"must be {bound}, got {value!r}")
+        kind = "a finite number " if isinstance(value, float) else ""
+        raise ConfigError(flag_of(cls, name), f"must be {kind}{bound}, got {value!r}")
 
 
 # --------------------------------------------------------------------------------------------

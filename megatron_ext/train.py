@@ -50,6 +50,13 @@ from megatron_ext.config import (
     ext_config_from_args,
 )
 from megatron_ext.logging import is_last_rank, print_rank_0
+from megatron_ext.validation import (
+    check_backend,
+    check_flag_relations,
+    check_flag_values,
+    check_transformer_engine,
+    check_writable,
+)
 from megatron_ext.train_config import (
     DRIVER_CONFIG_CLASSES,
     CheckpointArgs,
@@ -149,6 +156,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> DriverConfig:
     defaults.update(run_defaults)
     parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
+    # Every numeric flag in its range first (one line naming the flag and the range), then
+    # the relations that would fail inside the run: the table Megatron-LM's hooks use too.
+    check_flag_values(args)
+    check_flag_relations(args)
     cfg = DriverConfig(
         model=config_from_args(ModelArgs, args),
         parallel=config_from_args(ParallelArgs, args),
@@ -165,12 +176,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> DriverConfig:
 
 
 def _check_kernels(cfg: DriverConfig) -> None:
-    """Refuse fused kernels of the local spec whose Apex extensions are not installed (the
+    """Refuse Transformer Engine layers without Transformer Engine, NCCL where it cannot
+    run, and fused kernels of the local spec whose Apex extensions are not installed (the
     driver never fuses gradient accumulation, and never fuses on CPU)."""
     import torch
 
     from megatron_ext.megatron.lm.requirements import check_local_spec_kernels
 
+    check_transformer_engine(cfg.model.transformer_impl)
+    check_backend(cfg.parallel.distributed_backend, cfg.training.cpu)
     if not cfg.training.cpu and not torch.cuda.is_available():
         return  # refused at start-up naming --cpu, the flag such a machine needs
     check_local_spec_kernels(
@@ -965,6 +979,8 @@ def run_training(cfg: DriverConfig) -> Dict[str, Any]:
     from megatron_ext.child_processes import bind_process_lifetimes
 
     bind_process_lifetimes()
+    # A --save that cannot be written stops here, not at the first checkpoint.
+    check_writable(cfg.checkpoint.save, "--save")
     if cfg.checkpoint.load:
         from megatron_ext.megatron.checkpoint import resolve_load
 
@@ -1007,6 +1023,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for message in _EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=f".*{message}.*")
     from megatron_ext.megatron.checkpoint import CheckpointSaveError
+    from megatron_ext.optim.hooks import NonFiniteError
     from megatron_ext.refusal import report_refusal
     from megatron_ext.state import StateMismatch
 
@@ -1025,6 +1042,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except CheckpointSaveError as exc:
         # Rank 0 holds every rank's failure; the others report only if it does not.
         report_refusal(f"megatron-ext train: error: {exc}", defer_s=0 if exc.detailed else 15)
+        return 1
+    except NonFiniteError as exc:
+        # A NaN or Inf that nothing could skip, stopped before it was applied or saved.
+        report_refusal(f"megatron-ext train: error: {str(exc).removeprefix('megatron-ext: ')}")
         return 1
     finally:
         import torch

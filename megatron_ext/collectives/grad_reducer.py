@@ -72,7 +72,7 @@ from megatron_ext.accounting import (
     ProcessGroupTrafficMeter,
     collective_wire_bytes,
 )
-from megatron_ext.optim.hooks import OptimizerHook, OptimizerView
+from megatron_ext.optim.hooks import NonFiniteError, OptimizerHook, OptimizerView
 
 __all__ = [
     "ParamSlice",
@@ -582,7 +582,7 @@ class ReducerStepHook(OptimizerHook):
             flag = self.reducer.nonfinite()
             if flag is not None and bool(flag > 0):
                 self.reducer.end_step(applied=False)
-                raise RuntimeError(
+                raise NonFiniteError(
                     f"megatron-ext: found NaN or Inf in the gradient rebuilt by the "
                     f"'{self.reducer.name}' reduction (a rank's local gradient plus its "
                     f"error-feedback residual) at iteration {view.step + 1}; without loss "

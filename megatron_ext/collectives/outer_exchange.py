@@ -94,6 +94,7 @@ from megatron_ext.collectives.grad_reducer import (
     check_state_keys,
 )
 from megatron_ext.compressors.topk import num_selected
+from megatron_ext.optim.hooks import NonFiniteError
 
 __all__ = ["METHODS", "OuterExchange", "make_outer_exchange", "outer_defaults", "TOPK_CHUNK"]
 
@@ -262,8 +263,8 @@ class OuterExchange:
             A new ``(numel,)`` fp32 tensor, identical on every rank.
 
         Raises:
-            RuntimeError: some rank's input plus residual held a NaN or Inf (the residuals
-                stay as before the call).
+            NonFiniteError: (a RuntimeError) some rank's input plus residual held a NaN or
+                Inf (the residuals stay as before the call).
         """
         if flat.shape != (self.numel,) or flat.dtype != torch.float32:
             raise ValueError(
@@ -282,7 +283,7 @@ class OuterExchange:
             out = self.buffer[: self.numel].clone()
         if not bool(torch.isfinite(out).all()):
             self._end(applied=False)
-            raise RuntimeError(
+            raise NonFiniteError(
                 f"megatron-ext: NaN or Inf in the outer exchange '{self.method}' of "
                 f"{self.name} at outer sync {self.syncs} (a site's pseudo-gradient plus its "
                 "error-feedback residual)"

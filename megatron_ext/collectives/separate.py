@@ -64,7 +64,7 @@ from megatron_ext.compressors.separate import (
     reconstruct,
 )
 
-__all__ = ["SeparateReducer"]
+__all__ = ["SeparateReducer", "projection_peak_bytes"]
 
 
 @dataclass
@@ -81,6 +81,15 @@ class _Segment:
     block: int
     key: str  # what the projection is keyed by: the bucket, or the parameter (blocks=layer)
     error: torch.Tensor  # [rows, block] fp32, zero past numel
+
+
+def projection_peak_bytes(block: int, num_projections: int) -> int:
+    """Peak bytes of drawing one projection block (``c = block``, ``k = num_projections``):
+    :func:`~megatron_ext.compressors.separate.projection_block` draws a float64 ``c x k``
+    Gaussian (8 c k), takes its QR factors (Q: 8 c k, R: 8 k^2) and a scaled copy of Q
+    (8 c k) before the fp32 result: ``24 c k + 8 k^2``."""
+    c, k = int(block), int(num_projections)
+    return 24 * c * k + 8 * k * k
 
 
 class SeparateReducer(GradReducer):
@@ -118,6 +127,7 @@ class _SeparateReduction(CompressedReduction):
                 self.ratio[s.fqn] = cfg.ratio
                 self.beta_scale[s.fqn] = cfg.beta_scale
         self.segments = [self._build_segments(split) for split in self.splits]
+        self._check_projection_memory()
         self._check_projections_agree()
 
     def _build_segments(
@@ -186,6 +196,43 @@ class _SeparateReduction(CompressedReduction):
                     del self._omega_cache[stale]
                 self._omega_cache[cache_key] = omega
         return omega
+
+    def _check_projection_memory(self) -> None:
+        """Refuse projections that cannot be drawn on this device (a block size of 10^6
+        asked numpy-sized 500 GB of host memory) before the first one is drawn: the largest
+        segment's :func:`projection_peak_bytes`, plus the fp32 blocks kept between draws
+        when the projection is reused (``--separate-refresh-interval`` other than 1)."""
+        from megatron_ext.config import ConfigError
+        from megatron_ext.validation import agreed_minimum, available_memory, format_bytes
+
+        sizes = [
+            (seg.block, seg.block // self._smallest_ratio(seg))
+            for segments in self.segments
+            for seg in segments
+        ]
+        device = self.spec.buckets[0].grad.device
+        if device.type == "meta":
+            return  # no memory behind it (the strict-device tests)
+        need = max((projection_peak_bytes(c, k) for c, k in sizes), default=0)
+        if (getattr(self.cfg, "refresh_interval", 1) or 0) != 1:
+            need += sum(4 * c * k for c, k in sizes)
+        # The smallest over the group (collective): every rank refuses alike, in one line.
+        free = agreed_minimum(available_memory(device), self.spec.group, device)
+        if free is not None and need > free:
+            c, k = max(sizes, key=lambda ck: ck[0] * ck[1])
+            raise ConfigError(
+                ["--separate-block-size", "--separate-ratio"],
+                f"drawing SEPARATE's random projection of a {c} x {k} block needs about "
+                f"{format_bytes(need)} of {device.type} memory (24 c k + 8 k^2 bytes for "
+                f"c = block size, k = c / ratio), more than the {format_bytes(free)} "
+                "available; use a smaller --separate-block-size (default 256)",
+            )
+
+    def _smallest_ratio(self, seg: _Segment) -> int:
+        """The smallest ratio ``seg`` may take (G-SEPARATE halves ratios down to its min)."""
+        if getattr(self.cfg, "adaptive", False):
+            return min(seg.ratio, self.cfg.min_ratio)
+        return seg.ratio
 
     def _check_projections_agree(self) -> None:
         """One cheap all-reduce: every rank must generate bit-identical projections."""

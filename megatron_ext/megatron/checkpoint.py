@@ -70,6 +70,7 @@ from megatron_ext.config import ConfigError
 from megatron_ext.logging import print_rank_0
 from megatron_ext.megatron import checksums
 from megatron_ext.megatron.naming import unwrap
+from megatron_ext.megatron.save_checks import check_finite_for_save
 from megatron_ext.state import StateMismatch, fingerprint
 
 __all__ = [
@@ -440,6 +441,8 @@ def save_checkpoint(
     sd = _sharded_state_dict(
         model_chunks, optimizer, scheduler, runtime, is_loading=False, include_ext=True
     )
+    # Collective: no NaN or Inf is ever written (megatron_ext.megatron.save_checks).
+    check_finite_for_save(sd, root, iteration)
     # Collective: every rank learns whether there is room before anything is written.
     check_free_space(root, iteration, sd)
     if rank == 0:

@@ -440,10 +440,14 @@ def _resolve_blend(
     return [prepare_embedded_data(tokenizer, cache_dir)], None
 
 
-def _check_splits_have_documents(
+def _split_sizes(
     prefixes: Sequence[str], split_matrix: Sequence[Optional[Tuple[float, float]]]
-) -> None:
-    """Refuse splits without tokens: megatron-core's epoch count would never terminate."""
+) -> Dict[Tuple[str, Split], Tuple[int, int]]:
+    """``(documents, tokens)`` of every requested split of every dataset.
+
+    Refuses splits without tokens: megatron-core's epoch count would never terminate.
+    """
+    out: Dict[Tuple[str, Split], Tuple[int, int]] = {}
     for prefix in prefixes:
         dataset = IndexedDataset(prefix, mmap=True)
         # Copy: the lengths are a view of a memory map that closes with the dataset object.
@@ -457,13 +461,139 @@ def _check_splits_have_documents(
             # The same rounding as BlendedMegatronDatasetBuilder._build_megatron_dataset_splits.
             beg = int(round(bookends[0] * float(num_elements)))
             end = int(round(bookends[1] * float(num_elements)))
-            if int(lengths[beg:end].sum()) == 0:
+            tokens = int(lengths[beg:end].sum())
+            if tokens == 0:
                 raise ConfigError(
                     "--split",
                     f"the {split.name} split of {prefix} gets no documents ({num_elements} "
                     "documents in all); give it a larger share, or set its share to 0 "
                     "(e.g. --split 98,2,0), or ask for 0 samples of it",
                 )
+            out[prefix, split] = (end - beg, tokens)
+    return out
+
+
+_SPLIT_FLAGS = {
+    Split.train: ["--train-iters", "--global-batch-size"],
+    Split.valid: ["--eval-iters", "--eval-interval"],
+    Split.test: ["--eval-iters"],
+}
+
+
+def check_index_memory(
+    sizes: Dict[Tuple[str, Split], Tuple[int, int]],
+    weights: Optional[Sequence[float]],
+    num_samples: Sequence[int],
+    seq_length: int,
+    *,
+    available: Optional[int] = None,
+) -> None:
+    """Refuse a run whose GPTDataset indices need more host memory than this node has.
+
+    The estimate per dataset and split is
+    :func:`~megatron_ext.validation.sample_index_bytes` (document index ``20 E D`` bytes at
+    its peak, ``E`` epochs of ``D`` documents), for the samples megatron-core asks of that
+    dataset: all of them with one dataset, ``ceil(ceil(S w) * 1.005)`` with blend weights
+    ``w``, one epoch (``num_samples`` None) for a blend without weights. They are summed:
+    a built dataset keeps its indices while the next one is built. Measured against
+    ``MemAvailable`` (:func:`~megatron_ext.validation.check_fits_host_memory`), the
+    smallest over the ranks when a process group exists (collective); a cached index would
+    be memory-mapped instead, but needed the same memory where it was built.
+
+    Raises:
+        ConfigError: naming the flags that set the samples of the largest split.
+    """
+    import math
+
+    from megatron_ext.validation import check_fits_host_memory, format_bytes, sample_index_bytes
+
+    prefixes = list(dict.fromkeys(p for p, _ in sizes))
+    if weights is not None:
+        total = float(sum(weights))
+        weights = [w / total for w in weights]
+    total_bytes, largest = 0, None
+    for i, prefix in enumerate(prefixes):
+        for split in Split:
+            if (prefix, split) not in sizes:
+                continue
+            docs, tokens = sizes[prefix, split]
+            samples = num_samples[split.value]
+            if len(prefixes) > 1:
+                if weights is None:
+                    samples = 0  # one epoch: megatron-core's num_samples None
+                else:
+                    samples = int(math.ceil(math.ceil(samples * weights[i]) * 1.005))
+            need, epochs = sample_index_bytes(samples, seq_length, tokens, docs)
+            total_bytes += need
+            if largest is None or need > largest[0]:
+                largest = (need, epochs, prefix, split, samples, docs, tokens)
+    if largest is None:
+        return
+    if available is None:
+        from megatron_ext.preflight import available_host_memory
+        from megatron_ext.validation import agreed_minimum
+
+        # Every rank calls this (collective): one verdict and one line for all of them.
+        available = agreed_minimum(available_host_memory())
+    if available is None:
+        return
+    need, epochs, prefix, split, samples, docs, tokens = largest
+    what = (
+        f"megatron-core's sample index of the {split.name} split of {prefix} ({samples} "
+        f"samples of {seq_length} tokens from {tokens} tokens in {docs} documents: {epochs} "
+        f"epochs, {format_bytes(need)}; its document index alone takes 20 bytes per document "
+        "and epoch)"
+    )
+    check_fits_host_memory(total_bytes, _SPLIT_FLAGS[split], what, available=available)
+
+
+def max_token_id(prefix: str, cache_dir: str) -> int:
+    """The largest token id in ``<prefix>.bin`` (-1 when empty), scanned once and cached.
+
+    The scan reads the whole file (memory-mapped, in chunks of 64M tokens, about 1 GB/s on
+    one core); its result is kept under ``<cache_dir>/token-range/``, keyed by the file's
+    path, size and modification time, and one process scans while the others wait
+    (:func:`~megatron_ext.data.cache.build_once`).
+    """
+    import hashlib
+
+    path = os.path.abspath(get_bin_path(prefix))
+    st = os.stat(path)
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:20]
+
+    def scan(_tmp_dir: str) -> Dict[str, Any]:
+        dataset = IndexedDataset(prefix, mmap=True)
+        dtype = numpy.dtype(dataset.index.dtype)
+        del dataset
+        tokens = numpy.memmap(path, dtype=dtype, mode="r")
+        top, chunk = -1, 1 << 26
+        for start in range(0, len(tokens), chunk):
+            top = max(top, int(tokens[start : start + chunk].max()))
+        del tokens
+        return {"max_token_id": top}
+
+    marker = build_once(os.path.join(cache_dir, "token-range", key), scan)
+    return int(marker["info"]["max_token_id"])
+
+
+def check_token_ids(prefixes: Sequence[str], tokenizer: Tokenizer, cache_dir: str) -> None:
+    """Refuse ``--data-path`` datasets holding token ids the tokenizer cannot produce (data
+    made with another tokenizer): checked on the index files before training, instead of
+    an ``IndexError`` in the embedding at the first lookup of such a token.
+
+    Raises:
+        ConfigError: naming ``--data-path``, the file, its largest id and the vocabulary.
+    """
+    vocab = tokenizer.vocab_size
+    for prefix in prefixes:
+        top = max_token_id(prefix, cache_dir)
+        if top >= vocab:
+            raise ConfigError(
+                ["--data-path", "--tokenizer-model"],
+                f"{get_bin_path(prefix)} holds token id {top}, outside the tokenizer's "
+                f"vocabulary of {vocab} ids: the data was made with another tokenizer; pass "
+                "the one it was made with",
+            )
 
 
 class _DatasetBuilder(BlendedMegatronDatasetBuilder):
@@ -531,7 +661,10 @@ def build_gpt_datasets(
     split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(data_cfg.split))
     # Unrequested splits are dropped; their bookends stay, so the others keep their documents.
     split_matrix = [None if n == 0 else bookends for bookends, n in zip(split_matrix, num_samples)]
-    _check_splits_have_documents(prefixes, split_matrix)
+    sizes = _split_sizes(prefixes, split_matrix)
+    if data_cfg.data_path is not None:
+        check_token_ids(prefixes, tokenizer, root)
+    check_index_memory(sizes, weights, num_samples, seq_length)
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,

@@ -77,8 +77,7 @@ class OuterConfig:
     def __post_init__(self):
         cls = type(self)
         check_positive(cls, "interval", self.interval)
-        if self.lr <= 0:
-            raise ConfigError(flag_of(cls, "lr"), f"must be > 0, got {self.lr}")
+        check_positive(cls, "lr", self.lr)
         if not 0.0 <= self.momentum < 1.0:
             raise ConfigError(flag_of(cls, "momentum"), f"must be in [0, 1), got {self.momentum}")
         if self.groups is not None:

@@ -53,6 +53,30 @@ What it does:
     step the site gathers its parameters (``OptimizerView.sync_params``, scheduled by step so
     every rank of the site joins it).
 
+Non-finite values:
+    The outer update of a fragment is computed into fresh tensors and checked before
+    anything is written (one host read per fragment sync: whether the new snapshot and
+    momentum are finite). When it is not finite because the averaged pseudo-gradient is
+    not (a site whose weights hold a NaN or Inf, a diverged or broken site; or a compressed
+    exchange's residual), the ranks of the outer group all-gather one flag per site, each
+    saying whether that site's own pseudo-gradient was finite (taken when it was sent; only
+    on this path, through the exchange thread when there is one), and then:
+
+    * under loss scaling (fp16) the outer step is skipped: snapshot, momentum and the
+      exchange's error feedback stay as they were, the sites keep their own weights, and
+      one line naming the sites is printed (by the outer group's first rank);
+    * otherwise training stops (:class:`~megatron_ext.optim.hooks.NonFiniteError`) with a
+      message naming the site(s), before anything is written or saved.
+
+    An update that is not finite although the averaged pseudo-gradient is (a non-finite
+    outer learning rate or momentum state) stops training even under loss scaling: it would
+    recur at every sync, and the exchange has already committed its error feedback. The
+    decision is the same on every rank of an outer group (they hold the same averaged
+    pseudo-gradient, snapshot and momentum); outer groups holding other parameters (other
+    shards, stages) decide for their own parameters. An exchange in flight at a save whose
+    result is not finite is left out of the saved state under loss scaling (the skip it
+    will get), and stops training otherwise (nothing is saved).
+
 Constraints:
     Pure torch; never imports Megatron. State is keyed by parameter FQN. Synchronizations
     are scheduled by iteration number, identical on every site, whether or not a site's
@@ -67,8 +91,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_ext.accounting import CommMeter, ProcessGroupTrafficMeter, collective_wire_bytes
-from megatron_ext.optim.hooks import OptimizerHook, OptimizerView
+from megatron_ext.accounting import (
+    CommMeter,
+    ProcessGroupTrafficMeter,
+    collective_device,
+    collective_wire_bytes,
+)
+from megatron_ext.optim.hooks import NonFiniteError, OptimizerHook, OptimizerView
 
 __all__ = [
     "DenseOuterExchange",
@@ -258,10 +287,27 @@ class ExchangeWorker:
         self._queue.put((exchange, flat, handle))
         return handle
 
+    def call(self, fn: Any) -> Any:
+        """Run ``fn()`` on the thread after the queued exchanges (another collective on the
+        outer group, in the same order on every rank) and return its result."""
+        handle = ThreadedAverage(None)
+        self._queue.put((_Call(fn), None, handle))
+        return handle.wait()
+
     def close(self) -> None:
         """Stop the thread once the queued exchanges have run."""
         self._queue.put(None)
         self._thread.join()
+
+
+class _Call:
+    """A function queued on :class:`ExchangeWorker` (its ``average`` ignores the input)."""
+
+    def __init__(self, fn: Any):
+        self.fn = fn
+
+    def average(self, _flat: Any) -> Any:
+        return self.fn()
 
 
 def make_outer_exchange(
@@ -283,6 +329,18 @@ def make_outer_exchange(
 
         return OuterExchange(method, options, numel, group, device, **layout)
     raise ValueError(f"unknown outer exchange {method!r} (known: {', '.join(OUTER_EXCHANGES)})")
+
+
+def _blocking_average(exchange: Any, flat: torch.Tensor) -> Any:
+    """``exchange.average(flat)`` as a finished handle; a compressed exchange that finds a
+    non-finite input (on any rank) gives a handle whose ``wait()`` raises it, as a threaded
+    one does."""
+    try:
+        return PendingAverage(exchange.average(flat))
+    except NonFiniteError as exc:
+        handle = ThreadedAverage(None)
+        handle._finish(None, exc)
+        return handle
 
 
 def site_groups(dp_group: Any, num_sites: int) -> Tuple[Any, Any, int]:
@@ -434,6 +492,11 @@ class DiLoCoHook(OptimizerHook):
         self._view: Optional[OptimizerView] = None
         # --outer-delay with a compressed exchange: the thread that runs the exchanges
         self.worker: Optional[ExchangeWorker] = None
+        # fragment -> whether this site's pseudo-gradient sent for it was finite (a device
+        # bool, read only when the outer update is not finite)
+        self._sent_finite: Dict[int, torch.Tensor] = {}
+        self.skipped = 0
+        """Outer steps skipped under loss scaling (non-finite averaged pseudo-gradient)."""
 
     # -- setup --------------------------------------------------------------------------------
 
@@ -564,6 +627,9 @@ class DiLoCoHook(OptimizerHook):
             raise RuntimeError(f"megatron-ext: DiLoCo fragment {index} is already in flight")
         _, current = self._flat(view, fqns)
         snap = torch.cat([self.snapshot[f].reshape(-1).to(current.device) for f in fqns])
+        pseudo_grad = snap - current
+        # Read only if the outer update turns out non-finite (which site sent what).
+        self._sent_finite[index] = torch.isfinite(pseudo_grad).all()
         exchange = self.exchanges[index]
         if apply_after is not None and not hasattr(exchange, "start"):
             # A compressed exchange overlapped: on the worker thread, every one of the hook's
@@ -571,16 +637,17 @@ class DiLoCoHook(OptimizerHook):
             # are recorded when it has landed (finish_fragment).
             if self.worker is None:
                 self.worker = ExchangeWorker(current.device)
-            self.pending[index] = (apply_after, self.worker.submit(exchange, snap - current))
+            self.pending[index] = (apply_after, self.worker.submit(exchange, pseudo_grad))
             return
         if self.worker is not None:
             raise RuntimeError("megatron-ext: DiLoCo mixes blocking and threaded exchanges")
         with ProcessGroupTrafficMeter.tagged("outer", force=True):
             if apply_after is None:
-                pending = PendingAverage(exchange.average(snap - current))
+                pending = _blocking_average(exchange, pseudo_grad)
             else:
-                pending = exchange.start(snap - current)
-        self._record_bytes(exchange, current.numel())
+                pending = exchange.start(pseudo_grad)
+        if isinstance(pending, PendingAverage):  # not an exchange that refused its input
+            self._record_bytes(exchange, current.numel())
         self.pending[index] = (-1 if apply_after is None else apply_after, pending)
 
     def _record_bytes(self, exchange: Any, numel: int) -> None:
@@ -590,24 +657,42 @@ class DiLoCoHook(OptimizerHook):
             self.meter.record("outer", sent=sent, recv=sent, dense_sent=dense, dense_recv=dense)
 
     def finish_fragment(self, view: OptimizerView, index: int) -> None:
-        """Wait for fragment ``index``'s exchange; outer SGD step; write its parameters."""
+        """Wait for fragment ``index``'s exchange; outer SGD step into fresh tensors; check
+        them (module docstring, "Non-finite values"); write its snapshot, momentum and
+        parameters."""
         fqns = self.fragments[index]
         if not fqns:
             return
         o = self.options
         alpha = float(getattr(o, "merge_alpha", 0.0))
         _, pending = self.pending.pop(index)
-        delta = pending.wait()
+        sent_finite = self._sent_finite.pop(index, None)
+        try:
+            delta = pending.wait()
+        except NonFiniteError:  # a compressed exchange: some site's input was not finite
+            delta = None
         states, current = self._flat(view, fqns)
-        if isinstance(pending, ThreadedAverage):
+        if isinstance(pending, ThreadedAverage) and delta is not None:
             self._record_bytes(pending.exchange, current.numel())
         device = current.device
-        delta = delta.to(device)
-        snap = torch.cat([self.snapshot[f].reshape(-1).to(device) for f in fqns])
-        buf = None
-        if o.momentum != 0 and fqns[0] in self.momentum:
-            buf = torch.cat([self.momentum[f].reshape(-1).to(device) for f in fqns])
-        buf = outer_sgd_step(snap, buf, delta, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov)
+        finite = delta is not None
+        if finite:
+            delta = delta.to(device)
+            snap = torch.cat([self.snapshot[f].reshape(-1).to(device) for f in fqns])
+            buf = None
+            if o.momentum != 0 and fqns[0] in self.momentum:
+                buf = torch.cat([self.momentum[f].reshape(-1).to(device) for f in fqns])
+            buf = outer_sgd_step(
+                snap, buf, delta, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov
+            )
+            ok = torch.isfinite(snap).all()
+            if buf is not None:
+                ok = ok & torch.isfinite(buf).all()
+            finite = bool(ok)  # the one host read of a fragment sync
+        if not finite:
+            average_finite = delta is not None and bool(torch.isfinite(delta).all())
+            self._non_finite_update(view, index, sent_finite, average_finite)
+            return
         weights = snap if alpha == 0 else torch.lerp(snap, current, alpha)
         offset = 0
         for fqn, s in zip(fqns, states):
@@ -624,12 +709,83 @@ class DiLoCoHook(OptimizerHook):
             offset += n
         self.syncs += 1
 
+    def _site_flags(self, sent_finite: Optional[torch.Tensor]) -> List[float]:
+        """Every site's flag over the outer group (collective): 1 its pseudo-gradient was
+        not finite, 0 it was, -1 unknown (an exchange restored from a checkpoint)."""
+        mine = -1.0 if sent_finite is None else float(not bool(sent_finite))
+        if self.outer_group is None or self.num_sites == 1:
+            return [mine]
+        flag = torch.tensor([mine], dtype=torch.float32, device=collective_device(self.outer_group))
+
+        def gather() -> List[float]:
+            out = [torch.empty_like(flag) for _ in range(self.num_sites)]
+            with ProcessGroupTrafficMeter.untracked():
+                torch.distributed.all_gather(out, flag, group=self.outer_group)
+            return [float(x.item()) for x in out]
+
+        # The exchange thread owns the outer group while it exists (one collective order).
+        return self.worker.call(gather) if self.worker is not None else gather()
+
+    def _non_finite_update(
+        self,
+        view: OptimizerView,
+        index: int,
+        sent_finite: Optional[torch.Tensor],
+        average_finite: bool,
+    ) -> None:
+        """Skip (loss scaling) or stop: nothing of fragment ``index``'s outer step is written
+        (module docstring, "Non-finite values")."""
+        o = self.options
+        where = f"DiLoCo's outer step of fragment {index} after iteration {view.step + 1}"
+        if average_finite:
+            raise NonFiniteError(
+                f"megatron-ext: {where}: the outer update is not finite although the averaged "
+                f"pseudo-gradient is (--outer-lr {o.lr}, --outer-momentum {o.momentum}, or a "
+                "non-finite outer momentum or snapshot); training stops before it is "
+                "applied (nothing was written or saved)"
+            )
+        flags = self._site_flags(sent_finite)
+        bad = [str(s) for s, f in enumerate(flags) if f > 0]
+        if bad:
+            what = (
+                f"the pseudo-gradient of site{'s' if len(bad) > 1 else ''} {', '.join(bad)} "
+                f"(of {len(flags)}) is not finite: NaN or Inf in that site's weights "
+                "(a diverged or broken site)"
+            )
+        else:
+            unknown = " (some sites' exchanges were restored from a checkpoint)"
+            what = (
+                "the averaged pseudo-gradient is not finite although no site reported a "
+                "non-finite one (a compressed exchange's error-feedback residual, or an "
+                "overflow of the sum)" + (unknown if any(f < 0 for f in flags) else "")
+            )
+        if view.loss_scale() is not None:
+            self.skipped += 1
+            group_rank = (
+                torch.distributed.get_rank(self.outer_group) if self.outer_group is not None else 0
+            )
+            if group_rank == 0:
+                print(
+                    f"megatron-ext: WARNING: {where}: {what}; skipped under loss scaling: "
+                    "snapshot, outer momentum and exchange error feedback kept as they were, "
+                    "each site keeps its own weights",
+                    flush=True,
+                )
+            return
+        raise NonFiniteError(
+            f"megatron-ext: {where}: {what}; without loss scaling the outer step cannot be "
+            "skipped, so training stops before it is applied (nothing was written or saved)"
+        )
+
     def finish(self) -> None:
         """End of training: wait for the exchanges in flight (their results stay pending, so
         a later save still holds them) and stop the exchange thread, before the process
         groups go away."""
         for _, p in self.pending.values():
-            p.wait()
+            try:
+                p.wait()
+            except NonFiniteError:  # kept in the handle: a later save decides (state_dict)
+                pass
         if self.worker is not None:
             self.worker.close()
             self.worker = None
@@ -653,10 +809,22 @@ class DiLoCoHook(OptimizerHook):
             raise RuntimeError("megatron-ext: DiLoCo state is allocated at the first step")
         # Exchanges in flight (--outer-delay): waited for first (a threaded one updates its
         # exchange's error feedback until it lands), saved, applied after the resume.
-        pending = {
-            str(i): {"apply_after": due, "delta": p.wait().detach().cpu().clone()}
-            for i, (due, p) in sorted(self.pending.items())
-        }
+        pending = {}
+        for i, (due, p) in sorted(self.pending.items()):
+            try:
+                delta = p.wait().detach()
+            except NonFiniteError:
+                delta = None
+            if delta is None or not bool(torch.isfinite(delta).all()):
+                if self._view is None or self._view.loss_scale() is None:
+                    raise NonFiniteError(
+                        f"megatron-ext: DiLoCo's exchange of fragment {i} in flight (to be "
+                        f"applied after step {due}) is not finite: a site's pseudo-gradient "
+                        "held NaN or Inf; without loss scaling training stops, and this "
+                        "state is not saved"
+                    )
+                continue  # skipped when it lands, as the resumed run then has nothing to apply
+            pending[str(i)] = {"apply_after": due, "delta": delta.cpu().clone()}
         out = {
             "snapshot": {f: t.detach().cpu().clone() for f, t in self.snapshot.items()},
             "momentum": {f: t.detach().cpu().clone() for f, t in self.momentum.items()},
@@ -729,6 +897,7 @@ class DiLoCoHook(OptimizerHook):
                 e.load_state_dict(sd)
         self.syncs = int(state["syncs"])
         self.pending = {}
+        self._sent_finite = {}
         for i, p in state["pending"].items():
             i = int(i)
             if not 0 <= i < len(self.fragments) or not self.fragments[i]:

@@ -26,7 +26,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["ParamOptimState", "OptimizerView", "OptimizerHook"]
+__all__ = ["ParamOptimState", "OptimizerView", "OptimizerHook", "NonFiniteError"]
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN or Inf was about to be applied to the weights or kept in a method's state, and
+    nothing could skip it (no loss scaling): training stops before anything is written.
+    The message says where (method, iteration, ranks or sites); the driver prints it as
+    one line and exits with status 1."""
 
 
 @dataclass

@@ -697,9 +697,10 @@ def diloco_hook(view: Any, *, interval: int, fragments: int = 1, **options: Any)
 def diloco_steps(mode: Any, hook: Any, view: Any, steps: int, first: int = 0) -> None:
     """Inner steps: the hook's ``pre_step``, a device update of the main parameters (the
     inner optimizer: no part), the hook's ``post_step``. Steps where a fragment is sent or
-    applied are named "outer", the others "steady"; declared are a compressed exchange's
-    non-finite check (one sync per exchange, on the worker thread when overlapped) and
-    host-memory outer state moving at an outer step, and the run's first step with
+    applied are named "outer", the others "steady"; declared at an outer step are the outer
+    update's non-finite check (one read per fragment applied, before anything is written), a
+    compressed exchange's (one sync per exchange, on the worker thread when overlapped) and
+    host-memory outer state moving, and the run's first step with
     ``--outer-state-device cpu`` (DiLoCoHook.anchor: the snapshots go to host memory)."""
     from megatron_ext.optim.diloco import fragment_due
 
@@ -710,7 +711,7 @@ def diloco_steps(mode: Any, hook: Any, view: Any, steps: int, first: int = 0) ->
         outer = bool(fragment_due(t, o.interval, o.fragments)) or (
             o.delay and t > o.delay and bool(fragment_due(t - o.delay, o.interval, o.fragments))
         )
-        declared = outer and (o.compression != "none" or o.state_device == "cpu")
+        declared = outer
         name = "outer" if outer else "steady"
         if step == 0 and o.state_device == "cpu":
             name, declared = "first", True

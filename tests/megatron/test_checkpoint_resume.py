@@ -18,6 +18,7 @@ or a checkpoint saved without checksums), the checks after it. Without the check
 the flipped bit loads silently.
 """
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -218,6 +219,32 @@ checksums, or a checkpoint saved without checksums): the checks after it still n
 _DAMAGED = {"common": "common.pt", "metadata": ".metadata"}
 
 
+def _refused_save(trainer, root):
+    """The message of a save that must be refused, and whether it left ``root`` without an
+    ``iter_`` directory and without a latest marker."""
+    from megatron_ext.megatron.checkpoint import CheckpointSaveError
+
+    try:
+        save_checkpoint(trainer, root, 2)
+        return "saved", False
+    except CheckpointSaveError as exc:
+        empty = not os.path.exists(root) or not os.listdir(root)
+        return str(exc), empty
+
+
+@contextlib.contextmanager
+def _unchecked_saves():
+    """Saves without the finite check (how a non-finite checkpoint could still exist)."""
+    from megatron_ext.megatron import checkpoint
+
+    original = checkpoint.check_finite_for_save
+    checkpoint.check_finite_for_save = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        checkpoint.check_finite_for_save = original
+
+
 def _load_checks(rank, world, flags, root):
     import torch
 
@@ -258,9 +285,13 @@ def _load_checks(rank, world, flags, root):
             except Exception as exc:  # noqa: BLE001
                 out[key] = f"{type(exc).__name__}: {exc}"
     out["optimizer-flip/file"] = Path(root, "optimizer-flip", "flipped.txt").read_text()
-    # Non-finite values that were saved as such: megatron-ext state and optimizer state.
+    # Non-finite values in megatron-ext state and optimizer state: refused at save; written
+    # anyway (as a checkpoint of an older version, or corrupted after it was saved), refused
+    # at load.
     probe.value[1] = float("inf")
-    save_checkpoint(trainer, os.path.join(root, "ext-inf"), 2)
+    out["ext-inf/save"] = _refused_save(trainer, os.path.join(root, "ext-inf-refused"))
+    with _unchecked_saves():
+        save_checkpoint(trainer, os.path.join(root, "ext-inf"), 2)
     probe.value[1] = 0.0
     try:
         load_checkpoint(trainer, os.path.join(root, "ext-inf"))
@@ -270,7 +301,9 @@ def _load_checks(rank, world, flags, root):
     inner = trainer.optimizer.chained_optimizers[0].optimizer
     state = next(iter(inner.state.values()))
     state["exp_avg_sq"][0] = float("nan")
-    save_checkpoint(trainer, os.path.join(root, "opt-nan"), 2)
+    out["opt-nan/save"] = _refused_save(trainer, os.path.join(root, "opt-nan-refused"))
+    with _unchecked_saves():
+        save_checkpoint(trainer, os.path.join(root, "opt-nan"), 2)
     try:
         load_checkpoint(trainer, os.path.join(root, "opt-nan"))
         out["opt-nan"] = "loaded"
@@ -318,6 +351,12 @@ def test_load_names_the_file_and_tensor_of_a_bad_checkpoint(tmp_path):
         assert out["optimizer-flip"][0] == "loaded" and out["optimizer-flip"][2], out
         # A checkpoint saved without checksums loads (unverified, saying so), intact.
         assert out["no-manifest/checked"] == out["no-manifest"] == ("loaded", None, True)
+        message, empty = out["ext-inf/save"]
+        assert message.startswith("--save: the checkpoint of iteration 2 was not written"), message
+        assert "'megatron_ext/rank_state/objects.test_probe.value'" in message and empty, message
+        assert "of rank 0 holds 1 non-finite values (NaN or inf) of 3" in message, message
+        message, empty = out["opt-nan/save"]
+        assert "was not written" in message and "exp_avg_sq" in message and empty, message
         message = out["ext-inf"]
         assert message.startswith("CheckpointError") and "'megatron_ext/rank_state'" in message
         assert "1 of 3 values are not finite" in message and ".distcp" in message, message

@@ -7,6 +7,7 @@ start processes: the cache lock test forks two builders, the distributed test ru
 ranks as subprocesses.
 """
 
+import dataclasses
 import itertools
 import json
 import multiprocessing
@@ -204,6 +205,41 @@ def test_empty_split_is_refused(small, tmp_path):
         cfg, tokenizer=tok, seq_length=_SEQ, seed=1, num_samples=(8, 2, 0)
     )
     assert test is None and len(train) >= 8 and len(valid) >= 2
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_on_the_index(small, tmp_path):
+    """Data made with another (larger) tokenizer: refused before any dataset is built, from
+    the largest id in the .bin (scanned once, cached), instead of an IndexError in the
+    embedding at the first such token."""
+    from megatron_ext.megatron.data import max_token_id
+
+    cache = str(tmp_path / "c")
+    top = max_token_id(small.prefix, cache)
+    assert 0 < top < 512
+    assert max_token_id(small.prefix, cache) == top  # from the cache
+    assert len(os.listdir(os.path.join(cache, "token-range"))) == 2  # marker dir + lock
+    cfg = DataConfig(data_path=(small.prefix,), tokenizer_model=small.model, data_cache_path=cache)
+    narrow = SimpleNamespace(vocab_size=top)  # a tokenizer that never produces id `top`
+    with pytest.raises(ConfigError) as info:
+        build_gpt_datasets(cfg, tokenizer=narrow, seq_length=_SEQ, seed=1, num_samples=(8, 0, 0))
+    assert info.value.flags == ("--data-path", "--tokenizer-model")
+    assert f"holds token id {top}, outside the tokenizer's vocabulary of {top} ids" in str(
+        info.value
+    )
+
+
+def test_sample_index_larger_than_memory_is_refused_before_the_build(small, tmp_path):
+    """--train-iters 10^9 used to make numpy allocate the document index (69.7 GiB on the
+    embedded corpus); the estimate refuses it naming the flags that set the sample count."""
+    cfg = dataclasses.replace(small.cfg, data_cache_path=str(tmp_path / "c"))
+    with pytest.raises(ConfigError) as info:
+        build_gpt_datasets(
+            cfg, tokenizer=small.tokenizer, seq_length=_SEQ, seed=1, num_samples=(10**12, 0, 0)
+        )
+    assert info.value.flags == ("--train-iters", "--global-batch-size")
+    assert "sample index of the train split" in str(info.value)
+    assert "of host memory, more than the" in str(info.value)
+    assert not os.path.isdir(os.path.join(str(tmp_path / "c"), "indices"))  # nothing built
 
 
 def test_missing_data_path_names_the_flag(small, tmp_path):

@@ -167,6 +167,37 @@ def test_bad_flags_stop_before_training(args, flag, tmp_path):
 
 
 @pytest.mark.parametrize(
+    "args, line",
+    [
+        (["--lr", "nan"], "--lr: must be a finite number > 0, got nan"),
+        (["--save", "FILE/run"], "--save: cannot write to FILE/run: Not a directory"),
+        # 10^10 iterations of 4 samples on the embedded corpus: about 1.3 TiB of indices.
+        (
+            ["--train-iters", "10000000000"],
+            "--train-iters, --global-batch-size: megatron-core's sample index of the train "
+            "split",
+        ),
+    ],
+    ids=["lr-nan", "unwritable-save", "sample-index-memory"],
+)
+def test_bad_values_end_in_one_line_naming_the_flag(args, line, tmp_path):
+    """What used to end in worker tracebacks (torch's invalid learning rate, an OSError at
+    the first checkpoint, numpy allocating the sample index) is refused before training:
+    at parse time, at start-up, and on the data's index before it is built. One line
+    (printed once for both ranks), no worker traceback, no iteration."""
+    (tmp_path / "FILE").write_text("not a directory")
+    args = [str(tmp_path / a) if a.startswith("FILE") else a for a in args]
+    line = line.replace("FILE", str(tmp_path / "FILE"))
+    proc = _torchrun(BASE + ["--train-iters", "4"] + args, cwd=tmp_path)
+    assert proc.returncode != 0
+    errors = [l for l in proc.stderr.splitlines() if "megatron-ext train: error:" in l]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith(f"megatron-ext train: error: {line}"), errors[0]
+    assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
+    assert not _log_lines(proc.stdout)
+
+
+@pytest.mark.parametrize(
     "args, flag",
     [
         ([], "--fixed-samples"),  # a sample id must mean the same tokens every epoch

@@ -472,6 +472,15 @@ _REFUSALS = {
     ),
     # A patched pretrain_gpt.py has no launcher to check it before Megatron-LM parses.
     "no-eval-interval": (2, _without(tiny_args(), "--eval-interval"), ["--eval-interval: "]),
+    # Megatron-LM's own flags through megatron-ext's range table (the driver's), before
+    # Megatron-LM's validate_args: an Adam beta of 2 reached torch's optimizer as a worker
+    # traceback, a NaN learning rate Megatron-LM's assertion min_lr <= lr.
+    "adam-beta1": (
+        1,
+        tiny_args(adam_beta1="2"),
+        ["--adam-beta1: must be a finite number in [0, 1)"],
+    ),
+    "lr-nan": (1, tiny_args(lr="nan"), ["--lr: must be a finite number > 0, got nan"]),
 }
 
 

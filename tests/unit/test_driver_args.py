@@ -160,7 +160,12 @@ def test_local_spec_bf16_without_apex_softmax_is_refused_before_start_up(monkeyp
     cfg = parse_args(["--bf16", "--no-masked-softmax-fusion", "--no-persist-layer-norm"])
     assert cfg.model.masked_softmax_fusion is False
     parse_args(["--bf16", "--cpu"])  # CPU runs never fuse
-    parse_args(["--bf16", "--transformer-impl", "transformer_engine"])
+    te = ["--bf16", "--transformer-impl", "transformer_engine"]
+    if __import__("importlib").util.find_spec("transformer_engine") is not None:
+        parse_args(te)  # the TE spec needs no Apex kernel
+    else:  # ... but Transformer Engine itself
+        with pytest.raises(ConfigError, match="^--transformer-impl: transformer_engine needs"):
+            parse_args(te)
     parse_args(["--no-persist-layer-norm"])  # fp32 attention takes the unfused softmax
 
 

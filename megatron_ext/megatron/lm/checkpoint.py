@@ -37,6 +37,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from megatron_ext.megatron.checkpoint import (  # noqa: F401 (re-exported: shared keys)
+    CheckpointSaveError,
     LOAD_ERRORS,
     META_KEY,
     SHARDED_OBJECT_KEY,
@@ -141,12 +142,15 @@ def _marker(load_dir: Optional[str]) -> Optional[str]:
         return None
 
 
-def save_rank_file(iteration_dir: str, runtime: Any) -> str:
-    """Write this rank's state file (atomically); returns its path."""
+def save_rank_file(iteration_dir: str, runtime: Any, state: Optional[Dict[str, Any]] = None) -> str:
+    """Write this rank's state file (atomically; ``state``: the runtime's state dict, if
+    already taken); returns its path."""
     path = rank_file(iteration_dir, torch.distributed.get_rank())
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
-    torch.save({META_KEY: ext_meta(runtime), "state": runtime.state.state_dict()}, tmp)
+    if state is None:
+        state = runtime.state.state_dict()
+    torch.save({META_KEY: ext_meta(runtime), "state": state}, tmp)
     os.replace(tmp, path)
     return path
 

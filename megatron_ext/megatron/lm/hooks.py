@@ -179,6 +179,8 @@ def _wrap(session: MegatronLMSession, target: HookTarget, original: Callable, si
     elif role == "validate_args":
 
         def wrapper(*args, **kwargs):
+            with session.clean_errors():
+                session.check_values(bound(args, kwargs)["args"])
             result = original(*args, **kwargs)
             with session.clean_errors():
                 session.configure(bound(args, kwargs)["args"])
@@ -215,7 +217,8 @@ def _wrap(session: MegatronLMSession, target: HookTarget, original: Callable, si
 
         def wrapper(*args, **kwargs):
             session.begin_train_step(bound(args, kwargs)["iteration"], _args())
-            result = original(*args, **kwargs)
+            with session.stop_on_nonfinite():
+                result = original(*args, **kwargs)
             # train_step returns (loss dict, skipped_iter, ...) in 0.16 and 0.19:
             # skipped_iter is 1 (or True, for a rerun) when the optimizer step was not taken.
             session.end_train_step(update_successful=not result[1])
@@ -286,12 +289,13 @@ def _wrap(session: MegatronLMSession, target: HookTarget, original: Callable, si
         def wrapper(*args, **kwargs):
             arguments = bound(args, kwargs)
             iteration, release = arguments["iteration"], bool(arguments["release"])
-            session.before_save(iteration, release, _args())
-            # Checkpoint I/O collectives are not training communication.
-            with ProcessGroupTrafficMeter.untracked():
-                with session.saving():
-                    result = original(*args, **kwargs)
-                session.after_save(iteration, release, _args())
+            with session.stop_on_nonfinite():
+                session.before_save(iteration, release, _args())
+                # Checkpoint I/O collectives are not training communication.
+                with ProcessGroupTrafficMeter.untracked():
+                    with session.saving():
+                        result = original(*args, **kwargs)
+                    session.after_save(iteration, release, _args())
             return result
 
     elif role == "load_checkpoint":

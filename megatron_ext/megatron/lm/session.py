@@ -71,9 +71,18 @@ from megatron_ext.config import (
 from megatron_ext.logging import is_rank_0, print_rank_0
 from megatron_ext.megatron.lm import checkpoint as lm_ckpt
 from megatron_ext.megatron.lm.releases import MegatronLMRelease, UnsupportedReleaseError
+from megatron_ext.megatron.save_checks import check_finite_for_save
+from megatron_ext.optim.hooks import NonFiniteError
 from megatron_ext.preflight import PreflightError, check_megatron_lm_defaults
 from megatron_ext.refusal import report_refusal
 from megatron_ext.state import StateMismatch
+from megatron_ext.validation import (
+    check_backend,
+    check_flag_relations,
+    check_flag_values,
+    check_transformer_engine,
+    check_writable,
+)
 
 __all__ = ["MegatronLMSession", "layout_from_args", "check_megatron_lm_args"]
 
@@ -346,6 +355,8 @@ class MegatronLMSession:
         self._load: Optional[_LoadContext] = None
         self._saving = False
         self._optimizer: Any = None
+        self._model_chunks: List[Any] = []
+        self._saving_iteration: Optional[int] = None
         self._report_written = False
 
     # -- errors ----------------------------------------------------------------------------
@@ -361,7 +372,29 @@ class MegatronLMSession:
             report_refusal(f"megatron-ext: error: {exc}")
             raise SystemExit(2) from None
 
+    @contextlib.contextmanager
+    def stop_on_nonfinite(self) -> Iterator[None]:
+        """Turn a :class:`~megatron_ext.optim.hooks.NonFiniteError` (a NaN or Inf that
+        nothing could skip, stopped before it was applied or saved) or a refused save into
+        one line, printed once, and exit code 1."""
+        try:
+            yield
+        except (NonFiniteError, lm_ckpt.CheckpointSaveError) as exc:
+            report_refusal(f"megatron-ext: error: {str(exc).removeprefix('megatron-ext: ')}")
+            raise SystemExit(1) from None
+
     # -- arguments ---------------------------------------------------------------------------
+
+    def check_values(self, args: Any) -> None:
+        """Before Megatron-LM's ``validate_args``: every numeric flag in its range and the
+        flag relations of :mod:`megatron_ext.validation` (the driver's table), refused with
+        one line naming the flag instead of an assertion or a failure inside training.
+
+        Raises:
+            ConfigError: naming the flag and its range.
+        """
+        check_flag_values(args)
+        check_flag_relations(args)
 
     def configure(self, args: Any) -> ExtConfig:
         """Build and check megatron-ext's config from Megatron-LM's validated args.
@@ -380,6 +413,10 @@ class MegatronLMSession:
         cfg = ext_config_from_args(args)
         validate_ext_config(cfg, layout_from_args(args))
         check_megatron_lm_args(args, cfg)
+        # The environment, as the driver checks it: before any process group or model.
+        check_transformer_engine(args.transformer_impl)
+        check_backend(getattr(args, "distributed_backend", None), self.cpu)
+        check_writable(args.save, "--save")
         if getattr(args, "exit_signal_handler", False):
             # Megatron-LM catches this one signal to save and exit (--exit-signal, default
             # SIGTERM); the checkpoint writer processes it starts must outlive it until the
@@ -454,6 +491,7 @@ class MegatronLMSession:
                 "second optimizer",
             )
         self._optimizer = optimizer
+        self._model_chunks = list(model_chunks)
         self.runtime = self._create_runtime(args).install(
             list(model_chunks),
             optimizer,
@@ -773,6 +811,9 @@ class MegatronLMSession:
             state_dict[lm_ckpt.STATE_KEY] = lm_ckpt.sharded_state_object(
                 self.runtime, snapshot=bool(args.async_save)
             )
+            # Every rank builds this dict (torch_dist) before anything is written: no NaN
+            # or Inf in Megatron-LM's model and optimizer or in ours gets saved.
+            check_finite_for_save(state_dict, args.save, self._saving_iteration)
 
     def before_save(self, iteration: int, release: bool, args: Any) -> None:
         """Before Megatron-LM's ``save_checkpoint``: the torch format's per-rank files."""
@@ -781,8 +822,17 @@ class MegatronLMSession:
         from megatron.training.checkpointing import get_checkpoint_name
 
         directory = get_checkpoint_name(args.save, iteration, release=release, return_base_dir=True)
+        self._saving_iteration = iteration
         if args.ckpt_format == "torch":
-            lm_ckpt.save_rank_file(directory, self.runtime)
+            # Megatron-LM's legacy format builds its state dict on some ranks only: the
+            # model's parameters and our state are checked here, on every rank.
+            state = self.runtime.state.state_dict()
+            check_finite_for_save(
+                {"model": [dict(c.named_parameters()) for c in self._model_chunks], "ext": state},
+                args.save,
+                iteration,
+            )
+            lm_ckpt.save_rank_file(directory, self.runtime, state=state)
             where = f"{os.path.join(directory, lm_ckpt.RANK_FILE_DIR)}/rank_XXXXX.pt"
         else:
             where = f"{directory} (ShardedObject '{lm_ckpt.SHARDED_OBJECT_KEY}')"

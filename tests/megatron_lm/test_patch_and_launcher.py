@@ -319,7 +319,8 @@ def test_missing_triton_points_at_cpu_execution_not_at_pip(tmp_path, monkeypatch
     assert "pip install six triton" not in message and "--cpu" in message
     # The extra named is the one setup.py declares.
     setup_py = (Path(__file__).resolve().parents[2] / "setup.py").read_text()
-    assert '"megatron-lm": ' + str(list(requirements.EXTRA_PACKAGES)).replace("'", '"') in setup_py
+    listed = str(list(requirements.EXTRA_PACKAGES)).replace("'", '"')
+    assert f"_MEGATRON_LM = {listed}" in setup_py and '"megatron-lm": _MEGATRON_LM' in setup_py
 
 
 def test_gpu_launch_without_cuda_names_cpu_execution_before_importing_megatron_lm(

@@ -133,7 +133,11 @@ def test_preflight_and_the_launcher_refuse_before_anything_starts(tmp_path):
     assert proc.returncode == 2
     assert "megatron-ext: error: --eval-interval: " in _last_lines(proc), proc.stderr
 
-    # The launcher refuses before it reads the checkout or runs the script.
+    # The launcher refuses once it knows the release, before it imports Megatron-LM or runs
+    # the script (a stand-in checkout: core_v0.16.1's version file and a script that fails).
+    core = tmp_path / "megatron" / "core"
+    core.mkdir(parents=True)
+    (core / "package_info.py").write_text("MAJOR = 0\nMINOR = 16\nPATCH = 1\nPRE_RELEASE = ''\n")
     script = tmp_path / "pretrain_gpt.py"
     script.write_text("raise SystemExit('pretrain_gpt.py ran')\n")
     proc = subprocess.run(

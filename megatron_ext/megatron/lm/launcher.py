@@ -17,7 +17,7 @@ What it does:
        ``model_provider.py`` and the packages the wheel lacks (``megatron/post_training``,
        ``megatron/rl``) come from the checkout;
     3. refuses Megatron-LM flags left at a default that fails only after start-up
-       (:func:`megatron_ext.preflight.check_megatron_lm_defaults`: ``--eval-interval``);
+       (:func:`megatron_ext.preflight.check_megatron_lm_defaults`: ``--eval-interval``, ...);
        names every Python package Megatron-LM's training code needs that is missing
        (:mod:`megatron_ext.megatron.lm.requirements`) and stops, before importing any;
     4. installs megatron-ext's hooks (:func:`~megatron_ext.megatron.lm.
@@ -201,18 +201,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not os.path.isfile(script):
         report_refusal(f"megatron-ext pretrain: error: {script}: no such file")
         return 2
-    from megatron_ext.preflight import (
-        PreflightError,
-        _megatron_subset,
-        check_megatron_lm_defaults,
-    )
-
-    try:
-        # Before Megatron-LM is imported: a default it would fail on minutes later.
-        check_megatron_lm_defaults(_megatron_subset(rest))
-    except PreflightError as exc:
-        report_refusal(f"megatron-ext pretrain: error: {exc}")
-        return 2
     checkout = os.path.dirname(script)
     cpu = options["cpu"] or cpu_requested_by_env()
     if not cpu:
@@ -222,8 +210,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if message:
             report_refusal(f"megatron-ext pretrain: error: {message}")
             return 2
+    from megatron_ext.preflight import _megatron_subset, check_megatron_lm_defaults
+
     try:
         release = detect_checkout_release(checkout)
+        # Before Megatron-LM is imported: a default it would fail on minutes later.
+        check_megatron_lm_defaults(_megatron_subset(rest))
         core_from = setup_sys_path(checkout, release.version, options["core_from"])
         missing = missing_requirements(
             release.tag, cpu=cpu, core_checkout=checkout if core_from == "checkout" else None
@@ -236,7 +228,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from megatron_ext.megatron.lm import install_megatron_lm_hooks
 
         install_megatron_lm_hooks(cpu=cpu)
-    except (UnsupportedReleaseError, ValueError) as exc:
+    except (UnsupportedReleaseError, ValueError) as exc:  # PreflightError is a ValueError
         report_refusal(f"megatron-ext pretrain: error: {exc}")
         return 2
     if int(os.environ.get("RANK", "0")) == 0:

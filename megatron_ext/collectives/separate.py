@@ -291,10 +291,11 @@ class _SeparateReduction(CompressedReduction):
                     staged.append((seg, h.sub_(reconstruct(p, omega))))
                 payloads.append(p.reshape(-1))
                 omegas.append(omega)
-            flag = self.input_flag(
-                grad.device, *inputs, *[grad[s.start : s.end] for s in split.dense]
-            )
-            payloads += self.pack_dense(split) + [flag]
+            dense_part = self.pack_dense(split)
+            # This rank's input: every segment's h = g + e and the leftovers (packed, fp32:
+            # the cast keeps NaN and Inf), one pass each.
+            flag = self.input_flag(grad.device, *inputs, dense_part)
+            payloads += [dense_part, flag]
             dense = self.dense_wire_bytes(split.view, force_all_reduce)
             payload = torch.cat(payloads)
             works.append(self.all_reduce(payload, dense=dense))

@@ -28,9 +28,14 @@ Why these boundaries:
     matmuls (cuBLAS / the CPU BLAS inside the compiled code); the element-wise work around
     them (pack with the cast, ``+ e``, the non-finite reduction, the residual and its
     moving average, the write-back with its cast) is what inductor fuses. What a GPU moves
-    is more than the ops' own inputs and outputs that the cost model counts: ``H`` and the
-    two reconstructions are written by one kernel and read by the next around each matmul
-    (docs/performance/cost/report.md, "after").
+    is more than the ops' own inputs and outputs, which the cost model counts
+    (``benchmarks/gpu_cost.py``): around each matmul its input or output goes through
+    memory (compress: ``H`` written and read back, ``P Omega^T`` written and read back;
+    decompress: the reconstruction written and read back), about 6 copies of an fp32
+    bucket in all where the model counts 2.6 (a hand-written kernel that keeps a row
+    block's ``H`` in registers through both small matmuls, ``k = 16``, would move what the
+    model counts: the escape hatch of ``megatron_ext/kernels/__init__.py``, for a GPU
+    session to measure).
 
 Numerics:
     Eager, the chain is the one the reducer ran before (``megatron_ext/collectives/

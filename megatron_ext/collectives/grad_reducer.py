@@ -72,6 +72,7 @@ from megatron_ext.accounting import (
     ProcessGroupTrafficMeter,
     collective_wire_bytes,
 )
+from megatron_ext.kernels.finite import nonfinite_flag
 from megatron_ext.optim.hooks import NonFiniteError, OptimizerHook, OptimizerView
 
 __all__ = [
@@ -300,6 +301,10 @@ class _Split:
     view: BucketView
     matrices: List[ParamSlice] = field(default_factory=list)
     dense: List[ParamSlice] = field(default_factory=list)
+    dense_index: Optional[torch.Tensor] = None
+    """Bucket positions of the leftovers (int64, on the gradient's device; None when there
+    are none): one gather packs them and one scatter writes them back, however many
+    1-D parameters the bucket holds."""
 
 
 class CompressedReduction(BoundReduction):
@@ -316,6 +321,10 @@ class CompressedReduction(BoundReduction):
             split = _Split(view=view)
             for s in view.params:
                 (split.matrices if self.compresses(s) else split.dense).append(s)
+            if split.dense:
+                # Built on the host once, at install (the one host-to-device copy).
+                positions = torch.cat([torch.arange(s.start, s.end) for s in split.dense])
+                split.dense_index = positions.to(view.grad.device)
             self.splits.append(split)
 
     def compresses(self, s: ParamSlice) -> bool:
@@ -325,31 +334,37 @@ class CompressedReduction(BoundReduction):
     # -- dense leftovers -------------------------------------------------------------------
 
     @staticmethod
-    def pack_dense(split: _Split) -> List[torch.Tensor]:
-        """The leftovers' gradients in fp32, to concatenate into a payload."""
-        return [split.view.grad[s.start : s.end].float() for s in split.dense]
+    def pack_dense(split: _Split) -> torch.Tensor:
+        """The leftovers' gradients in fp32, in bucket order, to concatenate into a payload
+        (one gather, and a cast for a non-fp32 bucket)."""
+        grad = split.view.grad
+        if split.dense_index is None:
+            return grad.new_empty(0, dtype=torch.float32)
+        return grad.index_select(0, split.dense_index).float()
 
     @staticmethod
     def unpack_dense(split: _Split, flat: torch.Tensor) -> None:
-        """Write the reduced leftovers from ``flat`` (in :meth:`pack_dense` order)."""
-        pos = 0
-        for s in split.dense:
-            split.view.grad[s.start : s.end].copy_(flat[pos : pos + s.numel])
-            pos += s.numel
+        """Write the reduced leftovers from ``flat`` (in :meth:`pack_dense` order) with one
+        scatter."""
+        if split.dense_index is None:
+            return
+        grad = split.view.grad
+        grad.index_copy_(0, split.dense_index, flat[: split.dense_index.numel()].to(grad.dtype))
 
     # -- non-finite inputs ------------------------------------------------------------------
 
     @staticmethod
-    def input_flag(device: torch.device, *tensors: torch.Tensor) -> torch.Tensor:
+    def input_flag(
+        device: torch.device, *tensors: torch.Tensor, known: Sequence[torch.Tensor] = ()
+    ) -> torch.Tensor:
         """``[1]`` fp32 on the device: 1 if any of ``tensors`` (this rank's input to the
-        compressor: gradient plus residual) holds a NaN or Inf, else 0. Appended to the
-        payload, it is summed by the collective, so every rank learns whether any rank's
-        input was not finite (no extra collective, no host synchronization)."""
-        bad = [torch.isfinite(t).logical_not().any() for t in tensors if t.numel()]
-        if not bad:
-            return torch.zeros(1, dtype=torch.float32, device=device)
-        flag = torch.stack(bad).any() if len(bad) > 1 else bad[0]
-        return flag.to(torch.float32).reshape(1)
+        compressor: gradient plus residual) holds a NaN or Inf, or any of ``known`` (0-d
+        bool flags a fused kernel computed over such an input) is True, else 0. Appended to
+        the payload, it is summed by the collective, so every rank learns whether any rank's
+        input was not finite (no extra collective, no host synchronization). One pass per
+        tensor (:func:`megatron_ext.kernels.finite.nonfinite`): callers pass whole buffers
+        (a bucket, a packed segment, the packed leftovers), never one tensor per parameter."""
+        return nonfinite_flag(device, *tensors, known=known)
 
     def poison(self, view: BucketView, flag: torch.Tensor, reduce_scatter: bool) -> None:
         """Make the applied gradient non-finite when ``flag`` (the reduced input flags) says

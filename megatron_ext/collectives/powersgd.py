@@ -48,6 +48,8 @@ from megatron_ext.collectives.grad_reducer import (
     scale_state,
 )
 from megatron_ext.compressors.lowrank import compressible, initial_q, orthogonalize
+from megatron_ext.kernels.packing import Runs
+from megatron_ext.kernels.powersgd import powersgd_compress, powersgd_decompress
 
 __all__ = ["PowerSGDReducer"]
 
@@ -62,7 +64,26 @@ class _Shape:
     rows: int
     cols: int
     q: torch.Tensor  # [B, cols, r]: the warm start
-    error: Optional[torch.Tensor]  # [B, rows, cols] fp32 with error feedback
+    offset: int  # of the batch in the bucket's packed buffers (M, the error)
+
+    @property
+    def numel(self) -> int:
+        return len(self.slices) * self.rows * self.cols
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This batch's ``[B, rows, cols]`` of a bucket's packed buffer."""
+        return flat[self.offset : self.offset + self.numel].view(-1, self.rows, self.cols)
+
+
+@dataclass
+class _Bucket:
+    """A bucket's compressed matrices, shape by shape, packed back to back: ``M`` and the
+    error are one flat fp32 buffer each (the fused kernels' unit of work)."""
+
+    groups: List[_Shape]
+    runs: Runs  # every matrix, batch after batch
+    dims: List[int]  # (B, rows, cols) of each batch, flattened
+    error: Optional[torch.Tensor]  # [total] fp32 with error feedback
 
 
 class PowerSGDReducer(GradReducer):
@@ -91,21 +112,31 @@ class _PowerSGDReduction(CompressedReduction):
         super().__init__(spec)
         self._dense = _DenseReduction(spec)
         self._staged: Optional[list] = None
-        self.shapes: List[List[_Shape]] = []
+        self.buckets: List[_Bucket] = []
         r = cfg.approx_rank
         for split in self.splits:
             device = split.view.grad.device
             by_shape: Dict[tuple, List[ParamSlice]] = {}
             for s in split.matrices:
                 by_shape.setdefault((s.shape[0], s.numel // s.shape[0]), []).append(s)
-            groups = []
+            groups, offset = [], 0
             for (rows, cols), slices in by_shape.items():
-                error = None
-                if cfg.error_feedback:
-                    error = torch.zeros(len(slices), rows, cols, device=device)
                 q = torch.stack([initial_q(cfg.seed, s.fqn, 0, cols, r, device) for s in slices])
-                groups.append(_Shape(slices=slices, rows=rows, cols=cols, q=q, error=error))
-            self.shapes.append(groups)
+                groups.append(_Shape(slices=slices, rows=rows, cols=cols, q=q, offset=offset))
+                offset += groups[-1].numel
+            ordered = [s for g in groups for s in g.slices]
+            self.buckets.append(
+                _Bucket(
+                    groups=groups,
+                    runs=Runs.build([s.start for s in ordered], [s.numel for s in ordered], device),
+                    dims=[d for g in groups for d in (len(g.slices), g.rows, g.cols)],
+                    error=(
+                        torch.zeros(offset, dtype=torch.float32, device=device)
+                        if cfg.error_feedback
+                        else None
+                    ),
+                )
+            )
 
     def compresses(self, s: ParamSlice) -> bool:
         if not s.is_matrix:
@@ -122,109 +153,127 @@ class _PowerSGDReduction(CompressedReduction):
         reduce_scatter = self.spec.distributed_optimizer and not force_all_reduce
         works, pending = [], []
         self._staged = []
-        for split, groups in zip(self.splits, self.shapes):
+        for split, bucket in zip(self.splits, self.buckets):
             grad = split.view.grad
-            ms, ps = [], []
-            for group in groups:
-                # [B, rows, cols] fp32, a fresh tensor (it becomes the new error in place).
-                m = torch.stack(
-                    [grad[s.start : s.end].view(group.rows, group.cols) for s in group.slices]
-                ).float()
-                if group.error is not None:
-                    m.add_(group.error)
-                if self.cfg.warm_start:
-                    # PyTorch re-orthogonalizes the previous step's (all-reduced) Q.
-                    q = orthogonalize(group.q)
-                else:
-                    q = torch.stack(
-                        [
-                            initial_q(
-                                self.cfg.seed,
-                                s.fqn,
-                                step,
-                                group.cols,
-                                self.cfg.approx_rank,
-                                grad.device,
-                            )
-                            for s in group.slices
-                        ]
-                    )
-                ms.append(m)
-                ps.append(torch.bmm(m, q))
-            flag = self.input_flag(grad.device, *ms, *[grad[s.start : s.end] for s in split.dense])
-            payload = torch.cat([p.reshape(-1) for p in ps] + self.pack_dense(split) + [flag])
+            ps, m, bad = [], None, []
+            if bucket.groups:
+                qs = [self._q(group, step, grad.device) for group in bucket.groups]
+                # One fused kernel for the bucket: M = pack(G) + E (fp32, a fresh buffer that
+                # becomes the new error in place), P = M Q per shape, whether M is finite.
+                runs = bucket.runs
+                m, ps, m_bad = powersgd_compress(
+                    grad,
+                    bucket.error if bucket.error is not None else grad.new_empty(0),
+                    qs,
+                    runs.table,
+                    runs.chunk,
+                    runs.starts,
+                    runs.offsets,
+                    runs.numels,
+                    bucket.dims,
+                )
+                bad.append(m_bad)
+            dense_part = self.pack_dense(split)
+            flag = self.input_flag(grad.device, dense_part, known=bad)
+            payload = torch.cat([p.reshape(-1) for p in ps] + [dense_part, flag])
             dense = self.dense_wire_bytes(split.view, force_all_reduce)
             works.append(self.all_reduce(payload, dense=dense))
-            pending.append((split, groups, ms, payload))
+            pending.append((split, bucket, m, payload))
 
         def then():
-            for split, groups, ms, payload in pending:
-                self._second_round(split, groups, ms, payload[:-1])
+            for split, bucket, m, payload in pending:
+                self._second_round(split, bucket, m, payload[:-1])
                 self.poison(split.view, payload[-1:], reduce_scatter)
 
         return self.finish(works, then)
 
-    def _second_round(self, split, groups: List[_Shape], ms, payload) -> None:
+    def _q(self, group: _Shape, step: int, device: torch.device) -> torch.Tensor:
+        if self.cfg.warm_start:
+            # PyTorch re-orthogonalizes the previous step's (all-reduced) Q.
+            return orthogonalize(group.q)
+        return torch.stack(
+            [
+                initial_q(self.cfg.seed, s.fqn, step, group.cols, self.cfg.approx_rank, device)
+                for s in group.slices
+            ]
+        )
+
+    def _second_round(self, split, bucket: _Bucket, m, payload) -> None:
         grad = split.view.grad
         r = self.cfg.approx_rank
         offset = 0
         ps = []
-        for group in groups:
+        for group in bucket.groups:
             count = len(group.slices) * group.rows * r
             p = payload[offset : offset + count].view(len(group.slices), group.rows, r)
             offset += count
             ps.append(orthogonalize(p))
         self.unpack_dense(split, payload[offset:])
-        if not groups:
+        if not bucket.groups:
             return
-        q_payload = torch.cat([torch.bmm(m.transpose(1, 2), p).reshape(-1) for m, p in zip(ms, ps)])
+        q_payload = torch.cat(
+            [
+                torch.bmm(group.view(m).transpose(1, 2), p).reshape(-1)
+                for group, p in zip(bucket.groups, ps)
+            ]
+        )
         # The dense equivalent was recorded with the first round.
         self.all_reduce(q_payload, dense=0, async_op=False)
+        qs, offset = [], 0
+        for group in bucket.groups:
+            count = len(group.slices) * group.cols * r
+            qs.append(q_payload[offset : offset + count].view(len(group.slices), group.cols, r))
+            offset += count
         # ``approx`` is in the units of the reduction's result: the sum of the ranks' shares
         # with SUM (megatron pre-scales each share by 1/W), their mean with AVG. A rank's
         # error must stay in the units of its own input, so that the ranks' errors add up
         # (SUM) or average (AVG) to the global residual ``reduce(m) - approx``.
-        share = self.spec.share
-        offset = 0
-        dst, src = [], []
-        for group, m, p in zip(groups, ms, ps):
-            count = len(group.slices) * group.cols * r
-            q = q_payload[offset : offset + count].view(len(group.slices), group.cols, r)
-            offset += count
-            approx = torch.bmm(p, q.transpose(1, 2))
-            # Staged until end_step: the new error (in m's own buffer) and the warm start.
-            error = m.sub_(share * approx) if group.error is not None else None
-            for s, a in zip(group.slices, approx.unbind(0)):
-                dst.append(grad[s.start : s.end].view(group.rows, group.cols))
-                src.append(a)
-            self._staged.append((group, error, q.clone()))
-        torch._foreach_copy_(dst, src)  # one fused copy of every approximation
+        # One fused kernel: M_hat = P Q^T into the bucket and, staged until end_step, the
+        # new error in m's own buffer (m -= share * M_hat).
+        runs = bucket.runs
+        powersgd_decompress(
+            m,
+            ps,
+            qs,
+            self.spec.share,
+            bucket.error is not None,
+            grad,
+            runs.table,
+            runs.chunk,
+            runs.starts,
+            runs.offsets,
+            runs.numels,
+            bucket.dims,
+        )
+        error = m if bucket.error is not None else None
+        self._staged.append((bucket, error, [q.clone() for q in qs]))
 
     def end_step(self, applied: bool, rescale: Optional[torch.Tensor] = None) -> None:
         staged, self._staged = self._staged, None
         if staged is not None and applied:
-            for group, error, q in staged:
+            for bucket, error, qs in staged:
                 if error is not None:
-                    group.error = error
-                group.q = q
-        for groups in self.shapes:
-            for group in groups:
-                scale_state(group.error, rescale)
+                    bucket.error = error
+                for group, q in zip(bucket.groups, qs):
+                    group.q = q
+        for bucket in self.buckets:
+            scale_state(bucket.error, rescale)
 
     def state_dict(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {}
-        for groups in self.shapes:
-            for group in groups:
+        for bucket in self.buckets:
+            for group in bucket.groups:
+                error = group.view(bucket.error) if bucket.error is not None else None
                 for i, s in enumerate(group.slices):
                     out[f"q/{s.fqn}"] = group.q[i].clone()
-                    if group.error is not None:
-                        out[f"error/{s.fqn}"] = group.error[i].clone()
+                    if error is not None:
+                        out[f"error/{s.fqn}"] = error[i].clone()
         return out
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        for split, groups in zip(self.splits, self.shapes):
+        for split, bucket in zip(self.splits, self.buckets):
             device = split.view.grad.device
-            for group in groups:
+            for group in bucket.groups:
                 # A checkpoint may be loaded onto the CPU (map_location="cpu"): the warm
                 # start belongs on the gradient's device.
                 group.q = torch.stack(
@@ -233,6 +282,7 @@ class _PowerSGDReduction(CompressedReduction):
                         for s in group.slices
                     ]
                 )
-                if group.error is not None:
+                if bucket.error is not None:
+                    error = group.view(bucket.error)
                     for i, s in enumerate(group.slices):
-                        group.error[i].copy_(state[f"error/{s.fqn}"])
+                        error[i].copy_(state[f"error/{s.fqn}"])

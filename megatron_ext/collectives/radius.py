@@ -52,6 +52,7 @@ from megatron_ext.collectives.grad_reducer import (
     scale_state,
 )
 from megatron_ext.compressors.topk import adamw_corrected_gradient, topk_mask
+from megatron_ext.kernels.radius import radius_compress, radius_decompress
 from megatron_ext.logging import get_logger, log_rank_0
 from megatron_ext.optim.hooks import OptimizerHook, OptimizerView
 
@@ -277,16 +278,21 @@ class _RadiusReduction(CompressedReduction):
         for i, (split, residual) in enumerate(zip(self.splits, self.residuals)):
             idx = self._ensure_index(i, reduce_scatter)
             grad = split.view.grad
-            # Unselected entries wait in the residual until the next selection step (the
-            # new residual is staged: end_step keeps it only if the step is applied).
-            new_residual = residual + grad.float() * idx.unselected
+            # One fused kernel: the values that travel; the unselected entries joining the
+            # residual until the next selection step (staged: end_step keeps it only if the
+            # step is applied); whether this rank's input (gradient and residual) is finite.
+            if reduce_scatter:
+                index, valid = idx.padded_index, idx.padded_valid
+            else:
+                index, valid = idx.index, grad.new_empty(0, dtype=torch.bool)
+            values, new_residual, bad = radius_compress(
+                grad, residual, idx.unselected, index, valid
+            )
             staged.append(new_residual)
-            # The flag of this rank's input (gradient and residual) rides in the payload.
-            flag = self.input_flag(grad.device, grad, new_residual)
+            # The flag of this rank's input rides in the payload.
+            flag = self.input_flag(grad.device, known=[bad])
             with ProcessGroupTrafficMeter.tagged("dp-grad"):
                 if reduce_scatter:
-                    values = grad.index_select(0, idx.padded_index).float()
-                    values.mul_(idx.padded_valid)
                     # One flag slot after each rank's group: each rank receives the sum.
                     size = spec.group_size
                     payload = torch.cat(
@@ -299,7 +305,7 @@ class _RadiusReduction(CompressedReduction):
                         out, payload, op=spec.op, group=spec.group, async_op=spec.async_op
                     )
                 else:
-                    payload = out = torch.cat([grad.index_select(0, idx.index).float(), flag])
+                    payload = out = torch.cat([values, flag])
                     work = torch.distributed.all_reduce(
                         payload, op=spec.op, group=spec.group, async_op=spec.async_op
                     )
@@ -310,12 +316,12 @@ class _RadiusReduction(CompressedReduction):
 
         def then():
             for view, idx, out in pending:
-                grad = view.grad
-                grad.masked_fill_(idx.unselected, 0.0)
+                # One fused kernel: unselected entries to zero, reduced values written back.
                 if reduce_scatter:
-                    grad.index_copy_(0, idx.shard_index, out[: idx.shard_count].to(grad.dtype))
+                    index, values = idx.shard_index, out[: idx.shard_count]
                 else:
-                    grad.index_copy_(0, idx.index, out[:-1].to(grad.dtype))
+                    index, values = idx.index, out[:-1]
+                radius_decompress(view.grad, idx.unselected, index, values)
                 self.poison(view, out[-1:], reduce_scatter)
 
         return self.finish(works, then)

@@ -44,7 +44,7 @@ Constraints:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -63,6 +63,8 @@ from megatron_ext.compressors.separate import (
     random_projection_cosine,
     reconstruct,
 )
+from megatron_ext.kernels.packing import Region, Runs, gather
+from megatron_ext.kernels.separate import separate_compress, separate_decompress
 
 __all__ = ["SeparateReducer", "projection_peak_bytes"]
 
@@ -81,6 +83,8 @@ class _Segment:
     block: int
     key: str  # what the projection is keyed by: the bucket, or the parameter (blocks=layer)
     error: torch.Tensor  # [rows, block] fp32, zero past numel
+    runs: Runs  # where the packed matrices live in the bucket (the fused kernels' layout)
+    regions: Dict[Tuple[int, int], Region] = field(default_factory=dict)  # by bucket range
 
 
 def projection_peak_bytes(block: int, num_projections: int) -> int:
@@ -164,6 +168,7 @@ class _SeparateReduction(CompressedReduction):
                 block=block,
                 key=owner,
                 error=torch.zeros(rows, block, dtype=torch.float32, device=device),
+                runs=Runs.build([s.start for s in slices], [s.numel for s in slices], device),
             )
             if residuals:
                 flat = seg.error.view(-1)
@@ -268,33 +273,38 @@ class _SeparateReduction(CompressedReduction):
         works, pending, staged = [], [], []
         for index, (split, segments) in enumerate(zip(self.splits, self.segments)):
             grad = split.view.grad
-            payloads, omegas, dense_h, inputs = [], [], [], []
+            payloads, omegas, dense_h, bad = [], [], [], []
             for seg in segments:
-                # h = g + e in a buffer that lives until end_step (it then holds the local
-                # residual h - H_hat_local); the error itself changes only at end_step.
-                h = torch.zeros(seg.rows, seg.block, dtype=torch.float32, device=grad.device)
-                flat = h.view(-1)
-                # One fused copy for the segment's matrices (not one launch per parameter).
-                torch._foreach_copy_(
-                    [flat[off : off + s.numel] for s, off in zip(seg.slices, seg.pack_offsets)],
-                    [grad[s.start : s.end] for s in seg.slices],
-                )
-                h.add_(seg.error)
                 omega = self._omega(split.view.key, seg, step)
-                p = h @ omega
                 if adapt:
-                    dense_h.append(h.reshape(-1)[: seg.numel].clone())
-                inputs.append(h)
-                if reset or seg.beta == 0.0:
-                    staged.append((seg, None))
-                else:
-                    staged.append((seg, h.sub_(reconstruct(p, omega))))
+                    dense_h.append(self._packed(grad, seg).add_(seg.error).view(-1)[: seg.numel])
+                # One fused kernel: h = pack(g) + e, P = h Omega, whether h is finite, and
+                # the error this step commits if it is applied (staged until end_step; the
+                # committed error changes only there).
+                stage = not (reset or seg.beta == 0.0)
+                r = seg.runs
+                p, seg_bad, new_error = separate_compress(
+                    grad,
+                    seg.error,
+                    omega,
+                    r.table,
+                    r.chunk,
+                    seg.numel,
+                    r.starts,
+                    r.offsets,
+                    r.numels,
+                    seg.beta,
+                    stage,
+                )
+                staged.append((seg, new_error if stage else None))
+                bad.append(seg_bad)
                 payloads.append(p.reshape(-1))
                 omegas.append(omega)
-            flag = self.input_flag(
-                grad.device, *inputs, *[grad[s.start : s.end] for s in split.dense]
-            )
-            payloads += self.pack_dense(split) + [flag]
+            dense_part = self.pack_dense(split)
+            # This rank's input: every segment's h = g + e (checked by its kernel) and the
+            # leftovers (packed in fp32: the cast keeps NaN and Inf), one pass each.
+            flag = self.input_flag(grad.device, dense_part, known=bad)
+            payloads += [dense_part, flag]
             dense = self.dense_wire_bytes(split.view, force_all_reduce)
             payload = torch.cat(payloads)
             works.append(self.all_reduce(payload, dense=dense))
@@ -312,14 +322,13 @@ class _SeparateReduction(CompressedReduction):
         staged, self._staged = self._staged, None
         if staged is not None and applied:
             errors, adapting = staged
-            for seg, local_residual in errors:
-                if local_residual is None:  # an error reset (or beta 0)
+            for seg, new_error in errors:
+                if new_error is None:  # an error reset (or beta 0)
                     seg.error.zero_()
                     continue
-                # update_error's e <- (1 - beta) e + beta (h - H_hat_local), with the
-                # difference computed at launch.
-                seg.error.mul_(1.0 - seg.beta).add_(local_residual, alpha=seg.beta)
-                seg.error.view(-1)[seg.numel :].zero_()
+                # update_error's e <- (1 - beta) e + beta (h - H_hat_local), computed at
+                # launch by the compress kernel: committing it is a swap.
+                seg.error = new_error
             for index, payload, omegas, dense_h in adapting:
                 self._adapt(index, payload, omegas, dense_h)
         for segments in self.segments:
@@ -335,27 +344,38 @@ class _SeparateReduction(CompressedReduction):
             k = seg.block // seg.ratio
             p = payload[offset : offset + seg.rows * k].view(seg.rows, k)
             offset += seg.rows * k
-            # Pack-space interval of this segment that falls inside [lo, hi).
-            first = last = None
-            for s, off in zip(seg.slices, seg.pack_offsets):
-                a, b = max(s.start, lo), min(s.end, hi)
-                if a < b:
-                    first = off + (a - s.start) if first is None else first
-                    last = off + (b - s.start)
-            if first is None:
+            # Packed interval of this segment that falls inside [lo, hi): its rows only are
+            # reconstructed (the projection is linear, so the reduced coefficients
+            # determine every shard).
+            region = seg.regions.get((lo, hi))
+            if region is None:
+                region = seg.regions[(lo, hi)] = seg.runs.region(lo, hi)
+            if region.last <= region.first:
                 continue
-            r0, r1 = first // seg.block, math.ceil(last / seg.block)
-            recon = reconstruct(p[r0:r1], omega).view(-1)
-            base = r0 * seg.block
-            dst, src = [], []
-            for s, off in zip(seg.slices, seg.pack_offsets):
-                a, b = max(s.start, lo), min(s.end, hi)
-                if a < b:
-                    at = off + (a - s.start) - base
-                    dst.append(grad[a:b])
-                    src.append(recon[at : at + (b - a)])
-            torch._foreach_copy_(dst, src)  # one fused copy back into the bucket
+            r0, r1 = region.first // seg.block, math.ceil(region.last / seg.block)
+            separate_decompress(
+                p[r0:r1],
+                omega,
+                grad,
+                seg.runs.table,
+                seg.runs.chunk,
+                r0 * seg.block,
+                region.first,
+                region.last,
+                region.dst,
+                region.src,
+                region.lengths,
+            )
         self.unpack_dense(split, payload[offset:])
+
+    @staticmethod
+    def _packed(grad: torch.Tensor, seg: _Segment) -> torch.Tensor:
+        """The segment's packed gradient, ``[rows, block]`` fp32 (G-SEPARATE's reference)."""
+        r = seg.runs
+        flat = gather(
+            grad, seg.rows * seg.block, seg.numel, r.table, r.chunk, r.starts, r.offsets, r.numels
+        )
+        return flat.view(seg.rows, seg.block)
 
     # -- G-SEPARATE ------------------------------------------------------------------------
 

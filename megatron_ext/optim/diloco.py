@@ -97,6 +97,7 @@ from megatron_ext.accounting import (
     collective_device,
     collective_wire_bytes,
 )
+from megatron_ext.kernels.finite import nonfinite
 from megatron_ext.optim.hooks import NonFiniteError, OptimizerHook, OptimizerView
 
 __all__ = [
@@ -402,6 +403,16 @@ def fragment_due(steps_taken: int, interval: int, num_fragments: int) -> List[in
     return [i for i in range(num_fragments) if (i * interval) // num_fragments == phase]
 
 
+def _copy_all(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for every ``i``: one multi-tensor copy where both sides are on
+    one device, else one copy each (``--outer-state-device cpu``: host state, device values)."""
+    if dst and all(d.device == s.device for d, s in zip(dst, src)):
+        torch._foreach_copy_(dst, src)
+        return
+    for d, s in zip(dst, src):
+        d.copy_(s)
+
+
 def outer_sgd_step(
     snapshot: torch.Tensor,
     buf: Optional[torch.Tensor],
@@ -629,7 +640,7 @@ class DiLoCoHook(OptimizerHook):
         snap = torch.cat([self.snapshot[f].reshape(-1).to(current.device) for f in fqns])
         pseudo_grad = snap - current
         # Read only if the outer update turns out non-finite (which site sent what).
-        self._sent_finite[index] = torch.isfinite(pseudo_grad).all()
+        self._sent_finite[index] = nonfinite(pseudo_grad).logical_not()
         exchange = self.exchanges[index]
         if apply_after is not None and not hasattr(exchange, "start"):
             # A compressed exchange overlapped: on the worker thread, every one of the hook's
@@ -685,28 +696,41 @@ class DiLoCoHook(OptimizerHook):
             buf = outer_sgd_step(
                 snap, buf, delta, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov
             )
-            ok = torch.isfinite(snap).all()
-            if buf is not None:
-                ok = ok & torch.isfinite(buf).all()
+            # One pass over each (aminmax), not isfinite's several.
+            ok = nonfinite(snap, *([buf] if buf is not None else [])).logical_not()
             finite = bool(ok)  # the one host read of a fragment sync
         if not finite:
-            average_finite = delta is not None and bool(torch.isfinite(delta).all())
+            average_finite = delta is not None and bool(nonfinite(delta).logical_not())
             self._non_finite_update(view, index, sent_finite, average_finite)
             return
         weights = snap if alpha == 0 else torch.lerp(snap, current, alpha)
-        offset = 0
-        for fqn, s in zip(fqns, states):
-            n = s.main_param.numel()
-            self.snapshot[fqn].copy_(snap[offset : offset + n].view_as(s.main_param))
-            if buf is not None:
-                mom = buf[offset : offset + n].view_as(s.main_param)
-                if fqn in self.momentum:
-                    self.momentum[fqn].copy_(mom)
-                else:
-                    self.momentum[fqn] = mom.to(self._state_device(s.main_param), copy=True)
-            # The parameter gather of a sharded optimizer follows in post_step.
-            view.write_param(fqn, weights[offset : offset + n])
-            offset += n
+        # Whole-fragment writes: one multi-tensor copy each for the snapshots, the momentum
+        # buffers and the parameters (OptimizerView.write_params), not one copy per
+        # parameter and buffer (the same values: copies and one rounding to the model dtype).
+        pieces = [s.main_param.numel() for s in states]
+        snaps = [p.view_as(s.main_param) for p, s in zip(snap.split(pieces), states)]
+        _copy_all([self.snapshot[f] for f in fqns], snaps)
+        if buf is not None:
+            moms = [p.view_as(s.main_param) for p, s in zip(buf.split(pieces), states)]
+            kept = [(f, m) for f, m in zip(fqns, moms) if f in self.momentum]
+            if kept:
+                _copy_all([self.momentum[f] for f, _ in kept], [m for _, m in kept])
+            if not kept:  # the first outer step: one copy, viewed per parameter
+                device = self._state_device(states[0].main_param)
+                flat = buf.to(device, copy=True)
+                for fqn, piece, s in zip(fqns, flat.split(pieces), states):
+                    self.momentum[fqn] = piece.view_as(s.main_param)
+            else:
+                for fqn, mom, s in zip(fqns, moms, states):
+                    if fqn not in self.momentum:
+                        self.momentum[fqn] = mom.to(self._state_device(s.main_param), copy=True)
+        # The parameter gather of a sharded optimizer follows in post_step.
+        values = list(weights.split(pieces))
+        if hasattr(view, "write_params"):
+            view.write_params(fqns, values)
+        else:  # a view with only the per-parameter surface (duck-typed test views)
+            for fqn, value in zip(fqns, values):
+                view.write_param(fqn, value)
         self.syncs += 1
 
     def _site_flags(self, sent_finite: Optional[torch.Tensor]) -> List[float]:

@@ -107,6 +107,34 @@ class OptimizerView(abc.ABC):
                 target = target.view(-1)[ps.param_range[0] : ps.param_range[1]]
             target.copy_(value.reshape(target.shape))
 
+    def write_params(self, fqns: Sequence[str], values: Sequence[torch.Tensor]) -> None:
+        """:meth:`write_param` of several parameters (``values[i]`` for ``fqns[i]``). With
+        this class's own :meth:`write_param`, two multi-tensor copies (the optimizer copies,
+        then the model parameters) instead of one or two copies per parameter: the same
+        values (a copy, and one fp32-to-model-dtype rounding, as ``copy_`` does); a view
+        that overrides :meth:`write_param` gets it called per parameter."""
+        if type(self).write_param is not OptimizerView.write_param:
+            for fqn, value in zip(fqns, values):
+                self.write_param(fqn, value)
+            return
+        mains, main_values, models, model_values = [], [], [], []
+        for fqn, value in zip(fqns, values):
+            ps = self.param_state(fqn)
+            mains.append(ps.main_param)
+            main_values.append(value.view_as(ps.main_param))
+            if ps.model_param is ps.main_param:
+                continue
+            target = ps.model_param.data
+            if ps.param_range is not None:
+                target = target.view(-1)[ps.param_range[0] : ps.param_range[1]]
+            models.append(target)
+            model_values.append(value.reshape(target.shape))
+        with torch.no_grad():
+            if mains:
+                torch._foreach_copy_(mains, main_values)
+            if models:
+                torch._foreach_copy_(models, model_values)
+
     def sync_params(self) -> None:
         """Make every rank's model parameters current after :meth:`write_param` (the
         distributed optimizer's parameter gather; default: nothing to do). Collective over

@@ -194,8 +194,11 @@ def test_report_schema_and_known_values(report):
 # a chain of unfused torch ops. The fused kernels turn these into XPASS failures: then drop the
 # mark.
 _OVER_TARGET = {
-    ("separate", "fp32"): "14.6x a copy (gpt2-345m 14.6x)",
-    ("separate", "bf16"): "28.3x a copy (gpt2-345m 28.3x)",
+    # Fused (fp32 buckets 2.6x). bf16 buckets cannot reach 3: the fp32 error read and written
+    # every step is already 2 copies of a bf16 bucket, the gradient read and written 1 more,
+    # P 0.125; the decompress kernel's in-place write counts as a read too (as every mutated
+    # custom-op argument does).
+    ("separate", "bf16"): "3.78x a copy (gpt2-345m 3.76x): the fp32 error alone is 2 copies",
     ("quantized", "fp32"): "33.7x a copy (gpt2-345m 32.4x)",
     ("quantized", "bf16"): "69.4x a copy (gpt2-345m 66.8x)",
     ("aqsgd-forward", "fp32"): "38.9x a copy (gpt2-345m 38.8x)",

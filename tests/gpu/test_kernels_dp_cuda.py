@@ -1,0 +1,156 @@
+"""The DP reducers' fused kernels on the device under test: compiled against eager there.
+
+``tests/unit/test_kernels_dp.py`` compares each kernel compiled by inductor's C++ backend
+against its eager reference on the CPU; here the same comparison runs on the device (Triton
+kernels on CUDA): every kernel alone (the unit test's inputs, moved to the device) and the
+whole reducers (SEPARATE, PowerSGD, Radius; fp32 and bf16 buckets), whose steady steps with
+``--fused-kernels on`` must show no synchronization from megatron_ext code either. And the
+whole-buffer non-finite check on the device (``torch.aminmax`` propagates NaN there too).
+
+Dry run on the CPU: ``MEGATRON_EXT_GPU_TESTS_DEVICE=cpu`` (inductor's C++ kernels then).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_ext import kernels
+from tests.gpu.syncs import SyncRecorder
+from tests.gpu.test_kernels_cuda import (  # noqa: F401 (cpu_draws is a fixture)
+    _dp_run,
+    assert_close,
+    check_syncs,
+    cpu_draws,
+)
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def mode(monkeypatch):
+    """Set ``--fused-kernels`` for the test (restored after it)."""
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    yield kernels.set_mode
+    kernels.set_mode(None)
+
+
+def _to(dev, value):
+    if isinstance(value, torch.Tensor):
+        return value.to(dev)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(dev, v) for v in value)
+    return value
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("method", ["separate", "powersgd", "radius"])
+def test_dp_reducer_fused_equals_eager_on_device(method, dtype, dev, pg, cpu_draws, mode):
+    mode("off")
+    ref_out, ref_state = _dp_run(method, dev, dtype)
+    mode("on")
+    recorder = SyncRecorder(f"reducer {method} {str(dtype)[6:]} fused", dev)
+    out, state = _dp_run(method, dev, dtype, recorder)
+    for step, (o, r) in enumerate(zip(out, ref_out)):
+        assert_close(o, r, dtype, f"{method} fused step {step} reduced bucket")
+    assert set(state) == set(ref_state)
+    for key, value in state.items():
+        ref = ref_state[key]
+        if ref.is_floating_point():
+            assert_close(value, ref, dtype, f"{method} fused state {key}")
+        else:  # masks and counters: the same selections
+            assert torch.equal(value, ref), key
+    check_syncs(recorder)
+
+
+def test_each_kernel_compiled_equals_eager_on_device(dev, mode):
+    from megatron_ext.kernels.powersgd import powersgd_compress, powersgd_decompress
+    from megatron_ext.kernels.radius import radius_compress, radius_decompress
+    from megatron_ext.kernels.separate import separate_compress, separate_decompress
+    from tests.unit import test_kernels_dp as unit
+
+    def both(fn):
+        mode("off")
+        eager = fn()
+        mode("on")
+        return eager, fn()
+
+    for dtype in (torch.float32, torch.bfloat16):
+        # SEPARATE: compress, then decompress into the whole bucket
+        args, runs, _ = unit._separate_args(dtype)
+        args = _to(dev, args)
+        table = _to(dev, runs.table)
+        args = args[:3] + (table,) + args[4:]
+        (p0, bad0, u0), (p1, bad1, u1) = both(lambda: separate_compress(*args))
+        assert_close(p1, p0, torch.float32, f"separate P {dtype}")
+        assert_close(u1, u0, torch.float32, f"separate staged error {dtype}")
+        assert not bad0.item() and not bad1.item()
+        grad = args[0]
+        region = runs.region(0, grad.numel())
+        block = args[1].shape[1]
+
+        def decompress():
+            out = grad.clone()
+            separate_decompress(
+                p0,
+                args[2],
+                out,
+                table,
+                runs.chunk,
+                0,
+                region.first,
+                region.last,
+                region.dst,
+                region.src,
+                region.lengths,
+            )
+            return out
+
+        eager, fused = both(decompress)
+        assert_close(fused, eager, dtype, f"separate write-back {dtype}")
+        assert region.last <= p0.shape[0] * block
+        # PowerSGD
+        args, runs, _ = unit._powersgd_args(dtype)
+        args = _to(dev, args)
+        args = args[:3] + (_to(dev, runs.table),) + args[4:]
+        (m0, ps0, _), (m1, ps1, _) = both(lambda: powersgd_compress(*args))
+        assert torch.equal(m0, m1)
+        for a, b in zip(ps1, ps0):
+            assert_close(a, b, torch.float32, f"powersgd P {dtype}")
+        ps = [torch.linalg.qr(p)[0] for p in ps0]
+
+        def pdecompress():
+            m, out = m0.clone(), args[0].clone()
+            powersgd_decompress(m, ps, args[2], 0.5, True, out, *args[3:])
+            return m, out
+
+        (em, eg), (fm, fg) = both(pdecompress)
+        assert_close(fm, em, torch.float32, f"powersgd error {dtype}")
+        assert_close(fg, eg, dtype, f"powersgd write-back {dtype}")
+        # Radius: bit for bit
+        grad, residual, unselected, index, valid = _to(dev, unit._radius_args(dtype, False))
+        eager, fused = both(lambda: radius_compress(grad, residual, unselected, index, valid))
+        for a, b in zip(eager, fused):
+            assert torch.equal(a, b)
+
+        def rdecompress():
+            out = grad.clone()
+            radius_decompress(out, unselected, index, eager[0] * 3)
+            return out
+
+        eager, fused = both(rdecompress)
+        assert torch.equal(eager, fused)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_nonfinite_on_device(dev, dtype):
+    from megatron_ext.kernels.finite import nonfinite
+
+    base = torch.randn(4097, dtype=torch.float64).to(dtype).to(dev)
+    base[7] = torch.finfo(dtype).max
+    assert not nonfinite(base).item()
+    for value in (float("nan"), float("inf"), float("-inf")):
+        for at in (0, 2048, 4096):
+            t = base.clone()
+            t[at] = value
+            assert nonfinite(t).item(), (value, at)

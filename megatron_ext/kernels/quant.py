@@ -53,6 +53,7 @@ Constraints:
 
 from __future__ import annotations
 
+import operator
 from typing import Optional, Tuple
 
 import torch
@@ -254,6 +255,34 @@ def _pad8(n: int) -> int:
     return n + (-n) % 8
 
 
+def _static(*values: int) -> Tuple[int, ...]:
+    """``values`` as Python ints. Under ``torch.compile`` (dynamic shapes) this makes them
+    compile-time constants (guarded): the bit width, the row length and the hidden size do
+    not change within a run, and the index arithmetic of packing with a constant row is
+    shifts instead of divisions (measured on the CPU, 1e7 values: 4x faster); sizes that do
+    vary (samples, bucket lengths) stay symbolic. Eager: a no-op."""
+    return tuple(operator.index(v) for v in values)  # int() would leave a SymInt symbolic
+
+
+def _pack_rows(codes: torch.Tensor, bits: int, width: int) -> torch.Tensor:
+    """``[A, B, C]`` codes as ``[A, packed_nbytes(width, bits)]`` bytes: each of the ``A``
+    parts' ``B x C`` codes in order, zero-padded to ``width`` (>= ``B x C``), packed. With
+    ``C`` a multiple of 8 every row of ``C`` codes packs on its own into the same bytes (and
+    ``width`` is ``B x C``), which compiles to kernels without divisions by ``B``."""
+    a, b, c = codes.shape
+    if c % 8 == 0:
+        return pack_codes(codes.reshape(a * b, c), bits, c).view(a, -1)
+    return pack_codes(codes.reshape(a, b * c), bits, width)
+
+
+def _unpack_rows(raw: torch.Tensor, bits: int, b: int, c: int, width: int) -> torch.Tensor:
+    """Inverse of :func:`_pack_rows`: ``[A, nbytes]`` bytes -> ``[A, B, C]`` codes."""
+    a = raw.shape[0]
+    if c % 8 == 0:
+        return unpack_codes(raw.reshape(a * b, -1), bits, c).view(a, b, c)
+    return unpack_codes(raw, bits, width)[:, : b * c].reshape(a, b, c)
+
+
 def _sample_codes_nbytes(k: int, rows: int, cols: int, bits: int) -> int:
     return k * packed_nbytes(_pad8(rows * cols), bits)
 
@@ -272,11 +301,13 @@ def _quant_pack(
     bits: int,
     granularity: str,
 ) -> torch.Tensor:
-    k, rows, cols = x.shape
+    (bits,) = _static(bits)
+    k = x.shape[0]
+    rows, cols = _static(x.shape[1], x.shape[2])
     h = x.float() if sub is None else x.float() - sub.float()
     grouped, dim = _groups(h, granularity)
     codes, scales = quantize_codes(grouped, bits, dim, seed)
-    packed = pack_codes(codes.reshape(k, rows * cols), bits, _pad8(rows * cols))
+    packed = _pack_rows(codes.view(k, rows, cols), bits, _pad8(rows * cols))
     return torch.cat([packed.reshape(-1), _bytes_of(scales.reshape(1, -1)).reshape(-1)])
 
 
@@ -284,13 +315,13 @@ def _unpack_samples(
     payload: torch.Tensor, bits: int, granularity: str, k: int, rows: int, cols: int
 ) -> torch.Tensor:
     """fp32 ``[k, rows, cols]`` of a payload (see above)."""
-    n = rows * cols
+    bits, rows, cols = _static(bits, rows, cols)
     ncodes = _sample_codes_nbytes(k, rows, cols, bits)
     sshape = sample_scale_shape(k, rows, cols, granularity)
     nscales = 2 * sshape[0] * sshape[1] * sshape[2]
-    codes = unpack_codes(payload[:ncodes].view(k, -1), bits, _pad8(n))[:, :n]
+    codes = _unpack_rows(payload[:ncodes].view(k, -1), bits, rows, cols, _pad8(rows * cols))
     scales = _from_bytes(payload[ncodes : ncodes + nscales].view(1, -1), torch.float16)
-    return dequantize_codes(codes.reshape(k, rows, cols), scales.view(sshape), bits)
+    return dequantize_codes(codes, scales.view(sshape), bits)
 
 
 def _unpack_dequant(
@@ -452,9 +483,10 @@ def _encode_rows(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``[P, padded]`` fp32 -> (``[P, nbytes]`` wire bytes, ``[P, padded]`` dequantized)."""
     parts, padded = h.shape
-    codes, scales = quantize_codes(h.view(parts, padded // block, block), bits, 2, seed)
+    rows = padded // block
+    codes, scales = quantize_codes(h.view(parts, rows, block), bits, 2, seed)
     deq = dequantize_codes(codes, scales, bits).view(parts, padded)
-    packed = pack_codes(codes.view(parts, padded), bits, width)
+    packed = _pack_rows(codes, bits, width)
     return torch.cat([packed, _bytes_of(scales.view(parts, -1))], dim=1), deq
 
 
@@ -464,9 +496,9 @@ def _decode_rows(raw: torch.Tensor, bits: int, block: int, padded: int) -> torch
     rows = padded // block
     width = padded if bits == 8 else _pad8(padded)
     ncodes = packed_nbytes(width, bits)
-    codes = unpack_codes(raw[:, :ncodes], bits, width)[:, :padded]
+    codes = _unpack_rows(raw[:, :ncodes], bits, rows, block, width)
     scales = _from_bytes(raw[:, ncodes : ncodes + 2 * rows], torch.float16)
-    values = dequantize_codes(codes.view(parts, rows, block), scales.view(parts, rows, 1), bits)
+    values = dequantize_codes(codes, scales.view(parts, rows, 1), bits)
     return values.view(parts, padded)
 
 
@@ -486,6 +518,7 @@ def _quantized_encode_rows(
     size: int,
     part: int,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    bits, block, size = _static(bits, block, size)
     _, padded, width, _ = rows_layout(part, block, bits)
     h = _spread(grad, size, part, padded)
     if error is not None:
@@ -508,7 +541,7 @@ def _quantized_reduce_rows(
     mean: bool,
     requantize: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    size = recv.shape[0]
+    bits, block, size = _static(bits, block, recv.shape[0])
     _, padded, width, nbytes = rows_layout(part, block, bits)
     flag = _from_bytes(recv[:, nbytes:], torch.float32).sum().reshape(1)
     r = _decode_rows(recv[:, :nbytes], bits, block, padded).sum(dim=0)
@@ -525,6 +558,7 @@ def _quantized_reduce_rows(
 def _quantized_decode_rows_into(
     gathered: torch.Tensor, bits: int, block: int, part: int, out: torch.Tensor
 ) -> None:
+    bits, block, _ = _static(bits, block, gathered.shape[0])
     _, padded, _, _ = rows_layout(part, block, bits)
     values = _decode_rows(gathered, bits, block, padded)
     out.copy_(values[:, :part].reshape(-1)[: out.shape[0]].to(out.dtype))

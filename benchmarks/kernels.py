@@ -34,12 +34,12 @@ What it does:
     * **quantized-<b>bit** (the k-bit DP exchange, :mod:`megatron_ext.collectives.quantized`,
       rows of 256 values with an fp16 scale each, nearest rounding, error feedback; bits
       ``--quant-bits``, default 4 then 8 and 2) with the reduction's own methods
-      (``_Partitioned.spread``, ``_quantize_rows``, ``_pack_rows``, ``_unpack_rows``) for
+      (``encode_worker``, ``reduce_server``, ``decode_gathered``: one fused kernel each) for
       one rank (W = 1, no distributed optimizer): *compress* = the worker side
       (``h = spread(g.float()) + e_w``, quantize, ``e_w = h - dequantize``, flag, pack);
       *decompress* = the received input flags and partitions (unpacked, dequantized,
       summed), the server side (``s = r + e_s``, quantize, ``e_s``, pack), unpack and
-      dequantize the gathered partitions and the copy into the gradient.
+      dequantize the gathered partitions into the gradient.
     * **aqsgd** (:class:`megatron_ext.collectives.aqsgd.AQSGDCodec`, default options:
       forward 4 bits, scales per sample and channel, device buffers in the activation
       dtype) on an activation ``[seq, micro-batch, hidden]`` (hidden ``--hidden``, seq up to
@@ -59,6 +59,12 @@ What it does:
     device, dtype and size (per element), and a target: SEPARATE <= 3x the floor and cheaper
     than PowerSGD at equal bytes; the codecs (quantized, aqsgd, directq, protocol) <= 2x the
     floor. PowerSGD is the reference (no target).
+
+Fused kernels (``--fused-kernels``):
+    ``off`` (default) runs the methods' fused kernels (``megatron_ext/kernels``) as eager
+    torch ops, the reference; ``on`` runs them compiled by ``torch.compile`` (C++ loops on
+    the CPU, Triton on CUDA), compiled during the untimed warm-up. Two runs with the same
+    rows compare eager and compiled; each row records its mode (``fused_kernels``).
 
 Timing:
     Each number is the median of ``--repeats`` timed repetitions after ``--warmup`` untimed
@@ -80,6 +86,7 @@ Usage:
     python benchmarks/kernels.py --quick               # smoke run (seconds)
     python benchmarks/kernels.py --devices cuda        # GPU rows only, 1e6..1e9, fp32 + bf16
     python benchmarks/kernels.py --sizes 1e6 --block-sizes 256 --threads 1 --dtypes fp32
+    python benchmarks/kernels.py --methods quantized,aqsgd,directq --fused-kernels on
 
 Output:
     ``<out>/kernels.json`` (see :mod:`benchmarks.common`) and a table on stdout (last).
@@ -219,6 +226,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="cpu, cuda or auto (cpu, plus cuda when torch.cuda.is_available()).",
     )
     p.add_argument("--no-powersgd", action="store_true", help="Skip PowerSGD.")
+    p.add_argument(
+        "--fused-kernels",
+        choices=("off", "on"),
+        default="off",
+        help="How the methods' fused kernels (megatron_ext/kernels) run: off (default) eager "
+        "torch ops, the reference; on: compiled by torch.compile (C++ on the CPU, Triton "
+        "on CUDA; compiled during the untimed warm-up). Same rows, so two runs compare them.",
+    )
     # Each result records the CPU share other processes used while it was measured.
     add_machine_args(p, quiet_wait=60.0, what="size")
     p.add_argument(
@@ -498,41 +513,31 @@ def time_quantized(
 
     import torch
 
-    from megatron_ext.collectives.quantized import _bytes_as, _Partitioned, _QuantizedReduction
-    from megatron_ext.compressors.quantize import dequantize
+    from megatron_ext.collectives.quantized import _Partitioned, _QuantizedReduction
     from megatron_ext.methods.quantized import QuantizedConfig
 
     cfg = QuantizedConfig(bits=bits)
-    # The reduction's own packing methods; they read only ``cfg`` (no process group here).
+    grad = _randn(numel, device, dtype, 0)
+    bucket = types.SimpleNamespace(grad=grad, shard=None)
+    layout = _Partitioned(bucket, 1, cfg.block_size)
+    # The reduction's own kernels on one bucket of one rank (no process group: the spec
+    # holds only what they read).
     red = _QuantizedReduction.__new__(_QuantizedReduction)
     red.cfg = cfg
-    grad = _randn(numel, device, dtype, 0)
-    out = torch.empty_like(grad)
-    layout = _Partitioned(types.SimpleNamespace(grad=grad, shard=None), 1, cfg.block_size)
-    errors = {
-        "worker": _randn((1, layout.padded), device, torch.float32, 1, scale=0.01),
-        "server": _randn(layout.padded, device, torch.float32, 2, scale=0.01),
-    }
+    red.spec = types.SimpleNamespace(buckets=[bucket], op=torch.distributed.ReduceOp.SUM)
+    red.layouts = [layout]
+    red.worker_error = [_randn((1, layout.padded), device, torch.float32, 1, scale=0.01)]
+    red.server_error = [_randn(layout.padded, device, torch.float32, 2, scale=0.01)]
+    red._staged = {}
     nbytes = red._partition_nbytes(layout)
 
     def compress(_):
-        h = layout.spread(grad.float())
-        h += errors["worker"]
-        q = red._quantize_rows(h, layout)
-        errors["worker"] = h - dequantize(q).reshape(h.shape)
-        flag = _flag(h).expand(1).contiguous()
-        return red._pack_rows(q, layout, flag.view(torch.uint8).view(1, 4)).reshape(-1)
+        return red.encode_worker(0).reshape(-1)
 
     def decompress(recv):
-        rows = recv.view(1, nbytes + 4)
-        flag = _bytes_as(rows[:, nbytes:], torch.float32).sum().reshape(1)
-        r = red._unpack_rows(rows[:, :nbytes], layout).sum(dim=0)
-        s = r + errors["server"]
-        q = red._quantize_rows(s, layout)
-        errors["server"] = s - dequantize(q).reshape(-1)
-        gathered = red._pack_rows(q, layout).reshape(-1)
-        parts = red._unpack_rows(gathered.view(1, nbytes), layout)
-        out.copy_(layout.gather(parts).to(out.dtype))
+        flag, mine = red.reduce_server(0, recv.view(1, nbytes + 4), requantize=True)
+        red.decode_gathered(0, mine.view(1, nbytes))
+        red.end_step(True)  # the staged errors become the state (no device op)
         return flag
 
     stats = _phase_stats(
@@ -778,6 +783,17 @@ def _per_element(res: Dict[str, Any], numel: int) -> Dict[str, Any]:
     return res
 
 
+def _set_fused_kernels(value: str) -> None:
+    """Put megatron_ext's fused kernels in mode ``value`` (``--fused-kernels``); a mode this
+    process cannot run exits naming the flag."""
+    from megatron_ext import kernels as fused
+
+    try:
+        fused.set_mode(value)
+    except ValueError as err:
+        raise SystemExit(f"kernels.py: error: {err}")
+
+
 def _check_args(args: argparse.Namespace) -> Dict[str, Any]:
     """Parsed lists of ``args``; a bad value exits naming its flag."""
 
@@ -902,6 +918,7 @@ def run(args: argparse.Namespace, out_dir: Optional[str] = None) -> Dict[str, An
     import torch
 
     lists = _check_args(args)
+    _set_fused_kernels(args.fused_kernels)
     threads = lists["threads"]
     results: List[Dict[str, Any]] = []
     skipped: List[Dict[str, Any]] = []
@@ -919,6 +936,7 @@ def run(args: argparse.Namespace, out_dir: Optional[str] = None) -> Dict[str, An
         "repeats": args.repeats,
         "warmup": args.warmup,
         "cuda_budget_s": args.cuda_budget_s,
+        "fused_kernels": args.fused_kernels,
         # torch's defaults are left alone (the reducers run under the training's setting).
         "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
         "devices": args.devices,
@@ -978,7 +996,13 @@ def run(args: argparse.Namespace, out_dir: Optional[str] = None) -> Dict[str, An
             quiet = None
             if args.quiet_wait > 0 and not cuda:
                 quiet = wait_for_quiet(args.quiet_wait)
-            base = {"device": dev_label, "threads": nthreads, "numel": numel, "dtype": dtype}
+            base = {
+                "device": dev_label,
+                "threads": nthreads,
+                "numel": numel,
+                "dtype": dtype,
+                "fused_kernels": args.fused_kernels,
+            }
             for label, kind, case in _cases(args, dev_lists, numel, device, dtype):
                 rows_left -= 1
                 budget = None
@@ -1123,7 +1147,8 @@ def summarize(results: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 def print_tables(report: Dict[str, Any]) -> None:
     """One line per row: time per phase, ns/element, ratio to the copy floor, target."""
     print()
-    print(f"device: {report['environment']['device']}")
+    fused = report["settings"].get("fused_kernels", "off")
+    print(f"device: {report['environment']['device']}; fused kernels: {fused}")
     headers = ["device", "thr", "dtype", "elements", "method", "compress ms", "decompress ms"]
     headers += ["total ms", "ns/el", "x copy", "target", "meets", "reps"]
     rows = []

@@ -42,6 +42,16 @@ What it does (aq-sgd.txt Algorithm 1; methods.md section 4):
     (a bf16 70000 in fp16 buffers) is stored clamped to that dtype's range, never as inf.
     Both sides decide this from the same value, so their buffers stay bit-identical.
 
+Kernels:
+    Each chain is one fused op (``megatron_ext/kernels/quant.py``, eager or compiled by
+    ``--fused-kernels``): the sender's delta quantized and packed (``quant_pack``), the
+    buffer update ``m + dequantize`` with its finite / range checks (``aqsgd_decode_stage``,
+    the same op on both sides of the boundary, so their buffers stay bit-identical compiled
+    too), first visits staged (``aqsgd_stage``), gradients and DirectQ's activations
+    packed and unpacked (``quant_pack``, ``unpack_dequant``). Stochastic rounding hashes
+    each value's index with a seed drawn on the device from the generator of (seed, step,
+    microbatch, direction, stage).
+
 Checkpoints:
     Default: the buffers are not saved; the state records that they must be rebuilt, and a
     resumed run starts every sample with a full-precision first visit again (never reusing
@@ -55,7 +65,9 @@ Constraints:
     and visit flags live on the host (payload sizes must be known before a receive is
     posted). :meth:`AQSGDCodec.begin_step` builds every microbatch's indices of the step
     on the host and copies them to the device at once (one pinned, non-blocking copy);
-    the commit writes device buffers with a ``where`` on the device, and the host reads
+    the commit writes device buffers on the device (a revisit's staged row already holds
+    the current row where its value is not finite; first visits keep theirs with a
+    ``where``), and the host reads
     the per-sample finite flags (which decide the visit flags) at the next
     ``begin_step``, non-blocking on CUDA, waiting for them only when a sample of the
     commit comes back in the very next step. So a step announced by ``begin_step`` copies
@@ -79,16 +91,15 @@ import numpy as np
 import torch
 
 from megatron_ext.collectives.p2p import P2PCodec, P2PContext
-from megatron_ext.compressors.quantize import (
-    Quantized,
-    dequantize,
-    pack_bits,
-    packed_nbytes,
-    quantize,
-    scale_shape,
-    unpack_bits,
-)
+from megatron_ext.compressors.quantize import packed_nbytes, scale_shape
 from megatron_ext.compressors.seeding import device_generator
+from megatron_ext.kernels.quant import (
+    aqsgd_decode_stage,
+    aqsgd_stage,
+    draw_seed,
+    quant_pack,
+    unpack_dequant,
+)
 from megatron_ext.config import ConfigError
 from megatron_ext.state_plan import format_bytes  # ``1.50 GB`` style (torch-free, preflight)
 
@@ -349,6 +360,10 @@ class _Staged:
     index: Optional[torch.Tensor] = None
     """The slots on the device (from :meth:`AQSGDCodec.begin_step`), or None."""
 
+    exact: bool = False
+    """``values`` already hold the current row of every non-finite sample (revisits: the
+    fused decode keeps ``m``), so a commit of distinct slots writes them as they are."""
+
     written: bool = False
     """The rows were written on the device already (only the visit flags are pending)."""
 
@@ -367,6 +382,9 @@ class _Plan:
     revisit_slots: torch.Tensor
     """Host int64 slots of the revisits (host / disk buffer reads)."""
 
+    first_slots: torch.Tensor
+    """Host int64 slots of the first visits."""
+
     first: torch.Tensor
     """Device positions (in the microbatch) of the first visits."""
 
@@ -376,8 +394,11 @@ class _Plan:
     revisit_index: torch.Tensor
     """Device slots of the revisits."""
 
+    first_index: torch.Tensor
+    """Device slots of the first visits."""
+
     index: torch.Tensor
-    """Device slots of every sample (the commit's write)."""
+    """Device slots of every sample (warm-up commits)."""
 
 
 def scale_groups(k: int, rows: int, cols: int, granularity: str) -> Tuple[int, ...]:
@@ -560,55 +581,20 @@ class _QuantizingCodec(P2PCodec):
             device, "aqsgd", self.cfg.seed, ctx.step, ctx.microbatch, direction, self.stage
         )
 
-    def _quantize(self, x: torch.Tensor, bits: int, gen) -> Quantized:
-        """Quantize ``k`` samples ``[k, rows, cols]`` with scales :func:`scale_groups`."""
-        granularity = self.cfg.granularity
-        if granularity == "microbatch":
-            # One scale per channel over every row of every sample: the per-channel scale
-            # of the samples stacked along the sequence.
-            k, rows, cols = x.shape
-            q = self._quantize_rows(x.reshape(k * rows, cols), bits, "channel", gen)
-            return Quantized(
-                codes=q.codes.view(k, rows, cols), scales=q.scales.view(1, 1, cols), bits=bits
-            )
-        return self._quantize_rows(x, bits, granularity, gen)
-
-    def _quantize_rows(self, x: torch.Tensor, bits: int, granularity: str, gen) -> Quantized:
-        return quantize(
-            x,
-            bits,
-            granularity=granularity,
-            stochastic=self.cfg.rounding == "stochastic",
-            generator=gen,
-        )
+    def _seed(self, ctx: P2PContext, direction: str, device: torch.device):
+        """Stochastic rounding's seed (None: nearest rounding), drawn on ``device`` from
+        :meth:`_generator`'s generator: the fused kernels hash it with each element's index
+        (``megatron_ext/kernels/quant.py``)."""
+        if self.cfg.rounding != "stochastic":
+            return None
+        return draw_seed(device, self._generator(ctx, direction, device))
 
     # -- [s, b, h] tensors as per-sample [rows, cols] blocks --------------------------------
-
-    def _pack_samples(self, q: Quantized) -> torch.Tensor:
-        """Quantized samples ``[k, rows, cols]`` on the wire: every sample's codes, packed
-        (each padded to a multiple of 8 values, so samples stay byte-aligned), then every
-        sample's fp16 scales."""
-        k = q.codes.shape[0]
-        codes = q.codes.reshape(k, -1)
-        pad = (-codes.shape[1]) % 8
-        if pad:
-            codes = torch.cat([codes, codes.new_zeros(k, pad)], dim=1)
-        scales = q.scales.contiguous().view(torch.uint8).reshape(-1)
-        return torch.cat([pack_bits(codes, q.bits), scales])
-
-    def _unpack_samples(
-        self, payload: torch.Tensor, k: int, rows: int, cols: int, bits: int
-    ) -> torch.Tensor:
-        """Inverse of :meth:`_pack_samples`: ``[k, rows, cols]`` dequantized (fp32)."""
-        n = rows * cols
-        padded = n + (-n) % 8
-        ncodes = k * packed_nbytes(padded, bits)
-        codes = unpack_bits(payload[:ncodes], bits, k * padded).view(k, padded)[:, :n]
-        sshape = scale_groups(k, rows, cols, self.cfg.granularity)
-        nscales = 2 * int(np.prod(sshape))
-        scales = payload[ncodes : ncodes + nscales].clone().view(torch.float16).view(sshape)
-        q = Quantized(codes=codes.reshape(k, rows, cols), scales=scales, bits=bits)
-        return dequantize(q)
+    #
+    # On the wire, ``k`` quantized samples ``[k, rows, cols]`` are every sample's codes,
+    # packed (each padded to a multiple of 8 values, so samples stay byte-aligned), then
+    # the fp16 scales of :func:`scale_groups`: one fused op each way
+    # (:func:`~megatron_ext.kernels.quant.quant_pack`, ``unpack_dequant``).
 
     def _grad_spec(self, shape, dtype, ctx) -> Tuple[Tuple[int, ...], torch.dtype]:
         if self.warming_up(ctx):
@@ -616,18 +602,26 @@ class _QuantizingCodec(P2PCodec):
         s, b, h = shape
         return (_quantized_nbytes(b, s, h, self.cfg.bw_bits, self.cfg.granularity),), torch.uint8
 
+    def _encode_samples(self, x: torch.Tensor, bits: int, ctx: P2PContext) -> torch.Tensor:
+        """The payload of ``x`` (``[s, b, h]``) quantized as ``b`` samples."""
+        seed = self._seed(ctx, ctx.direction, x.device)
+        return quant_pack(x.transpose(0, 1), None, seed, bits, self.cfg.granularity)
+
+    def _decode_samples(self, payload, shape, dtype, bits: int) -> torch.Tensor:
+        """Inverse of :meth:`_encode_samples`: ``[s, b, h]`` of ``dtype``."""
+        s, b, h = shape
+        out = unpack_dequant(payload, bits, self.cfg.granularity, b, s, h, dtype)
+        return out.transpose(0, 1)
+
     def _encode_grad(self, g: torch.Tensor, ctx: P2PContext) -> torch.Tensor:
         if self.warming_up(ctx):
             return g
-        gen = self._generator(ctx, "backward", g.device)
-        return self._pack_samples(self._quantize(g.transpose(0, 1), self.cfg.bw_bits, gen))
+        return self._encode_samples(g, self.cfg.bw_bits, ctx)
 
     def _decode_grad(self, payload, shape, dtype, ctx) -> torch.Tensor:
         if self.warming_up(ctx):
             return payload
-        s, b, h = shape
-        out = self._unpack_samples(payload, b, s, h, self.cfg.bw_bits)
-        return out.transpose(0, 1).to(dtype)
+        return self._decode_samples(payload, shape, dtype, self.cfg.bw_bits)
 
     @staticmethod
     def _raw(x: torch.Tensor) -> torch.Tensor:
@@ -656,16 +650,14 @@ class DirectQCodec(_QuantizingCodec):
             return self._encode_grad(tensor, ctx)
         if ctx.forward_only or self.warming_up(ctx):
             return tensor
-        gen = self._generator(ctx, "forward", tensor.device)
-        return self._pack_samples(self._quantize(tensor.transpose(0, 1), self.cfg.fw_bits, gen))
+        return self._encode_samples(tensor, self.cfg.fw_bits, ctx)
 
     def decode(self, payload, ctx, shape, dtype):
         if ctx.direction == "backward":
             return self._decode_grad(payload, shape, dtype, ctx)
         if ctx.forward_only or self.warming_up(ctx):
             return payload
-        s, b, h = shape
-        return self._unpack_samples(payload, b, s, h, self.cfg.fw_bits).transpose(0, 1).to(dtype)
+        return self._decode_samples(payload, shape, dtype, self.cfg.fw_bits)
 
 
 class AQSGDCodec(_QuantizingCodec):
@@ -894,8 +886,8 @@ class AQSGDCodec(_QuantizingCodec):
         host: List[torch.Tensor] = []
         for side, slots in requests:
             flags = getattr(self, side).visited[slots]
-            revisit = flags.nonzero().view(-1)
-            host += [(~flags).nonzero().view(-1), revisit, slots[revisit], slots]
+            first, revisit = (~flags).nonzero().view(-1), flags.nonzero().view(-1)
+            host += [first, revisit, slots[revisit], slots[first], slots]
         flat = torch.cat(host)
         if device.type == "cuda":
             flat = flat.pin_memory()
@@ -903,10 +895,22 @@ class AQSGDCodec(_QuantizingCodec):
         plans, offset = [], 0
         for i, (_, slots) in enumerate(requests):
             views = []
-            for part in host[4 * i : 4 * i + 4]:
+            for part in host[5 * i : 5 * i + 5]:
                 views.append(flat[offset : offset + part.numel()])
                 offset += part.numel()
-            plans.append(_Plan(slots, host[4 * i].numel(), host[4 * i + 2], *views[:2], *views[2:]))
+            plans.append(
+                _Plan(
+                    slots=slots,
+                    num_first=host[5 * i].numel(),
+                    revisit_slots=host[5 * i + 2],
+                    first_slots=host[5 * i + 3],
+                    first=views[0],
+                    revisit=views[1],
+                    revisit_index=views[2],
+                    first_index=views[3],
+                    index=views[4],
+                )
+            )
         return plans
 
     def payload_spec(self, shape, dtype, ctx):
@@ -924,20 +928,31 @@ class AQSGDCodec(_QuantizingCodec):
         delta = _quantized_nbytes(revisits, s, h, self.cfg.fw_bits, self.cfg.granularity)
         return (delta + plan.num_first * raw,), torch.uint8
 
-    def _stage(self, side: str, plan: _Plan, value: torch.Tensor) -> None:
-        """Stage ``value`` (fp32 ``[k, rows, cols]``, what both sides agree on) for
-        :meth:`end_step`: samples with a non-finite value are marked to be skipped, finite
-        values beyond the buffer dtype's range are clamped to it (never stored as inf)."""
+    def _stage_rows(
+        self, side: str, slots: torch.Tensor, index: torch.Tensor, rows: torch.Tensor
+    ) -> None:
+        """Stage full-precision ``rows`` (``[k, rows, cols]``, what both sides agree on: a
+        first visit or a warm-up step) at ``slots`` for :meth:`end_step`: samples with a
+        non-finite value are marked to be skipped, finite values beyond the buffer dtype's
+        range are clamped to it (never stored as inf); one fused op."""
         buffers = getattr(self, side)
-        finite = torch.isfinite(value).flatten(1).all(dim=1)
-        clamped = torch.zeros_like(finite)
-        if buffers.dtype != torch.float32:
-            top = torch.finfo(buffers.dtype).max
-            clamped = (value.abs() > top).flatten(1).any(dim=1) & finite
-            value = value.clamp(-top, top)
-        self._staged[side].append(
-            _Staged(plan.slots, value.to(buffers.dtype), finite, clamped, plan.index)
+        values, finite, clamped = aqsgd_stage(rows, buffers.dtype)
+        self._staged[side].append(_Staged(slots, values, finite, clamped, index))
+
+    def _stage_revisits(
+        self, side: str, plan: _Plan, payload: torch.Tensor, m: torch.Tensor, out_dtype=None
+    ) -> Optional[torch.Tensor]:
+        """Stage the revisits' new rows ``m + dequantize(payload)`` (``m``: their buffer
+        rows) and return those values in ``out_dtype`` (the receiver's activations; None:
+        nothing). Sender and receiver run this same op on the same bytes and rows, so their
+        buffers stay bit-identical, compiled or eager."""
+        values, finite, clamped, out = aqsgd_decode_stage(
+            payload, m, self.cfg.fw_bits, self.cfg.granularity, out_dtype
         )
+        self._staged[side].append(
+            _Staged(plan.revisit_slots, values, finite, clamped, plan.revisit_index, exact=True)
+        )
+        return out if out_dtype is not None else None
 
     def encode(self, tensor, ctx):
         if ctx.direction == "backward":
@@ -950,25 +965,25 @@ class AQSGDCodec(_QuantizingCodec):
         self._check_rows(buffers, x.shape[1], x.shape[2])
         if self.warming_up(ctx):
             # Every sample in full precision; both buffers store the exact activation.
-            self._stage("send", plan, x.float())
+            self._stage_rows("send", plan.slots, plan.index, x)
             self._prefetch_next(buffers, ctx)
             return self._raw(x)
-        value = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        b = x.shape[0]
         parts: List[torch.Tensor] = []
         # Payload: the first visits' raw activations, then the revisits' quantized deltas.
         if plan.num_first:
-            rows = x.index_select(0, plan.first)
+            rows = x if plan.num_first == b else x.index_select(0, plan.first)
             parts.append(self._raw(rows))
-            value.index_copy_(0, plan.first, rows.float())
+            self._stage_rows("send", plan.first_slots, plan.first_index, rows)
         if plan.revisit_slots.numel():
-            m = buffers.read(plan.revisit_slots, plan.revisit_index).float()
-            gen = self._generator(ctx, "forward", x.device)
-            q = self._quantize(x.index_select(0, plan.revisit).float() - m, self.cfg.fw_bits, gen)
-            parts.append(self._pack_samples(q))
-            value.index_copy_(0, plan.revisit, m + dequantize(q))
-        self._stage("send", plan, value)
+            m = buffers.read(plan.revisit_slots, plan.revisit_index)
+            revisits = x if plan.num_first == 0 else x.index_select(0, plan.revisit)
+            seed = self._seed(ctx, "forward", x.device)
+            payload = quant_pack(revisits, m, seed, self.cfg.fw_bits, self.cfg.granularity)
+            parts.append(payload)
+            self._stage_revisits("send", plan, payload, m)
         self._prefetch_next(buffers, ctx)
-        return torch.cat(parts)
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def decode(self, payload, ctx, shape, dtype):
         if ctx.direction == "backward":
@@ -981,24 +996,29 @@ class AQSGDCodec(_QuantizingCodec):
         self._check_rows(buffers, s, h)
         if self.warming_up(ctx):
             x = self._from_raw(payload, (b, s, h), dtype)
-            self._stage("recv", plan, x.float())
+            self._stage_rows("recv", plan.slots, plan.index, x)
             self._prefetch_next(buffers, ctx)
             return x.transpose(0, 1)
-        out = torch.empty(b, s, h, dtype=dtype, device=payload.device)
-        value = torch.empty(b, s, h, dtype=torch.float32, device=payload.device)
+        # One part only (all first visits, or all revisits: the steady state) is returned
+        # as it is; a mix is assembled in one tensor.
+        mixed = 0 < plan.num_first < b
+        out = torch.empty(b, s, h, dtype=dtype, device=payload.device) if mixed else None
         offset = 0
         if plan.num_first:
             offset = plan.num_first * s * h * torch.tensor([], dtype=dtype).element_size()
             x = self._from_raw(payload[:offset], (plan.num_first, s, h), dtype)
-            out.index_copy_(0, plan.first, x)
-            value.index_copy_(0, plan.first, x.float())
-        k = plan.revisit_slots.numel()
-        if k:
-            m = buffers.read(plan.revisit_slots, plan.revisit_index).float()
-            v = m + self._unpack_samples(payload[offset:], k, s, h, self.cfg.fw_bits)
-            out.index_copy_(0, plan.revisit, v.to(dtype))
-            value.index_copy_(0, plan.revisit, v)
-        self._stage("recv", plan, value)
+            self._stage_rows("recv", plan.first_slots, plan.first_index, x)
+            if mixed:
+                out.index_copy_(0, plan.first, x)
+            else:
+                out = x
+        if plan.revisit_slots.numel():
+            m = buffers.read(plan.revisit_slots, plan.revisit_index)
+            v = self._stage_revisits("recv", plan, payload[offset:], m, dtype)
+            if mixed:
+                out.index_copy_(0, plan.revisit, v)
+            else:
+                out = v
         self._prefetch_next(buffers, ctx)
         return out.transpose(0, 1)
 
@@ -1080,10 +1100,21 @@ class AQSGDCodec(_QuantizingCodec):
         if not commit or not staged:
             return
         defer = announced
+        # A side whose step wrote each slot once can store the revisits' rows as they are
+        # (they hold the current row of a non-finite sample already); a slot written twice
+        # in a step (fewer fixed samples than a step's batch) keeps the row-by-row choice
+        # against what the earlier write left.
+        distinct = {}
+        for side in ("send", "recv"):
+            slots = [st.slots for s, st in staged if s == side]
+            if slots:
+                flat = torch.cat(slots)  # host tensors: no device sync
+                distinct[side] = torch.unique(flat).numel() == flat.numel()
         for side, st in staged:
             buffers = getattr(self, side)
             if buffers.where == "device":
-                buffers.write(st.slots, st.values, index=st.index, keep=st.finite)
+                keep = None if st.exact and distinct[side] else st.finite
+                buffers.write(st.slots, st.values, index=st.index, keep=keep)
                 st.written, st.values = True, None  # only the flags are still needed
             else:
                 defer = False

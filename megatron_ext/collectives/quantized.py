@@ -29,6 +29,12 @@ through Adam's variance, so QuantizedAdam freezes the variance and exchanges the
 State (rank-local, keyed by FQN): ``worker_error/<fqn>`` and ``server_error/<fqn>`` (the
 part of a parameter inside this rank's partition; zeros elsewhere).
 
+Kernels: the worker side (spread, error, quantize, new error, this rank's non-finite input
+flag, pack), the server side (unpack, reduce, error, quantize, pack) and the final decode
+into the gradient are one fused op each (``megatron_ext/kernels/quant.py``, eager or
+compiled by ``--fused-kernels``). Stochastic rounding (``--quantized-rounding stochastic``)
+hashes each value's index with a seed drawn on the device from its default generator.
+
 Constraints:
     torch.distributed only (all_to_all, all_gather); never imports Megatron.
 """
@@ -50,23 +56,16 @@ from megatron_ext.collectives.grad_reducer import (
     all_gather_flat,
     scale_state,
 )
-from megatron_ext.compressors.quantize import (
-    Quantized,
-    dequantize,
-    pack_bits,
-    packed_nbytes,
-    quantize,
-    unpack_bits,
+from megatron_ext.kernels.quant import (
+    draw_seed,
+    quantized_decode_rows_into,
+    quantized_encode_rows,
+    quantized_reduce_rows,
+    rows_layout,
 )
+from megatron_ext.kernels.quant import _spread as _spread_rows
 
 __all__ = ["QuantizedReducer"]
-
-
-def _bytes_as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[W', n]`` uint8 columns reinterpreted as ``dtype``: a fresh copy, since a slice of the
-    payload starts at a byte offset that need not be a multiple of the item size (one
-    partition, ``W' = 1``, makes the slice contiguous at that offset, and ``view`` refuses)."""
-    return raw.clone(memory_format=torch.contiguous_format).view(dtype)
 
 
 class QuantizedReducer(GradReducer):
@@ -103,15 +102,10 @@ class _Partitioned:
     def spread(self, flat: torch.Tensor) -> torch.Tensor:
         """``[W, padded]`` fp32: partition ``j`` in row ``j`` (zeros past the bucket).
 
-        A fixed number of device ops whatever ``W`` (no loop over ranks)."""
-        out = torch.zeros(self.size, self.padded, dtype=torch.float32, device=flat.device)
-        if self.part == self.padded:
-            out.view(-1)[: self.n].copy_(flat)
-        else:
-            chunks = torch.zeros(self.size * self.part, dtype=torch.float32, device=flat.device)
-            chunks[: self.n].copy_(flat)
-            out[:, : self.part].copy_(chunks.view(self.size, self.part))
-        return out
+        A fixed number of device ops whatever ``W`` (no loop over ranks); the fused worker
+        kernel (:func:`~megatron_ext.kernels.quant.quantized_encode_rows`) spreads the same
+        way."""
+        return _spread_rows(flat, self.size, self.part, self.padded)
 
     def gather(self, parts: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`spread`: the flat ``[n]`` bucket."""
@@ -140,59 +134,60 @@ class _QuantizedReduction(CompressedReduction):
 
     # -- quantized partitions on the wire -------------------------------------------------
     #
-    # Every rank's partitions are packed, sent, unpacked and dequantized as one batch of
-    # ``W`` rows: the device ops per bucket do not grow with the data-parallel size.
-
-    def _code_width(self, layout: _Partitioned) -> int:
-        """Codes per partition as packed: ``padded``, rounded up to whole groups of 8 below
-        8 bits (what :func:`pack_bits` does to a single partition)."""
-        if self.cfg.bits == 8:
-            return layout.padded
-        return -(-layout.padded // 8) * 8
+    # Every rank's partitions are quantized, packed, sent, unpacked and dequantized as one
+    # batch of ``W`` rows, each chain one fused op (megatron_ext/kernels/quant.py): the
+    # device ops per bucket do not grow with the data-parallel size.
 
     def _partition_nbytes(self, layout: _Partitioned) -> int:
-        return packed_nbytes(layout.padded, self.cfg.bits) + 2 * layout.rows
+        """Wire bytes of one partition (codes and scales, without the sender's flag)."""
+        return rows_layout(layout.part, layout.block, self.cfg.bits)[3]
 
-    def _quantize_rows(self, x: torch.Tensor, layout: _Partitioned) -> Quantized:
-        """``x``: ``[..., padded]`` -> codes per row of ``block``, one fp16 scale a row."""
-        shape = x.shape[:-1] + (layout.rows, layout.block)
-        return quantize(
-            x.reshape(shape),
-            self.cfg.bits,
-            granularity="token",
-            stochastic=self.cfg.rounding == "stochastic",
+    def _seed(self, device: torch.device) -> Optional[torch.Tensor]:
+        """Stochastic rounding's seed, drawn on ``device`` from its default generator."""
+        return draw_seed(device) if self.cfg.rounding == "stochastic" else None
+
+    def encode_worker(self, i: int) -> torch.Tensor:
+        """Bucket ``i``'s worker side: ``[W, nbytes + 4]`` bytes to send (partition ``j`` to
+        rank ``j``, this rank's input flag last); stages the new worker error."""
+        view, layout, cfg = self.spec.buckets[i], self.layouts[i], self.cfg
+        error = self.worker_error[i] if cfg.error_feedback else None
+        send, new_error = quantized_encode_rows(
+            view.grad,
+            error,
+            self._seed(view.grad.device),
+            cfg.bits,
+            layout.block,
+            layout.size,
+            layout.part,
         )
+        if cfg.error_feedback:
+            self._staged[("worker", i)] = new_error
+        return send
 
-    def _pack_rows(self, q: Quantized, layout: _Partitioned, extra=None) -> torch.Tensor:
-        """``[W', nbytes]`` uint8: each partition's packed codes then its fp16 scales (and
-        ``extra`` bytes per row, if given), for ``q`` of ``W'`` partitions."""
-        codes = q.codes.reshape(-1, layout.padded)
-        width = self._code_width(layout)
-        if width != layout.padded:
-            codes = torch.nn.functional.pad(codes, (0, width - layout.padded))
-        count = codes.shape[0]
-        parts = [
-            pack_bits(codes, self.cfg.bits).view(count, -1),
-            q.scales.contiguous().view(torch.uint8).reshape(count, -1),
-        ]
-        if extra is not None:
-            parts.append(extra)
-        return torch.cat(parts, dim=1)
-
-    def _unpack_rows(self, payload: torch.Tensor, layout: _Partitioned) -> torch.Tensor:
-        """Dequantized ``[W', padded]`` fp32 of ``[W', nbytes]`` partition bytes."""
-        count = payload.shape[0]
-        ncodes = packed_nbytes(layout.padded, self.cfg.bits)
-        width = self._code_width(layout)
-        codes = unpack_bits(payload[:, :ncodes].reshape(-1), self.cfg.bits, count * width)
-        codes = codes.view(count, width)[:, : layout.padded]
-        scales = _bytes_as(payload[:, ncodes : ncodes + 2 * layout.rows], torch.float16)
-        q = Quantized(
-            codes=codes.reshape(count, layout.rows, layout.block),
-            scales=scales.reshape(count, layout.rows, 1),
-            bits=self.cfg.bits,
+    def reduce_server(
+        self, i: int, rows: torch.Tensor, requantize: bool
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Bucket ``i``'s server side of the received ``[W, nbytes + 4]`` rows: the summed
+        input flags and either the exact reduction ``r`` (``[padded]`` fp32) or, with
+        ``requantize``, this rank's partition quantized again (``[nbytes]`` bytes, the new
+        server error staged)."""
+        layout, cfg = self.layouts[i], self.cfg
+        mean = self.spec.op != torch.distributed.ReduceOp.SUM
+        error = self.server_error[i] if cfg.error_feedback and requantize else None
+        seed = self._seed(rows.device) if requantize else None
+        flag, r, mine, new_error = quantized_reduce_rows(
+            rows, error, seed, cfg.bits, layout.block, layout.part, mean, requantize
         )
-        return dequantize(q).reshape(count, layout.padded)
+        if error is not None:
+            self._staged[("server", i)] = new_error
+        return flag, mine if requantize else r
+
+    def decode_gathered(self, i: int, gathered: torch.Tensor) -> None:
+        """Write the all-gathered ``[W, nbytes]`` partitions into bucket ``i``'s gradient."""
+        view, layout = self.spec.buckets[i], self.layouts[i]
+        quantized_decode_rows_into(
+            gathered, self.cfg.bits, layout.block, layout.part, out=view.grad
+        )
 
     # -- the reduction --------------------------------------------------------------------
 
@@ -202,16 +197,7 @@ class _QuantizedReduction(CompressedReduction):
         reduce_scatter = spec.distributed_optimizer and not force_all_reduce
         works, pending = [], []
         for i, (view, layout) in enumerate(zip(spec.buckets, self.layouts)):
-            h = layout.spread(view.grad.float())
-            if self.cfg.error_feedback:
-                h += self.worker_error[i]
-            q = self._quantize_rows(h, layout)
-            if self.cfg.error_feedback:
-                self._staged[("worker", i)] = h - dequantize(q).reshape(h.shape)
-            # This rank's input flag rides along with every partition (4 bytes each).
-            flag = self.input_flag(h.device, h).expand(layout.size).contiguous()
-            send = self._pack_rows(q, layout, flag.view(torch.uint8).view(layout.size, 4))
-            send = send.reshape(-1)
+            send = self.encode_worker(i).reshape(-1)
             recv = torch.empty_like(send)
             with ProcessGroupTrafficMeter.tagged("dp-grad"):
                 work = torch.distributed.all_to_all_single(
@@ -231,29 +217,21 @@ class _QuantizedReduction(CompressedReduction):
         spec = self.spec
         nbytes = self._partition_nbytes(layout)
         rows = recv.view(layout.size, nbytes + 4)
-        flag = _bytes_as(rows[:, nbytes:], torch.float32).sum().reshape(1)
-        r = self._unpack_rows(rows[:, :nbytes], layout).sum(dim=0)
-        if spec.op != torch.distributed.ReduceOp.SUM:
-            r /= layout.size
-        me = spec.group_rank
-        lo, hi = me * layout.part, min((me + 1) * layout.part, layout.n)
         if reduce_scatter:
             # Only this rank's shard is needed: the exact reduction of the workers' codes.
+            flag, r = self.reduce_server(i, rows, requantize=False)
+            me = spec.group_rank
+            lo, hi = me * layout.part, min((me + 1) * layout.part, layout.n)
             view.grad[lo:hi].copy_(r[: hi - lo])
             self.poison(view, flag, reduce_scatter)
             return
-        s = r + self.server_error[i] if self.cfg.error_feedback else r
-        q = self._quantize_rows(s, layout)
-        if self.cfg.error_feedback:
-            self._staged[("server", i)] = s - dequantize(q).reshape(-1)
-        mine = self._pack_rows(q, layout).reshape(-1)
+        flag, mine = self.reduce_server(i, rows, requantize=True)
         gathered = torch.empty(layout.size * nbytes, dtype=torch.uint8, device=mine.device)
         with ProcessGroupTrafficMeter.tagged("dp-grad"):
             all_gather_flat(gathered, mine, spec.group)
         # Dense equivalent recorded with the all-to-all.
         self.record("all_gather", gathered, 0)
-        parts = self._unpack_rows(gathered.view(layout.size, nbytes), layout)
-        view.grad.copy_(layout.gather(parts).to(view.grad.dtype))
+        self.decode_gathered(i, gathered.view(layout.size, nbytes))
         self.poison(view, flag, reduce_scatter)
 
     def end_step(self, applied: bool, rescale: Optional[torch.Tensor] = None) -> None:

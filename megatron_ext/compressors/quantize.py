@@ -7,7 +7,9 @@ What it does:
 
     * ``scale = max |x|`` over the group, rounded to fp16;
     * ``q = clip(round(x / (scale + 1e-6) * 2^(b-1)), -2^(b-1), 2^(b-1) - 1)`` (nearest, or
-      stochastic rounding: floor plus a Bernoulli draw with the fractional part, unbiased);
+      stochastic rounding: floor plus a Bernoulli draw with the fractional part, unbiased;
+      the uniform noise is a counter-based hash of the element index and a seed drawn
+      from the generator on the tensor's device, as the fused kernels draw it);
     * dequantized ``x_hat = q / 2^(b-1) * scale``, so ``|x - x_hat| <= scale / 2^(b-1)``
       with nearest rounding (half a step, one step where ``2^(b-1) * scale`` clips).
 
@@ -22,6 +24,9 @@ What it does:
     four a byte; 8 bits: one a byte, unpadded), little-endian within the group of 8.
     :func:`packed_nbytes` is the size on
     the wire, a pure function of (numel, bits), so a receiver can allocate it in advance.
+
+    The arithmetic is :mod:`megatron_ext.kernels.quant`'s (the building blocks of the fused
+    kernels the methods call), so these functions and the methods' kernels agree bit for bit.
 
 Constraints:
     Pure torch; no torch.distributed, no Megatron. Deterministic given the input (and the
@@ -38,6 +43,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from megatron_ext.kernels import quant as _core
+
 __all__ = [
     "GRANULARITIES",
     "Quantized",
@@ -51,7 +58,6 @@ __all__ = [
 ]
 
 GRANULARITIES = ("channel", "token")
-_EPS = 1e-6
 
 
 @dataclass
@@ -111,66 +117,36 @@ def quantize(
             f"stochastic rounding of a tensor on {x.device} needs a generator on that device, "
             f"got one on {generator.device}"
         )
-    xf = x.float()
     if granularity == "channel":
-        scale = xf.abs().amax(dim=-2, keepdim=True)
+        dim = -2
     elif granularity == "token":
-        scale = xf.abs().amax(dim=-1, keepdim=True)
+        dim = -1
     else:
         raise ValueError(f"unknown granularity {granularity!r} (choose from {GRANULARITIES})")
-    scale = scale.half()
-    levels = float(1 << (bits - 1))
-    y = xf / (scale.float() + _EPS) * levels
-    if stochastic:
-        floor = y.floor()
-        noise = torch.rand(y.shape, generator=generator, device=y.device, dtype=y.dtype)
-        y = floor + (noise < (y - floor)).float()
-    else:
-        y = y.round()
-    y = y.clamp_(-levels, levels - 1)
-    codes = (y + levels).to(torch.uint8)
+    seed = _core.draw_seed(x.device, generator) if stochastic else None
+    codes, scale = _core.quantize_codes(x.float(), bits, dim, seed)
     return Quantized(codes=codes, scales=scale, bits=bits)
 
 
 def dequantize(q: Quantized) -> torch.Tensor:
     """fp32 values of ``q``: ``(codes - 2^(b-1)) / 2^(b-1) * scale``."""
-    levels = float(1 << (q.bits - 1))
-    return (q.codes.float() - levels) / levels * q.scales.float()
+    return _core.dequantize_codes(q.codes, q.scales, q.bits)
 
 
 def packed_nbytes(numel: int, bits: int) -> int:
     """Bytes of :func:`pack_bits` for ``numel`` codes (groups of 8 codes -> ``bits`` bytes;
     8-bit codes are stored as they are)."""
     _check_bits(bits)
-    if bits == 8:
-        return numel
-    return -(-numel // 8) * bits
+    return _core.packed_nbytes(numel, bits)
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack uint8 codes (< 2^bits) into ``packed_nbytes(numel, bits)`` bytes."""
     _check_bits(bits)
-    flat = codes.reshape(-1)
-    if bits == 8:
-        return flat.clone()
-    n = flat.numel()
-    pad = (-n) % 8
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    if 8 % bits == 0:
-        # 1, 2, 4 bits: whole codes per byte, combined in uint8 (same layout as below).
-        per = 8 // bits
-        groups = flat.view(-1, per)
-        out = groups[:, 0].clone()
-        for i in range(1, per):
-            out |= groups[:, i] << (bits * i)
-        return out
-    groups = flat.view(-1, 8).to(torch.int64)
-    shifts = torch.arange(8, device=flat.device, dtype=torch.int64) * bits
-    word = (groups << shifts).sum(dim=1)  # 8 * bits <= 64 bits per group
-    byte_shifts = torch.arange(bits, device=flat.device, dtype=torch.int64) * 8
-    out = (word.unsqueeze(1) >> byte_shifts) & 0xFF
-    return out.to(torch.uint8).reshape(-1)
+    flat = codes.reshape(1, -1)
+    n = flat.shape[1]
+    width = n if bits == 8 else n + (-n) % 8
+    return _core.pack_codes(flat, bits, width).reshape(-1)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
@@ -181,19 +157,9 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
             f"{packed.numel()} bytes do not hold {numel} codes of {bits} bits "
             f"({packed_nbytes(numel, bits)} expected)"
         )
-    if bits == 8:
-        return packed.reshape(-1)[:numel].clone()
-    if 8 % bits == 0:
-        per, mask = 8 // bits, (1 << bits) - 1
-        flat = packed.reshape(-1)
-        out = torch.stack([(flat >> (bits * i)) & mask for i in range(per)], dim=1)
-        return out.reshape(-1)[:numel]
-    groups = packed.reshape(-1, bits).to(torch.int64)
-    byte_shifts = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
-    word = (groups << byte_shifts).sum(dim=1)
-    shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
-    codes = (word.unsqueeze(1) >> shifts) & ((1 << bits) - 1)
-    return codes.to(torch.uint8).reshape(-1)[:numel]
+    width = numel if bits == 8 else numel + (-numel) % 8
+    codes = _core.unpack_codes(packed.reshape(1, -1), bits, width).reshape(-1)[:numel]
+    return codes.clone() if bits == 8 else codes
 
 
 def quantized_nbytes(shape: Tuple[int, ...], bits: int, granularity: str) -> int:

@@ -133,8 +133,13 @@ def use_fused(tensor: torch.Tensor) -> bool:
 @functools.lru_cache(maxsize=None)
 def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     # fullgraph: a graph break would split the kernel silently; dynamic: one compile serves
-    # every bucket / activation size instead of one per shape.
-    return torch.compile(fn, fullgraph=True, dynamic=True)
+    # every bucket / activation size instead of one per shape; emulate_precision_casts:
+    # keep eager's roundings to fp16 / bf16 inside a fused kernel (by default inductor
+    # drops a downcast followed by an upcast, e.g. an fp16 scale used in fp32, and the
+    # compiled kernel would disagree with the eager reference).
+    return torch.compile(
+        fn, fullgraph=True, dynamic=True, options={"emulate_precision_casts": True}
+    )
 
 
 def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -430,7 +430,28 @@ def test_kernels_quick_writes_its_json(tmp_path):
             assert isinstance(r["meets"], bool)
     assert report["environment"]["device"].startswith("cpu")
     assert report["settings"]["dtypes"] == {"cpu": ["fp32", "bf16"]}
+    # --fused-kernels off (the default): the methods' kernels ran eager, as recorded
+    assert report["settings"]["fused_kernels"] == "off" and "fused kernels: off" in proc.stdout
+    assert {r["fused_kernels"] for r in rows} == {"off"}
     assert report["complete"] is True  # rewritten after every row, complete at the end
+
+
+def test_kernels_fused_flag_sets_the_mode_or_refuses_naming_it(monkeypatch):
+    from megatron_ext import kernels as fused
+
+    assert kernels.build_parser().parse_args([]).fused_kernels == "off"
+    with pytest.raises(SystemExit) as exit_info:
+        kernels.build_parser().parse_args(["--fused-kernels", "auto"])  # argparse: choices
+    assert exit_info.value.code == 2
+    monkeypatch.delenv(fused.ENV_VAR, raising=False)
+    try:
+        kernels._set_fused_kernels("on")
+        assert fused.mode() == "on"
+        monkeypatch.setattr(fused, "fused_unavailable", lambda device="cpu": "no C++ compiler")
+        with pytest.raises(SystemExit, match="--fused-kernels on: no C\\+\\+ compiler"):
+            kernels._set_fused_kernels("on")
+    finally:
+        fused.set_mode(None)
 
 
 # -- sites ---------------------------------------------------------------------------------

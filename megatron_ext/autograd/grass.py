@@ -42,6 +42,14 @@ On a GPU:
     (no ``.item()``, ``.tolist()`` or boolean-mask indexing) in the forward, the backward
     and the optimizer's row write.
 
+    Launches: a layer's microbatch runs the forward matmul, the input-gradient matmul, the
+    gather of the selected rows (or columns), the projected matmul and the accumulation
+    into ``main_grad`` (5, against dense's 4): ``rho`` is cast once per selection, not
+    multiplied at all where it is all ones (top-r and the rules without replacement: known
+    on the host when the selection is made), and a lower-precision ``G_C`` is added to the
+    fp32 ``main_grad`` without a cast (``add_`` widens it exactly). The optimizer's row
+    write of all layers (:func:`write_rows`) batches what it can into foreach ops.
+
     Duplicate rows (sampling with replacement) are summed deterministically: no
     ``index_add_``, which accumulates with atomics on CUDA (a summation order that changes
     from run to run, so data-parallel replicas would drift apart by an ulp a step). The
@@ -61,7 +69,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -73,6 +81,7 @@ __all__ = [
     "needs_sketch",
     "projected_dim",
     "virtual_shape",
+    "write_rows",
 ]
 
 SELECTION_METHODS = ("topr", "norm", "norm2", "norm-nr", "norm2-nr", "uniform", "uniform-nr")
@@ -284,6 +293,13 @@ class GrassLayer:
     _slot_col: Optional[torch.Tensor] = None
     _unit_block: Optional[torch.Tensor] = None
     _unit_col: Optional[torch.Tensor] = None
+    # Known on the host when a selection is made or loaded (no device sync): every rho is 1
+    # (top-r and the rules without replacement: no scaling pass), the slot table is the
+    # identity (distinct sorted indices: no permutation pass); rho cast to each dtype the
+    # backward met (once per selection, not per microbatch).
+    _rho_one: bool = False
+    _slots_identity: bool = False
+    _rho_by_dtype: Optional[Dict[torch.dtype, torch.Tensor]] = None
 
     def __post_init__(self):
         if self.mode not in ("row", "col"):
@@ -347,15 +363,28 @@ class GrassLayer:
             self._add_sketch(dy, x)
         if self.index is None:
             return None
-        # index and rho are on the weight's device already (no copy); the cast is on-device
-        rho = self.rho.to(dy.dtype)
+        # index and rho are on the weight's device already (no copy); rho is cast to dy's
+        # dtype once per selection, and a rho of ones scales nothing (x * 1 == x bit for bit)
+        rho = None if self._rho_one else self._rho_as(dy.dtype)
         if self.mode == "row":
-            return (dy.index_select(1, self.index) * rho).t().matmul(x)
+            rows = dy.index_select(1, self.index)
+            return (rows if rho is None else rows * rho).t().matmul(x)
         if self.num_col_parts == 1:
-            return dy.t().matmul(x.index_select(1, self.index) * rho)
+            cols = x.index_select(1, self.index)
+            return dy.t().matmul(cols if rho is None else cols * rho)
         # block p's slots are p*r .. (p+1)*r - 1 (part-major, see reselect)
-        xs = (x.index_select(1, self._slot_col) * rho).split(self.rank, dim=1)
+        cols = x.index_select(1, self._slot_col)
+        xs = (cols if rho is None else cols * rho).split(self.rank, dim=1)
         return torch.cat([b.t().matmul(c) for b, c in zip(self._blocks(dy), xs)], dim=1)
+
+    def _rho_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """``rho`` in ``dtype``, cast once per selection (on the device)."""
+        if self._rho_by_dtype is None:
+            self._rho_by_dtype = {}
+        rho = self._rho_by_dtype.get(dtype)
+        if rho is None:
+            rho = self._rho_by_dtype[dtype] = self.rho.to(dtype)
+        return rho
 
     def _add_sketch(self, dy: torch.Tensor, x: torch.Tensor) -> None:
         dy32, x32 = dy.float(), x.float()
@@ -465,16 +494,25 @@ class GrassLayer:
         row ``j``'s slots by one gather per multiplicity, in slot order, instead of an
         atomic ``index_add_``.
         """
+        return self.base + self._delta(v)
+
+    def _delta(self, v: torch.Tensor) -> torch.Tensor:
+        """``P V`` on the unique rows (:meth:`current_rows` without ``base``); may be a view
+        of ``v`` (no scaling, no permutation)."""
         dtype = self.base.dtype
-        scaled = self._rows(v).to(dtype) * self.rho.to(dtype)[:, None]
-        if self.slots.shape[1] == 1:  # distinct rows: a permutation of the slots
+        scaled = self._rows(v).to(dtype)
+        if not self._rho_one:
+            scaled = scaled * self._rho_as(dtype)[:, None]
+        if self._slots_identity:  # distinct sorted rows: slot j is unique row j
+            delta = scaled
+        elif self.slots.shape[1] == 1:  # distinct rows: a permutation of the slots
             delta = scaled.index_select(0, self.slots[:, 0])
         else:
             padded = torch.cat([scaled, scaled.new_zeros(1, scaled.shape[1])])
             delta = torch.zeros_like(self.base)
             for column in self.slots.unbind(1):
                 delta.add_(padded.index_select(0, column))
-        return self.base + delta
+        return delta
 
     def write_rows(self, v: torch.Tensor) -> None:
         """Write ``base + P V`` into the selected rows of the frozen weight."""
@@ -521,6 +559,19 @@ class GrassLayer:
             self._unit_block = (unique // n).to(device)
             self._unit_col = (unique % n).to(device)
 
+    def _adopt_scales(self, rho: torch.Tensor, slots: torch.Tensor, device: Any) -> None:
+        """Set ``rho`` and the slot table (host tensors, moved to ``device`` here) and what
+        the host knows of them: all ones, the identity (module doc, no device sync)."""
+        self._rho_one = rho.device.type == "cpu" and bool(rho.eq(1).all())
+        self._slots_identity = (
+            slots.device.type == "cpu"
+            and slots.shape[1] == 1
+            and torch.equal(slots[:, 0], torch.arange(slots.shape[0]))
+        )
+        self._rho_by_dtype = None
+        self.rho = rho.detach().to(device, torch.float32)
+        self.slots = slots.to(device)
+
     def set_selection(self, index: torch.Tensor, rho: torch.Tensor, v: torch.Tensor) -> None:
         """Adopt a new selection: fold ``V`` into the weight, take the new rows' fp32 values
         as ``base`` (rows kept from the old selection keep their fp32 values) and zero ``V``.
@@ -545,8 +596,8 @@ class GrassLayer:
             pos = torch.searchsorted(old_unique, self.unique).clamp_max(old_unique.numel() - 1)
             kept = old_unique.index_select(0, pos).eq(self.unique)
             base = torch.where(kept[:, None], values.index_select(0, pos), base)
-        self.rho = rho.detach().to(device, torch.float32)
-        self.slots, self.base = slots.to(device), base
+        self._adopt_scales(rho, slots, device)
+        self.base = base
         with torch.no_grad():
             v.zero_()
 
@@ -610,10 +661,40 @@ class GrassLayer:
         # moved to the weight's device once, here
         device = self.weight.device
         self._adopt(index, unique, device)
-        self.rho = state["rho"].to(device, torch.float32)
-        self.slots = _slot_table(inverse, unique.numel()).to(device)
+        self._adopt_scales(state["rho"], _slot_table(inverse, unique.numel()), device)
         self.base = state["base"].to(device, self.master_dtype)
         self.sketching, self.sketch, self.omega = False, None, None
+
+
+def write_rows(layers: Sequence[GrassLayer], values: Sequence[torch.Tensor]) -> None:
+    """:meth:`GrassLayer.write_rows` of several layers (``values``: each one's ``V``) with
+    the same results: the additions ``base + P V`` of the layers whose two operands share
+    one layout (row mode; the scaling and permutation that are not identities already done
+    per layer) run as one foreach op per device and dtype (one launch instead of one per
+    layer); each layer's scatter into its weight stays its own op.
+
+    Not a fused kernel per layer: the rows are ``r x n`` (about 1% of Grass's traffic), so a
+    row write is bound by launches and host time, and a custom op costs more host time per
+    call than the passes it would merge (CPU, one thread, 8 x 32 rows: the eager chain of
+    add, cast and ``index_copy_`` 6 us; the same as a custom op 28 us eager, 52 us
+    compiled). Batching across layers is what pays."""
+    chosen = [(layer, v) for layer, v in zip(layers, values) if layer.index is not None]
+    deltas = [layer._delta(v) for layer, v in chosen]
+    rows: List[Optional[torch.Tensor]] = [None] * len(chosen)
+    groups: Dict[Tuple[Any, torch.dtype], List[int]] = {}
+    for i, ((layer, _), delta) in enumerate(zip(chosen, deltas)):
+        base = layer.base
+        if delta.shape == base.shape and delta.stride() == base.stride():
+            groups.setdefault((base.device, base.dtype), []).append(i)
+        else:
+            rows[i] = base + delta
+    for members in groups.values():
+        bases = [chosen[i][0].base for i in members]
+        sums = torch._foreach_add(bases, [deltas[i] for i in members])
+        for i, total in zip(members, sums):
+            rows[i] = total
+    for (layer, _), total in zip(chosen, rows):
+        layer._scatter_units(total)
 
 
 def _all_gather_first_dim(t: torch.Tensor, group: Any) -> torch.Tensor:
@@ -660,10 +741,14 @@ class _GrassLinear(torch.autograd.Function):
         param = layer.param
         if g is None:
             g = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
-        if hasattr(param, "main_grad"):
+        main_grad = getattr(param, "main_grad", None)
+        if main_grad is not None:
             # megatron-core DDP: accumulate in its fp32 buffer (gradient-accumulation
-            # fusion); the dummy gradient still runs the parameter's grad hook.
-            param.main_grad.add_(g.to(param.main_grad.dtype))
+            # fusion); the dummy gradient still runs the parameter's grad hook. A lower
+            # precision g is added as it is: add_ widens it exactly, as a cast would.
+            if torch.promote_types(g.dtype, main_grad.dtype) != main_grad.dtype:
+                g = g.to(main_grad.dtype)
+            main_grad.add_(g)
             param.grad_added_to_main_grad = True
             grad_param = torch.empty(param.shape, dtype=param.dtype, device=param.device)
         else:

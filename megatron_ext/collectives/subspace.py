@@ -25,6 +25,12 @@ Token ids on the wire:
     received microbatch until it sends that microbatch on. Both happen in microbatch order
     in every megatron schedule that is not interleaved, so a FIFO matches them.
 
+Kernels:
+    Each of the four transforms is one fused op (``megatron_ext.kernels.subspace``: the
+    gather, the fp32 casts, the subtraction or addition and the matmul in one pass, compiled
+    on a GPU, eager on the CPU by default), so a forward direction moves about two copies
+    of the activation, a backward one about one.
+
 Constraints:
     torch only; never imports Megatron or torch.distributed. Not for the interleaved
     schedule (refused by the method).
@@ -39,15 +45,9 @@ import torch
 
 from megatron_ext.collectives.p2p import P2PCodec, P2PContext
 from megatron_ext.compressors.subspace import Subspace
+from megatron_ext.kernels import subspace as kernels
 
 __all__ = ["SubspaceCodec"]
-
-
-def _id_elems(dtype: torch.dtype) -> int:
-    size = torch.empty((), dtype=dtype).element_size()
-    if size not in (1, 2, 4):
-        raise ValueError(f"token ids cannot be packed into a {dtype} payload")
-    return 4 // size
 
 
 class SubspaceCodec(P2PCodec):
@@ -92,16 +92,15 @@ class SubspaceCodec(P2PCodec):
         tokens = int(torch.Size(shape[:-1]).numel())
         numel = tokens * self.subspace.k
         if ctx.direction == "forward":
-            numel += tokens * _id_elems(dtype)
+            numel += tokens * kernels.id_elems(dtype)
         return (numel,), dtype
 
     def encode(self, tensor: torch.Tensor, ctx: P2PContext) -> torch.Tensor:
         u = self.subspace.on(tensor.device).u
         if ctx.direction == "backward":
-            g = tensor.reshape(-1, self.subspace.d).float()
             if self.accumulate and not ctx.forward_only:
-                self.subspace.accumulate(g)
-            return (g @ u).to(tensor.dtype).reshape(-1)
+                self.subspace.accumulate(tensor)
+            return kernels.coords(tensor, u)
         if not self._ids:
             raise RuntimeError(
                 "protocol codec: no token ids for the activation being sent (the embedding "
@@ -114,24 +113,19 @@ class SubspaceCodec(P2PCodec):
                 f"shape {tuple(tensor.shape)}"
             )
         fixed = self.subspace.fixed
-        v = tensor.float() - fixed[ids].float()
-        c = v @ u
         if self.check_residual:
-            err = (v - c @ u.t()).norm() / v.norm().clamp_min(1e-30)
+            v = tensor.float() - fixed[ids].float()
+            err = (v - (v @ u) @ u.t()).norm() / v.norm().clamp_min(1e-30)
             self.max_residual = max(self.max_residual, float(err))
-        packed = ids.to(torch.int32).contiguous().view(tensor.dtype).reshape(-1)
-        return torch.cat([c.to(tensor.dtype).reshape(-1), packed])
+        return kernels.encode(tensor, ids, fixed, u)
 
     def decode(
         self, payload: torch.Tensor, ctx: P2PContext, shape: Tuple[int, ...], dtype: torch.dtype
     ) -> torch.Tensor:
         u = self.subspace.on(payload.device).u
-        k = self.subspace.k
-        lead = tuple(shape[:-1])
-        tokens = int(torch.Size(lead).numel())
-        c = payload[: tokens * k].float().reshape(*lead, k)
+        lead = list(shape[:-1])
         if ctx.direction == "backward":
-            return (c @ u.t()).to(dtype)
-        ids = payload[tokens * k :].contiguous().view(torch.int32).reshape(lead).long()
+            return kernels.lift(payload, u, lead, dtype)
+        x, ids = kernels.decode(payload, self.subspace.fixed, u, lead, dtype)
         self.push_token_ids(ids)
-        return (c @ u.t() + self.subspace.fixed[ids].float()).to(dtype)
+        return x

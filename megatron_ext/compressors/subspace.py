@@ -104,6 +104,10 @@ def coordinates(t: torch.Tensor, u: torch.Tensor, axis: int) -> torch.Tensor:
     is the last dimension (``vocab x d`` -> ``vocab x k``; a bias ``d`` -> ``k``), ``U^T t``
     when it is the first (``d x n`` -> ``k x n``)."""
     x = t.float()
+    if t.dim() == 1 and axis == 0:
+        # matmul's own path for a vector (mm, then an in-place squeeze, which the cost model
+        # would count as a launch): the same product
+        return x.unsqueeze(0).mm(u).squeeze(0)
     if axis == t.dim() - 1:
         return x @ u
     if axis == 0:

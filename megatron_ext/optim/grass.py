@@ -61,7 +61,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from megatron_ext.autograd.grass import GrassLayer
+from megatron_ext.autograd.grass import GrassLayer, write_rows
 from megatron_ext.logging import get_logger
 from megatron_ext.optim.hooks import OptimizerHook, OptimizerView, ParamOptimState
 
@@ -256,17 +256,35 @@ class GrassOptimizerHook(OptimizerHook):
     # -- the step ----------------------------------------------------------------------------
 
     def pre_step(self, view: OptimizerView) -> None:
+        # One copy of every layer's V, a foreach op per device and dtype (not one per layer).
         self._before = {}
+        groups: Dict[Any, List[Any]] = {}
         for fqn, layer in self.layers.items():
             if layer.index is None:
                 continue
             state = view.param_state(self.param_fqn(fqn))
             if state is not None:
-                self._before[fqn] = state.main_param.detach().clone()
+                main = state.main_param.detach()
+                groups.setdefault((main.device, main.dtype), []).append((fqn, main))
+        for members in groups.values():
+            copies = [torch.empty_like(main) for _, main in members]
+            torch._foreach_copy_(copies, [main for _, main in members])
+            self._before.update((fqn, c) for (fqn, _), c in zip(members, copies))
 
     def post_step(self, view: OptimizerView, update_successful: bool) -> None:
+        """The rescaled step, the row decay and the row write of every layer (module doc).
+
+        The per-layer work is gathered first and then run as foreach ops over the layers
+        that share a device, a dtype and (for ``add_``'s ``alpha``) a scalar: each tensor
+        sees the same operations in the same order as a loop over the layers would apply
+        (the layers' tensors are distinct), so the results are the same bits.
+        """
         step = view.step
         s = self.schedule.lr_scale(step, self.active_since)
+        rescale: Dict[Any, List[Any]] = {}  # (device, dtype) -> [(main, before, factor)]
+        decay: Dict[Any, List[Any]] = {}  # (device, dtype, alpha) -> [(main, before)]
+        bases: Dict[Any, List[Any]] = {}  # (device, dtype) -> [(base, factor)]
+        written: List[Any] = []  # (layer, main)
         for fqn, layer in self.layers.items():
             state = view.param_state(self.param_fqn(fqn))
             if state is None or fqn not in self._before:
@@ -277,23 +295,46 @@ class GrassOptimizerHook(OptimizerHook):
             wd = float(state.group.get("weight_decay", 0.0))
             decoupled = bool(wd) and state.decoupled_weight_decay
             c = self._bias_correction(fqn, layer, state) if update_successful else 1.0
-            with torch.no_grad():
-                if isinstance(c, torch.Tensor):  # one factor per slot
+            key = (main.device, main.dtype)
+            if isinstance(c, torch.Tensor):  # one factor per slot (rare: after a selection)
+                with torch.no_grad():
                     c = c.to(main.dtype)
                     main.sub_(before).mul_(c * s).add_(before)
                     if decoupled:
                         # keep the decay term -lr*wd*V0 at scale s (only Adam's part gets c)
                         main.add_(before * ((c - 1.0) * (s * lr * wd)))
-                else:
-                    if s * c != 1.0:
-                        main.sub_(before).mul_(s * c).add_(before)
-                    if decoupled and c != 1.0:
-                        main.add_(before, alpha=s * lr * wd * (c - 1.0))
-                if update_successful and decoupled:
-                    layer.base.mul_(1.0 - s * lr * wd)
-                layer.write_rows(main)
+            else:
+                if s * c != 1.0:
+                    rescale.setdefault(key, []).append((main, before, s * c))
+                if decoupled and c != 1.0:
+                    decay.setdefault(key + (s * lr * wd * (c - 1.0),), []).append((main, before))
+            if update_successful and decoupled:
+                base = layer.base
+                bases.setdefault((base.device, base.dtype), []).append((base, 1.0 - s * lr * wd))
+            written.append((layer, main))
+        with torch.no_grad():
+            for members in rescale.values():
+                mains, befores, factors = (list(t) for t in zip(*members))
+                torch._foreach_sub_(mains, befores)
+                torch._foreach_mul_(mains, factors)
+                torch._foreach_add_(mains, befores)
+            for (_, _, alpha), members in decay.items():
+                mains, befores = (list(t) for t in zip(*members))
+                torch._foreach_add_(mains, befores, alpha=alpha)
+            for members in bases.values():
+                tensors, factors = (list(t) for t in zip(*members))
+                torch._foreach_mul_(tensors, factors)
+            write_rows([layer for layer, _ in written], [main for _, main in written])
+            copies: Dict[Any, List[Any]] = {}
+            for layer, main in written:
                 if main is not layer.param:
-                    layer.param.data.copy_(main)
+                    param = layer.param.data
+                    copies.setdefault((param.device, param.dtype, main.dtype), []).append(
+                        (param, main)
+                    )
+            for members in copies.values():
+                params, mains = (list(t) for t in zip(*members))
+                torch._foreach_copy_(params, mains)
         self._before = {}
         if self._selecting:
             self._select(view, step)

@@ -78,7 +78,10 @@ Memory traffic (the cost model's unit; ``benchmarks/gpu_cost.py``):
     A fused kernel registered as a ``torch.library`` custom op with a fake (meta)
     implementation reaches the mode as one op with its own inputs, outputs and
     ``mutates_args``, so it is counted as one launch with exactly its own traffic, by the
-    same rules and with no change here (``tests/unit/test_gpu_cost.py`` shows it).
+    same rules and with no change here (``tests/unit/test_gpu_cost.py`` shows it). A kernel
+    that gathers rows of a table argument inside it is gather-like for that argument: it
+    reads only the rows it addresses (``megatron_ext.kernels.ROW_GATHERS`` names the table
+    and what counts the rows).
 
 What it proves, and what only a GPU can:
     It proves, on a CPU machine, that a steady-state step keeps every tensor on the device,
@@ -500,6 +503,27 @@ def _numel_of(shape: Sequence[int]) -> int:
     return n
 
 
+def _row_gather(func, values) -> dict:
+    """``{table argument: bytes read}`` of a fused kernel that reads only some rows of a
+    table (``megatron_ext.kernels.ROW_GATHERS``); empty for every other op."""
+    from megatron_ext.kernels import ROW_GATHERS
+
+    entry = ROW_GATHERS.get(func._schema.name)
+    if entry is None:
+        return {}
+    table_arg, rows_arg = entry
+    byname = {a.name: v for a, v in values}
+    table, rows = byname[table_arg], byname[rows_arg]
+    if isinstance(rows, torch.Tensor):
+        count = rows.numel()
+    elif isinstance(rows, (list, tuple)):
+        count = _numel_of(rows)
+    else:
+        count = int(rows)
+    row_bytes = (table.numel() // max(table.shape[0], 1)) * table.element_size()
+    return {table_arg: min(count * row_bytes, _footprint(table))}
+
+
 def op_traffic(func, name: str, args, kwargs, out) -> Tuple[int, int]:
     """``(bytes read, bytes written)`` of one device op by the rules of the module docstring.
 
@@ -559,6 +583,7 @@ def op_traffic(func, name: str, args, kwargs, out) -> Tuple[int, int]:
         return r, w
 
     write_only_first = name in _WRITE_ONLY
+    gathered = _row_gather(func, values)
     for i, (a, v) in enumerate(values):
         mutable = a.alias_info is not None and a.alias_info.is_write
         for t in _flat(v):
@@ -568,6 +593,8 @@ def op_traffic(func, name: str, args, kwargs, out) -> Tuple[int, int]:
                 add(written, t)
                 if not (a.kwarg_only or (write_only_first and i == 0)):
                     add(read, t)
+            elif a.name in gathered:
+                read.setdefault(_tensor_key(t), gathered[a.name])
             else:
                 add(read, t)
     returns = func._schema.returns

@@ -472,6 +472,49 @@ def test_grass_resumed_from_cpu_loaded_state_steps_on_device():
         _assert_clean(run.mode.steps, f"grass resumed, rank {run.rank}")
 
 
+def _grass_steady_launches(layers_count, dtype, mode_name):
+    """Launches of one steady step's parts: ``layers_count`` identical projected layers
+    (bf16 or fp32 weights, fp32 ``main_grad``), top-r, two microbatches."""
+    from tests.helpers.grass import GrassSpec
+
+    shape = (8, 16) if mode_name == "row" else (16, 8)
+    specs = [GrassSpec(f"l{i}.weight", shape, mode_name, 2) for i in range(layers_count)]
+
+    def body(rank, mode):
+        layers, hook = grass_setup(
+            "topr",
+            True,
+            DEVICE,
+            lambda i, shape: torch.zeros(shape, device=DEVICE, dtype=dtype),
+            specs=specs,
+            main_grad=True,
+        )
+        grass_steps(mode, layers, hook, _GrassView(layers), 2, microbatches=2, tokens=4)
+        (steady,) = mode.named("steady")
+        return {p: steady.launches([p]) for p in ("forward", "backward", "hook")}
+
+    (run,) = run_ranks(1, body)
+    return run.result
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode_name", ["row", "col"])
+def test_grass_launch_budget(dtype, mode_name):
+    # Per layer and microbatch: the forward matmul; the input-gradient matmul, the gather of
+    # the selected rows, the projected matmul and the add into main_grad (dense: 4). The
+    # optimizer hook: 7 foreach ops for all layers (copy of V; sub, mul, add of the rescale;
+    # the decay; the base decay; base + P V) and per layer only the scatter into its weight
+    # (a bf16 weight: its cast too; column mode: base + P V too, whose operands differ in
+    # layout).
+    small, large = (_grass_steady_launches(n, dtype, mode_name) for n in (2, 4))
+    for n, launches in ((2, small), (4, large)):
+        assert launches["forward"] == n * 2, launches
+        assert launches["backward"] == 4 * n * 2, launches
+    per_layer = 1 + (dtype == torch.bfloat16) + (mode_name == "col")
+    assert large["hook"] - small["hook"] == 2 * per_layer, (small, large)
+    assert small["hook"] - 2 * per_layer == 7 - (mode_name == "col"), small
+
+
 # -- Protocol Models: codec, optimizer correction, Grassmann step --------------------------
 
 D, K, VOCAB, PM_UPDATE = 32, 4, 16, 3
@@ -510,6 +553,33 @@ def test_protocol_steady_steps_stay_on_device_and_ranks_agree():
         assert run.mode.named("update") and run.mode.named("steady")
         assert all(s.collectives for s in run.mode.named("update"))
         _assert_clean(run.mode.steps, f"protocol rank {run.rank}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_protocol_launch_budget(dtype):
+    # The codec: one fused op per side and direction. The optimizer correction: 9 launches a
+    # constrained parameter (its projections, coordinates, second-moment mean and write back,
+    # coordinate update), 4 foreach ops for all of them.
+    def launches(params):
+        def body(rank, mode):
+            kw = dict(d=D, k=K, vocab=VOCAB, update_interval=0, reproject_interval=0)
+            first = protocol_stage(False, params=params, dtype=dtype, **kw)
+            last = protocol_stage(True, params=[], accumulate=False, dtype=dtype, **kw)
+            protocol_steps(
+                mode, first, last, 1, shape=(8, 2, D), vocab=VOCAB, update_interval=0, dtype=dtype
+            )
+            (steady,) = mode.named("steady")
+            return {p: steady.launches([p]) for p in ("forward", "backward", "hook")}
+
+        (run,) = run_ranks(1, body)
+        return run.result
+
+    one = [("w0.weight", (D, 12), 0), ("w0.bias", (D,), 0), ("embedding.weight", (VOCAB, D), 1)]
+    two = one + [("w1.weight", (D, 12), 0), ("w1.bias", (D,), 0), ("w2.weight", (D, 5), 0)]
+    for params in (one, two):
+        counts = launches(params)
+        assert counts["forward"] == counts["backward"] == 2 * 2, counts  # 2 microbatches
+        assert counts["hook"] == 9 * len(params) + 4, (len(params), counts)
 
 
 def test_protocol_resumed_from_cpu_loaded_state_steps_on_device():

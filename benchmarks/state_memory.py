@@ -511,15 +511,16 @@ def measure_grass(model: str, options: Dict[str, Any]) -> Dict[str, Any]:
     tokens = MODELS[model].seq
     mode = live_bytes_mode(cpu_factories_to_meta=True)
     layers = []
+    # The selection: top-r's r distinct positions of each part (a meta sketch has no values)
+    # with rho all ones, host tensors as select() returns them in a run (made before the
+    # mode, which would turn CPU factories into meta, and outside the measured steps): the
+    # layer then knows on the host that rho scales nothing, as it does in training.
+    selections = []
+    for w in plan.weights:
+        sizes = [w.units // w.parts] * w.parts
+        index = torch.cat([i * sizes[0] + torch.arange(w.rank) for i in range(w.parts)])
+        selections.append((index, torch.ones(w.parts * w.rank)))
     with mode:
-        # A meta sketch has no values: the selection takes top-r's r distinct positions of
-        # each part, on the CPU as select() returns them (made under the mode, whose CPU
-        # factories give meta, and outside the measured steps).
-        selections = []
-        for w in plan.weights:
-            sizes = [w.units // w.parts] * w.parts
-            index = torch.cat([i * sizes[0] + torch.arange(w.rank) for i in range(w.parts)])
-            selections.append((index, torch.ones(w.parts * w.rank)))
         measure = _Measure(mode)
         # Megatron's bf16 weights and the virtual parameters (model parameters, whose
         # gradient and Adam state megatron keeps) exist outside Grass: not counted here.

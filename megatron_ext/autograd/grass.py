@@ -378,7 +378,10 @@ class GrassLayer:
         return torch.cat([b.t().matmul(c) for b, c in zip(self._blocks(dy), xs)], dim=1)
 
     def _rho_as(self, dtype: torch.dtype) -> torch.Tensor:
-        """``rho`` in ``dtype``, cast once per selection (on the device)."""
+        """``rho`` in ``dtype``, cast once per selection (on the device); fp32 is ``rho``
+        itself (no second copy held)."""
+        if dtype == self.rho.dtype:
+            return self.rho
         if self._rho_by_dtype is None:
             self._rho_by_dtype = {}
         rho = self._rho_by_dtype.get(dtype)

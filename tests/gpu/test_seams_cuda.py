@@ -7,7 +7,8 @@ CUDA, gloo with ``--cpu`` in the dry run) trains the tiny GPT of ``tests/helpers
 * stock twice (the device's own run-to-run determinism, so that a difference below is the
   seams', not the kernels') and with every megatron_ext seam installed and compression
   off: losses and parameters must be *bitwise* equal to stock;
-* each method (separate, powersgd, radius, quantized, quantized-adam, grass topr) for
+* each method (separate, powersgd, radius, quantized, quantized-adam, grass topr, and DiLoCo's
+  outer step with one site) for
   ``STEPS`` iterations: finite losses that go down.
 
 A second process runs the same methods on the CPU (gloo) for reference: the device's
@@ -69,6 +70,12 @@ METHODS = {
         ["--grass-method", "topr", "--grass-rank", "8", "--grass-update-interval", "3"]
         + ["--grass-rewarmup-steps", "2", "--grass-sketch-size", "16"],
         lambda it: it % 3 == 0,
+    ),
+    # One site at world size 1: the outer step (snapshot minus weights, Nesterov, the
+    # non-finite check before the write) every 3 iterations, on the device.
+    "diloco": (
+        ["--outer-method", "diloco", "--outer-groups", "1", "--outer-interval", "3"],
+        lambda it: it == 0 or (it + 1) % 3 == 0,
     ),
 }
 # Methods whose common random matrices the device draws itself (CPU and CUDA draws differ).

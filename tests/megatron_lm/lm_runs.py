@@ -4,6 +4,13 @@
 the port was taken meanwhile) with either megatron-ext's zero-touch launcher (``-m
 megatron_ext pretrain --cpu PATH/pretrain_gpt.py``) or a patched ``pretrain_gpt.py`` itself
 (``MEGATRON_EXT_CPU=1``). ``iterations(output)`` parses Megatron-LM's iteration lines.
+
+With ``MEGATRON_EXT_LM_DEVICE=cuda`` (the GPU session, ``benchmarks/gpu_session.sh``) the same
+tests launch on CUDA instead: no ``--cpu``, the unfused softmax (no Apex there), and gloo
+between the ranks. When there are fewer GPUs than ranks, the ranks share GPU 0: Megatron-LM
+puts a rank on ``cuda:LOCAL_RANK``, so each rank is started by its own torchrun agent as
+local rank 0 of its own "node" (``--nnodes N --node-rank i``, one static rendezvous on this
+host); their outputs are joined in rank order.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -22,6 +30,15 @@ REPO = Path(__file__).resolve().parents[2]
 TINY_RUN_FILE = REPO / "configs" / "megatron_lm" / "gpt_tiny_separate_cpu.yaml"
 
 _ADDRESS_IN_USE = ("Address already in use", "EADDRINUSE")
+DEVICE_ENV = "MEGATRON_EXT_LM_DEVICE"
+
+
+def on_cuda() -> bool:
+    """The tests launch on CUDA (``MEGATRON_EXT_LM_DEVICE=cuda``), else on CPU."""
+    device = os.environ.get(DEVICE_ENV, "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"{DEVICE_ENV}={device!r}: expected cpu or cuda")
+    return device == "cuda"
 
 
 def checkout_release():
@@ -78,35 +95,64 @@ def pretrain(
     timeout: float = 300,
     env: Optional[Dict[str, str]] = None,
 ) -> Run:
-    """Run ``script`` (a pretrain_gpt.py) under torchrun on CPU and return its output."""
+    """Run ``script`` (a pretrain_gpt.py) under torchrun (on CPU, or CUDA: see the module
+    docstring) and return its output."""
     run_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+    cuda = on_cuda()
+    cpu_flag = [] if cuda else ["--cpu"]
     if zero_touch:
         run_env.pop("MEGATRON_EXT_CPU", None)
-        launch = ["-m", "megatron_ext", "pretrain", "--cpu", str(script)]
+        launch = ["-m", "megatron_ext", "pretrain", *cpu_flag, str(script)]
     else:
-        run_env["MEGATRON_EXT_CPU"] = "1"
+        if not cuda:
+            run_env["MEGATRON_EXT_CPU"] = "1"
         launch = [str(script)]
+    if cuda:
+        # No Apex on a stock CUDA torch; the run file's gloo lets ranks share one GPU.
+        args = list(args) + ["--no-masked-softmax-fusion", "--distributed-backend", "gloo"]
+    agents = nproc if _ranks_share_a_device(cuda, nproc) else 1
     for attempt in range(2):
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(nproc),
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(free_port()),
-            *launch,
-            *args,
-        ]
-        proc = subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=run_env
-        )
-        run = Run(proc.returncode, proc.stdout, proc.stderr)
+        port = str(free_port())
+        procs, logs = [], []
+        for node in range(agents):
+            layout = ["--nproc-per-node", str(nproc)]
+            if agents > 1:
+                layout = ["--nproc-per-node", "1", "--nnodes", str(agents)]
+                layout += ["--node-rank", str(node)]
+            command = [sys.executable, "-m", "torch.distributed.run", *layout]
+            command += ["--master-addr", "127.0.0.1", "--master-port", port, *launch, *args]
+            # Files, not pipes: an agent blocked on a full pipe would stall the other's ranks.
+            logs.append((tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")))
+            procs.append(
+                subprocess.Popen(
+                    command, stdout=logs[-1][0], stderr=logs[-1][1], text=True, cwd=cwd, env=run_env
+                )
+            )
+        outs = []
+        try:
+            for proc in procs:
+                proc.wait(timeout=timeout)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            for out, err in logs:
+                out.seek(0), err.seek(0)
+                outs.append((out.read(), err.read()))
+                out.close(), err.close()
+        code = next((p.returncode for p in procs if p.returncode), 0)
+        run = Run(code, "".join(o for o, _ in outs), "".join(e for _, e in outs))
         if run.returncode == 0 or not any(s in run.output for s in _ADDRESS_IN_USE):
             return run
     return run
+
+
+def _ranks_share_a_device(cuda: bool, nproc: int) -> bool:
+    """On CUDA with fewer GPUs than ranks: one torchrun agent per rank (module docstring)."""
+    import torch
+
+    return cuda and torch.cuda.device_count() < nproc
 
 
 _LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*")

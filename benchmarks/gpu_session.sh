@@ -1,109 +1,250 @@
 #!/usr/bin/env bash
-# Runs on a lent GPU machine (Python 3.12, CUDA torch, no megatron-core, no package registry):
-# installs the carried megatron-core wheel, then runs the named stages in order, each under
-# its own time limit, logging to $OUT (or runs/gpu-session). A failing stage does not stop
-# the others. Usage (from the repository root, with .whl/ and .cache/ carried):
-#   bash benchmarks/gpu_session.sh env tiny one-gpu kernels tests grass llama pp2
+# The GPU session: one command on a lent GPU machine (Python 3.12, CUDA torch, no
+# megatron-core, no package registry) that checks and measures what a CPU cannot, inside a
+# lease's single-command limit, and packs every log and report into one archive under $OUT.
+#
+# Usage (from the repository root; .whl/ carried, holding the megatron-core cp312 wheel,
+# pydantic's wheels and Megatron-LM's source archive core_v0.19.0.tar.gz):
+#   bash benchmarks/gpu_session.sh [--dry-run] [STAGE ...]
+# Default stages: env checks kernels one-gpu one-gpu-eager (the order is the priority: a
+# stage starts only while the session's deadline leaves it its limit, else it is reported as
+# not run).
+#
 # Stages:
-#   env      GPU, torch, megatron-core versions; copy floor and matmul rate (sanity)
-#   tests    the gpu test set under torch.cuda.set_sync_debug_mode("warn") (report: syncs.json)
-#   kernels  benchmarks/kernels.py GPU rows (fp32 and bf16, 1e6-1e9)
-#   tiny     every method through the driver on gpt-tiny (fp32): runs at all on CUDA?
-#   one-gpu  gpt2-345m bf16 through the driver: tokens/s, peak memory, per-method overhead
-#   llama    llama-1b bf16: none and Grass (r 256) through the driver
-#   grass    benchmarks/grass_throughput.py at llama-1b shapes on CUDA (layer times)
-#   pp2      AQ-SGD and Protocol Models, PP=2 as two ranks sharing the GPU over gloo
-#   profile  torch.profiler over steady gpt2-345m steps per method (profile_<method>.txt)
+#   env            GPU, torch, megatron-core; the card's copy floor and bf16 matmul rate
+#   checks         two checks side by side (correctness only, no timing):
+#                    tests: the gpu test set (tests/gpu) under the synchronization recorder
+#                      (syncs.json): fused kernels against eager on the device, every seam and
+#                      method (DiLoCo's outer step included) on the device against the CPU;
+#                    lm-fp16: Megatron-LM's pretrain_gpt.py with --fp16 (loss scaling) and
+#                      each DP method and DiLoCo, DP=2 over gloo on the one GPU (the ranks
+#                      share it), replicas checked by Megatron-LM (tests/megatron_lm/test_fp16.py)
+#   kernels        compress + decompress against a device copy, eager and fused (benchmarks/
+#                  kernels.py at 1e7 and 1e8 elements, fp32 and bf16; benchmarks/dp_kernels.py)
+#   one-gpu        gpt2-345m bf16 step time per DP method with the fused kernels (the default
+#                  --fused-kernels auto compiles them on CUDA) against no compression
+#   one-gpu-eager  the same for SEPARATE and the quantized exchange with --fused-kernels off
+#   profile        torch.profiler over steady gpt2-345m steps (device time per method)
+#
+# Environment: OUT (default runs/gpu-session), DEADLINE (seconds the whole session may take,
+# default 470: a lease's 8-minute command), STAGE_LIMIT_<stage> (seconds), ITERS (one-gpu).
+# --dry-run runs the same stages on the CPU at toy sizes (tests/unit/test_gpu_session.py):
+# the gpu tests against the CPU, Megatron-LM with --cpu (MEGATRON_LM_DIR must be set), the
+# kernels at small sizes, gpt-tiny through the driver; it checks this script, not the GPU.
 set -u
+DRY=0
+if [[ ${1:-} == --dry-run ]]; then
+    DRY=1
+    shift
+fi
+STAGES=("$@")
+[[ ${#STAGES[@]} -eq 0 ]] && STAGES=(env checks kernels one-gpu one-gpu-eager)
 OUT=${OUT:-runs/gpu-session}
+DEADLINE=${DEADLINE:-470}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+LOGS=$OUT/session
+mkdir -p "$LOGS"
+SUMMARY=$LOGS/summary.txt
+: >"$SUMMARY"
 export PYTHONUNBUFFERED=1 MEGATRON_EXT_CACHE=$PWD/.cache/tests
+# One compile cache for every process of the session: a kernel compiled by the tests is
+# loaded, not compiled again, by the benchmarks.
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/megatron-ext-inductor}
 # No Apex on a stock CUDA torch: the unfused softmax and torch's norm.
 EXTRA=${EXTRA:---no-masked-softmax-fusion --no-persist-layer-norm}
-if ! python3 -c "import megatron.core" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/megatron_core-*.whl || exit 1
-    export PYTHONPATH=$PWD:/tmp/site
-else
-    export PYTHONPATH=$PWD
-fi
-# The limit of a stage in seconds (STAGE_LIMIT_<name>, else 240).
-limit() { local v="STAGE_LIMIT_${1//-/_}"; echo "${!v:-240}"; }
-stage() {
-    local name=$1
-    shift
-    local t0=$SECONDS
-    echo "=== stage $name (limit $(limit "$name") s)"
-    timeout -k 10 "$(limit "$name")" "$@" >"$OUT/$name.log" 2>&1
-    local rc=$?
-    echo "=== stage $name rc=$rc $((SECONDS - t0)) s"
-    tail -n "${TAIL:-25}" "$OUT/$name.log"
+PY=${PYTHON:-python3}
+
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+setup() {
+    local site=/tmp/megatron-ext-site
+    if ! $PY -c "import megatron.core" 2>/dev/null; then
+        if ! ls .whl/*.whl >/dev/null 2>&1; then
+            note "setup: megatron-core is not installed and no wheels in .whl/ (carry .whl)"
+            return 1
+        fi
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$site" .whl/*.whl || return 1
+        export PYTHONPATH=$PWD:$site
+    else
+        export PYTHONPATH=$PWD
+    fi
+    if [[ -z ${MEGATRON_LM_DIR:-} ]]; then
+        local archive
+        archive=$(ls .whl/core_v*.tar.gz 2>/dev/null | tail -n 1)
+        if [[ -n $archive ]]; then
+            export MEGATRON_LM_DIR=/tmp/megatron-lm-$(basename "$archive" .tar.gz)
+            mkdir -p "$MEGATRON_LM_DIR"
+            tar -xzf "$archive" -C "$MEGATRON_LM_DIR" || return 1
+        fi
+    fi
+    note "setup: megatron-core $($PY -c 'import megatron.core as m; print(m.__version__)')," \
+        "Megatron-LM ${MEGATRON_LM_DIR:-(none)}, dry run $DRY"
 }
-for s in "$@"; do
-    case $s in
-    env)
-        stage env bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv;
-            python3 - <<EOF
-import torch, megatron.core, sys
+
+# limit NAME: the stage's limit in seconds (STAGE_LIMIT_<name>, else its default).
+limit() {
+    local v="STAGE_LIMIT_${1//-/_}" d
+    case $1 in
+    env) d=20 ;;
+    checks) d=200 ;;
+    kernels) d=60 ;;
+    one-gpu) d=150 ;;
+    one-gpu-eager) d=60 ;;
+    *) d=120 ;;
+    esac
+    echo "${!v:-$d}"
+}
+
+# stage NAME CMD...: runs CMD under the stage's limit if the deadline leaves room for it.
+stage() {
+    local name=$1 lim left t0=$SECONDS rc
+    shift
+    lim=$(limit "$name")
+    left=$((DEADLINE - SECONDS))
+    if ((left < lim / 2)); then
+        note "=== stage $name NOT RUN: ${left} s left of the deadline, its limit is ${lim} s"
+        return
+    fi
+    ((lim > left)) && lim=$left
+    echo "=== stage $name (limit $lim s)"
+    timeout -k 5 "$lim" bash -c '"$@"' "$name" "$@" >"$LOGS/$name.log" 2>&1
+    rc=$?
+    note "=== stage $name rc=$rc $((SECONDS - t0)) s$( ((rc == 124)) && echo ' (TIMED OUT)')"
+    tail -n "${TAIL:-12}" "$LOGS/$name.log"
+}
+
+run_env() {
+    # shellcheck disable=SC2016
+    $PY - <<'EOF'
+import sys, torch
+import megatron.core
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
-      "megatron-core", megatron.core.__version__, torch.cuda.get_device_name())
-x = torch.randn(2**28, device="cuda"); y = torch.empty_like(x)
+      "megatron-core", megatron.core.__version__, "device", name)
+n = 2**28 if dev == "cuda" else 2**22
+x = torch.randn(n, device=dev); y = torch.empty_like(x)
+sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+import time
 for _ in range(3): y.copy_(x)
-s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-s.record(); [y.copy_(x) for _ in range(10)]; e.record(); torch.cuda.synchronize()
-print("copy GB/s (read+write)", 2 * x.numel() * 4 * 10 / (s.elapsed_time(e) / 1e3) / 1e9)
-a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16); b = torch.randn_like(a)
+sync(); t = time.perf_counter()
+for _ in range(10): y.copy_(x)
+sync(); dt = (time.perf_counter() - t) / 10
+print(f"copy GB/s (read+write) {2 * n * 4 / dt / 1e9:.0f}")
+m = 8192 if dev == "cuda" else 512
+a = torch.randn(m, m, device=dev, dtype=torch.bfloat16); b = torch.randn_like(a)
 for _ in range(3): a @ b
-s.record(); [a @ b for _ in range(10)]; e.record(); torch.cuda.synchronize()
-print("bf16 matmul TFLOP/s", 2 * 8192**3 * 10 / (s.elapsed_time(e) / 1e3) / 1e12)
-EOF'
+sync(); t = time.perf_counter()
+for _ in range(10): a @ b
+sync(); dt = (time.perf_counter() - t) / 10
+print(f"bf16 matmul TFLOP/s {2 * m**3 / dt / 1e12:.1f}")
+EOF
+}
+
+run_checks() {
+    local gpu_env=() lm_env=() tests_args=()
+    if ((DRY)); then
+        gpu_env=(MEGATRON_EXT_GPU_TESTS_DEVICE=cpu)
+        tests_args=(-k "${DRY_TESTS:-seams and (diloco or parity) or quant_cuda and exchange}")
+    else
+        lm_env=(MEGATRON_EXT_LM_DEVICE=cuda)
+    fi
+    env "${gpu_env[@]}" MEGATRON_EXT_SYNC_REPORT="$LOGS/syncs.json" $PY -m pytest -q -m gpu \
+        -p no:cacheprovider tests/gpu -rs --durations=12 "${tests_args[@]}" \
+        >"$LOGS/tests.log" 2>&1 &
+    local tests=$!
+    local lm_rc=0 parallel=()
+    $PY -c "import xdist" 2>/dev/null && parallel=(-n "${LM_WORKERS:-3}")
+    if [[ -n ${MEGATRON_LM_DIR:-} ]]; then
+        env "${lm_env[@]}" $PY -m pytest -q -p no:cacheprovider tests/megatron_lm/test_fp16.py \
+            -k "${LM_METHODS:-not none}" -rs --durations=8 "${parallel[@]}" \
+            >"$LOGS/lm-fp16.log" 2>&1
+        lm_rc=$?
+    else
+        echo "MEGATRON_LM_DIR unset and no archive in .whl/: Megatron-LM fp16 not run" \
+            | tee "$LOGS/lm-fp16.log"
+        lm_rc=1
+    fi
+    wait $tests
+    local tests_rc=$?
+    echo "tests rc=$tests_rc: $(tail -n 1 "$LOGS/tests.log")"
+    echo "lm-fp16 rc=$lm_rc: $(tail -n 1 "$LOGS/lm-fp16.log")"
+    return $((tests_rc || lm_rc))
+}
+
+run_kernels() {
+    local common=(--sizes 1e7,1e8 --dtypes fp32,bf16 --block-sizes 256 --quant-bits 4
+        --devices cuda --repeats 7 --cuda-budget-s 20)
+    local dp=(--device cuda --numel 100000000)
+    if ((DRY)); then
+        common=(--sizes 1e5 --dtypes fp32 --block-sizes 256 --quant-bits 4 --devices cpu
+            --threads 1 --repeats 2 --warmup 1 --methods copy,separate,quantized)
+        dp=(--device cpu --numel 100000 --hidden 64 --repeats 2)
+    fi
+    local mode rc=0
+    for mode in off on; do
+        $PY benchmarks/kernels.py "${common[@]}" --fused-kernels $mode \
+            --out "$LOGS/kernels-$mode" || rc=1
+    done
+    $PY benchmarks/dp_kernels.py "${dp[@]}" || rc=1
+    return $rc
+}
+
+run_one_gpu() {
+    local methods=$1 tag=$2
+    shift 2
+    local args=(--model gpt2-345m --iters "${ITERS:-16}" --skip 6 --micro-batch-size 8
+        --timeout 100)
+    ((DRY)) && args=(--cpu --model gpt-tiny --iters 4 --skip 2 --timeout 120)
+    $PY benchmarks/one_gpu.py "${args[@]}" --methods "$methods" --extra "$EXTRA $*" \
+        --out "$LOGS/$tag"
+}
+
+run_profile() {
+    local m f
+    for m in ${PROFILE_METHODS:-none separate quantized}; do
+        case $m in
+        none) f= ;;
+        *) f="--grad-compression $m" ;;
+        esac
+        # shellcheck disable=SC2086
+        $PY benchmarks/profile_step.py --label "$m" --warmup 4 --steps 3 --top 22 --out "$LOGS" \
+            -- --model gpt2-345m --bf16 --micro-batch-size 8 $EXTRA $f 2>&1 | tail -n 40
+    done
+}
+
+pack() {
+    # Every file back in one archive (a lease returns at most 8 files), plus the summary.
+    tar -czf "$OUT/gpu-session.tar.gz" -C "$OUT" session
+    cp "$SUMMARY" "$OUT/summary.txt"
+    echo "=== packed $(du -h "$OUT/gpu-session.tar.gz" | cut -f1) into $OUT/gpu-session.tar.gz"
+}
+
+export DRY LOGS PY EXTRA SUMMARY
+export -f note run_env run_checks run_kernels run_one_gpu run_profile
+trap pack EXIT
+if ! setup >"$LOGS/setup.log" 2>&1; then
+    note "setup failed:"
+    tail -n 20 "$LOGS/setup.log"
+    exit 1
+fi
+cat "$LOGS/setup.log"
+if ((DRY)); then
+    [[ -z ${MEGATRON_LM_DIR:-} ]] && note "dry run without MEGATRON_LM_DIR: lm-fp16 not run"
+fi
+for s in "${STAGES[@]}"; do
+    case $s in
+    env) stage env run_env ;;
+    checks) stage checks run_checks ;;
+    kernels) stage kernels run_kernels ;;
+    one-gpu) stage one-gpu run_one_gpu none,separate,powersgd,radius,quantized one-gpu ;;
+    one-gpu-eager)
+        stage one-gpu-eager run_one_gpu separate,quantized one-gpu-eager --fused-kernels off
         ;;
-    tests)
-        stage tests env MEGATRON_EXT_SYNC_REPORT="$OUT/syncs.json" python3 -m pytest -q -m gpu \
-            -p no:cacheprovider tests/gpu -rs
-        ;;
-    kernels)
-        stage kernels python3 benchmarks/kernels.py --devices cuda ${KERNEL_ARGS:-} --out "$OUT/kernels"
-        cp "$OUT/kernels/kernels.json" "$OUT/" 2>/dev/null
-        ;;
-    tiny)
-        stage tiny python3 benchmarks/one_gpu.py --model gpt-tiny --no-bf16 --iters 10 --skip 4 \
-            --micro-batch-size 4 --grass-rank 16 --timeout 90 --extra "$EXTRA" --out "$OUT/tiny"
-        ;;
-    one-gpu)
-        stage one-gpu python3 benchmarks/one_gpu.py --model gpt2-345m --iters ${ITERS:-30} \
-            --micro-batch-size 8 --timeout 150 --extra "$EXTRA" --out "$OUT/one-gpu"
-        cp "$OUT/one-gpu/one_gpu.json" "$OUT/one_gpu-gpt2-345m.json" 2>/dev/null
-        ;;
-    llama)
-        stage llama python3 benchmarks/one_gpu.py --model llama-1b --methods none,grass \
-            --grass-rank 256 --iters 20 --skip 6 --micro-batch-size 16 --timeout 200 --extra "$EXTRA" \
-            --out "$OUT/llama"
-        cp "$OUT/llama/one_gpu.json" "$OUT/one_gpu-llama-1b.json" 2>/dev/null
-        ;;
-    grass)
-        stage grass python3 benchmarks/grass_throughput.py --device cuda --model llama-1b \
-            --ranks 64,128,256,512 --tokens 4096 --out "$OUT/grass"
-        cp "$OUT/grass/grass_throughput.json" "$OUT/" 2>/dev/null
-        ;;
-    pp2)
-        stage pp2 bash -c "for m in ${PP2_METHODS:-'p2p-compression aqsgd' 'subspace-method protocol'}; do
-            set -- \$m; torchrun --nproc-per-node 2 -m megatron_ext.train --model gpt-tiny \
-            --distributed-backend gloo --pipeline-model-parallel-size 2 --fixed-samples 32 \
-            --global-batch-size 8 --train-iters 12 --lr-warmup-iters 1 --eval-iters 0 \
-            --log-interval 4 --hidden-dropout 0 $EXTRA --\$1 \$2 >$OUT/pp2-\$2.log 2>&1;
-            echo \$2 rc=\$?; grep -v Warn $OUT/pp2-\$2.log | grep -m 12 -i 'error\|iteration  *[0-9]*/\|done'; done"
-        ;;
-    profile)
-        stage profile bash -c "for m in ${PROFILE_METHODS:-none separate powersgd grass}; do
-            case \$m in none) f=;; grass) f='--grass-method topr --grass-rank 256 --grass-update-interval 1000';;
-            powersgd) f='--grad-compression powersgd --powersgd-approx-rank 48 --powersgd-start-step 2';;
-            *) f=\"--grad-compression \$m\";; esac
-            python3 benchmarks/profile_step.py --label \$m --warmup 4 --steps 3 --top 22 --out $OUT -- \
-                --model gpt2-345m --bf16 --micro-batch-size 8 $EXTRA \$f 2>&1 | grep -v Warn | tail -n 60; done"
-        ;;
-    *)
-        echo "unknown stage $s"
-        ;;
+    profile) stage profile run_profile ;;
+    *) note "unknown stage $s (env checks kernels one-gpu one-gpu-eager profile)" ;;
     esac
 done
+note "=== session $SECONDS s"

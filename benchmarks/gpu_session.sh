@@ -77,6 +77,19 @@ setup() {
             export MEGATRON_LM_DIR=/tmp/megatron-lm-$(basename "$archive" .tar.gz)
             mkdir -p "$MEGATRON_LM_DIR"
             tar -xzf "$archive" -C "$MEGATRON_LM_DIR" || return 1
+            # Megatron-LM runs `make` on its dataset helpers at start-up; the megatron-core
+            # wheel's compiled helpers (same source) make that a no-op, so the session needs
+            # neither Python's headers nor a compiler on the machine.
+            $PY - "$MEGATRON_LM_DIR/megatron/core/datasets" .whl/megatron_core-*.whl <<'EOF' || return 1
+import sys, zipfile
+for wheel in sys.argv[2:]:
+    with zipfile.ZipFile(wheel) as z:
+        for name in z.namelist():
+            if name.startswith("megatron/core/datasets/helpers_cpp") and name.endswith(".so"):
+                with open(f"{sys.argv[1]}/{name.rsplit('/', 1)[1]}", "wb") as f:
+                    f.write(z.read(name))
+                print("helpers from", wheel)
+EOF
         fi
     fi
     note "setup: megatron-core $($PY -c 'import megatron.core as m; print(m.__version__)')," \

@@ -59,7 +59,7 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
 
 setup() {
     local site=/tmp/megatron-ext-site
-    if ! $PY -c "import megatron.core" 2>/dev/null; then
+    if ! $PY -c "import importlib.metadata as m; m.version('megatron-core')" 2>/dev/null; then
         if ! ls .whl/*.whl >/dev/null 2>&1; then
             note "setup: megatron-core is not installed and no wheels in .whl/ (carry .whl)"
             return 1
@@ -92,7 +92,7 @@ for wheel in sys.argv[2:]:
 EOF
         fi
     fi
-    note "setup: megatron-core $($PY -c 'import megatron.core as m; print(m.__version__)')," \
+    note "setup: megatron-core $($PY -c 'import importlib.metadata as m; print(m.version("megatron-core"))')," \
         "Megatron-LM ${MEGATRON_LM_DIR:-(none)}, dry run $DRY"
 }
 
@@ -131,12 +131,11 @@ stage() {
 run_env() {
     # shellcheck disable=SC2016
     $PY - <<'EOF'
-import sys, torch
-import megatron.core
+import importlib.metadata, sys, torch
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
-      "megatron-core", megatron.core.__version__, "device", name)
+      "megatron-core", importlib.metadata.version("megatron-core"), "device", name)
 n = 2**28 if dev == "cuda" else 2**22
 x = torch.randn(n, device=dev); y = torch.empty_like(x)
 sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)

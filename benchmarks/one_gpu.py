@@ -223,7 +223,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         row = run_one(args, m, out_dir)
         rows.append(row)
         status = "ok" if row["rc"] == 0 else f"FAILED rc={row['rc']}"
-        print(f"[one_gpu] {args.model} {m}: {status} ({row['wall_s']:.0f} s)", flush=True)
+        step = f", median step {row['step_ms']:.1f} ms" if row.get("step_ms") else ""
+        print(f"[one_gpu] {args.model} {m}: {status} ({row['wall_s']:.0f} s{step})", flush=True)
         if row["rc"] != 0:
             print(row["error"][-1500:], flush=True)
     base = next((r for r in rows if r["method"] == "none" and r.get("step_ms")), None)

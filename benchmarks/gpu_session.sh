@@ -27,7 +27,10 @@
 #   profile        torch.profiler over steady gpt2-345m steps (device time per method)
 #
 # Environment: OUT (default runs/gpu-session), DEADLINE (seconds the whole session may take,
-# default 470: a lease's 8-minute command), STAGE_LIMIT_<stage> (seconds), ITERS (one-gpu).
+# default 470: a lease's 8-minute command), STAGE_LIMIT_<stage> (seconds), ITERS (one-gpu),
+# KERNEL_SIZES / KERNEL_MODES / KERNEL_BUDGET (kernels; the budget counts compilation too),
+# PROFILE_METHODS (profile), GPU_TESTS (a -k selection of tests/gpu), LM_METHODS (a -k
+# selection of the fp16 methods), LM_NPROC (ranks of each fp16 run; default the test's 2).
 # --dry-run runs the same stages on the CPU at toy sizes (tests/unit/test_gpu_session.py):
 # the gpu tests against the CPU, Megatron-LM with --cpu (MEGATRON_LM_DIR must be set), the
 # kernels at small sizes, gpt-tiny through the driver; it checks this script, not the GPU.
@@ -105,6 +108,7 @@ limit() {
     kernels) d=60 ;;
     one-gpu) d=150 ;;
     one-gpu-eager) d=60 ;;
+    profile) d=90 ;;
     *) d=120 ;;
     esac
     echo "${!v:-$d}"
@@ -162,6 +166,8 @@ run_checks() {
         tests_args=(-k "${DRY_TESTS:-seams and (diloco or parity) or quant_cuda and exchange}")
     else
         lm_env=(MEGATRON_EXT_LM_DEVICE=cuda)
+        [[ -n ${LM_NPROC:-} ]] && lm_env+=(MEGATRON_EXT_LM_NPROC="$LM_NPROC")
+        [[ -n ${GPU_TESTS:-} ]] && tests_args=(-k "$GPU_TESTS")
     fi
     env "${gpu_env[@]}" MEGATRON_EXT_SYNC_REPORT="$LOGS/syncs.json" $PY -m pytest -q -m gpu \
         -p no:cacheprovider tests/gpu -rs --durations=12 "${tests_args[@]}" \
@@ -187,8 +193,8 @@ run_checks() {
 }
 
 run_kernels() {
-    local common=(--sizes 1e7,1e8 --dtypes fp32,bf16 --block-sizes 256 --quant-bits 4
-        --devices cuda --repeats 7 --cuda-budget-s 20)
+    local common=(--sizes "${KERNEL_SIZES:-1e7,1e8}" --dtypes fp32,bf16 --block-sizes 256
+        --quant-bits 4 --devices cuda --repeats 7 --cuda-budget-s "${KERNEL_BUDGET:-20}")
     local dp=(--device cuda --numel 100000000)
     if ((DRY)); then
         common=(--sizes 1e5 --dtypes fp32 --block-sizes 256 --quant-bits 4 --devices cpu
@@ -196,7 +202,7 @@ run_kernels() {
         dp=(--device cpu --numel 100000 --hidden 64 --repeats 2)
     fi
     local mode rc=0
-    for mode in off on; do
+    for mode in ${KERNEL_MODES:-off on}; do
         $PY benchmarks/kernels.py "${common[@]}" --fused-kernels $mode \
             --out "$LOGS/kernels-$mode" || rc=1
     done
@@ -215,7 +221,8 @@ run_one_gpu() {
 }
 
 run_profile() {
-    local m f
+    local m f model="--model gpt2-345m --bf16 --micro-batch-size 8 $EXTRA"
+    ((DRY)) && model="--model gpt-tiny --cpu"
     for m in ${PROFILE_METHODS:-none separate quantized}; do
         case $m in
         none) f= ;;
@@ -223,7 +230,7 @@ run_profile() {
         esac
         # shellcheck disable=SC2086
         $PY benchmarks/profile_step.py --label "$m" --warmup 4 --steps 3 --top 22 --out "$LOGS" \
-            -- --model gpt2-345m --bf16 --micro-batch-size 8 $EXTRA $f 2>&1 | tail -n 40
+            -- $model $f 2>&1 | tail -n 40
     done
 }
 

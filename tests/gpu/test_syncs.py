@@ -60,3 +60,32 @@ def test_recorder_captures_a_deliberate_sync(dev):
     assert counts["sync"] >= 1 and counts["quiet"] == 0, summary
     first = summary["steps"][0]["syncs"][0]
     assert first["origin"] == "other" and "test_syncs.py" in first["where"], first
+
+
+def test_a_kernels_sync_is_excused_only_in_a_step_that_compiled():
+    from tests.gpu.syncs import StepSyncs, Sync
+
+    recorder = SyncRecorder("filter", torch.device("cpu"))
+    run = Sync("megatron_ext", "megatron_ext/kernels/__init__.py:167 (run)", "")
+    other = Sync("megatron_ext", "megatron_ext/collectives/separate.py:10 (launch)", "")
+    recorder.steps = [
+        StepSyncs("first", True, [run, other], compiled=True),
+        StepSyncs("later", True, [run], compiled=False),
+    ]
+    assert recorder.ext_syncs() == [
+        "first: megatron_ext/collectives/separate.py:10 (launch)",
+        "later: megatron_ext/kernels/__init__.py:167 (run)",
+    ]
+
+
+def test_a_compile_inside_a_step_marks_it(dev):
+    recorder = SyncRecorder("compile", dev)
+    fn = torch.compile(lambda t: t * 3 + 1, fullgraph=True)
+    x = torch.ones(4, device=dev)
+    with recorder.step("compiles"):
+        fn(x)
+    with recorder.step("replays"):
+        fn(x)
+    # On the CPU the recorder captures nothing (a no-op): no step is marked.
+    expected = [True, False] if recorder.captured else [False, False]
+    assert [s.compiled for s in recorder.steps] == expected

@@ -31,6 +31,9 @@ TINY_RUN_FILE = REPO / "configs" / "megatron_lm" / "gpt_tiny_separate_cpu.yaml"
 
 _ADDRESS_IN_USE = ("Address already in use", "EADDRINUSE")
 DEVICE_ENV = "MEGATRON_EXT_LM_DEVICE"
+# On CUDA: the number of ranks instead of each test's (the GPU session runs the methods
+# whose dense steps gloo cannot all-reduce on CUDA at 1 rank, over NCCL).
+NPROC_ENV = "MEGATRON_EXT_LM_NPROC"
 
 
 def on_cuda() -> bool:
@@ -108,9 +111,15 @@ def pretrain(
             run_env["MEGATRON_EXT_CPU"] = "1"
         launch = [str(script)]
     if cuda:
-        # No Apex on a stock CUDA torch; the run file's gloo lets ranks share one GPU.
-        args = list(args) + ["--no-masked-softmax-fusion", "--distributed-backend", "gloo"]
+        nproc = int(os.environ.get(NPROC_ENV, nproc))
     agents = nproc if _ranks_share_a_device(cuda, nproc) else 1
+    if cuda:
+        # No Apex on a stock CUDA torch. Ranks sharing one GPU talk over gloo (as the run
+        # file says); otherwise NCCL: gloo all-reduces no coalesced CUDA tensors, which
+        # Megatron's dense gradient all-reduce is ("ProcessGroupGloo::allreduce_coalesced:
+        # unsupported device type cuda", seen on an H200 at DP=2 on one GPU, 2026-11-28).
+        backend = "gloo" if agents > 1 else "nccl"
+        args = list(args) + ["--no-masked-softmax-fusion", "--distributed-backend", backend]
     for attempt in range(2):
         port = str(free_port())
         procs, logs = [], []

@@ -25,6 +25,11 @@
 #                  --fused-kernels auto compiles them on CUDA) against no compression
 #   one-gpu-eager  the same for SEPARATE and the quantized exchange with --fused-kernels off
 #   profile        torch.profiler over steady gpt2-345m steps (device time per method)
+#   diloco         DiLoCo on CUDA at gpt2-345m (one site): inner step against none, outer step
+#   llama          llama-1b bf16 through the driver: none and Grass (r 256), tokens/s and memory
+#   grass          Grass's projected layers at llama-1b shapes (benchmarks/grass_throughput.py)
+# (profile, diloco, llama and grass are not in the default list: they follow it when a lease
+# has time left, e.g. `... gpu_session.sh llama grass diloco` as a second command.)
 #
 # Environment: OUT (default runs/gpu-session), DEADLINE (seconds the whole session may take,
 # default 470: a lease's 8-minute command), STAGE_LIMIT_<stage> (seconds), ITERS (one-gpu),
@@ -109,6 +114,9 @@ limit() {
     one-gpu) d=150 ;;
     one-gpu-eager) d=60 ;;
     profile) d=90 ;;
+    diloco) d=60 ;;
+    llama) d=150 ;;
+    grass) d=90 ;;
     *) d=120 ;;
     esac
     echo "${!v:-$d}"
@@ -220,6 +228,20 @@ run_one_gpu() {
         --out "$LOGS/$tag"
 }
 
+run_llama() {
+    local args=(--model llama-1b --methods none,grass --grass-rank 256 --iters 16 --skip 6
+        --micro-batch-size 16 --timeout 140)
+    ((DRY)) && args=(--cpu --model gpt-tiny --methods none,grass --grass-rank 16 --iters 4
+        --skip 2 --timeout 120)
+    $PY benchmarks/one_gpu.py "${args[@]}" --extra "$EXTRA" --out "$LOGS/llama"
+}
+
+run_grass() {
+    local args=(--device cuda --model llama-1b --ranks 128,256 --tokens 4096)
+    ((DRY)) && args=(--device cpu --model gpt-tiny --ranks 16 --tokens 64 --repeats 1)
+    $PY benchmarks/grass_throughput.py "${args[@]}" --out "$LOGS/grass"
+}
+
 run_profile() {
     local m f model="--model gpt2-345m --bf16 --micro-batch-size 8 $EXTRA"
     ((DRY)) && model="--model gpt-tiny --cpu"
@@ -242,7 +264,7 @@ pack() {
 }
 
 export DRY LOGS PY EXTRA SUMMARY
-export -f note run_env run_checks run_kernels run_one_gpu run_profile
+export -f note run_env run_checks run_kernels run_one_gpu run_profile run_llama run_grass
 trap pack EXIT
 if ! setup >"$LOGS/setup.log" 2>&1; then
     note "setup failed:"
@@ -263,7 +285,13 @@ for s in "${STAGES[@]}"; do
         stage one-gpu-eager run_one_gpu separate,quantized one-gpu-eager --fused-kernels off
         ;;
     profile) stage profile run_profile ;;
-    *) note "unknown stage $s (env checks kernels one-gpu one-gpu-eager profile)" ;;
+    diloco) stage diloco run_one_gpu none,diloco diloco ;;
+    llama) stage llama run_llama ;;
+    grass) stage grass run_grass ;;
+    *)
+        note "unknown stage $s (env checks kernels one-gpu one-gpu-eager profile diloco llama" \
+            "grass)"
+        ;;
     esac
 done
 note "=== session $SECONDS s"

@@ -20,7 +20,9 @@ What it does:
     compressing from step 2), ``radius`` (density 0.1, 2 dense steps, reselection every 1000
     steps), ``quantized`` (its default bits), ``quantized-adam`` (dense warm-up ending 2 steps before
     the measured ones: too short for quality, its loss rises);
-    ``grass`` (``--grass-method topr --grass-rank R``, reselection every 1000 steps). Pipeline
+    ``grass`` (``--grass-method topr --grass-rank R``, reselection every 1000 steps);
+    ``diloco`` (one site, the outer step every 4 iterations: its iterations' median is
+    reported apart as ``outer_step_ms``, the others' as the step). Pipeline
     codecs (AQ-SGD, Protocol Models) need 2 stages and so 2 GPUs; their kernel cost is in
     ``benchmarks/kernels.py``.
 
@@ -69,7 +71,18 @@ from benchmarks.common import (  # noqa: E402
 
 __all__ = ["build_parser", "main", "method_flags"]
 
-METHODS = ("none", "separate", "powersgd", "radius", "quantized", "quantized-adam", "grass")
+METHODS = (
+    "none",
+    "separate",
+    "powersgd",
+    "radius",
+    "quantized",
+    "quantized-adam",
+    "grass",
+    "diloco",
+)
+# DiLoCo's outer step every this many iterations (one site at world size 1).
+DILOCO_INTERVAL = 4
 
 
 def method_flags(method: str, args: Any) -> List[str]:
@@ -121,6 +134,11 @@ def method_flags(method: str, args: Any) -> List[str]:
             str(args.grass_rank),
             "--grass-update-interval",
             "1000",
+        ]
+    if method == "diloco":
+        return ["--outer-method", "diloco", "--outer-groups", "1"] + [
+            "--outer-interval",
+            str(DILOCO_INTERVAL),
         ]
     raise ValueError(f"--methods: unknown method {method!r} (choose from {', '.join(METHODS)})")
 
@@ -191,6 +209,15 @@ def run_one(args: Any, method: str, out_dir: str) -> Dict[str, Any]:
     with open(os.path.join(run_dir, "log.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()]
     steady = [r["step_time_s"] for r in records if r["iteration"] > args.skip]
+    outer = None
+    if method == "diloco":
+        # The outer step lands in the iterations that are multiples of the interval: report
+        # their median apart, the median of the others is the inner step.
+        at = [r["iteration"] > args.skip and r["iteration"] % DILOCO_INTERVAL == 0 for r in records]
+        outer = median([r["step_time_s"] for r, a in zip(records, at) if a])
+        steady = [
+            r["step_time_s"] for r, a in zip(records, at) if r["iteration"] > args.skip and not a
+        ]
     step = median(steady)
     tokens = summary["layout"]["gbs"] * load_model_preset(args.model)["seq_length"]
     row.update(
@@ -202,6 +229,8 @@ def run_one(args: Any, method: str, out_dir: str) -> Dict[str, Any]:
         final_loss=summary.get("final_lm_loss"),
         gbs=summary["layout"]["gbs"],
     )
+    if outer is not None:
+        row["outer_step_ms"] = outer * 1000
     return row
 
 
@@ -235,6 +264,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     path = write_report(report, out_dir)
     keys = ("method", "step_ms", "overhead_pct", "tokens_per_s", "peak_gib", "final_loss", "rc")
     heads = ("method", "step ms", "overhead %", "tokens/s", "peak GiB", "loss", "rc")
+    if any("outer_step_ms" in r for r in rows):
+        keys, heads = keys + ("outer_step_ms",), heads + ("outer step ms",)
     print(f"{args.model}, {'CPU (smoke)' if args.cpu else 'one GPU'}, {args.iters} iterations:")
     print(format_table(heads, [[r.get(k) for k in keys] for r in rows], digits=2))
     print(f"report: {path}")

@@ -101,6 +101,17 @@ def test_the_docs_have_the_commands_this_test_checks():
             assert any(n == f"docs/methods/{stem}.md" for n, _, _ in ALL), stem
 
 
+def test_readme_is_short_and_links_every_docs_page():
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 200, "the README is at most 200 lines: move text to docs/"
+    for page in (REPO / "docs" / "methods").glob("*.md"):
+        assert f"](docs/methods/{page.name})" in text, page.name
+    index = (REPO / "docs" / "README.md").read_text(encoding="utf-8")
+    for page in (REPO / "docs").glob("*.md"):
+        if page.name != "README.md":
+            assert f"]({page.name}" in index, f"docs/README.md does not link {page.name}"
+
+
 def _readme_block_lines() -> List[str]:
     text = (REPO / "README.md").read_text(encoding="utf-8")
     return [line for block in _BLOCK.findall(text) for line in block.splitlines() if line]

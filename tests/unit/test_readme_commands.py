@@ -123,6 +123,10 @@ def test_ci_runs_exactly_the_readme_test_command():
     readme = _readme_block_lines()
     tests = [l for l in readme if "python -m pytest" in l]
     assert tests == [ci[-1]], (tests, ci[-1])
+    for path in DOCS:  # a copy of the test command elsewhere is the same command
+        blocks = _BLOCK.findall(path.read_text(encoding="utf-8"))
+        copies = [l for b in blocks for l in b.splitlines() if l.startswith("python3 -m venv")]
+        assert all(l == ci[-1] for l in copies if "pytest" in l), path
     first = [l for l in readme if "-m megatron_ext.train" in l]
     assert first and first[0].startswith("python3 -m venv .venv && "), first
 

@@ -1,4 +1,4 @@
-"""The shell commands of ``README.md`` and ``patches/README.md``, checked without training.
+"""The shell commands of ``README.md``, ``docs/`` and ``patches/README.md``, checked without training.
 
 Every ``bash`` block is split into commands (continuation lines joined, ``&&`` chains and
 comments split off). Then, cheaply (no process is started, nothing trains):
@@ -14,7 +14,10 @@ comments split off). Then, cheaply (no process is started, nothing trains):
 * ``megatron-ext`` subcommands exist, ``pip install`` extras exist in ``setup.py``, and the
   files and environment variables the commands name exist or are read by the scripts.
 
-The two long commands (the first training run and the test suite) are what CI runs anyway.
+The two long commands (the first training run and the test suite) are what CI runs anyway;
+``.ci/run`` must run exactly the README's test command. Every relative link of these files
+(and of the reports under ``docs/``) must name a file that exists and, with ``#anchor``, a
+heading of it.
 """
 
 import re
@@ -25,12 +28,13 @@ from typing import List, Tuple
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-DOCS = [REPO / "README.md", REPO / "patches" / "README.md"]
+DOCS = [REPO / "README.md", REPO / "patches" / "README.md"] + sorted((REPO / "docs").rglob("*.md"))
 _BLOCK = re.compile(r"```bash\n(.*?)```", re.S)
 
 
 GPU_SECTION = "On a GPU"
-"""The README section whose commands run on a GPU (the only ones allowed without --cpu)."""
+"""The section (of any of the files) whose commands run on a GPU: the only ones allowed
+without --cpu (``docs/performance/README.md`` has it)."""
 
 
 def _commands(path: Path) -> List[Tuple[str, List[str]]]:
@@ -42,10 +46,13 @@ def _commands(path: Path) -> List[Tuple[str, List[str]]]:
 
 
 def _gpu_commands() -> List[str]:
-    """The texts of the commands in the README's GPU section."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    section = text.split(f"\n## {GPU_SECTION}\n", 1)[1].split("\n## ", 1)[0]
-    return [t for block in _BLOCK.findall(section) for t, _ in _block_commands(block)]
+    """The texts of the commands in the GPU sections of the files."""
+    out = []
+    for path in DOCS:
+        for section in path.read_text(encoding="utf-8").split(f"\n## {GPU_SECTION}\n")[1:]:
+            section = section.split("\n## ", 1)[0]
+            out += [t for block in _BLOCK.findall(section) for t, _ in _block_commands(block)]
+    return out
 
 
 def _block_commands(block: str) -> List[Tuple[str, List[str]]]:
@@ -68,7 +75,9 @@ def _block_commands(block: str) -> List[Tuple[str, List[str]]]:
     return out
 
 
-ALL = [(path.name, text, words) for path in DOCS for text, words in _commands(path)]
+ALL = [
+    (str(path.relative_to(REPO)), text, words) for path in DOCS for text, words in _commands(path)
+]
 
 
 def _env_and_rest(words: List[str]) -> Tuple[dict, List[str]]:
@@ -85,6 +94,41 @@ def test_the_docs_have_the_commands_this_test_checks():
     assert sum("megatron_ext.train" in k for k in kinds) >= 5, kinds
     assert any("megatron_ext pretrain" in " ".join(w) for _, _, w in ALL)
     assert any(w and w[0] == "MEGATRON_EXT_CPU=1" for _, _, w in ALL)
+    assert _gpu_commands(), f"no '## {GPU_SECTION}' section with commands"
+    methods = [p.stem for p in (REPO / "docs" / "methods").glob("*.md")]
+    for stem in methods:  # every method page shows a command that this test checks
+        if stem != "dp-compression":
+            assert any(n == f"docs/methods/{stem}.md" for n, _, _ in ALL), stem
+
+
+def test_readme_is_short_and_links_every_docs_page():
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 200, "the README is at most 200 lines: move text to docs/"
+    for page in (REPO / "docs" / "methods").glob("*.md"):
+        assert f"](docs/methods/{page.name})" in text, page.name
+    index = (REPO / "docs" / "README.md").read_text(encoding="utf-8")
+    for page in (REPO / "docs").glob("*.md"):
+        if page.name != "README.md":
+            assert f"]({page.name}" in index, f"docs/README.md does not link {page.name}"
+
+
+def _readme_block_lines() -> List[str]:
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    return [line for block in _BLOCK.findall(text) for line in block.splitlines() if line]
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    """The README's test command is the last line of ``.ci/run``, character for character."""
+    ci = [l for l in (REPO / ".ci" / "run").read_text().splitlines() if l.strip()]
+    readme = _readme_block_lines()
+    tests = [l for l in readme if "python -m pytest" in l]
+    assert tests == [ci[-1]], (tests, ci[-1])
+    for path in DOCS:  # a copy of the test command elsewhere is the same command
+        blocks = _BLOCK.findall(path.read_text(encoding="utf-8"))
+        copies = [l for b in blocks for l in b.splitlines() if l.startswith("python3 -m venv")]
+        assert all(l == ci[-1] for l in copies if "pytest" in l), path
+    first = [l for l in readme if "-m megatron_ext.train" in l]
+    assert first and first[0].startswith("python3 -m venv .venv && "), first
 
 
 def _torchrun(words: List[str]) -> Tuple[int, List[str]]:
@@ -95,13 +139,13 @@ def _torchrun(words: List[str]) -> Tuple[int, List[str]]:
     return nproc, words[words.index("--nproc-per-node") + 2 :]
 
 
-_DRIVER = [(t, w) for _, t, w in ALL if "megatron_ext.train" in w]
+_DRIVER = [(n, t, w) for n, t, w in ALL if "megatron_ext.train" in w]
 
 
 @pytest.mark.parametrize(
-    "text, words", _DRIVER, ids=[" ".join(w[5:9]) or "first" for _, w in _DRIVER]
+    "name, text, words", _DRIVER, ids=[f"{n}:{' '.join(w[5:9])}" for n, _, w in _DRIVER]
 )
-def test_driver_commands_parse_and_validate_for_their_layout(text, words, monkeypatch):
+def test_driver_commands_parse_and_validate_for_their_layout(name, text, words, monkeypatch):
     from megatron_ext.config import ParallelLayout, validate_ext_config
     from megatron_ext.train import _layout_sizes, parse_args
 
@@ -123,7 +167,7 @@ def test_driver_commands_parse_and_validate_for_their_layout(text, words, monkey
         ),
     )
     if text not in _gpu_commands():
-        assert cfg.training.cpu, f"a laptop command without --cpu: {text}"
+        assert cfg.training.cpu, f"{name}: a laptop command without --cpu: {text}"
 
 
 def _megatron_lm_flags() -> set:
@@ -197,3 +241,35 @@ def test_pip_extras_megatron_ext_subcommands_and_named_files_exist():
         if rest and rest[0].endswith("pretrain_gpt_ext.sh"):
             for key in env:
                 assert re.search(rf"\b{key}\b", script_vars), (text, key)
+
+
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+_FENCE = re.compile(r"```.*?```", re.S)
+
+
+def _anchors(path: Path) -> set:
+    """GitHub's anchors of the headings of ``path`` (and explicit ``<a id=...>``)."""
+    text = _FENCE.sub("", path.read_text(encoding="utf-8"))
+    out, seen = set(re.findall(r'<a id="([^"]+)"', text)), {}
+    for title in re.findall(r"^#+ (.*)$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_relative_links_resolve():
+    broken = []
+    for path in DOCS:
+        text = _FENCE.sub("", path.read_text(encoding="utf-8"))
+        for target in _LINK.findall(text):
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.exists():
+                broken.append(f"{path.relative_to(REPO)}: {target}")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                broken.append(f"{path.relative_to(REPO)}: {target} (no such heading)")
+    assert not broken, broken

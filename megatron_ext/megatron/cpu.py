@@ -24,7 +24,7 @@ Why:
     on CI machines without GPUs. Nothing is mocked: the math and the collectives are
     megatron-core's own; only device placement, streams and RNG plumbing are redirected.
 
-Constraints and limits (also listed in the README):
+Constraints and limits (also listed in docs/getting-started.md, CPU execution):
     * Off by default. ``enable_cpu_execution()`` switches it on; when CUDA is available it
       does nothing and says so, so GPU runs are never altered, unless ``force=True``: the
       driver's ``--cpu`` and Megatron-LM's ``MEGATRON_EXT_CPU=1`` are explicit requests and

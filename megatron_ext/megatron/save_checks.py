@@ -20,7 +20,7 @@ Cost:
     One pass over the saved tensors on their own devices (``isfinite().all()`` per tensor,
     stacked per device and read once per device), plus one ``all_gather_object`` of a
     string per save. Measured on CPU for gpt-tiny (7.4M parameters, about 90 MB of model,
-    fp32 Adam state and megatron-ext state per rank): see the README's Checkpoints section.
+    fp32 Adam state and megatron-ext state per rank): see docs/checkpoints.md.
 
 Constraints:
     Collective over the default group: every rank must call it at the same save. Tensors

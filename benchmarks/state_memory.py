@@ -376,7 +376,7 @@ def _measure_reducer(group, method, model, dp_size, overlap, options) -> Dict[st
     from megatron_ext.collectives.grad_reducer import BucketGroupSpec, ParamSlice
     from megatron_ext.collectives.radius import RadiusOptimizerHook
     from megatron_ext.compressors.topk import num_selected
-    from megatron_ext.optim.hooks import ParamOptimState
+    from megatron_ext.protocols import ParamOptimState
 
     params = model_params(model)
     reducer, cfg, first = _reducer(method, options)
@@ -686,7 +686,7 @@ def measure_protocol(model: str, options: Dict[str, Any]) -> Dict[str, Any]:
 
     from megatron_ext.compressors.subspace import Subspace
     from megatron_ext.methods.protocol import SubspaceConfig
-    from megatron_ext.optim.hooks import ParamOptimState
+    from megatron_ext.protocols import ParamOptimState
     from megatron_ext.optim.subspace import SubspaceOptimizerHook
     from megatron_ext.state_plan import protocol_plan
 

@@ -56,6 +56,9 @@ import shutil
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+# Re-exported: preflight reports it, and callers have found it here.
+from megatron_ext.validation import available_host_memory
+
 __all__ = [
     "PreflightError",
     "resume_args",
@@ -329,16 +332,6 @@ def check_inputs(args: Sequence[str]) -> None:
         missing.append(f"--load {a.load} (loaded with --finetune): no such directory")
     if missing:
         raise PreflightError("; ".join(missing))
-
-
-def available_host_memory() -> Optional[int]:
-    """This node's available memory in bytes (``MemAvailable``), None if unknown."""
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except Exception:  # noqa: BLE001  (no psutil or no /proc: unknown, not an error)
-        return None
 
 
 def _free_disk(directory: str) -> Optional[int]:

@@ -1023,7 +1023,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for message in _EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=f".*{message}.*")
     from megatron_ext.megatron.checkpoint import CheckpointSaveError
-    from megatron_ext.optim.hooks import NonFiniteError
+    from megatron_ext.protocols import NonFiniteError
     from megatron_ext.refusal import report_refusal
     from megatron_ext.state import StateMismatch
 

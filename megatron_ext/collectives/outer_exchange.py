@@ -94,12 +94,13 @@ from megatron_ext.collectives.grad_reducer import (
     check_state_keys,
 )
 from megatron_ext.compressors.topk import num_selected
-from megatron_ext.optim.hooks import NonFiniteError
+from megatron_ext.protocols import NonFiniteError
+from megatron_ext.options.outer import OUTER_EXCHANGE_OPTIONS, OUTER_EXCHANGES
 
 __all__ = ["METHODS", "OuterExchange", "make_outer_exchange", "outer_defaults", "TOPK_CHUNK"]
 
 #: The exchange methods (the data-parallel method whose compression each one reuses).
-METHODS: Tuple[str, ...] = ("none", "quantized", "radius", "separate", "powersgd")
+METHODS: Tuple[str, ...] = OUTER_EXCHANGES
 
 #: Values per top-k chunk (SparseLoCo's chunks of 4096): indices fit in int16.
 TOPK_CHUNK = 4096
@@ -109,23 +110,7 @@ TOPK_DENSITY = 1.0 / 64
 
 
 def _config_class(method: str) -> Optional[type]:
-    if method == "quantized":
-        from megatron_ext.methods.quantized import QuantizedConfig
-
-        return QuantizedConfig
-    if method == "radius":
-        from megatron_ext.methods.radius import RadiusConfig
-
-        return RadiusConfig
-    if method == "separate":
-        from megatron_ext.methods.separate import SeparateConfig
-
-        return SeparateConfig
-    if method == "powersgd":
-        from megatron_ext.methods.powersgd import PowerSGDConfig
-
-        return PowerSGDConfig
-    return None
+    return OUTER_EXCHANGE_OPTIONS.get(method)
 
 
 def _check_method(method: str) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
-from megatron_ext.config import ConfigError, arg, check_positive, flag_of
+from megatron_ext.options.base import ConfigError, arg, check_positive, flag_of
 from megatron_ext.methods.registry import Components, Method, MethodContext, register
 
 __all__ = ["AQSGDConfig", "METHOD", "DIRECTQ"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict
 
-from megatron_ext.config import ConfigError, check_positive, flag_of
+from megatron_ext.options.base import ConfigError, check_positive, flag_of
 from megatron_ext.methods.registry import (
     BenchContext,
     Components,

@@ -72,7 +72,7 @@ def _ours(member, group, setting):
     import torch
 
     from megatron_ext.optim.diloco import DiLoCoHook
-    from megatron_ext.optim.hooks import OptimizerView, ParamOptimState
+    from megatron_ext.protocols import OptimizerView, ParamOptimState
 
     interval, fragments, lr, momentum, nesterov = SETTINGS[setting]
     model = _model()

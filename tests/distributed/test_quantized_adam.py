@@ -43,7 +43,7 @@ class _View:
         return sorted(self.params)
 
     def param_state(self, fqn):
-        from megatron_ext.optim.hooks import ParamOptimState
+        from megatron_ext.protocols import ParamOptimState
 
         p = self.params[fqn]
         return ParamOptimState(

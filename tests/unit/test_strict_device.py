@@ -600,7 +600,7 @@ def test_protocol_resumed_from_cpu_loaded_state_steps_on_device():
 
 # -- DiLoCo: the outer step and its exchanges ----------------------------------------------
 
-from megatron_ext.optim.hooks import ParamOptimState  # noqa: E402
+from megatron_ext.protocols import ParamOptimState  # noqa: E402
 
 DILOCO_SHAPES = {"a.bias": (16,), "a.weight": (16, 8), "b.weight": (8, 16), "c.weight": (32, 8)}
 DILOCO_H = 4

@@ -118,6 +118,23 @@ def layer_violations():
     return sorted(set(bad))
 
 
+def leaf_violations():
+    """Return each import of ``megatron_ext.options`` that leaves the standard library and
+    the package itself (torch, Megatron, or another megatron_ext module)."""
+    bad = []
+    for path in _files():
+        module = _module_name(path)
+        if not _under(module, "megatron_ext.options"):
+            continue
+        for target, line in _imports(path):
+            top = target.split(".")[0]
+            if top in ("torch", "megatron", "numpy") or (
+                top == "megatron_ext" and not _under(target, "megatron_ext.options")
+            ):
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {module} imports {target}")
+    return sorted(set(bad))
+
+
 def first_level_graph():
     """Return {unit: {unit it imports: [file:line, ...]}} over megatron_ext's first level."""
     units = _first_level_units()
@@ -197,6 +214,12 @@ def test_import_collector_sees_function_level_and_relative_imports(tmp_path):
 def test_pure_packages_import_no_megatron_adapters_or_methods():
     bad = layer_violations()
     assert not bad, "pure-torch packages must not import these:\n" + "\n".join(bad)
+
+
+def test_options_package_is_a_leaf():
+    assert any(p.parent.name == "options" for p in _files())
+    bad = leaf_violations()
+    assert not bad, "megatron_ext.options imports outside itself:\n" + "\n".join(bad)
 
 
 # Edges that still close a cycle, each with the move that removes it. The test removes these

@@ -72,12 +72,12 @@ from megatron_ext.options.base import (  # noqa: F401 (re-exported)
 )
 from megatron_ext.options.linear import DEFAULT_LINEAR_LAYERS, LinearLayersConfig  # noqa: F401
 
-
 # --------------------------------------------------------------------------------------------
 # The run-wide configs. The methods' own options live in their modules (megatron_ext.methods.*)
 # or, where other layers read them too, in megatron_ext.options; the selectors come from the
 # registry.
 # --------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True, kw_only=True)
 class CommAccountingConfig:

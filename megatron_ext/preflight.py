@@ -393,8 +393,7 @@ def method_state_needs(args: Sequence[str]) -> List[Dict[str, object]]:
     shape = model_shape(args)
     if shape is None:
         return []
-    from megatron_ext.state_plan import format_bytes as fb
-    from megatron_ext.state_plan import grass_plan, protocol_plan
+    from megatron_ext.state_plan import format_bytes as fb, grass_plan, protocol_plan
 
     a = _megatron_subset(args)
     dtype = "bf16" if a.bf16 else "fp16" if a.fp16 else "fp32"

@@ -78,7 +78,6 @@ Constraints:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -94,8 +93,8 @@ from megatron_ext.collectives.grad_reducer import (
     check_state_keys,
 )
 from megatron_ext.compressors.topk import num_selected
-from megatron_ext.protocols import NonFiniteError
 from megatron_ext.options.outer import OUTER_EXCHANGE_OPTIONS, OUTER_EXCHANGES
+from megatron_ext.protocols import NonFiniteError
 
 __all__ = ["METHODS", "OuterExchange", "make_outer_exchange", "outer_defaults", "TOPK_CHUNK"]
 

@@ -294,9 +294,9 @@ class ExtRuntime(Runtime):
         """
         from megatron.core import parallel_state as ps
 
+        from megatron_ext.collectives.grad_reducer import ReducerStepHook
         from megatron_ext.megatron.ddp import install_grad_sync
         from megatron_ext.megatron.linear import install_linear_hooks
-        from megatron_ext.collectives.grad_reducer import ReducerStepHook
         from megatron_ext.megatron.optimizer import (
             MegatronOptimizerView,
             install_optimizer_hooks,

@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
-from megatron_ext.options.base import ConfigError, arg, check_positive, flag_of
 from megatron_ext.methods.registry import Components, Method, MethodContext, register
+from megatron_ext.options.base import ConfigError, arg, check_positive, flag_of
 
 __all__ = ["AQSGDConfig", "METHOD", "DIRECTQ"]
 

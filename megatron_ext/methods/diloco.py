@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
+from megatron_ext.methods.registry import Components, Method, MethodContext, register
 from megatron_ext.options.base import ConfigError, check_positive, flag_of
 from megatron_ext.options.outer import OUTER_EXCHANGES
-from megatron_ext.methods.registry import Components, Method, MethodContext, register
 
 __all__ = ["OuterConfig", "METHOD"]
 

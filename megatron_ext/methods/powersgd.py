@@ -6,11 +6,8 @@ The algorithm is ``megatron_ext.collectives.powersgd`` (two all-reduces per buck
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar, Dict
+from typing import Any, Dict
 
-from megatron_ext.options.base import ConfigError, check_positive, flag_of
-from megatron_ext.options.powersgd import PowerSGDConfig
 from megatron_ext.methods.registry import (
     BenchContext,
     Components,
@@ -18,6 +15,7 @@ from megatron_ext.methods.registry import (
     MethodContext,
     register,
 )
+from megatron_ext.options.powersgd import PowerSGDConfig
 
 __all__ = ["PowerSGDConfig", "METHOD"]
 

@@ -11,12 +11,8 @@ carry through Adam's variance.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar
-
-from megatron_ext.options.base import ConfigError, arg, check_positive, flag_of
-from megatron_ext.options.quantized import QuantizedConfig
 from megatron_ext.methods.registry import Components, Method, MethodContext, register
+from megatron_ext.options.quantized import QuantizedConfig
 
 __all__ = ["QuantizedConfig", "METHOD"]
 

@@ -6,11 +6,8 @@ hook that selects its entries from AdamW's moments) on ``megatron_ext.compressor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar, Dict
+from typing import Any, Dict
 
-from megatron_ext.options.base import ConfigError, check_positive, flag_of
-from megatron_ext.options.radius import RadiusConfig
 from megatron_ext.methods.registry import (
     BenchContext,
     Components,
@@ -18,6 +15,7 @@ from megatron_ext.methods.registry import (
     MethodContext,
     register,
 )
+from megatron_ext.options.radius import RadiusConfig
 
 __all__ = ["RadiusConfig", "METHOD"]
 

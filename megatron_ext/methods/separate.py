@@ -7,12 +7,8 @@ its options (``--separate-*``), what it builds (a gradient reducer) and its benc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar, Optional
-
-from megatron_ext.options.base import ConfigError, arg, check_positive, flag_of
-from megatron_ext.options.separate import SeparateConfig
 from megatron_ext.methods.registry import Components, Method, MethodContext, register
+from megatron_ext.options.separate import SeparateConfig
 
 __all__ = ["SeparateConfig", "METHOD"]
 

@@ -98,10 +98,11 @@ from megatron_ext.accounting import (
     collective_wire_bytes,
 )
 from megatron_ext.kernels.finite import nonfinite
-from megatron_ext.protocols import NonFiniteError, OptimizerHook, OptimizerView
+
 # The names --outer-compression takes (each but "none" is an OuterExchange with that
 # data-parallel method's compression); defined with the options, which need no torch.
 from megatron_ext.options.outer import OUTER_EXCHANGES
+from megatron_ext.protocols import NonFiniteError, OptimizerHook, OptimizerView
 
 __all__ = [
     "DenseOuterExchange",
@@ -116,7 +117,6 @@ __all__ = [
     "outer_sgd_step",
     "DiLoCoHook",
 ]
-
 
 
 class DenseOuterExchange:

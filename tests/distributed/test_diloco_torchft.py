@@ -69,8 +69,6 @@ def _inner(model):
 def _ours(member, group, setting):
     import types
 
-    import torch
-
     from megatron_ext.optim.diloco import DiLoCoHook
     from megatron_ext.protocols import OptimizerView, ParamOptimState
 

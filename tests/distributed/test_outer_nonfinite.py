@@ -91,7 +91,6 @@ def _copies(hook, params):
 
 def _equal(x, y):
     """Bitwise equal, NaN equal to NaN (site 1's weights hold one)."""
-    import torch
 
     return x.shape == y.shape and bool(((x == y) | (x.isnan() & y.isnan())).all())
 

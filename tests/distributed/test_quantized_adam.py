@@ -21,8 +21,6 @@ gradient each step, and checks:
   and all ranks hold bit-identical parameters and momenta.
 """
 
-import pytest
-
 from tests.helpers.dist import run_ranks
 
 # 1320 elements: 21 rows of 64, so one partition's payload (codes, fp16 scales) is 378 bytes,

@@ -94,8 +94,7 @@ def cpu_draws(monkeypatch):
     """SEPARATE's projection and PowerSGD's initial Q drawn on the CPU, then moved: both
     devices then use the same matrices (their own draws are checked separately)."""
     from megatron_ext.collectives import powersgd, separate
-    from megatron_ext.compressors import lowrank
-    from megatron_ext.compressors import separate as sep_math
+    from megatron_ext.compressors import lowrank, separate as sep_math
 
     def projection_block(*args, device=None, **kwargs):
         return sep_math.projection_block(*args, device=None, **kwargs).to(device)

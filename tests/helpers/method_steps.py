@@ -545,8 +545,8 @@ def protocol_stage(
     """
     from megatron_ext.collectives.subspace import SubspaceCodec
     from megatron_ext.compressors.subspace import Subspace, grassmann_step, project
-    from megatron_ext.protocols import ParamOptimState
     from megatron_ext.optim.subspace import SubspaceOptimizerHook
+    from megatron_ext.protocols import ParamOptimState
 
     subspace = Subspace(d, k, seed=0)
     subspace.make_fixed(vocab, 0.02, dtype, device)

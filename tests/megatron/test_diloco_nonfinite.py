@@ -71,7 +71,6 @@ def _state(trainer, hook):
 
 
 def _same(a, b):
-    import torch
 
     def equal(x, y):
         return bool(((x == y) | (x.isnan() & y.isnan())).all())

@@ -41,7 +41,7 @@ What it does:
       (``samples x seq x hidden x bytes`` per boundary side, ``--aqsgd-samples`` samples
       per DP rank, bf16) of one middle pipeline stage (a send and a receive side), and
       (``per_node_8_stages``) what a node of 8 GPUs holding 8 stages keeps, from
-      :func:`megatron_ext.megatron.memory.aqsgd_buffer_plan`, the figure the launch scripts
+      :func:`megatron_ext.memory.aqsgd_buffer_plan`, the figure the launch scripts
       print before a job starts.
     * ``protocol``: :class:`~megatron_ext.compressors.subspace.Subspace` (``U``, ``A``,
       ``T_fixed``) and :class:`~megatron_ext.optim.subspace.SubspaceOptimizerHook`'s step on
@@ -616,7 +616,7 @@ def measure_aqsgd(model: str, samples: int, options: Dict[str, Any]) -> Dict[str
     import torch
 
     from megatron_ext.collectives.aqsgd import AQSGDCodec
-    from megatron_ext.megatron.memory import aqsgd_buffer_plan
+    from megatron_ext.memory import aqsgd_buffer_plan
     from megatron_ext.methods.aqsgd import AQSGDConfig
     from megatron_ext.methods.registry import SampleSpace
 

@@ -24,8 +24,8 @@ What it does:
        ``--vocab-file``, ``--merge-file``, a SentencePiece ``--tokenizer-model`` and the
        ``--load`` directory of a ``--finetune`` run exist;
     6. **memory** (:func:`memory_needs`): AQ-SGD's per-sample buffers, per node (host or
-       disk) or per GPU (device), from :func:`megatron_ext.megatron.memory.
-       aqsgd_buffer_plan` (the codec's and ``benchmarks/state_memory.py``'s computation).
+       disk) or per GPU (device), from :func:`megatron_ext.memory.aqsgd_buffer_plan`
+       (the codec's and ``benchmarks/state_memory.py``'s computation).
        Printed always; outside a dry run the node's available host memory
        (``MemAvailable``) or the buffer directory's free space is compared, and the launch
        refused when it is smaller. Grass's and Protocol Models' state per GPU
@@ -478,7 +478,7 @@ def memory_needs(args: Sequence[str], nodes: int, gpus_per_node: int) -> List[Di
     import torch
 
     from megatron_ext.collectives.aqsgd import format_bytes
-    from megatron_ext.megatron.memory import aqsgd_buffer_plan
+    from megatron_ext.memory import aqsgd_buffer_plan
 
     dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
     plan = aqsgd_buffer_plan(

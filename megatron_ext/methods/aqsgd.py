@@ -122,7 +122,7 @@ def _build_aqsgd(ctx: MethodContext) -> Components:
     codec = AQSGDCodec(ctx.options, ctx)
 
     def setup():
-        from megatron_ext.megatron.memory import pending_optimizer_state_nbytes
+        from megatron_ext.optim.memory import pending_optimizer_state_nbytes
 
         # Adam's moments (and a precision-aware optimizer's fp32 master weights) appear at
         # the first step, after the buffers: the fit check keeps room for them.

@@ -8,9 +8,11 @@ What it does:
     the other way. So the dataclass is the single source of truth for names, defaults,
     types, choices and documentation.
 
-    The methods' own options dataclasses live in their modules (``megatron_ext.methods``)
-    and the family selectors (``--grad-compression`` ...) with their choices come from the
-    method registry; :func:`add_args` adds all of them, :class:`ExtConfig` holds the
+    The methods' own options dataclasses live in their modules (``megatron_ext.methods``),
+    or in the leaf package ``megatron_ext.options`` where other layers read them too (with
+    the flag machinery: :class:`ConfigError`, :func:`arg`, :func:`add_config_args` ...,
+    re-exported here); the family selectors (``--grad-compression`` ...) with their choices
+    come from the method registry; :func:`add_args` adds all of them, :class:`ExtConfig` holds the
     selected method per family and every options instance, and
     :meth:`ExtConfig.state_settings` is the fingerprint of checkpointed state.
 
@@ -22,8 +24,9 @@ Why:
     that carries the flag name.
 
 Constraints:
-    Pure Python and torch-free: this module never imports Megatron. Flags use a family
-    prefix per feature (``--grad-compression*``, ``--p2p-compression*``, ``--grass-*``,
+    Pure Python and torch-free: this module never imports Megatron, and parsing flags
+    (:func:`ext_config_from_flags`) imports no torch (``tests/unit/test_layers.py``). Flags
+    use a family prefix per feature (``--grad-compression*``, ``--p2p-compression*``, ``--grass-*``,
     ``--subspace-*``, ``--comm-*``) and must not collide with Megatron-LM's own flags (a
     test parses both parsers together).
 """

@@ -72,7 +72,7 @@ class QuantizedReducer(GradReducer):
     """k-bit quantized gradient exchange (see module docstring).
 
     Args:
-        cfg: a :class:`~megatron_ext.methods.quantized.QuantizedConfig`.
+        cfg: a :class:`~megatron_ext.options.quantized.QuantizedConfig`.
     """
 
     name = "quantized"

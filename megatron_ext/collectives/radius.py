@@ -79,7 +79,7 @@ class RadiusReducer(GradReducer):
     """Radius gradient reduction (see module docstring).
 
     Args:
-        cfg: a :class:`~megatron_ext.methods.radius.RadiusConfig`.
+        cfg: a :class:`~megatron_ext.options.radius.RadiusConfig`.
     """
 
     name = "radius"

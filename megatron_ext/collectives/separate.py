@@ -100,7 +100,7 @@ class SeparateReducer(GradReducer):
     """SEPARATE gradient reduction (see module docstring).
 
     Args:
-        cfg: a :class:`~megatron_ext.methods.separate.SeparateConfig`.
+        cfg: a :class:`~megatron_ext.options.separate.SeparateConfig`.
     """
 
     name = "separate"

@@ -7,6 +7,9 @@ Adam as it is; the AQ-SGD authors' end-to-end runs use QuantizedAdam instead (fr
 variance, the momentum exchanged: ``--grad-compression quantized-adam``,
 ``megatron_ext.methods.quantized_adam``), since error compensation on the gradient does not
 carry through Adam's variance.
+
+Its options, :class:`~megatron_ext.options.quantized.QuantizedConfig`, live in the leaf package
+``megatron_ext.options``: other layers read them too (DiLoCo's outer exchange).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ only later.
 """
 
 import ast
+import functools
 import os
 import subprocess
 import sys
@@ -46,6 +47,7 @@ def _is_package(path):
     return path.name == "__init__.py"
 
 
+@functools.lru_cache(maxsize=None)
 def _imports(path, module=None):
     """Return the absolute module names one file imports, with line numbers.
 
@@ -74,7 +76,7 @@ def _imports(path, module=None):
             for alias in node.names:
                 if alias.name != "*":
                     out.append((f"{target}.{alias.name}", node.lineno))
-    return out
+    return tuple(out)
 
 
 def _files():

@@ -2,6 +2,7 @@
 
 import glob
 import os
+import re
 
 from setuptools import find_packages, setup
 
@@ -17,6 +18,14 @@ def _data_files(top):
     return sorted(out.items())
 
 
+def _version():
+    """``megatron_ext.__version__``, read without importing the package (one source)."""
+    with open(
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_ext", "__init__.py")
+    ) as f:
+        return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
+
+
 # What Megatron-LM's pretrain_gpt.py / megatron/training import beyond megatron-core
 # (megatron_ext/megatron/lm/requirements.py; pyyaml and psutil are required below):
 # core_v0.16.1 imports six, regex, pydantic at start-up; pybind11 builds the dataset helpers
@@ -26,7 +35,7 @@ _MEGATRON_LM = ["six", "regex", "pydantic", "pybind11"]
 
 setup(
     name="megatron-ext",
-    version="0.1.0",
+    version=_version(),
     description=(
         "Compressed data-parallel, pipeline-parallel and row-sparse communication for "
         "Megatron-LM / megatron-core training"

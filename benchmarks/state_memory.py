@@ -41,7 +41,7 @@ What it does:
       (``samples x seq x hidden x bytes`` per boundary side, ``--aqsgd-samples`` samples
       per DP rank, bf16) of one middle pipeline stage (a send and a receive side), and
       (``per_node_8_stages``) what a node of 8 GPUs holding 8 stages keeps, from
-      :func:`megatron_ext.megatron.memory.aqsgd_buffer_plan`, the figure the launch scripts
+      :func:`megatron_ext.memory.aqsgd_buffer_plan`, the figure the launch scripts
       print before a job starts.
     * ``protocol``: :class:`~megatron_ext.compressors.subspace.Subspace` (``U``, ``A``,
       ``T_fixed``) and :class:`~megatron_ext.optim.subspace.SubspaceOptimizerHook`'s step on
@@ -92,8 +92,11 @@ METHODS = ("separate", "radius", "powersgd", "quantized", "grass", "aqsgd", "pro
 ADAM_BYTES_PER_PARAM = 12
 """fp32 main parameter + exp_avg + exp_avg_sq with mixed precision."""
 
-from megatron_ext.state_plan import ModelShape, padded_vocab  # noqa: E402  (no torch)
-from megatron_ext.state_plan import model_params as _shape_params  # noqa: E402
+from megatron_ext.state_plan import (  # noqa: E402  (no torch)
+    ModelShape,
+    model_params as _shape_params,
+    padded_vocab,
+)
 
 MODELS: Dict[str, ModelShape] = {
     # GPT2-XL (1.5B): learned positions, tied embeddings, biases, GELU MLP.
@@ -361,10 +364,6 @@ def measure_reducer(
     method: str, model: str, dp_size: int, overlap: bool, options: Dict[str, Any]
 ) -> Dict[str, Any]:
     """Bind ``method``'s reducer to every bucket and run two compressed steps."""
-    import torch
-
-    from megatron_ext.collectives.grad_reducer import BucketGroupSpec, ParamSlice
-    from megatron_ext.compressors.topk import num_selected
 
     with _FakeDPGroup(dp_size) as group:
         return _measure_reducer(group, method, model, dp_size, overlap, options)
@@ -376,7 +375,7 @@ def _measure_reducer(group, method, model, dp_size, overlap, options) -> Dict[st
     from megatron_ext.collectives.grad_reducer import BucketGroupSpec, ParamSlice
     from megatron_ext.collectives.radius import RadiusOptimizerHook
     from megatron_ext.compressors.topk import num_selected
-    from megatron_ext.optim.hooks import ParamOptimState
+    from megatron_ext.protocols import ParamOptimState
 
     params = model_params(model)
     reducer, cfg, first = _reducer(method, options)
@@ -617,7 +616,7 @@ def measure_aqsgd(model: str, samples: int, options: Dict[str, Any]) -> Dict[str
     import torch
 
     from megatron_ext.collectives.aqsgd import AQSGDCodec
-    from megatron_ext.megatron.memory import aqsgd_buffer_plan
+    from megatron_ext.memory import aqsgd_buffer_plan
     from megatron_ext.methods.aqsgd import AQSGDConfig
     from megatron_ext.methods.registry import SampleSpace
 
@@ -686,8 +685,8 @@ def measure_protocol(model: str, options: Dict[str, Any]) -> Dict[str, Any]:
 
     from megatron_ext.compressors.subspace import Subspace
     from megatron_ext.methods.protocol import SubspaceConfig
-    from megatron_ext.optim.hooks import ParamOptimState
     from megatron_ext.optim.subspace import SubspaceOptimizerHook
+    from megatron_ext.protocols import ParamOptimState
     from megatron_ext.state_plan import protocol_plan
 
     cfg = SubspaceConfig(**options)

@@ -67,8 +67,8 @@ def measure(args: argparse.Namespace) -> List[Dict[str, Any]]:
     from megatron_ext.collectives.p2p import P2PContext
     from megatron_ext.collectives.subspace import SubspaceCodec
     from megatron_ext.compressors.subspace import Subspace, grassmann_step
-    from megatron_ext.optim.hooks import OptimizerView, ParamOptimState
     from megatron_ext.optim.subspace import SubspaceOptimizerHook
+    from megatron_ext.protocols import OptimizerView, ParamOptimState
 
     d, k, dev = args.hidden_size, args.rank, args.device
     sub = Subspace(d, k, seed=0).to(dev)

@@ -24,8 +24,8 @@ What it does:
        ``--vocab-file``, ``--merge-file``, a SentencePiece ``--tokenizer-model`` and the
        ``--load`` directory of a ``--finetune`` run exist;
     6. **memory** (:func:`memory_needs`): AQ-SGD's per-sample buffers, per node (host or
-       disk) or per GPU (device), from :func:`megatron_ext.megatron.memory.
-       aqsgd_buffer_plan` (the codec's and ``benchmarks/state_memory.py``'s computation).
+       disk) or per GPU (device), from :func:`megatron_ext.memory.aqsgd_buffer_plan`
+       (the codec's and ``benchmarks/state_memory.py``'s computation).
        Printed always; outside a dry run the node's available host memory
        (``MemAvailable``) or the buffer directory's free space is compared, and the launch
        refused when it is smaller. Grass's and Protocol Models' state per GPU
@@ -55,6 +55,9 @@ import shlex
 import shutil
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+# Re-exported: preflight reports it, and callers have found it here.
+from megatron_ext.validation import available_host_memory
 
 __all__ = [
     "PreflightError",
@@ -331,16 +334,6 @@ def check_inputs(args: Sequence[str]) -> None:
         raise PreflightError("; ".join(missing))
 
 
-def available_host_memory() -> Optional[int]:
-    """This node's available memory in bytes (``MemAvailable``), None if unknown."""
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except Exception:  # noqa: BLE001  (no psutil or no /proc: unknown, not an error)
-        return None
-
-
 def _free_disk(directory: str) -> Optional[int]:
     path = os.path.abspath(directory)
     while path and not os.path.isdir(path):
@@ -400,8 +393,7 @@ def method_state_needs(args: Sequence[str]) -> List[Dict[str, object]]:
     shape = model_shape(args)
     if shape is None:
         return []
-    from megatron_ext.state_plan import format_bytes as fb
-    from megatron_ext.state_plan import grass_plan, protocol_plan
+    from megatron_ext.state_plan import format_bytes as fb, grass_plan, protocol_plan
 
     a = _megatron_subset(args)
     dtype = "bf16" if a.bf16 else "fp16" if a.fp16 else "fp32"
@@ -486,7 +478,7 @@ def memory_needs(args: Sequence[str], nodes: int, gpus_per_node: int) -> List[Di
     import torch
 
     from megatron_ext.collectives.aqsgd import format_bytes
-    from megatron_ext.megatron.memory import aqsgd_buffer_plan
+    from megatron_ext.memory import aqsgd_buffer_plan
 
     dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
     plan = aqsgd_buffer_plan(

@@ -50,13 +50,6 @@ from megatron_ext.config import (
     ext_config_from_args,
 )
 from megatron_ext.logging import is_last_rank, print_rank_0
-from megatron_ext.validation import (
-    check_backend,
-    check_flag_relations,
-    check_flag_values,
-    check_transformer_engine,
-    check_writable,
-)
 from megatron_ext.train_config import (
     DRIVER_CONFIG_CLASSES,
     CheckpointArgs,
@@ -66,6 +59,13 @@ from megatron_ext.train_config import (
     TrainingArgs,
     find_config_file,
     load_yaml_defaults,
+)
+from megatron_ext.validation import (
+    check_backend,
+    check_flag_relations,
+    check_flag_values,
+    check_transformer_engine,
+    check_writable,
 )
 
 __all__ = ["build_parser", "parse_args", "main", "Trainer", "batch_change_warning"]
@@ -1023,7 +1023,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for message in _EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=f".*{message}.*")
     from megatron_ext.megatron.checkpoint import CheckpointSaveError
-    from megatron_ext.optim.hooks import NonFiniteError
+    from megatron_ext.protocols import NonFiniteError
     from megatron_ext.refusal import report_refusal
     from megatron_ext.state import StateMismatch
 

@@ -45,7 +45,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
-from megatron_ext.config import ConfigError
+from megatron_ext.options.base import ConfigError
 
 __all__ = [
     "Range",
@@ -60,6 +60,7 @@ __all__ = [
     "sample_index_bytes",
     "check_fits_host_memory",
     "available_memory",
+    "available_host_memory",
     "agreed_minimum",
     "format_bytes",
 ]
@@ -442,6 +443,16 @@ def sample_index_bytes(
     return max(20 * documents, 4 * documents + 32 * (samples + 1)), epochs
 
 
+def available_host_memory() -> Optional[int]:
+    """This node's available memory in bytes (``MemAvailable``), None if unknown."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # noqa: BLE001  (no psutil or no /proc: unknown, not an error)
+        return None
+
+
 def available_memory(device: Any) -> Optional[int]:
     """Bytes that can still be allocated on ``device``: free CUDA memory
     (``torch.cuda.mem_get_info``), or this node's ``MemAvailable`` for the CPU; None when
@@ -452,8 +463,6 @@ def available_memory(device: Any) -> Optional[int]:
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     if device.type == "cpu":
-        from megatron_ext.preflight import available_host_memory
-
         return available_host_memory()
     return None
 
@@ -487,8 +496,6 @@ def check_fits_host_memory(
         ConfigError: naming ``flags``, the estimate and the available memory.
     """
     if available is None:
-        from megatron_ext.preflight import available_host_memory
-
         available = available_host_memory()
     if available is None or needed <= available:
         return

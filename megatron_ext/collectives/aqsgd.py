@@ -100,7 +100,7 @@ from megatron_ext.kernels.quant import (
     quant_pack,
     unpack_dequant,
 )
-from megatron_ext.config import ConfigError
+from megatron_ext.options.base import ConfigError
 from megatron_ext.state_plan import format_bytes  # ``1.50 GB`` style (torch-free, preflight)
 
 __all__ = [

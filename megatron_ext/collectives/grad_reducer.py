@@ -73,7 +73,7 @@ from megatron_ext.accounting import (
     collective_wire_bytes,
 )
 from megatron_ext.kernels.finite import nonfinite_flag
-from megatron_ext.optim.hooks import NonFiniteError, OptimizerHook, OptimizerView
+from megatron_ext.protocols import NonFiniteError, OptimizerHook, OptimizerView
 
 __all__ = [
     "ParamSlice",

@@ -10,12 +10,12 @@ What it does:
     feedback carries over from one outer sync to the next:
 
     * ``none``: one dense all-reduce (AVG) of the fp32 buffer.
-    * ``quantized`` (:class:`~megatron_ext.methods.quantized.QuantizedConfig`): the k-bit
+    * ``quantized`` (:class:`~megatron_ext.options.quantized.QuantizedConfig`): the k-bit
       exchange of ``collectives/quantized.py`` (4 bits by default, as Streaming DiLoCo;
       rows of 256 values with one fp16 scale): all-to-all of the rank's quantized
       partitions, server reduction and re-quantization, all-gather; worker and server
       errors fed back.
-    * ``radius`` (:class:`~megatron_ext.methods.radius.RadiusConfig`): top-k with error
+    * ``radius`` (:class:`~megatron_ext.options.radius.RadiusConfig`): top-k with error
       feedback as SparseLoCo, implemented here (:class:`_TopKExchange`), not the Radius
       reducer: Radius selects its indices from the inner AdamW's moments and shares one
       selection between ranks for T steps, flushing the residual with a dense step at every
@@ -30,13 +30,13 @@ What it does:
       chosen afresh at every outer sync, as SparseLoCo does) and is not read. SparseLoCo's
       error-feedback decay and 2-bit values are not implemented: the error is kept whole
       (decay 1), the values travel in fp32.
-    * ``separate`` (:class:`~megatron_ext.methods.separate.SeparateConfig`): the common
+    * ``separate`` (:class:`~megatron_ext.options.separate.SeparateConfig`): the common
       random projection of ``collectives/separate.py`` (ratio 16, blocks of 256); one
       all-reduce of the projections. Its error feedback is SEPARATE's moving average
       ``e <- (1 - beta) e + beta (h - local estimate)`` (beta = 1/ratio, reset to zero
       every ``--separate-reset-interval`` outer syncs, including the first): by design it
       does not keep the whole error, unlike the other methods.
-    * ``powersgd`` (:class:`~megatron_ext.methods.powersgd.PowerSGDConfig`): PyTorch's
+    * ``powersgd`` (:class:`~megatron_ext.options.powersgd.PowerSGDConfig`): PyTorch's
       PowerSGD of ``collectives/powersgd.py`` (rank-r factors, two all-reduces, warm start,
       error feedback) on each weight matrix of the fragment (``shapes``), 1-D parameters
       dense; without ``shapes`` the flat buffer is viewed as one near-square matrix
@@ -78,7 +78,6 @@ Constraints:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -94,12 +93,13 @@ from megatron_ext.collectives.grad_reducer import (
     check_state_keys,
 )
 from megatron_ext.compressors.topk import num_selected
-from megatron_ext.optim.hooks import NonFiniteError
+from megatron_ext.options.outer import OUTER_EXCHANGE_OPTIONS, OUTER_EXCHANGES
+from megatron_ext.protocols import NonFiniteError
 
 __all__ = ["METHODS", "OuterExchange", "make_outer_exchange", "outer_defaults", "TOPK_CHUNK"]
 
 #: The exchange methods (the data-parallel method whose compression each one reuses).
-METHODS: Tuple[str, ...] = ("none", "quantized", "radius", "separate", "powersgd")
+METHODS: Tuple[str, ...] = OUTER_EXCHANGES
 
 #: Values per top-k chunk (SparseLoCo's chunks of 4096): indices fit in int16.
 TOPK_CHUNK = 4096
@@ -109,23 +109,7 @@ TOPK_DENSITY = 1.0 / 64
 
 
 def _config_class(method: str) -> Optional[type]:
-    if method == "quantized":
-        from megatron_ext.methods.quantized import QuantizedConfig
-
-        return QuantizedConfig
-    if method == "radius":
-        from megatron_ext.methods.radius import RadiusConfig
-
-        return RadiusConfig
-    if method == "separate":
-        from megatron_ext.methods.separate import SeparateConfig
-
-        return SeparateConfig
-    if method == "powersgd":
-        from megatron_ext.methods.powersgd import PowerSGDConfig
-
-        return PowerSGDConfig
-    return None
+    return OUTER_EXCHANGE_OPTIONS.get(method)
 
 
 def _check_method(method: str) -> None:

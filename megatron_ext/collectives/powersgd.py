@@ -90,7 +90,7 @@ class PowerSGDReducer(GradReducer):
     """PowerSGD gradient reduction (see module docstring).
 
     Args:
-        cfg: a :class:`~megatron_ext.methods.powersgd.PowerSGDConfig`.
+        cfg: a :class:`~megatron_ext.options.powersgd.PowerSGDConfig`.
     """
 
     name = "powersgd"

@@ -57,13 +57,13 @@ from megatron_ext.collectives.grad_reducer import (
     scale_state,
 )
 from megatron_ext.kernels.quant import (
+    _spread as _spread_rows,
     draw_seed,
     quantized_decode_rows_into,
     quantized_encode_rows,
     quantized_reduce_rows,
     rows_layout,
 )
-from megatron_ext.kernels.quant import _spread as _spread_rows
 
 __all__ = ["QuantizedReducer"]
 
@@ -72,7 +72,7 @@ class QuantizedReducer(GradReducer):
     """k-bit quantized gradient exchange (see module docstring).
 
     Args:
-        cfg: a :class:`~megatron_ext.methods.quantized.QuantizedConfig`.
+        cfg: a :class:`~megatron_ext.options.quantized.QuantizedConfig`.
     """
 
     name = "quantized"

@@ -80,8 +80,9 @@ from megatron_ext.collectives.grad_reducer import (
     check_state_keys,
 )
 from megatron_ext.collectives.quantized import _QuantizedReduction
-from megatron_ext.config import ConfigError
-from megatron_ext.optim.hooks import OptimizerHook, OptimizerView, ParamOptimState
+from megatron_ext.options.base import ConfigError
+from megatron_ext.options.quantized import QuantizedConfig
+from megatron_ext.protocols import OptimizerHook, OptimizerView, ParamOptimState
 
 __all__ = ["QuantizedAdamReducer", "QuantizedAdamHook", "MomentumExchange"]
 
@@ -176,8 +177,6 @@ class MomentumExchange:
         meter: Any,
         device: torch.device,
     ):
-        from megatron_ext.methods.quantized import QuantizedConfig
-
         numel = params[-1].end if params else 0
         self.buffer = torch.zeros(numel, dtype=torch.float32, device=device)
         self.params = tuple(params)

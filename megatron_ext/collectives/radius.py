@@ -54,7 +54,7 @@ from megatron_ext.collectives.grad_reducer import (
 from megatron_ext.compressors.topk import adamw_corrected_gradient, topk_mask
 from megatron_ext.kernels.radius import radius_compress, radius_decompress
 from megatron_ext.logging import get_logger, log_rank_0
-from megatron_ext.optim.hooks import OptimizerHook, OptimizerView
+from megatron_ext.protocols import OptimizerHook, OptimizerView
 
 logger = get_logger(__name__)
 
@@ -79,7 +79,7 @@ class RadiusReducer(GradReducer):
     """Radius gradient reduction (see module docstring).
 
     Args:
-        cfg: a :class:`~megatron_ext.methods.radius.RadiusConfig`.
+        cfg: a :class:`~megatron_ext.options.radius.RadiusConfig`.
     """
 
     name = "radius"

@@ -100,7 +100,7 @@ class SeparateReducer(GradReducer):
     """SEPARATE gradient reduction (see module docstring).
 
     Args:
-        cfg: a :class:`~megatron_ext.methods.separate.SeparateConfig`.
+        cfg: a :class:`~megatron_ext.options.separate.SeparateConfig`.
     """
 
     name = "separate"
@@ -207,7 +207,7 @@ class _SeparateReduction(CompressedReduction):
         asked numpy-sized 500 GB of host memory) before the first one is drawn: the largest
         segment's :func:`projection_peak_bytes`, plus the fp32 blocks kept between draws
         when the projection is reused (``--separate-refresh-interval`` other than 1)."""
-        from megatron_ext.config import ConfigError
+        from megatron_ext.options.base import ConfigError
         from megatron_ext.validation import agreed_minimum, available_memory, format_bytes
 
         sizes = [

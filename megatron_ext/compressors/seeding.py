@@ -18,7 +18,6 @@ Constraints:
 from __future__ import annotations
 
 import hashlib
-
 from typing import Optional
 
 import torch

@@ -30,6 +30,10 @@ import torch
 
 from megatron_ext.compressors.seeding import device_generator
 
+# The reconstruction is the eager reference of the fused decompression; it lives beside it
+# (megatron_ext.kernels.separate), and is part of this module's API.
+from megatron_ext.kernels.separate import reconstruct
+
 __all__ = [
     "projection_block",
     "project",
@@ -85,15 +89,6 @@ def projection_block(
 def project(h: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
     """``P = H @ Omega``: ``(R, c) x (c, k) -> (R, k)``."""
     return h @ omega
-
-
-def reconstruct(p: torch.Tensor, omega: torch.Tensor, out: Optional[torch.Tensor] = None):
-    """``H_hat = P @ Omega^T / k``: ``(R, k) x (k, c) -> (R, c)``, written to ``out`` if given."""
-    k = omega.shape[1]
-    if out is None:
-        return (p @ omega.t()).div_(k)
-    torch.matmul(p, omega.t(), out=out)
-    return out.div_(k)
 
 
 def update_error(

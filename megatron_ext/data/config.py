@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass, field
 from typing import ClassVar, List, Optional, Tuple
 
-from megatron_ext.config import ConfigError, arg, flag_of
+from megatron_ext.options.base import ConfigError, arg, flag_of
 
 __all__ = [
     "TOKENIZER_TYPES",

@@ -28,7 +28,7 @@ import json
 import os
 from typing import Iterator, List, Optional, Sequence, Tuple
 
-from megatron_ext.config import ConfigError
+from megatron_ext.options.base import ConfigError
 
 __all__ = [
     "SUPPORTED_EXTENSIONS",

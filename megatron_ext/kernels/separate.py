@@ -49,16 +49,24 @@ Constraints:
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
-from megatron_ext.compressors.separate import reconstruct
 from megatron_ext.kernels import run
 from megatron_ext.kernels.finite import nonfinite
 from megatron_ext.kernels.packing import gather, scatter_
 
-__all__ = ["separate_compress", "separate_decompress"]
+__all__ = ["reconstruct", "separate_compress", "separate_decompress"]
+
+
+def reconstruct(p: torch.Tensor, omega: torch.Tensor, out: Optional[torch.Tensor] = None):
+    """``H_hat = P @ Omega^T / k``: ``(R, k) x (k, c) -> (R, c)``, written to ``out`` if given."""
+    k = omega.shape[1]
+    if out is None:
+        return (p @ omega.t()).div_(k)
+    torch.matmul(p, omega.t(), out=out)
+    return out.div_(k)
 
 
 def _compress(

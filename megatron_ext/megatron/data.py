@@ -530,8 +530,7 @@ def check_index_memory(
     if largest is None:
         return
     if available is None:
-        from megatron_ext.preflight import available_host_memory
-        from megatron_ext.validation import agreed_minimum
+        from megatron_ext.validation import agreed_minimum, available_host_memory
 
         # Every rank calls this (collective): one verdict and one line for all of them.
         available = agreed_minimum(available_host_memory())

@@ -3,7 +3,7 @@
 What it does:
     :func:`install_optimizer_hooks` overrides ``step`` on the optimizer *instance* (the
     ``ChainedOptimizer`` megatron-core returns) so that every
-    :class:`~megatron_ext.optim.hooks.OptimizerHook` runs ``pre_step`` once gradients are
+    :class:`~megatron_ext.protocols.OptimizerHook` runs ``pre_step`` once gradients are
     final and ``post_step`` after the update; a hook's ``update_override`` replaces the
     wrapped torch optimizer's ``step()`` (each leaf's, with that leaf's FQNs) for the step,
     so megatron's own gradient preparation, skip and parameter copy stay in force.
@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from megatron_ext.megatron.naming import global_param_names
-from megatron_ext.optim.hooks import OptimizerHook, OptimizerView, ParamOptimState
+from megatron_ext.protocols import OptimizerHook, OptimizerView, ParamOptimState
 from megatron_ext.state import StepClock
 
 __all__ = [

@@ -294,10 +294,13 @@ class ExtRuntime(Runtime):
         """
         from megatron.core import parallel_state as ps
 
+        from megatron_ext.collectives.grad_reducer import ReducerStepHook
         from megatron_ext.megatron.ddp import install_grad_sync
         from megatron_ext.megatron.linear import install_linear_hooks
-        from megatron_ext.collectives.grad_reducer import ReducerStepHook
-        from megatron_ext.megatron.optimizer import install_optimizer_hooks
+        from megatron_ext.megatron.optimizer import (
+            MegatronOptimizerView,
+            install_optimizer_hooks,
+        )
 
         needs_transform = [
             fam for fam, comp in self.components.items() if comp.model_transform is not None
@@ -315,6 +318,9 @@ class ExtRuntime(Runtime):
         self.handles.scheduler = scheduler
         self.handles.model_config = model_config
         self.handles.samples = samples
+        self.handles.optimizer_view = lambda: MegatronOptimizerView(
+            optimizer, self.handles.model_chunks, self.clock
+        )
         layout = self.layout
         if self.config.comm.accounting:
             self.pg_meter = ProcessGroupTrafficMeter(_traffic_classifier()).install()

@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
-from megatron_ext.config import ConfigError, arg, check_positive, flag_of
 from megatron_ext.methods.registry import Components, Method, MethodContext, register
+from megatron_ext.options.base import ConfigError, arg, check_positive, flag_of
 
 __all__ = ["AQSGDConfig", "METHOD", "DIRECTQ"]
 
@@ -122,7 +122,7 @@ def _build_aqsgd(ctx: MethodContext) -> Components:
     codec = AQSGDCodec(ctx.options, ctx)
 
     def setup():
-        from megatron_ext.megatron.memory import pending_optimizer_state_nbytes
+        from megatron_ext.optim.memory import pending_optimizer_state_nbytes
 
         # Adam's moments (and a precision-aware optimizer's fp32 master weights) appear at
         # the first step, after the buffers: the fit check keeps room for them.

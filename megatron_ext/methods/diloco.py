@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
-from megatron_ext.config import ConfigError, check_positive, flag_of
 from megatron_ext.methods.registry import Components, Method, MethodContext, register
+from megatron_ext.options.base import ConfigError, check_positive, flag_of
+from megatron_ext.options.outer import OUTER_EXCHANGES
 
 __all__ = ["OuterConfig", "METHOD"]
 
@@ -105,8 +106,6 @@ class OuterConfig:
                 flag_of(cls, "state_device"),
                 f"invalid value {self.state_device!r} (choose from {', '.join(_STATE_DEVICES)})",
             )
-        from megatron_ext.optim.diloco import OUTER_EXCHANGES
-
         if self.compression not in OUTER_EXCHANGES:
             raise ConfigError(
                 flag_of(cls, "compression"),
@@ -201,13 +200,10 @@ def _build(ctx: MethodContext) -> Components:
     def on_install() -> None:
         # Sized at start, from the weights before the first step (the same on every site);
         # a checkpoint load that follows then writes this rank's state over it.
-        from megatron_ext.megatron.optimizer import MegatronOptimizerView
-
-        h = ctx.handles
         # Weights other methods train outside the optimizer's parameters (Grass's frozen
         # projected weights): the outer step reads and writes them through their views.
         hook.view_wrappers = [c.outer_view for c in ctx.peers.values() if c.outer_view]
-        hook.setup(MegatronOptimizerView(h.optimizer, h.model_chunks, ctx.clock))
+        hook.setup(ctx.handles.new_optimizer_view())
 
     return Components(
         optimizer_hooks=[hook], grad_group=inner, describe=describe, on_install=on_install

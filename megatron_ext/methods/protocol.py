@@ -14,13 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict
 
-from megatron_ext.config import ConfigError, arg, check_positive, flag_of
 from megatron_ext.methods.registry import (
     Components,
     Method,
     MethodContext,
     register,
 )
+from megatron_ext.options.base import ConfigError, arg, check_positive, flag_of
 
 __all__ = ["SubspaceConfig", "METHOD"]
 
@@ -208,10 +208,7 @@ def _build(ctx: MethodContext) -> Components:
         # The model was projected in its own dtype; a bf16 model rounds it out of S by its
         # precision, and megatron's fp32 main parameters copied that. Project those once
         # (a checkpoint loaded afterwards overwrites them with what it holds).
-        from megatron_ext.megatron.optimizer import MegatronOptimizerView
-
-        view = MegatronOptimizerView(ctx.handles.optimizer, ctx.handles.model_chunks, ctx.clock)
-        hook.reproject(view)
+        hook.reproject(ctx.handles.new_optimizer_view())
         check_fixed_agrees(hook.subspace)
 
     return Components(

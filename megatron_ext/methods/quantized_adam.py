@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict
 
-from megatron_ext.config import ConfigError, arg, check_positive, flag_of
 from megatron_ext.methods.registry import (
     BenchContext,
     Components,
@@ -27,6 +26,7 @@ from megatron_ext.methods.registry import (
     MethodContext,
     register,
 )
+from megatron_ext.options.base import ConfigError, arg, check_positive, flag_of
 
 __all__ = ["QuantizedAdamConfig", "METHOD"]
 

@@ -146,6 +146,20 @@ class TrainingHandles:
     samples: Optional[SampleSpace] = None
     """The training samples (None where the caller does not describe them)."""
 
+    optimizer_view: Optional[Callable[[], Any]] = None
+    """Builds a new ``megatron_ext.protocols.OptimizerView`` of ``optimizer`` over
+    ``model_chunks``: the host adapter's (``megatron_ext.megatron.optimizer``), set by the
+    runtime at install, so that methods reach the optimizer without importing Megatron."""
+
+    def new_optimizer_view(self) -> Any:
+        """A new view from :attr:`optimizer_view`; raises where the runtime set none."""
+        if self.optimizer_view is None:
+            raise RuntimeError(
+                "megatron-ext: no optimizer view: the runtime sets TrainingHandles."
+                "optimizer_view at install, before on_install runs"
+            )
+        return self.optimizer_view()
+
 
 @dataclass(frozen=True)
 class ProcessGroups:
@@ -221,7 +235,7 @@ class Components:
     """Regular expression of the layers ``linear_hook`` applies to."""
 
     optimizer_hooks: Sequence[Any] = ()
-    """:class:`~megatron_ext.optim.hooks.OptimizerHook` objects run around the step."""
+    """:class:`~megatron_ext.protocols.OptimizerHook` objects run around the step."""
 
     model_transform: Optional[Callable[[Sequence[Any]], None]] = None
     """Called with the unwrapped model chunks before DDP wraps them."""
@@ -250,7 +264,7 @@ class Components:
     outer_view: Optional[Callable[[Any], Any]] = None
     """How the outer synchronization (family ``outer``) sees the weights this method trains
     outside the optimizer's parameters: wraps an
-    :class:`~megatron_ext.optim.hooks.OptimizerView` into one whose parameters are the
+    :class:`~megatron_ext.protocols.OptimizerView` into one whose parameters are the
     model's weights as the outer step should read and write them (Grass: its frozen
     projected weights in place of its virtual parameters)."""
 
@@ -311,7 +325,7 @@ _loaded = False
 
 
 def _define_families() -> Tuple[Family, ...]:
-    from megatron_ext.config import LinearLayersConfig
+    from megatron_ext.options.linear import LinearLayersConfig
 
     return (
         Family(

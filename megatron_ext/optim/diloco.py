@@ -65,7 +65,7 @@ Non-finite values:
     * under loss scaling (fp16) the outer step is skipped: snapshot, momentum and the
       exchange's error feedback stay as they were, the sites keep their own weights, and
       one line naming the sites is printed (by the outer group's first rank);
-    * otherwise training stops (:class:`~megatron_ext.optim.hooks.NonFiniteError`) with a
+    * otherwise training stops (:class:`~megatron_ext.protocols.NonFiniteError`) with a
       message naming the site(s), before anything is written or saved.
 
     An update that is not finite although the averaged pseudo-gradient is (a non-finite
@@ -98,7 +98,11 @@ from megatron_ext.accounting import (
     collective_wire_bytes,
 )
 from megatron_ext.kernels.finite import nonfinite
-from megatron_ext.optim.hooks import NonFiniteError, OptimizerHook, OptimizerView
+
+# The names --outer-compression takes (each but "none" is an OuterExchange with that
+# data-parallel method's compression); defined with the options, which need no torch.
+from megatron_ext.options.outer import OUTER_EXCHANGES
+from megatron_ext.protocols import NonFiniteError, OptimizerHook, OptimizerView
 
 __all__ = [
     "DenseOuterExchange",
@@ -113,14 +117,6 @@ __all__ = [
     "outer_sgd_step",
     "DiLoCoHook",
 ]
-
-OUTER_EXCHANGES: Tuple[str, ...] = ("none", "quantized", "radius", "separate", "powersgd")
-"""Names :func:`make_outer_exchange` builds (``--outer-compression``): ``none`` is the dense
-all-reduce below; the others are :class:`~megatron_ext.collectives.outer_exchange.OuterExchange`
-with that data-parallel method's compression at
-:func:`~megatron_ext.collectives.outer_exchange.outer_defaults` (4-bit, top-k 1/64, SEPARATE
-ratio 16, PowerSGD rank 4: compressed from the first outer sync, error feedback kept across
-outer syncs)."""
 
 
 class DenseOuterExchange:

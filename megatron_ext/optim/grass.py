@@ -63,7 +63,7 @@ import torch
 
 from megatron_ext.autograd.grass import GrassLayer, write_rows
 from megatron_ext.logging import get_logger
-from megatron_ext.optim.hooks import OptimizerHook, OptimizerView, ParamOptimState
+from megatron_ext.protocols import OptimizerHook, OptimizerView, ParamOptimState
 
 __all__ = ["GrassOptimizerHook", "GrassSchedule", "GrassOuterView"]
 

@@ -55,7 +55,7 @@ from megatron_ext.compressors.subspace import (
     from_coordinates,
     project_,
 )
-from megatron_ext.optim.hooks import OptimizerHook, OptimizerView
+from megatron_ext.protocols import OptimizerHook, OptimizerView
 
 __all__ = ["SubspaceOptimizerHook"]
 

@@ -69,10 +69,8 @@ def _inner(model):
 def _ours(member, group, setting):
     import types
 
-    import torch
-
     from megatron_ext.optim.diloco import DiLoCoHook
-    from megatron_ext.optim.hooks import OptimizerView, ParamOptimState
+    from megatron_ext.protocols import OptimizerView, ParamOptimState
 
     interval, fragments, lr, momentum, nesterov = SETTINGS[setting]
     model = _model()

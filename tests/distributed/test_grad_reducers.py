@@ -269,7 +269,7 @@ def _fake_optimizer_view(step_of_selection):
     import torch
 
     from megatron_ext.compressors.seeding import stable_seed
-    from megatron_ext.optim.hooks import OptimizerView, ParamOptimState
+    from megatron_ext.protocols import OptimizerView, ParamOptimState
 
     slices, _ = _layout()
 

@@ -194,7 +194,7 @@ def _overlap(
     import torch
 
     from megatron_ext.optim.diloco import DiLoCoHook
-    from megatron_ext.optim.hooks import OptimizerView, ParamOptimState
+    from megatron_ext.protocols import OptimizerView, ParamOptimState
 
     me = members.index(torch.distributed.get_rank())
     params = {n: torch.zeros(shape) for n, shape in SHAPES}

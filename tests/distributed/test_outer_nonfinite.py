@@ -31,7 +31,7 @@ def _hook(*, compression, delay, scaled, lr=0.7, interval=H):
     import torch
 
     from megatron_ext.optim.diloco import DiLoCoHook
-    from megatron_ext.optim.hooks import OptimizerView, ParamOptimState
+    from megatron_ext.protocols import OptimizerView, ParamOptimState
 
     params = {n: torch.full(shape, 0.1 * (i + 1)) for i, (n, shape) in enumerate(SHAPES)}
     clock = {"step": 0}
@@ -91,7 +91,6 @@ def _copies(hook, params):
 
 def _equal(x, y):
     """Bitwise equal, NaN equal to NaN (site 1's weights hold one)."""
-    import torch
 
     return x.shape == y.shape and bool(((x == y) | (x.isnan() & y.isnan())).all())
 
@@ -117,7 +116,7 @@ def _case(rank, compression, delay, scaled):
 
     import torch
 
-    from megatron_ext.optim.hooks import NonFiniteError
+    from megatron_ext.protocols import NonFiniteError
 
     hook, view, params, clock = _hook(compression=compression, delay=delay, scaled=scaled)
     res = {}
@@ -179,7 +178,7 @@ def _case(rank, compression, delay, scaled):
 
 def _nan_lr(rank):
     """--outer-lr NaN (as a run file could once pass it): stops even under loss scaling."""
-    from megatron_ext.optim.hooks import NonFiniteError
+    from megatron_ext.protocols import NonFiniteError
 
     hook, view, params, clock = _hook(
         compression="none", delay=0, scaled=True, lr=math.nan, interval=2

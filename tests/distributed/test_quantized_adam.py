@@ -21,8 +21,6 @@ gradient each step, and checks:
   and all ranks hold bit-identical parameters and momenta.
 """
 
-import pytest
-
 from tests.helpers.dist import run_ranks
 
 # 1320 elements: 21 rows of 64, so one partition's payload (codes, fp16 scales) is 378 bytes,
@@ -43,7 +41,7 @@ class _View:
         return sorted(self.params)
 
     def param_state(self, fqn):
-        from megatron_ext.optim.hooks import ParamOptimState
+        from megatron_ext.protocols import ParamOptimState
 
         p = self.params[fqn]
         return ParamOptimState(

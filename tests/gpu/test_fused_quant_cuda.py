@@ -83,7 +83,16 @@ def test_sample_kernels_compiled_match_eager_on_device(dev):
         eager, compiled = _both(Q.quant_pack, *args)
         _close(eager, compiled, f"quant_pack {args[3]} bits {args[4]}")
     payload = Q.quant_pack(x, m, seed, 4, "channel")
-    out = _both(Q.unpack_dequant, Q.quant_pack(x, None, None, 8, "token"), 8, "token", 6, 64, 200, torch.bfloat16)
+    out = _both(
+        Q.unpack_dequant,
+        Q.quant_pack(x, None, None, 8, "token"),
+        8,
+        "token",
+        6,
+        64,
+        200,
+        torch.bfloat16,
+    )
     _close(*out, "unpack_dequant")
     recv = _both(Q.aqsgd_decode_stage, payload, m, 4, "channel", torch.bfloat16)
     send = _both(Q.aqsgd_decode_stage, payload, m, 4, "channel", None)

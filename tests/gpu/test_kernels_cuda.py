@@ -94,8 +94,7 @@ def cpu_draws(monkeypatch):
     """SEPARATE's projection and PowerSGD's initial Q drawn on the CPU, then moved: both
     devices then use the same matrices (their own draws are checked separately)."""
     from megatron_ext.collectives import powersgd, separate
-    from megatron_ext.compressors import lowrank
-    from megatron_ext.compressors import separate as sep_math
+    from megatron_ext.compressors import lowrank, separate as sep_math
 
     def projection_block(*args, device=None, **kwargs):
         return sep_math.projection_block(*args, device=None, **kwargs).to(device)
@@ -121,7 +120,7 @@ DP_METHODS = {
 
 def _radius_view(slices, step, device):
     """AdamW moments of every parameter (Radius's selection input), seeded, on ``device``."""
-    from megatron_ext.optim.hooks import OptimizerView, ParamOptimState
+    from megatron_ext.protocols import OptimizerView, ParamOptimState
 
     class View(OptimizerView):
         def fqns(self):
@@ -241,7 +240,7 @@ def _quantized_adam_run(device, recorder=None):
     (as ``tests/distributed/test_quantized_adam.py`` drives them): parameters and moments
     after every step."""
     from megatron_ext.collectives.quantized_adam import QuantizedAdamHook
-    from megatron_ext.optim.hooks import ParamOptimState
+    from megatron_ext.protocols import ParamOptimState
     from megatron_ext.state import StepClock
     from tests.helpers.reducers import bind, make_reducer, param_slices
 

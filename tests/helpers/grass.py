@@ -6,7 +6,7 @@ column-projected ``l1.weight`` (16 x 8) with their virtual parameters of rank 2 
 or any projected weights (:class:`GrassSpec`, e.g. from
 :func:`megatron_ext.state_plan.grass_plan`: Q/K/V and gate/up parts included). With them the
 :class:`GrassOptimizerHook` as ``megatron_ext.methods.grass`` builds it (sketches all-reduced
-over the default process group), and an :class:`~megatron_ext.optim.hooks.OptimizerView` over
+over the default process group), and an :class:`~megatron_ext.protocols.OptimizerView` over
 device Adam moments (megatron's fp32 main parameters are the virtual parameters themselves
 here).
 """
@@ -127,7 +127,7 @@ class GrassView:
     """An OptimizerView over device Adam moments of the virtual parameters."""
 
     def __init__(self, layers):
-        from megatron_ext.optim.hooks import ParamOptimState
+        from megatron_ext.protocols import ParamOptimState
 
         self.step = 0
         self.states = {

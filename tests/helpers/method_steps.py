@@ -52,7 +52,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 import torch.distributed as dist
 
-from megatron_ext.optim.hooks import OptimizerView
+from megatron_ext.protocols import OptimizerView
 from tests.helpers.strict_device import DEVICE
 
 __all__ = [
@@ -189,7 +189,7 @@ def dp_phase(method: str, options: Dict[str, Any], step: int) -> str:
 
 def radius_view(slices, step: int, device: Any = DEVICE):
     """An OptimizerView over device AdamW moments of every parameter (Radius's selection)."""
-    from megatron_ext.optim.hooks import ParamOptimState
+    from megatron_ext.protocols import ParamOptimState
 
     class View(OptimizerView):
         def fqns(self):
@@ -545,8 +545,8 @@ def protocol_stage(
     """
     from megatron_ext.collectives.subspace import SubspaceCodec
     from megatron_ext.compressors.subspace import Subspace, grassmann_step, project
-    from megatron_ext.optim.hooks import ParamOptimState
     from megatron_ext.optim.subspace import SubspaceOptimizerHook
+    from megatron_ext.protocols import ParamOptimState
 
     subspace = Subspace(d, k, seed=0)
     subspace.make_fixed(vocab, 0.02, dtype, device)
@@ -652,7 +652,7 @@ class DiLoCoView(OptimizerView):
     counts the parameter gathers."""
 
     def __init__(self, shapes: Dict[str, Shape], sharded: bool, device: Any = DEVICE):
-        from megatron_ext.optim.hooks import ParamOptimState
+        from megatron_ext.protocols import ParamOptimState
 
         self.states = {}
         for fqn, shape in shapes.items():

@@ -44,7 +44,7 @@ def _main_numel(optimizer):
 def _run(rank, world, flags, steps, stock=False, skipped_step=False):
     import torch
 
-    from megatron_ext.megatron.memory import pending_optimizer_state_nbytes
+    from megatron_ext.optim.memory import pending_optimizer_state_nbytes
 
     trainer = make_trainer(flags)
     build(trainer, stock=stock)

@@ -246,7 +246,6 @@ def _unchecked_saves():
 
 
 def _load_checks(rank, world, flags, root):
-    import torch
 
     trainer = make_trainer(flags)
     build(trainer, stock=False)

@@ -414,7 +414,6 @@ def _reinit_model_parallel(instances):
 
 def _dp4_distributed_optimizer(trainer, root):
     """The distributed optimizer inside each of the 2 sites (each an optimizer instance)."""
-    import torch
 
     _reinit_model_parallel(2)
     dist_opt = ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]

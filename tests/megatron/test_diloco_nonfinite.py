@@ -71,7 +71,6 @@ def _state(trainer, hook):
 
 
 def _same(a, b):
-    import torch
 
     def equal(x, y):
         return bool(((x == y) | (x.isnan() & y.isnan())).all())
@@ -90,7 +89,7 @@ def _steps(trainer, start, steps):
 def _stopped(trainer, hook, start, steps):
     """Run ``steps`` steps from ``start``, expecting the last one's outer step to stop;
     returns the message and whether the outer step wrote nothing."""
-    from megatron_ext.optim.hooks import NonFiniteError
+    from megatron_ext.protocols import NonFiniteError
 
     if steps > 1:
         _steps(trainer, start, steps - 1)

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.megatron.lm import megatron_lm_extra_args
-from megatron_ext.megatron.lm import patch as lm_patch
+from megatron_ext.megatron.lm import megatron_lm_extra_args, patch as lm_patch
 from megatron_ext.megatron.lm.releases import (
     RELEASES,
     UnsupportedReleaseError,

@@ -192,7 +192,7 @@ def test_distributed_optimizer_resume_continues_exactly(dp2_distopt, lm_dir, tmp
         cwd=tmp_path,
     ).check()
     # Its checksums (written before Megatron-LM moved its marker) checked before the load.
-    assert f"> verified the crc32 checksums of " in resumed.stdout
+    assert "> verified the crc32 checksums of " in resumed.stdout
     assert f" in {root / 'ckpt' / 'iter_0000002'} (" in resumed.stdout
     a, b = iterations(full.stdout), iterations(resumed.stdout)
     assert sorted(b) == [3, 4]

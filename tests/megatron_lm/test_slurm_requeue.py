@@ -26,7 +26,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -153,7 +152,7 @@ def test_time_limit_signal_saves_requeues_and_the_job_resumes(tmp_path):
     text = out.read_text()
     assert proc.returncode == 0, text[-5000:]
     directory = save / f"iter_{stopped:07d}"
-    assert f"> verified the crc32 checksums of " in text and f" in {directory} (" in text
+    assert "> verified the crc32 checksums of " in text and f" in {directory} (" in text
     assert f"loaded the state of 2 ranks from {directory}" in text, text[-5000:]
     assert sorted(iterations(text)) == list(range(stopped + 1, 9))
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "8"

@@ -25,8 +25,8 @@ from torch.overrides import TorchFunctionMode
 from megatron_ext.collectives import aqsgd as aqsgd_module
 from megatron_ext.collectives.aqsgd import AQSGDCodec, DirectQCodec, SampleBuffers
 from megatron_ext.collectives.p2p import P2PContext
-from megatron_ext.config import ConfigError
 from megatron_ext.compressors.quantize import packed_nbytes
+from megatron_ext.config import ConfigError
 from megatron_ext.methods.aqsgd import AQSGDConfig
 from megatron_ext.methods.registry import SampleSpace
 

@@ -75,7 +75,7 @@ class _View:
     """fp32 parameters that are their own main copies (an OptimizerView's surface)."""
 
     def __init__(self, params):
-        from megatron_ext.optim.hooks import ParamOptimState
+        from megatron_ext.protocols import ParamOptimState
 
         self.params = params
         self.step = 0

@@ -209,7 +209,7 @@ class _View:
         self.step = 0
 
     def param_state(self, fqn):
-        from megatron_ext.optim.hooks import ParamOptimState
+        from megatron_ext.protocols import ParamOptimState
 
         if fqn != self.fqn:
             return None
@@ -285,7 +285,7 @@ class _DeviceView:
         self.group = {"lr": lr, "weight_decay": weight_decay}
 
     def param_state(self, fqn):
-        from megatron_ext.optim.hooks import ParamOptimState
+        from megatron_ext.protocols import ParamOptimState
 
         if fqn != self.fqn:
             return None
@@ -730,7 +730,7 @@ def test_moments_follow_their_rows_across_a_reselection_as_the_paper_rule(method
 def _inner_view(param, optimizer, other):
     """An OptimizerView over Grass's V (``"v"``, a torch AdamW parameter) and one more
     parameter (``"other"``): what the outer view wraps."""
-    from megatron_ext.optim.hooks import OptimizerView, ParamOptimState
+    from megatron_ext.protocols import OptimizerView, ParamOptimState
 
     class View(OptimizerView):
         step = 0

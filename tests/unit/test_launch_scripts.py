@@ -345,7 +345,7 @@ def test_the_printed_aqsgd_figure_is_what_the_codec_allocates():
         sys.path.remove(str(REPO))
     import torch
 
-    from megatron_ext.megatron.memory import aqsgd_buffer_plan
+    from megatron_ext.memory import aqsgd_buffer_plan
 
     row = state_memory.measure_aqsgd("gpt2-xl", 2304, {})
     plan = aqsgd_buffer_plan(

@@ -12,7 +12,7 @@ def test_update_with_per_parameter_and_per_group_step_counts():
     import torch
 
     from megatron_ext.collectives.quantized_adam import _apply
-    from megatron_ext.optim.hooks import ParamOptimState
+    from megatron_ext.protocols import ParamOptimState
 
     lr, wd, betas, eps = 0.1, 0.01, (0.9, 0.95), 1e-8
     m, v = torch.full((3,), 0.5), torch.full((3,), 0.25)

@@ -32,8 +32,8 @@ from tests.helpers.method_steps import (
     protocol_stage,
     protocol_steps,
     states_view,
+    to_cpu as _to_cpu,
 )
-from tests.helpers.method_steps import to_cpu as _to_cpu
 from tests.helpers.strict_device import (
     DEVICE,
     StrictDeviceMode,
@@ -399,8 +399,7 @@ def test_aqsgd_middle_stage_prepares_both_sides_in_one_copy():
 
 # -- Grass: forward/backward, selection, optimizer write -----------------------------------
 
-from tests.helpers.grass import GRASS_K, GrassView as _GrassView  # noqa: E402
-from tests.helpers.grass import grass_setup
+from tests.helpers.grass import GRASS_K, GrassView as _GrassView, grass_setup  # noqa: E402
 
 
 def _grass_setup(method, reset=True):
@@ -600,7 +599,7 @@ def test_protocol_resumed_from_cpu_loaded_state_steps_on_device():
 
 # -- DiLoCo: the outer step and its exchanges ----------------------------------------------
 
-from megatron_ext.optim.hooks import ParamOptimState  # noqa: E402
+from megatron_ext.protocols import ParamOptimState  # noqa: E402
 
 DILOCO_SHAPES = {"a.bias": (16,), "a.weight": (16, 8), "b.weight": (8, 16), "c.weight": (32, 8)}
 DILOCO_H = 4
@@ -688,8 +687,8 @@ def test_diloco_with_grass_steps_stay_on_device():
     projected weight written, rebased, V zeroed) stays on the device; Grass's selection
     steps are declared. The same collectives on every site."""
     from megatron_ext.autograd.grass import grass_linear
-    from megatron_ext.optim.diloco import DiLoCoHook, fragment_due
     from megatron_ext.methods.diloco import OuterConfig
+    from megatron_ext.optim.diloco import DiLoCoHook, fragment_due
     from megatron_ext.optim.grass import GrassOuterView
 
     bf16 = torch.bfloat16

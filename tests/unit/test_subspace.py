@@ -22,8 +22,8 @@ from megatron_ext.compressors.subspace import (
 )
 from megatron_ext.config import ConfigError, ExtConfig, ParallelLayout, validate_ext_config
 from megatron_ext.methods.protocol import SubspaceConfig
-from megatron_ext.optim.hooks import OptimizerView, ParamOptimState
 from megatron_ext.optim.subspace import SubspaceOptimizerHook
+from megatron_ext.protocols import OptimizerView, ParamOptimState
 
 FWD = P2PContext("forward", 0, None, 0, False)
 BWD = P2PContext("backward", 0, None, 0, False)

@@ -23,7 +23,6 @@ from megatron_ext.validation import (
     Range,
     check_backend,
     check_fits_host_memory,
-    check_flag_values,
     check_writable,
     sample_index_bytes,
 )

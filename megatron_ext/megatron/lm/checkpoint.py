@@ -37,22 +37,22 @@ from typing import Any, Dict, Optional
 import torch
 
 from megatron_ext.megatron.checkpoint import (  # noqa: F401 (re-exported: shared keys)
-    CheckpointSaveError,
     LOAD_ERRORS,
     META_KEY,
     SHARDED_OBJECT_KEY,
     STATE_KEY,
+    CheckpointError,
+    CheckpointSaveError,
     check_finite,
+    checkpoint_dir,
     decide_load,
     ext_meta,
-    checkpoint_dir,
     init_optimizer_state_for_load,
     latest_iteration,
-    CheckpointError,
     read_error,
     sharded_leaves,
-    unreadable_file,
     sharded_state_object,
+    unreadable_file,
 )
 
 __all__ = [

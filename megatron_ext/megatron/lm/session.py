@@ -72,8 +72,8 @@ from megatron_ext.logging import is_rank_0, print_rank_0
 from megatron_ext.megatron.lm import checkpoint as lm_ckpt
 from megatron_ext.megatron.lm.releases import MegatronLMRelease, UnsupportedReleaseError
 from megatron_ext.megatron.save_checks import check_finite_for_save
-from megatron_ext.optim.hooks import NonFiniteError
 from megatron_ext.preflight import PreflightError, check_megatron_lm_defaults
+from megatron_ext.protocols import NonFiniteError
 from megatron_ext.refusal import report_refusal
 from megatron_ext.state import StateMismatch
 from megatron_ext.validation import (
@@ -374,7 +374,7 @@ class MegatronLMSession:
 
     @contextlib.contextmanager
     def stop_on_nonfinite(self) -> Iterator[None]:
-        """Turn a :class:`~megatron_ext.optim.hooks.NonFiniteError` (a NaN or Inf that
+        """Turn a :class:`~megatron_ext.protocols.NonFiniteError` (a NaN or Inf that
         nothing could skip, stopped before it was applied or saved) or a refused save into
         one line, printed once, and exit code 1."""
         try:

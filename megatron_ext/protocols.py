@@ -1,4 +1,11 @@
-"""The contract between the optimizer-step seam and features with optimizer-side state.
+"""The contracts between megatron-ext's layers: the optimizer-step seam (this far).
+
+A first-level module that imports no other megatron_ext module, so that every layer may
+implement or call these contracts: the collectives (Radius's and QuantizedAdam's hooks, the
+reducers' non-finite errors), the optimizer hooks (``megatron_ext.optim``) and the host
+adapter (``megatron_ext.megatron.optimizer``, the view over megatron-core's optimizer).
+
+The optimizer-step seam:
 
 What it does:
     Some methods act at the optimizer step: Radius picks its top-k indices from the AdamW

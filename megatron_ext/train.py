@@ -83,12 +83,13 @@ def _data_config_class():
 
 
 class _DriverArgumentParser(argparse.ArgumentParser):
-    """argparse, with its errors reported once per job (every rank parses the same flags)."""
+    """argparse, with its errors reported once per job (every rank parses the same flags),
+    as one line: the usage (~130 lines) would bury the cause."""
 
     def error(self, message: str):
         from megatron_ext.refusal import report_refusal
 
-        report_refusal(f"{self.format_usage()}{self.prog}: error: {message}")
+        report_refusal(f"{self.prog}: error: {message} ('{self.prog} --help' lists the flags)")
         sys.exit(2)
 
 

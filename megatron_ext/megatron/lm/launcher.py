@@ -192,7 +192,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         options, script, rest = parse_launcher_args(argv)
     except ValueError as exc:
-        report_refusal(f"megatron-ext pretrain: error: {exc}\n\n{_usage()}")
+        report_refusal(f"{_usage()}\nmegatron-ext pretrain: error: {exc}")
         return 2
     if options["help"] or script is None:
         print(_usage(), file=sys.stdout if options["help"] else sys.stderr)

@@ -110,6 +110,11 @@ def test_pp2_variant(tmp_path):
     assert lines and all("pp-act" in l and "pp-grad" in l for l in lines), proc.stdout
     # 4 microbatches x [128, 2, 256] fp32 activations = 1 MB each way per step.
     assert "pp-act 1.05 MB" in lines[-1] and "pp-grad 1.05 MB" in lines[-1]
+    # No --save: the report goes to a fresh run directory named at start-up, not to ./
+    (run_dir,) = [l.split()[3] for l in proc.stdout.splitlines() if "> run directory:" in l]
+    assert Path(run_dir).parent == Path("runs"), run_dir
+    assert json.loads((tmp_path / run_dir / "comm_report.json").read_text())["layout"]["pp"] == 2
+    assert not (tmp_path / "comm_report.json").exists()
 
 
 @pytest.mark.slow
@@ -143,6 +148,10 @@ def test_command_line_resume_is_exact(tmp_path):
     assert second.returncode == 0, second.stderr[-4000:]
     assert "resumed from" in second.stdout
     assert _losses(tmp_path / "a" / "log.jsonl") == _losses(tmp_path / "b" / "log.jsonl")
+    # The resume added its segment to the run's report instead of replacing it.
+    report = json.loads((tmp_path / "b" / "comm_report.json").read_text())
+    segments = [(s["start_iteration"], s["iterations"]) for s in report["segments"]]
+    assert segments == [(0, 4), (4, 8)], segments
 
 
 @pytest.mark.parametrize(
@@ -272,6 +281,12 @@ _EARLY_REFUSALS = {
         "--outer-interval, --train-iters",
     ),
     "warm-up": (["--train-iters", "5", "--lr-warmup-iters", "5"], "--lr-warmup-iters"),
+    # FINISHED: a checkpoint directory at iteration 4 (made by the test; no model in it, so
+    # the refusal must come before anything is built or loaded).
+    "finished-load": (
+        ["--load", "FINISHED", "--train-iters", "4"],
+        "--load, --train-iters: FINISHED holds a finished run (iteration 4, --train-iters 4)",
+    ),
 }
 
 
@@ -283,6 +298,10 @@ def test_early_refusals_are_the_last_lines_under_torchrun(tmp_path, monkeypatch,
     from megatron_ext.train import main
 
     (tmp_path / "FILE").write_text("not a directory")
+    finished = tmp_path / "FINISHED"
+    (finished / "iter_0000004").mkdir(parents=True)
+    (finished / "iter_0000004" / "metadata.json").write_text("{}")
+    (finished / "latest_checkpointed_iteration.txt").write_text("4")
     monkeypatch.chdir(tmp_path)
     for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(key, value)
@@ -290,7 +309,8 @@ def test_early_refusals_are_the_last_lines_under_torchrun(tmp_path, monkeypatch,
     for name, (args, cause) in _EARLY_REFUSALS.items():
         error_file = tmp_path / f"{name}.json"
         monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
-        args = [str(tmp_path / a) if a.startswith("FILE") else a for a in args]
+        args = [str(tmp_path / a) if a.startswith(("FILE", "FINISHED")) else a for a in args]
+        cause = cause.replace("FINISHED", str(finished))
         try:
             code = main(["--cpu", "--model", "gpt-tiny", "--no-progress", *args])
         except SystemExit as exc:  # argparse
@@ -468,7 +488,9 @@ def test_resume_with_other_settings_is_refused_naming_the_flag(
     """Megatron-LM refuses a schedule that differs from the checkpoint's (it used to be
     silently replaced by the checkpoint's); toggling the distributed optimizer used to end
     in a KeyError."""
-    proc = _torchrun(_tiny("--load", str(distopt_run / "ckpt"), *flags), tmp_path)
+    # Iteration 2: --load of the finished run (iteration 4) is refused before the load.
+    load = str(distopt_run / "ckpt" / "iter_0000002")
+    proc = _torchrun(_tiny("--load", load, *flags), tmp_path)
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert "megatron-ext train: error:" in proc.stderr
     for needle in needles:

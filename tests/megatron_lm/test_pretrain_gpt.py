@@ -353,7 +353,16 @@ def test_zero_touch_pp2_through_launcher_script(lm_dir, tmp_path):
     for record in iters.values():
         # Activations forward and gradients backward, the same size (fp32, [s, b, h]).
         assert record["bytes"].startswith("pp-act 131.07 KB, pp-grad 131.07 KB"), record
-    assert json.loads((tmp_path / "comm_report.json").read_text())["layout"]["pp"] == 2
+    # No --save: the report goes to a fresh run directory named at start-up, not to ./
+    (path,) = [
+        l.split("communication report: ")[1]
+        for l in proc.stdout.splitlines()
+        if l.startswith("> megatron-ext: communication report: ")
+    ]
+    assert "> megatron-ext: run directory: runs/" in proc.stdout
+    assert Path(path).parent.parent == Path("runs"), path
+    assert json.loads((tmp_path / path).read_text())["layout"]["pp"] == 2
+    assert not (tmp_path / "comm_report.json").exists()
     # Megatron-LM's final evaluation runs forward-only through megatron-ext's communicator.
     assert "validation loss at iteration 3 on validation set" in proc.stdout
 

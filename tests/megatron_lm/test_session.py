@@ -496,6 +496,12 @@ _REFUSALS = {
         tiny_args(lr_warmup_iters="20", train_iters="20"),
         ["--lr-warmup-iters, --train-iters:"],
     ),
+    # TMP/finished: a --save directory whose tracker says iteration 4 (made by the test).
+    "finished-load": (
+        1,
+        tiny_args(load="TMP/finished", train_iters="4"),
+        ["--load, --train-iters: TMP/finished holds a finished run (iteration 4"],
+    ),
 }
 
 
@@ -511,7 +517,13 @@ def test_refusals_through_megatron_lm_parser_and_hooked_validate_args(tmp_path):
     are in test_pretrain_gpt.py and test_patch_and_launcher.py."""
     from tests.helpers.refusal import assert_cause_last, torchrun_summary
 
-    cases = {name: (world, argv) for name, (world, argv, _) in _REFUSALS.items()}
+    (tmp_path / "finished").mkdir()
+    (tmp_path / "finished" / "latest_checkpointed_iteration.txt").write_text("4")
+    here = {"TMP": str(tmp_path)}
+    cases = {
+        name: (world, [a.replace("TMP", here["TMP"]) for a in argv])
+        for name, (world, argv, _) in _REFUSALS.items()
+    }
     out = _run_with_checkout(f"""
         import contextlib, io, json, os
         from megatron_ext.megatron.lm import install_megatron_lm_hooks
@@ -552,6 +564,7 @@ def test_refusals_through_megatron_lm_parser_and_hooked_validate_args(tmp_path):
         assert not errors, (name, errors)
         last = json.loads(error_file.read_text())["message"]["message"]
         assert last.startswith(("megatron-ext: error: ", "pretrain_gpt.py: error: ")), (name, last)
+        expected = [text.replace("TMP", here["TMP"]) for text in expected]
         for text in expected:
             assert text in last, (name, last)
         assert_cause_last(torchrun_summary(str(error_file)), expected[-1])

@@ -61,7 +61,6 @@ __all__ = [
     "sum_rank_totals",
     "comm_report",
     "comm_scalars",
-    "report_path",
     "collective_device",
     "format_traffic",
     "format_bytes",
@@ -323,14 +322,6 @@ def comm_report(meter: "CommMeter", group: Optional[Any] = None) -> Dict[str, An
         },
         "per_rank_total": per_rank,
     }
-
-
-def report_path(explicit: Optional[str], save_dir: Optional[str]) -> str:
-    """Where the JSON report goes: ``--comm-report``, else ``<save>/comm_report.json``, else
-    ``./comm_report.json``."""
-    if explicit:
-        return explicit
-    return os.path.join(save_dir, "comm_report.json") if save_dir else "comm_report.json"
 
 
 def format_bytes(nbytes: float) -> str:

@@ -95,8 +95,9 @@ class CommAccountingConfig:
     the iteration log line, written to TensorBoard and to the JSON report."""
 
     report: Optional[str] = None
-    """Path of the JSON communication report written at the end of the run (default: the
-    run's save directory, else ./comm_report.json)."""
+    """Path of the JSON communication report written at the end of the run (default:
+    comm_report.json in the run's save directory, else in a new run directory
+    runs/<date>-<time> named at start-up). A resumed run adds its segment to the report."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -80,9 +80,21 @@ class PreflightError(ValueError):
     """A launch that cannot work; the message names the flag or variable to change."""
 
 
+class _SubsetParser(argparse.ArgumentParser):
+    """argparse whose errors raise :class:`PreflightError` (one line, printed once by the
+    caller) instead of printing this small parser's usage and exiting on every rank."""
+
+    def error(self, message: str):
+        raise PreflightError(message)
+
+
 def _megatron_subset(args: Sequence[str]) -> argparse.Namespace:
-    """The few Megatron-LM flags the checks read (the last value of each wins)."""
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    """The few Megatron-LM flags the checks read (the last value of each wins).
+
+    Raises:
+        PreflightError: a value of one of them that does not parse (``--lr 1e-3x``).
+    """
+    p = _SubsetParser(add_help=False, allow_abbrev=False)
     for flag, default in [
         ("--tensor-model-parallel-size", 1),
         ("--pipeline-model-parallel-size", 1),

@@ -83,12 +83,13 @@ def _data_config_class():
 
 
 class _DriverArgumentParser(argparse.ArgumentParser):
-    """argparse, with its errors reported once per job (every rank parses the same flags)."""
+    """argparse, with its errors reported once per job (every rank parses the same flags),
+    as one line: the usage (~130 lines) would bury the cause."""
 
     def error(self, message: str):
         from megatron_ext.refusal import report_refusal
 
-        report_refusal(f"{self.format_usage()}{self.prog}: error: {message}")
+        report_refusal(f"{self.prog}: error: {message} ('{self.prog} --help' lists the flags)")
         sys.exit(2)
 
 
@@ -290,6 +291,9 @@ class Trainer:
     exit_signals = None
     """The installed :class:`~megatron_ext.signals.ExitSignalHandler`, with
     ``--exit-signal-handler``."""
+
+    run_dir = None
+    """Rank 0's directory for the reports of a run without --save (see ``run_training``)."""
 
     def __init__(self, cfg: DriverConfig):
         self.cfg = cfg
@@ -680,7 +684,7 @@ class Trainer:
                 f"> exiting after receiving {stop_signal.name} at iteration {iteration}{where}"
             )
         self.runtime.finish()  # what is still in flight (DiLoCo's overlapped exchanges)
-        summary = self._summary(iteration, consumed, log, final_eval)
+        summary = self._summary(iteration, consumed, log, final_eval, start_iteration)
         summary["exit_signal"] = None if stop_signal is None else stop_signal.name
         log.close()
         return summary
@@ -735,10 +739,11 @@ class Trainer:
             f"({time.time() - t0:.1f} s)"
         )
 
-    def _summary(self, iteration, consumed, log, final_eval) -> Dict[str, Any]:
+    def _summary(self, iteration, consumed, log, final_eval, start_iteration=0) -> Dict[str, Any]:
         import torch
 
-        from megatron_ext.accounting import collective_device, comm_report, report_path
+        from megatron_ext.accounting import collective_device, comm_report
+        from megatron_ext.run_report import report_file, write_report
 
         cfg = self.cfg
         step_times = log.step_times
@@ -760,6 +765,7 @@ class Trainer:
         mean_step = sum(warm) / max(1, len(warm))
         tokens_per_step = self.sizes["gbs"] * cfg.model.seq_length
         summary = {
+            "start_iteration": start_iteration,
             "iterations": iteration,
             "consumed_samples": consumed,
             "steps_this_run": len(step_times),
@@ -777,11 +783,11 @@ class Trainer:
             "comm": comm_report(self.runtime.meter),
             "history": log.history if is_last_rank() else [],
         }
-        path = report_path(cfg.ext.comm.report, cfg.checkpoint.save)
+        path = report_file(cfg.ext.comm.report, cfg.checkpoint.save, self.run_dir)
         if self.rank == 0 and cfg.ext.comm.accounting:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            with open(path, "w") as f:
-                json.dump(summary, f, indent=2)
+            # A resume adds its segment to the run's report (megatron_ext.run_report).
+            for note in write_report(path, summary, start_iteration):
+                print_rank_0(f"> {note}")
             print_rank_0(f"> communication report: {path}")
         valid = summary["final_valid_loss"]
         peak = summary["peak_memory"]
@@ -983,10 +989,18 @@ def run_training(cfg: DriverConfig) -> Dict[str, Any]:
     check_writable(cfg.checkpoint.save, "--save")
     if cfg.checkpoint.load:
         from megatron_ext.megatron.checkpoint import resolve_load
+        from megatron_ext.run_report import check_not_finished
 
         # A --load that names no checkpoint is refused here too (a typo would otherwise train
-        # from scratch and overwrite the checkpoints under --save).
-        resolve_load(cfg.checkpoint.load, save=cfg.checkpoint.save)
+        # from scratch and overwrite the checkpoints under --save); so is one of a finished
+        # run (it would load for tens of seconds, train nothing and rewrite the report).
+        found = resolve_load(cfg.checkpoint.load, save=cfg.checkpoint.save)
+        check_not_finished(
+            cfg.checkpoint.load,
+            None if found is None else found[1],
+            cfg.training.train_iters,
+            finetune=cfg.checkpoint.finetune,
+        )
     trainer = Trainer(cfg)
     if not cfg.training.exit_signal_handler:
         return _build_and_train(trainer)
@@ -998,8 +1012,24 @@ def run_training(cfg: DriverConfig) -> Dict[str, Any]:
         return _build_and_train(trainer)
 
 
+def _run_dir(cfg: DriverConfig) -> Optional[str]:
+    """Rank 0 of a run whose report has no place (no --save, no --comm-report): a fresh
+    run directory, named on the start-up lines (None on other ranks and otherwise)."""
+    from megatron_ext.logging import is_rank_0
+    from megatron_ext.run_report import fresh_run_dir
+
+    if not cfg.ext.comm.accounting or cfg.ext.comm.report or cfg.checkpoint.save:
+        return None
+    if not is_rank_0():
+        return None
+    path = fresh_run_dir()
+    print_rank_0(f"> run directory: {path} (no --save: the reports go here)")
+    return path
+
+
 def _build_and_train(trainer: Trainer) -> Dict[str, Any]:
     trainer.setup_distributed()
+    trainer.run_dir = _run_dir(trainer.cfg)
     trainer.build_data()
     trainer.build_model()
     trainer.build_optimizer()

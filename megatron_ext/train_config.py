@@ -194,6 +194,11 @@ class ParallelArgs:
             )
 
 
+DEFAULT_LR_WARMUP_ITERS = 10
+"""The driver's learning-rate warm-up when --lr-warmup-iters is not given (shorter for a
+decay of 10 iterations or fewer)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainingArgs:
     """Batch, optimizer, schedule and precision."""
@@ -222,8 +227,9 @@ class TrainingArgs:
     )
     """Learning-rate decay."""
 
-    lr_warmup_iters: int = 10
-    """Linear warm-up iterations."""
+    lr_warmup_iters: Optional[int] = None
+    """Linear warm-up iterations (default: 10, or one less than the decay's iterations when
+    the decay is shorter, so that a run of a few iterations needs no warm-up flag)."""
 
     lr_decay_iters: Optional[int] = None
     """Iterations of the decay (default: --train-iters)."""
@@ -317,6 +323,10 @@ class TrainingArgs:
         if self.min_lr > self.lr:
             raise ConfigError(["--min-lr", "--lr"], f"min lr {self.min_lr} > lr {self.lr}")
         decay = self.lr_decay_iters or self.train_iters
+        if self.lr_warmup_iters is None:
+            # The default scales down for short runs (a fixed 10 refused every run of 10
+            # iterations or fewer, before any other check could speak).
+            object.__setattr__(self, "lr_warmup_iters", min(DEFAULT_LR_WARMUP_ITERS, decay - 1))
         if self.lr_warmup_iters >= decay:
             raise ConfigError(
                 [

@@ -12,7 +12,9 @@ What it does:
       [0, 1), got 2.0``.
     * :func:`check_flag_relations`: relations between flags that would otherwise fail deep
       inside the run (a learned position embedding shorter than a sample, ``--min-lr``
-      above ``--lr``, a ``--split`` that gives training no documents).
+      above ``--lr``, a ``--split`` that gives training no documents, a warm-up as long as
+      the decay) or do nothing without a word (a DiLoCo ``--outer-interval`` longer than
+      ``--train-iters``).
     * Environment (:func:`check_transformer_engine`, :func:`check_backend`,
       :func:`check_writable`): Transformer Engine requested but not installed, NCCL
       requested without CUDA devices or without NCCL in the torch build, an output
@@ -294,6 +296,7 @@ def check_flag_relations(args: Any) -> None:
     lr, min_lr = getattr(args, "lr", None), getattr(args, "min_lr", None)
     if lr is not None and min_lr is not None and min_lr > lr:
         raise ConfigError(["--min-lr", "--lr"], f"min lr {min_lr} > lr {lr}")
+    _check_schedules(args)
     split = getattr(args, "split", None)
     training = getattr(args, "train_iters", None) or getattr(args, "train_samples", None)
     if isinstance(split, str) and training:
@@ -304,6 +307,58 @@ def check_flag_relations(args: Any) -> None:
                 f"{split!r} gives the training split no documents (its first share is 0); "
                 "training needs a share > 0, e.g. --split 969,30,1",
             )
+
+
+def _check_schedules(args: Any) -> None:
+    """Schedules counted in iterations that do not fit in ``--train-iters``.
+
+    * The learning-rate warm-up must end before the decay does (megatron-core asserts it in
+      its scheduler, at the first step, as an ``AssertionError``).
+    * DiLoCo's first outer step of every fragment must come within the run: fragment ``i``
+      of ``F`` is first synchronized after ``i * H // F`` inner steps, fragment 0 after
+      ``H`` (``--outer-interval``), the last of them. With ``H > --train-iters`` the sites
+      train apart and never exchange anything: not DiLoCo, and nothing says so. Refused
+      rather than warned about: a warning scrolls away in the run's log, and the fix is one
+      flag.
+
+    Runs counted in samples (Megatron-LM's ``--train-samples``) are not checked.
+
+    Raises:
+        ConfigError: naming the flags.
+    """
+    iters = getattr(args, "train_iters", None)
+    if not iters:
+        return
+    warmup = getattr(args, "lr_warmup_iters", None)
+    decay_iters = getattr(args, "lr_decay_iters", None)
+    decay = decay_iters or iters
+    if warmup and warmup >= decay:
+        decay_flag = "--lr-decay-iters" if decay_iters else "--train-iters"
+        raise ConfigError(
+            ["--lr-warmup-iters", decay_flag],
+            f"the learning-rate warm-up ({warmup} iterations) must end before the decay does "
+            f"({decay_flag} {decay}): pass --lr-warmup-iters below {decay}",
+        )
+    if getattr(args, "outer_method", "none") != "diloco":
+        return
+    interval = getattr(args, "outer_interval", None)
+    fragments = getattr(args, "outer_fragments", None) or 1
+    if interval and interval > iters:
+        if fragments > 1:
+            what = (
+                f"fragment 0 of {fragments} is first synchronized after {interval} inner steps "
+                f"(fragment i after i x {interval} / {fragments}), the run has {iters}: "
+                "fragment 0 would never be synchronized"
+            )
+        else:
+            what = (
+                f"first outer step comes after {interval} inner steps, the run has {iters}: "
+                "the sites would train apart and never synchronize"
+            )
+        raise ConfigError(
+            ["--outer-interval", "--train-iters"],
+            f"DiLoCo's {what}; pass --outer-interval {iters} or less (or more --train-iters)",
+        )
 
 
 # ------------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.refusal import assert_cause_last, torchrun_summary
+
 REPO = Path(__file__).resolve().parents[2]
 
 BASE = [
@@ -108,6 +110,11 @@ def test_pp2_variant(tmp_path):
     assert lines and all("pp-act" in l and "pp-grad" in l for l in lines), proc.stdout
     # 4 microbatches x [128, 2, 256] fp32 activations = 1 MB each way per step.
     assert "pp-act 1.05 MB" in lines[-1] and "pp-grad 1.05 MB" in lines[-1]
+    # No --save: the report goes to a fresh run directory named at start-up, not to ./
+    (run_dir,) = [l.split()[3] for l in proc.stdout.splitlines() if "> run directory:" in l]
+    assert Path(run_dir).parent == Path("runs"), run_dir
+    assert json.loads((tmp_path / run_dir / "comm_report.json").read_text())["layout"]["pp"] == 2
+    assert not (tmp_path / "comm_report.json").exists()
 
 
 @pytest.mark.slow
@@ -141,6 +148,10 @@ def test_command_line_resume_is_exact(tmp_path):
     assert second.returncode == 0, second.stderr[-4000:]
     assert "resumed from" in second.stdout
     assert _losses(tmp_path / "a" / "log.jsonl") == _losses(tmp_path / "b" / "log.jsonl")
+    # The resume added its segment to the run's report instead of replacing it.
+    report = json.loads((tmp_path / "b" / "comm_report.json").read_text())
+    segments = [(s["start_iteration"], s["iterations"]) for s in report["segments"]]
+    assert segments == [(0, 4), (4, 8)], segments
 
 
 @pytest.mark.parametrize(
@@ -192,7 +203,9 @@ def test_bad_values_end_in_one_line_naming_the_flag(args, line, tmp_path):
     assert proc.returncode != 0
     errors = [l for l in proc.stderr.splitlines() if "megatron-ext train: error:" in l]
     assert len(errors) == 1, proc.stderr[-3000:]
-    assert errors[0].startswith(f"megatron-ext train: error: {line}"), errors[0]
+    # torchrun's summary reprints it as the failure's "traceback", its last line but one.
+    assert f"megatron-ext train: error: {line}" in errors[0], errors[0]
+    assert_cause_last(proc.stdout + proc.stderr, f"megatron-ext train: error: {line}")
     assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
     assert not _log_lines(proc.stdout)
 
@@ -221,6 +234,7 @@ def test_aqsgd_refusals_name_the_flag_before_training(args, flag, tmp_path):
     )
     assert proc.returncode != 0
     assert "megatron-ext train: error:" in proc.stderr and flag in proc.stderr, proc.stderr[-3000:]
+    assert_cause_last(proc.stdout + proc.stderr, "megatron-ext train: error:")
     assert not _log_lines(proc.stdout)
 
 
@@ -245,6 +259,68 @@ def test_aqsgd_bit_widths_outside_the_set_are_refused(tmp_path):
         env={**env, "PYTHONPATH": str(REPO)},
     )
     assert proc.returncode == 2 and "--aqsgd-fw-bits" in proc.stderr
+
+
+# name: (arguments, the cause the last lines must hold); refused before the ranks talk, so
+# checked in this process. The refusals met later (data, model, checkpoint) are launches
+# above and below, with the same check on their real output.
+_EARLY_REFUSALS = {
+    "unknown-method": (["--grad-compression", "topk"], "--grad-compression"),
+    "tp-3": (["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size"),
+    "layers-pp": (
+        ["--num-layers", "3", "--pipeline-model-parallel-size", "2"],
+        "--num-layers, --pipeline-model-parallel-size",
+    ),
+    "lr-nan": (["--lr", "nan"], "--lr: must be a finite number > 0, got nan"),
+    "lr-typo": (["--lr", "1e-3x"], "argument --lr: invalid float value: '1e-3x'"),
+    "unwritable-save": (["--save", "FILE/run"], "--save: cannot write to"),
+    "aqsgd-bits": (["--p2p-compression", "aqsgd", "--aqsgd-fw-bits", "9"], "--aqsgd-fw-bits"),
+    "load-typo": (["--load", "rnu", "--save", "run"], "--load: "),
+    "diloco-interval": (
+        ["--outer-method", "diloco", "--outer-interval", "50", "--train-iters", "20"],
+        "--outer-interval, --train-iters",
+    ),
+    "warm-up": (["--train-iters", "5", "--lr-warmup-iters", "5"], "--lr-warmup-iters"),
+    # FINISHED: a checkpoint directory at iteration 4 (made by the test; no model in it, so
+    # the refusal must come before anything is built or loaded).
+    "finished-load": (
+        ["--load", "FINISHED", "--train-iters", "4"],
+        "--load, --train-iters: FINISHED holds a finished run (iteration 4, --train-iters 4)",
+    ),
+}
+
+
+def test_early_refusals_are_the_last_lines_under_torchrun(tmp_path, monkeypatch, capsys):
+    """Each refusal of the lists above that stops before the ranks talk, through the
+    driver's main() as a torchrun worker runs it: nothing on stderr (the line would sit
+    above torchrun's summary), the line in the worker's error file, and so in the last
+    lines of torchrun's summary (rendered by torch's own formatter)."""
+    from megatron_ext.train import main
+
+    (tmp_path / "FILE").write_text("not a directory")
+    finished = tmp_path / "FINISHED"
+    (finished / "iter_0000004").mkdir(parents=True)
+    (finished / "iter_0000004" / "metadata.json").write_text("{}")
+    (finished / "latest_checkpointed_iteration.txt").write_text("4")
+    monkeypatch.chdir(tmp_path)
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    for name, (args, cause) in _EARLY_REFUSALS.items():
+        error_file = tmp_path / f"{name}.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+        args = [str(tmp_path / a) if a.startswith(("FILE", "FINISHED")) else a for a in args]
+        cause = cause.replace("FINISHED", str(finished))
+        try:
+            code = main(["--cpu", "--model", "gpt-tiny", "--no-progress", *args])
+        except SystemExit as exc:  # argparse
+            code = exc.code
+        err = capsys.readouterr().err
+        assert code == 2, (name, code, err[-2000:])
+        assert "error:" not in err, (name, err[-2000:])
+        message = json.loads(error_file.read_text())["message"]["message"]
+        assert message.startswith("megatron-ext train: error: ") and cause in message, message
+        assert_cause_last(torchrun_summary(str(error_file)), cause)
 
 
 def test_finetune_loads_the_model_only_and_starts_at_iteration_zero(tmp_path):
@@ -298,6 +374,7 @@ def test_grass_refusals_name_the_flag_before_training(args, flag, tmp_path):
     proc = _torchrun(BASE + ["--train-iters", "4", "--grass-method", "topr"] + args, cwd=tmp_path)
     assert proc.returncode != 0
     assert "megatron-ext train: error:" in proc.stderr and flag in proc.stderr, proc.stderr[-3000:]
+    assert_cause_last(proc.stdout + proc.stderr, flag)
     assert not _log_lines(proc.stdout)
 
 
@@ -411,9 +488,12 @@ def test_resume_with_other_settings_is_refused_naming_the_flag(
     """Megatron-LM refuses a schedule that differs from the checkpoint's (it used to be
     silently replaced by the checkpoint's); toggling the distributed optimizer used to end
     in a KeyError."""
-    proc = _torchrun(_tiny("--load", str(distopt_run / "ckpt"), *flags), tmp_path)
+    # Iteration 2: --load of the finished run (iteration 4) is refused before the load.
+    load = str(distopt_run / "ckpt" / "iter_0000002")
+    proc = _torchrun(_tiny("--load", load, *flags), tmp_path)
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert "megatron-ext train: error:" in proc.stderr
     for needle in needles:
         assert needle in proc.stderr, proc.stderr[-3000:]
+    assert_cause_last(proc.stdout + proc.stderr, needles[0])
     assert not _log_lines(proc.stdout)

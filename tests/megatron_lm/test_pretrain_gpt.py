@@ -46,6 +46,7 @@ from typing import Dict
 import pytest
 import torch
 
+from tests.helpers.refusal import assert_cause_last
 from tests.megatron_lm.lm_runs import (
     REPO,
     TINY_RUN_FILE,
@@ -161,6 +162,7 @@ def test_resume_with_other_settings_stops_naming_the_flag(dp2_torch_dist, lm_dir
     assert run.returncode != 0
     assert "megatron-ext: error: megatron-ext state in" in run.stderr
     assert "--ext-state-on-mismatch reset" in run.stderr
+    assert_cause_last(run.output, "--ext-state-on-mismatch reset")
     assert not iterations(run.stdout)
 
 
@@ -351,7 +353,16 @@ def test_zero_touch_pp2_through_launcher_script(lm_dir, tmp_path):
     for record in iters.values():
         # Activations forward and gradients backward, the same size (fp32, [s, b, h]).
         assert record["bytes"].startswith("pp-act 131.07 KB, pp-grad 131.07 KB"), record
-    assert json.loads((tmp_path / "comm_report.json").read_text())["layout"]["pp"] == 2
+    # No --save: the report goes to a fresh run directory named at start-up, not to ./
+    (path,) = [
+        l.split("communication report: ")[1]
+        for l in proc.stdout.splitlines()
+        if l.startswith("> megatron-ext: communication report: ")
+    ]
+    assert "> megatron-ext: run directory: runs/" in proc.stdout
+    assert Path(path).parent.parent == Path("runs"), path
+    assert json.loads((tmp_path / path).read_text())["layout"]["pp"] == 2
+    assert not (tmp_path / "comm_report.json").exists()
     # Megatron-LM's final evaluation runs forward-only through megatron-ext's communicator.
     assert "validation loss at iteration 3 on validation set" in proc.stdout
 
@@ -598,6 +609,23 @@ def test_patched_pretrain_gpt_trains_dp2_separate(patched_copy, tmp_path):
     assert all(r["bytes"].startswith("dp-grad ") for r in iters.values()), iters
 
 
+def test_patched_pretrain_gpt_refusal_is_the_last_line(patched_copy, tmp_path):
+    """A refusal after Megatron-LM's ~790-line argument dump (megatron-ext's configuration
+    is checked on the validated arguments) is still the cause on the last screen: torchrun's
+    summary reprints it last, and it is printed nowhere else."""
+    run = pretrain(
+        patched_copy / "pretrain_gpt.py",
+        tiny_args(outer_method="diloco", outer_interval="2", outer_groups="3"),
+        cwd=tmp_path,
+        zero_touch=False,
+    )
+    assert run.returncode != 0
+    cause = "megatron-ext: error: --outer-groups"
+    assert run.output.count(cause) == 1, run.output[-3000:]
+    assert_cause_last(run.output, cause)
+    assert not iterations(run.stdout)
+
+
 def test_patched_pretrain_gpt_trains_pp2_bf16_llama_layers_without_the_fusion_flags(
     patched_copy, tmp_path
 ):
@@ -633,6 +661,8 @@ def test_quantized_adam_with_sgd_stops_before_training(lm_dir, tmp_path):
     )
     assert run.returncode != 0
     assert "megatron-ext: error: --grad-compression, --optimizer:" in run.stderr, run.output[-3000:]
+    # Below Megatron-LM's argument dump and torchrun's summary, not above them.
+    assert_cause_last(run.output, "megatron-ext: error: --grad-compression, --optimizer:")
     assert not iterations(run.stdout)
 
 
@@ -710,4 +740,5 @@ def test_protocol_with_hidden_dropout_stops_naming_the_flag(lm_dir, tmp_path):
     # repeated per rank (megatron_ext.refusal).
     output = run.stderr + run.stdout
     assert output.count("megatron-ext: error: --subspace-method, --hidden-dropout:") == 1, output
+    assert_cause_last(run.output, "megatron-ext: error: --subspace-method, --hidden-dropout:")
     assert not iterations(run.stdout)

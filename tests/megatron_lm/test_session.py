@@ -8,6 +8,7 @@ checkout with the parameters the hooks read (and a changed signature is refused)
 """
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -481,20 +482,50 @@ _REFUSALS = {
         ["--adam-beta1: must be a finite number in [0, 1)"],
     ),
     "lr-nan": (1, tiny_args(lr="nan"), ["--lr: must be a finite number > 0, got nan"]),
+    # Megatron-LM's own parser: one line, without its ~700-line usage.
+    "lr-typo": (1, tiny_args(lr="1e-3x"), ["argument --lr: invalid float value: '1e-3x'"]),
+    # Schedules against --train-iters: no outer step at all; megatron-core's assertion in its
+    # learning-rate scheduler at the first step.
+    "diloco-interval": (
+        2,
+        tiny_args(outer_method="diloco", outer_interval="50", train_iters="20"),
+        ["--outer-interval, --train-iters: DiLoCo's first outer step comes after 50"],
+    ),
+    "warm-up": (
+        1,
+        tiny_args(lr_warmup_iters="20", train_iters="20"),
+        ["--lr-warmup-iters, --train-iters:"],
+    ),
+    # TMP/finished: a --save directory whose tracker says iteration 4 (made by the test).
+    "finished-load": (
+        1,
+        tiny_args(load="TMP/finished", train_iters="4"),
+        ["--load, --train-iters: TMP/finished holds a finished run (iteration 4"],
+    ),
 }
 
 
 @pytest.mark.megatron_lm
-def test_refusals_through_megatron_lm_parser_and_hooked_validate_args():
+def test_refusals_through_megatron_lm_parser_and_hooked_validate_args(tmp_path):
     """Each refusal as a launch of a patched pretrain_gpt.py meets it: Megatron-LM's own
     parser (with megatron-ext's flags added by the hooked ``parse_args``) and its
     ``validate_args``, whose hook checks megatron-ext's configuration and exits with code 2
     and one ``megatron-ext: error:`` line. One process for every case (a launch each would
-    cost a Megatron-LM start-up each); the printing and exit of a refusal under torchrun are
-    tested by launches (test_pretrain_gpt.py, test_patch_and_launcher.py)."""
-    cases = {name: (world, argv) for name, (world, argv, _) in _REFUSALS.items()}
+    cost a Megatron-LM start-up each), as a torchrun worker: the line goes to the worker's
+    error file, not to stderr (where torchrun's summary would bury it), and is in the last
+    lines of torchrun's summary (rendered by torch's own formatter). Launches under torchrun
+    are in test_pretrain_gpt.py and test_patch_and_launcher.py."""
+    from tests.helpers.refusal import assert_cause_last, torchrun_summary
+
+    (tmp_path / "finished").mkdir()
+    (tmp_path / "finished" / "latest_checkpointed_iteration.txt").write_text("4")
+    here = {"TMP": str(tmp_path)}
+    cases = {
+        name: (world, [a.replace("TMP", here["TMP"]) for a in argv])
+        for name, (world, argv, _) in _REFUSALS.items()
+    }
     out = _run_with_checkout(f"""
-        import contextlib, io, os
+        import contextlib, io, json, os
         from megatron_ext.megatron.lm import install_megatron_lm_hooks
 
         installed = install_megatron_lm_hooks(cpu=True)
@@ -505,29 +536,35 @@ def test_refusals_through_megatron_lm_parser_and_hooked_validate_args():
         }}
         for name, (world, argv) in {cases!r}.items():
             os.environ.update(WORLD_SIZE=str(world), RANK="0", LOCAL_RANK="0")
+            os.environ["TORCHELASTIC_ERROR_FILE"] = os.path.join({str(tmp_path)!r}, name)
             sys.argv = ["pretrain_gpt.py", *argv]
-            args = call["parse_args"](None, False)
             err = io.StringIO()
             try:
                 with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                    args = call["parse_args"](None, False)
                     # pretrain_gpt.py's defaults
                     call["validate_args"](args, {{"tokenizer_type": "GPT2BPETokenizer"}})
                 result = "passed"
             except SystemExit as exc:
                 result = f"exit {{exc.code}}"
-            lines = err.getvalue().strip().splitlines()
-            print(f"@@ {{name}} | {{result}} | {{lines[-1] if lines else ''}}")
+            errors = [l for l in err.getvalue().splitlines() if "error:" in l]
+            print("@@ " + json.dumps([name, result, errors]))
         installed.remove()
         """)
     results = {}
     for line in out.splitlines():
         if line.startswith("@@ "):
-            name, result, last = line[3:].split(" | ", 2)
-            results[name] = (result, last)
+            name, result, errors = json.loads(line[3:])
+            results[name] = (result, errors)
     assert sorted(results) == sorted(_REFUSALS), out[-3000:]
     for name, (_, _, expected) in _REFUSALS.items():
-        result, last = results[name]
-        assert result == "exit 2", (name, result, last)
-        assert last.startswith("megatron-ext: error: "), (name, last)
+        result, errors = results[name]
+        error_file = tmp_path / name
+        assert result == "exit 2", (name, result, errors)
+        assert not errors, (name, errors)
+        last = json.loads(error_file.read_text())["message"]["message"]
+        assert last.startswith(("megatron-ext: error: ", "pretrain_gpt.py: error: ")), (name, last)
+        expected = [text.replace("TMP", here["TMP"]) for text in expected]
         for text in expected:
             assert text in last, (name, last)
+        assert_cause_last(torchrun_summary(str(error_file)), expected[-1])

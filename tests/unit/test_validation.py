@@ -72,6 +72,33 @@ BAD = [
     (["--subspace-compression-rate", "inf"], "--subspace-compression-rate", ">= 1"),
     (["--transformer-impl", "transformer_engine"], "--transformer-impl", "Transformer Engine"),
     (["--distributed-backend", "nccl"], "--distributed-backend, --cpu", "gloo"),
+    # Schedules against --train-iters (also checked on Megatron-LM's flags).
+    (
+        ["--train-iters", "5", "--lr-warmup-iters", "5"],
+        "--lr-warmup-iters, --train-iters",
+        "must end before the decay does (--train-iters 5)",
+    ),
+    (
+        ["--lr-decay-iters", "8", "--lr-warmup-iters", "8"],
+        "--lr-warmup-iters, --lr-decay-iters",
+        "pass --lr-warmup-iters below 8",
+    ),
+    (
+        ["--outer-method", "diloco", "--outer-interval", "50", "--train-iters", "20"],
+        "--outer-interval, --train-iters",
+        "never synchronize; pass --outer-interval 20 or less",
+    ),
+    (
+        DILOCO[:2] + ["--outer-interval", "50", "--outer-fragments", "5", "--train-iters", "20"],
+        "--outer-interval, --train-iters",
+        "fragment 0 would never be synchronized",
+    ),
+    # A short run hides no other refusal behind the warm-up's.
+    (
+        ["--train-iters", "4", "--separate-ef-beta", "nan", "--grad-compression", "separate"],
+        "--separate-ef-beta",
+        ">= 0",
+    ),
 ]
 
 
@@ -99,6 +126,25 @@ def test_bad_values_are_refused_naming_the_flag_and_the_range(extra, flags, phra
     assert message.startswith(flags + ":"), message
     assert phrase in message, message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("iters, warmup", [(1, 0), (5, 4), (10, 9), (11, 10), (200, 10)])
+def test_the_default_warm_up_scales_down_for_short_runs(iters, warmup):
+    """10 iterations, or one less than a shorter decay: any --train-iters runs without a
+    warm-up flag, and longer runs keep the warm-up they had."""
+    cfg = _parse(BASE + ["--train-iters", str(iters)])
+    assert cfg.training.lr_warmup_iters == warmup
+    assert (
+        _parse(BASE + ["--train-iters", "20", "--lr-decay-iters", "6"]).training.lr_warmup_iters
+        == 5
+    )
+
+
+def test_diloco_interval_up_to_the_run_length_is_accepted():
+    cfg = _parse(
+        BASE + ["--outer-method", "diloco", "--outer-interval", "20", "--train-iters", "20"]
+    )
+    assert cfg.ext.methods["outer"] == "diloco"
 
 
 def _numeric_fields():

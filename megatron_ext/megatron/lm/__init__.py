@@ -31,9 +31,11 @@ Constraints:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
+import sys
 from typing import Any, Callable, Optional
 
 __all__ = ["install_megatron_lm_hooks", "megatron_lm_extra_args", "installed_hooks"]
@@ -67,10 +69,21 @@ def megatron_lm_extra_args(provider: Optional[Callable] = None) -> Callable:
 
             parser = add_args(parser)
             _add_data_args(parser)
+        # A bad flag or value: one line, printed once for the job (argparse prints
+        # Megatron-LM's ~700-line usage on every rank, which buries the cause).
+        parser.error = functools.partial(_parse_error, parser)
         return parser
 
     extra_args_provider.__megatron_ext_args__ = True
     return extra_args_provider
+
+
+def _parse_error(parser: Any, message: str) -> None:
+    """argparse's ``error`` for Megatron-LM's parser: the refusal line without the usage."""
+    from megatron_ext.refusal import report_refusal
+
+    report_refusal(f"{parser.prog}: error: {message} ('{parser.prog} --help' lists the flags)")
+    sys.exit(2)
 
 
 def _add_data_args(parser) -> None:

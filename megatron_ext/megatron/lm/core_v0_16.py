@@ -5,8 +5,9 @@ What it does:
     ``pretrain()`` looks up at call time, each with a wrapper that calls the original and
     a :class:`~megatron_ext.megatron.lm.session.MegatronLMSession` method:
 
-    * ``initialize.parse_args``: chain megatron-ext's flags after the
-      ``extra_args_provider`` pretrain_gpt passes;
+    * ``initialize.parse_args`` (and ``arguments.parse_args``, which pretrain_gpt.py's
+      in-process restart calls first): chain megatron-ext's flags after the
+      ``extra_args_provider`` pretrain_gpt passes, and make a parse error one line;
     * ``initialize.validate_args``: after Megatron's checks, build and check megatron-ext's
       config (exit code 2 and a message naming the flag);
     * ``training.setup_model_and_optimizer``: the model provider ``get_model`` calls per
@@ -74,6 +75,14 @@ _CHECKPOINTING = "megatron.training.checkpointing"
 HOOK_TARGETS: Tuple[HookTarget, ...] = (
     HookTarget(
         "megatron.training.initialize",
+        "parse_args",
+        "parse_args",
+        ("extra_args_provider", "ignore_unknown_args"),
+    ),
+    # pretrain_gpt.py's inprocess_restart parses the command line first, through the module
+    # global: its errors too are one line (megatron-ext's flags are known to it then).
+    HookTarget(
+        "megatron.training.arguments",
         "parse_args",
         "parse_args",
         ("extra_args_provider", "ignore_unknown_args"),

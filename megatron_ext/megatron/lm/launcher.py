@@ -192,11 +192,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         options, script, rest = parse_launcher_args(argv)
     except ValueError as exc:
-        report_refusal(f"megatron-ext pretrain: error: {exc}\n\n{_usage()}")
+        report_refusal(f"{_usage()}\nmegatron-ext pretrain: error: {exc}")
         return 2
-    if options["help"] or script is None:
-        print(_usage(), file=sys.stdout if options["help"] else sys.stderr)
-        return 0 if options["help"] else 2
+    if options["help"]:
+        print(_usage())
+        return 0
+    if script is None:
+        report_refusal(f"{_usage()}\nmegatron-ext pretrain: error: no pretrain_gpt.py path given")
+        return 2
     script = os.path.abspath(script)
     if not os.path.isfile(script):
         report_refusal(f"megatron-ext pretrain: error: {script}: no such file")

@@ -43,7 +43,6 @@ Constraints:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -59,7 +58,6 @@ from megatron_ext.accounting import (
     comm_report,
     comm_scalars,
     format_traffic,
-    report_path,
 )
 from megatron_ext.config import (
     ConfigError,
@@ -72,9 +70,14 @@ from megatron_ext.logging import is_rank_0, print_rank_0
 from megatron_ext.megatron.lm import checkpoint as lm_ckpt
 from megatron_ext.megatron.lm.releases import MegatronLMRelease, UnsupportedReleaseError
 from megatron_ext.megatron.save_checks import check_finite_for_save
-from megatron_ext.preflight import PreflightError, check_megatron_lm_defaults
+from megatron_ext.preflight import (
+    CHECKPOINT_TRACKER,
+    PreflightError,
+    check_megatron_lm_defaults,
+)
 from megatron_ext.protocols import NonFiniteError
 from megatron_ext.refusal import report_refusal
+from megatron_ext.run_report import check_not_finished, fresh_run_dir, report_file, write_report
 from megatron_ext.state import StateMismatch
 from megatron_ext.validation import (
     check_backend,
@@ -233,6 +236,30 @@ def check_megatron_lm_args(args: Any, cfg: ExtConfig) -> None:
         )
 
 
+def _check_load_not_finished(args: Any) -> None:
+    """Refuse ``--load`` of a run already at ``--train-iters`` (Megatron-LM would load it,
+    train nothing and the report would be rewritten), unless it is loaded to fine-tune or
+    to evaluate (``--finetune``, ``--skip-train``).
+
+    Raises:
+        ConfigError: naming ``--load``, ``--train-iters`` and the flags that extend a run.
+    """
+    load = getattr(args, "load", None)
+    if not load or getattr(args, "skip_train", False):
+        return
+    iteration = getattr(args, "ckpt_step", None)
+    if iteration is None:
+        try:
+            with open(os.path.join(load, CHECKPOINT_TRACKER), encoding="utf-8") as f:
+                text = f.read().strip()
+        except OSError:
+            return
+        iteration = int(text) if text.isdigit() else None
+    check_not_finished(
+        load, iteration, getattr(args, "train_iters", None), finetune=bool(args.finetune)
+    )
+
+
 def _check_outer_sites(args: Any, cfg: ExtConfig) -> None:
     """Megatron-LM options that DiLoCo with several sites cannot honour."""
     from megatron_ext.methods.diloco import OuterConfig
@@ -358,6 +385,8 @@ class MegatronLMSession:
         self._model_chunks: List[Any] = []
         self._saving_iteration: Optional[int] = None
         self._report_written = False
+        self.run_dir: Optional[str] = None
+        """Rank 0's directory for the report of a run without --save (made at configure)."""
 
     # -- errors ----------------------------------------------------------------------------
 
@@ -417,6 +446,19 @@ class MegatronLMSession:
         check_transformer_engine(args.transformer_impl)
         check_backend(getattr(args, "distributed_backend", None), self.cpu)
         check_writable(args.save, "--save")
+        _check_load_not_finished(args)
+        if (
+            self.run_dir is None
+            and cfg.comm.accounting
+            and not cfg.comm.report
+            and not args.save
+            and is_rank_0()
+        ):
+            # The report's place (the working directory was overwritten by the next run).
+            self.run_dir = fresh_run_dir()
+            print_rank_0(
+                f"> megatron-ext: run directory: {self.run_dir} (no --save: the reports go here)"
+            )
         if getattr(args, "exit_signal_handler", False):
             # Megatron-LM catches this one signal to save and exit (--exit-signal, default
             # SIGTERM); the checkpoint writer processes it starts must outlive it until the
@@ -738,8 +780,8 @@ class MegatronLMSession:
     # -- report --------------------------------------------------------------------------------
 
     def report_path(self, args: Any) -> str:
-        """``--comm-report``, else ``<save>/comm_report.json``, else ``./comm_report.json``."""
-        return report_path(self.cfg.comm.report, args.save)
+        """``--comm-report``, else ``<save>/comm_report.json``, else the run directory's."""
+        return report_file(self.cfg.comm.report, args.save, self.run_dir)
 
     def end_training(self, args: Any) -> None:
         """Training has ended (collective): what is still in flight finishes (DiLoCo's
@@ -774,9 +816,9 @@ class MegatronLMSession:
         }
         if is_rank_0():
             path = self.report_path(args)
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            with open(path, "w") as f:
-                json.dump(report, f, indent=2)
+            # A resume adds its segment to the run's report (megatron_ext.run_report).
+            for note in write_report(path, report, self.start_iteration):
+                print(f"> megatron-ext: {note}", flush=True)
             print(f"> megatron-ext: communication report: {path}", flush=True)
 
     # -- checkpoints ---------------------------------------------------------------------------

@@ -329,7 +329,7 @@ class QuantizedAdamHook(OptimizerHook):
             raise RuntimeError("quantized-adam needs every parameter's whole optimizer state")
         params = []
         for f in fqns:
-            p = view.model_param(f)
+            p = view.model_param(f) if sharded else states[f].model_param
             if p is None:
                 raise RuntimeError(f"quantized-adam: no model parameter {f}")
             params.append((f, p))

@@ -377,6 +377,11 @@ class QuantizedAdamHook(OptimizerHook):
         (``main_grad``, unscaled as megatron unscales its shards); afterwards this rank's
         shards of ``exp_avg`` take their part of ``m'``."""
         betas = {tuple(st.group["betas"]) for st in mine}
+        if not betas:
+            raise RuntimeError(
+                "quantized-adam: this rank holds no shard of an optimizer's parameters, so it "
+                "has no beta1 to form its momentum with"
+            )
         if len(betas) != 1:
             raise RuntimeError(
                 f"quantized-adam with the distributed optimizer needs one beta1 for every "

@@ -18,6 +18,9 @@ What it does:
       ranks' residuals reduce to exactly the old pending mass ``M``. With
       ``S = sum_r e_r`` (old ranks): SUM -> SUM gives ``S / dp_new``, AVG -> AVG ``S / dp_old``
       (:func:`spread_scale` covers a change of the op too);
+    * ``mean``: error-feedback mass of an exchange that always averages, whatever the
+      gradient op (QuantizedAdam's momentum ``worker_error``): the pending mass is
+      ``M = (1/dp) sum_r e_r`` and every new rank gets ``e' = M = S / dp_old``;
     * ``total``: state that a plain SUM all-reduce combines regardless of the gradient op
       (Protocol Models' accumulated ``A = sum G^T G``): ``e' = S / dp_new``;
     * ``partition``: state that lives on the rank owning a partition of the bucket and is
@@ -53,6 +56,7 @@ import torch
 
 __all__ = [
     "SUM",
+    "MEAN",
     "TOTAL",
     "PARTITION",
     "SAME",
@@ -67,6 +71,9 @@ __all__ = [
 
 SUM = "sum"
 """Error-feedback mass in the units of the rank's input to the gradient reduction."""
+
+MEAN = "mean"
+"""Error-feedback mass of an exchange that averages whatever the gradient op."""
 
 TOTAL = "total"
 """Mass that a SUM all-reduce combines, whatever the gradient reduction's op."""
@@ -85,6 +92,12 @@ RULES: Dict[str, Dict[str, str]] = {
     "SeparateReducer": {"residual": SUM, "ratio": SAME, "beta_scale": SAME},
     "PowerSGDReducer": {"error": SUM, "q": SAME},
     "QuantizedReducer": {"worker_error": SUM, "server_error": PARTITION},
+    "QuantizedAdamReducer": {},
+    "QuantizedAdamHook": {
+        "applied_steps": SAME,  # the warm-up is not run again
+        "worker_error": MEAN,
+        "server_error": PARTITION,
+    },
     "RadiusReducer": {"residual": SUM, "mask": SAME, "selections": SAME},
     "RadiusOptimizerHook": {},
     "GrassOptimizerHook": {
@@ -131,7 +144,7 @@ def spread_scale(rule: str, *, old_dp: int, new_dp: int, old_op: str, new_op: st
     """The factor ``c`` that gives every new rank ``c * S``, ``S`` the old ranks' sum.
 
     Args:
-        rule: :data:`SUM`, :data:`TOTAL` or :data:`PARTITION`.
+        rule: :data:`SUM`, :data:`MEAN`, :data:`TOTAL` or :data:`PARTITION`.
         old_dp: DP size the state was saved with.
         new_dp: DP size of this run.
         old_op: gradient reduction op of the saved run, ``"sum"`` or ``"avg"``.
@@ -140,7 +153,7 @@ def spread_scale(rule: str, *, old_dp: int, new_dp: int, old_op: str, new_op: st
     Returns:
         For :data:`SUM`: the pending mass is ``M = S`` (old SUM) or ``S / old_dp`` (old
         AVG); a new rank's share is ``M / new_dp`` (new SUM) or ``M`` (new AVG). For
-        :data:`TOTAL` ``1 / new_dp``; for :data:`PARTITION` 1.
+        :data:`MEAN` ``1 / old_dp``; for :data:`TOTAL` ``1 / new_dp``; for :data:`PARTITION` 1.
     """
     for name, op in (("old_op", old_op), ("new_op", new_op)):
         if op not in ("sum", "avg"):
@@ -149,6 +162,8 @@ def spread_scale(rule: str, *, old_dp: int, new_dp: int, old_op: str, new_op: st
         raise ValueError(f"DP sizes must be positive, got {old_dp} and {new_dp}")
     if rule == TOTAL:
         return 1.0 / new_dp
+    if rule == MEAN:
+        return 1.0 / old_dp
     if rule == PARTITION:
         return 1.0
     if rule != SUM:
@@ -165,7 +180,7 @@ def assigned_old_dp_ranks(old_dp: int, new_dp: int, new_dp_rank: int) -> List[in
 
 
 def _is_mass(rule: str) -> bool:
-    return rule in (SUM, TOTAL, PARTITION)
+    return rule in (SUM, MEAN, TOTAL, PARTITION)
 
 
 def remap_objects(

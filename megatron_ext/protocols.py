@@ -142,6 +142,12 @@ class OptimizerView(abc.ABC):
             if models:
                 torch._foreach_copy_(models, model_values)
 
+    def model_param(self, fqn: str) -> Optional[torch.Tensor]:
+        """The model parameter ``fqn`` (full shape), also where this rank holds none of its
+        optimizer state (the distributed optimizer's other shards); None if unknown."""
+        state = self.param_state(fqn)
+        return None if state is None else state.model_param
+
     def sync_params(self) -> None:
         """Make every rank's model parameters current after :meth:`write_param` (the
         distributed optimizer's parameter gather; default: nothing to do). Collective over

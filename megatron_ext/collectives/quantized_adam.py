@@ -57,9 +57,25 @@ Skipped steps:
     touched, and the step does not count toward the warm-up. Without loss scaling training
     stops (``ReducerStepHook``).
 
+Distributed optimizer:
+    The warm-up reduce-scatters as megatron does. Afterwards each rank still needs the whole
+    ``m`` and its whole local gradient to form ``u_i``; the exchange already ends with every
+    rank holding the whole ``m'`` (its all-gather), so the exchange buffer is kept between
+    steps as the whole momentum (it exists without the distributed optimizer too) and the
+    local gradient is read from megatron's full gradient buffer (``main_grad``, unscaled by
+    the loss scale as megatron unscales its shards). Each rank then copies its part of
+    ``m'`` into its ``exp_avg`` shard and applies step 3 to its shards of the parameter and
+    the frozen ``v``; megatron's parameter all-gather does the rest. Sharded per rank: the
+    fp32 main parameters, ``exp_avg`` and ``exp_avg_sq`` (what a checkpoint stores and an
+    elastic resume reshards); whole per rank, as without it: the exchange buffer and the
+    worker error. The buffer is filled once from the ``exp_avg`` shards (a SUM all-reduce,
+    metered) at the first compressed step and after each load. Gradient clipping is refused
+    (``methods.quantized_adam``): megatron would clip by a norm of shards of different
+    ranks' local gradients, which the full local gradient used here does not see.
+
 Constraints:
-    torch.distributed only; never imports Megatron. All-reduce reduction only (no
-    distributed optimizer); one data-parallel group for every parameter.
+    torch.distributed only; never imports Megatron. One data-parallel group for every
+    parameter; with the distributed optimizer one ``beta1`` for all parameter groups.
 """
 
 from __future__ import annotations
@@ -69,6 +85,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_ext.accounting import ProcessGroupTrafficMeter
 from megatron_ext.collectives.grad_reducer import (
     BoundReduction,
     BucketGroupSpec,
@@ -95,7 +112,7 @@ class QuantizedAdamReducer(GradReducer):
     """
 
     name = "quantized-adam"
-    supports = ("all_reduce",)
+    supports = ("all_reduce", "reduce_scatter")
     reduces_gradient = False
 
     def __init__(self, cfg: Any):
@@ -211,20 +228,20 @@ class MomentumExchange:
         self.reduction.load_state_dict(state)
 
 
-def _layout(states: Sequence[ParamOptimState]) -> List[List[ParamSlice]]:
-    """Buffers of the parameters: the tied ones (``shared_embedding``) one each, the rest
-    together, back to back in the given order."""
+def _layout(params: Sequence[Tuple[str, torch.Tensor]]) -> List[List[ParamSlice]]:
+    """Buffers of the parameters ``(fqn, model parameter)``: the tied ones
+    (``shared_embedding``) one each, the rest together, back to back in the given order."""
 
     def slices(group):
         out, pos = [], 0
-        for st in group:
-            n = st.main_param.numel()
-            out.append(ParamSlice(st.fqn, pos, pos + n, tuple(st.main_param.shape)))
+        for fqn, p in group:
+            n = p.numel()
+            out.append(ParamSlice(fqn, pos, pos + n, tuple(p.shape)))
             pos += n
         return out
 
-    tied = [st for st in states if getattr(st.model_param, "shared_embedding", False)]
-    rest = [st for st in states if not getattr(st.model_param, "shared_embedding", False)]
+    tied = [fp for fp in params if getattr(fp[1], "shared_embedding", False)]
+    rest = [fp for fp in params if not getattr(fp[1], "shared_embedding", False)]
     return [slices(g) for g in ([rest] if rest else []) + [[t] for t in tied]]
 
 
@@ -245,6 +262,8 @@ class QuantizedAdamHook(OptimizerHook):
         # Per optimizer leaf (its FQNs, in order): the momentum buffers.
         self.exchanges: Dict[Tuple[str, ...], List[MomentumExchange]] = {}
         self._pending: Dict[str, torch.Tensor] = {}
+        # Exchanges whose buffer holds the whole momentum (distributed optimizer).
+        self._replicas: set = set()
 
     def _spec(self) -> BucketGroupSpec:
         if not self.reducer.bound:
@@ -273,20 +292,20 @@ class QuantizedAdamHook(OptimizerHook):
         if update_successful:
             self.reducer.applied_steps += 1
 
-    def _exchanges(self, states: Sequence[ParamOptimState]) -> List[MomentumExchange]:
-        key = tuple(st.fqn for st in states)
+    def _exchanges(self, params: Sequence[Tuple[str, torch.Tensor]]) -> List[MomentumExchange]:
+        key = tuple(fqn for fqn, _ in params)
         if key not in self.exchanges:
             spec = self._spec()
             built = [
                 MomentumExchange(
-                    params,
+                    layout,
                     bits=self.cfg.bits,
                     block_size=self.cfg.block_size,
                     group=spec.group,
                     meter=spec.meter,
-                    device=states[0].main_param.device,
+                    device=params[0][1].device,
                 )
-                for params in _layout(states)
+                for layout in _layout(params)
             ]
             for ex in built:
                 keys = set(ex.state_dict())
@@ -298,38 +317,122 @@ class QuantizedAdamHook(OptimizerHook):
     @torch.no_grad()
     def update(self, view: OptimizerView, fqns: Sequence[str]) -> None:
         """QuantizedAdam's update of the parameters ``fqns`` (one optimizer's), in place of
-        that optimizer's ``step()``."""
-        states = [view.param_state(f) for f in fqns]
-        if any(st is None for st in states):
+        that optimizer's ``step()``.
+
+        With the distributed optimizer ``fqns`` are every parameter the optimizer steps over
+        the data-parallel group and this rank holds a shard of some (module docstring,
+        "Distributed optimizer"); otherwise this rank holds every one whole.
+        """
+        states = {f: view.param_state(f) for f in fqns}
+        sharded = any(st is not None and st.param_range is not None for st in states.values())
+        if not sharded and any(st is None for st in states.values()):
             raise RuntimeError("quantized-adam needs every parameter's whole optimizer state")
-        by_fqn = {st.fqn: st for st in states}
-        for st in states:
+        params = []
+        for f in fqns:
+            p = view.model_param(f) if sharded else states[f].model_param
+            if p is None:
+                raise RuntimeError(f"quantized-adam: no model parameter {f}")
+            params.append((f, p))
+        mine = [st for st in states.values() if st is not None]
+        for st in mine:
             if "exp_avg" not in st.state or "exp_avg_sq" not in st.state:
                 raise RuntimeError(f"quantized-adam: {st.fqn} has no Adam state after the warm-up")
             if "step" not in st.state and "step" not in st.group:
                 raise RuntimeError(f"quantized-adam: {st.fqn} has no Adam step count")
-            if st.main_param.grad is None:
+            if not sharded and st.main_param.grad is None:
                 raise RuntimeError(f"quantized-adam: {st.fqn} has no gradient")
-        for ex in self._exchanges(states):
-            for s in ex.params:
-                st = by_fqn[s.fqn]
-                beta1 = st.group["betas"][0]
-                m = st.state["exp_avg"]
-                u = ex.buffer[s.start : s.end].view_as(m)
-                torch.add(m.float() * beta1, st.main_param.grad.float(), alpha=1 - beta1, out=u)
-            ex.exchange(view.step)
-            for s in ex.params:
-                m = by_fqn[s.fqn].state["exp_avg"]
-                m.copy_(ex.buffer[s.start : s.end].view_as(m))
+        if sharded:
+            self._sharded_momenta(view, params, states, mine)
+        else:
+            for ex in self._exchanges(params):
+                for s in ex.params:
+                    st = states[s.fqn]
+                    beta1 = st.group["betas"][0]
+                    m = st.state["exp_avg"]
+                    u = ex.buffer[s.start : s.end].view_as(m)
+                    torch.add(m.float() * beta1, st.main_param.grad.float(), alpha=1 - beta1, out=u)
+                ex.exchange(view.step)
+                for s in ex.params:
+                    m = states[s.fqn].state["exp_avg"]
+                    m.copy_(ex.buffer[s.start : s.end].view_as(m))
         # Adam's step count: per parameter (torch), or per param group (Apex, Transformer
         # Engine), counted once per group.
         counted = set()
-        for st in states:
+        for st in mine:
             if "step" not in st.state and "step" in st.group and id(st.group) not in counted:
                 st.group["step"] += 1
                 counted.add(id(st.group))
-        for st in states:
+        for st in mine:
             _apply(st)
+
+    def _sharded_momenta(
+        self,
+        view: OptimizerView,
+        params: Sequence[Tuple[str, torch.Tensor]],
+        states: Dict[str, Optional[ParamOptimState]],
+        mine: Sequence[ParamOptimState],
+    ) -> None:
+        """Steps 1 and 2 with the distributed optimizer: ``u_i`` from the exchange buffer
+        (the whole ``m`` of the last exchange) and this rank's whole local gradient
+        (``main_grad``, unscaled as megatron unscales its shards); afterwards this rank's
+        shards of ``exp_avg`` take their part of ``m'``."""
+        betas = {tuple(st.group["betas"]) for st in mine}
+        if not betas:
+            raise RuntimeError(
+                "quantized-adam: this rank holds no shard of an optimizer's parameters, so it "
+                "has no beta1 to form its momentum with"
+            )
+        if len(betas) != 1:
+            raise RuntimeError(
+                f"quantized-adam with the distributed optimizer needs one beta1 for every "
+                f"parameter group; this rank's groups have {sorted(betas)}"
+            )
+        beta1 = next(iter(betas))[0]
+        scale = view.loss_scale()
+        inv = None if scale is None else scale.double().reciprocal().float()
+        model = dict(params)
+        for ex in self._exchanges(params):
+            if id(ex) not in self._replicas:
+                self._gather_momentum(ex, states)
+            for s in ex.params:
+                u = ex.buffer[s.start : s.end]
+                grad = getattr(model[s.fqn], "main_grad", None)
+                if grad is None:
+                    raise RuntimeError(f"quantized-adam: {s.fqn} has no gradient buffer")
+                g = grad.view(-1).float()
+                if inv is not None:
+                    g = g * inv
+                torch.add(u * beta1, g, alpha=1 - beta1, out=u)
+            ex.exchange(view.step)
+            for s in ex.params:
+                st = states.get(s.fqn)
+                if st is None:
+                    continue
+                lo, hi = st.param_range
+                m = st.state["exp_avg"]
+                m.copy_(ex.buffer[s.start + lo : s.start + hi].view_as(m))
+
+    def _gather_momentum(
+        self, ex: MomentumExchange, states: Dict[str, Optional[ParamOptimState]]
+    ) -> None:
+        """The whole ``m`` into ``ex.buffer`` from every rank's ``exp_avg`` shards: once at
+        the first compressed step and after each load (a SUM all-reduce of the buffer with
+        zeros outside this rank's shards, metered as ``dp-grad`` with no dense
+        counterpart)."""
+        ex.buffer.zero_()
+        for s in ex.params:
+            st = states.get(s.fqn)
+            if st is None:
+                continue
+            lo, hi = st.param_range
+            ex.buffer[s.start + lo : s.start + hi].copy_(st.state["exp_avg"].reshape(-1))
+        reduction = ex.reduction
+        with ProcessGroupTrafficMeter.tagged("dp-grad"):
+            torch.distributed.all_reduce(
+                ex.buffer, op=torch.distributed.ReduceOp.SUM, group=reduction.spec.group
+            )
+        reduction.record("all_reduce", ex.buffer, 0)
+        self._replicas.add(id(ex))
 
     # -- state --------------------------------------------------------------------------------
 
@@ -355,6 +458,8 @@ class QuantizedAdamHook(OptimizerHook):
                 ex.load_state_dict({k: remaining.pop(k) for k in set(ex.state_dict())})
         # Parameters whose buffers are not built yet (before the first compressed step).
         self._pending = remaining
+        # The loaded exp_avg shards are the momentum now (distributed optimizer).
+        self._replicas = set()
 
 
 def _apply(st: ParamOptimState) -> None:

@@ -117,6 +117,9 @@ class MegatronOptimizerView(OptimizerView):
         self._leaves = _leaf_optimizers(optimizer)
         self._by_fqn: Dict[str, tuple] = {}
         self._leaf_fqns: List[tuple] = []
+        self._model_params: Dict[str, torch.Tensor] = {}
+        # Per distributed-optimizer leaf: every parameter it steps over its DP group.
+        self._group_fqns: Dict[int, List[str]] = {}
         self._sharded = False
         names: Dict[Any, str] = {}
         for chunk in model_chunks:
@@ -127,6 +130,12 @@ class MegatronOptimizerView(OptimizerView):
                 continue
             if isinstance(leaf, DistributedOptimizer):
                 self._sharded = True
+                whole = []
+                for buffer in leaf.buffers:
+                    for model_param in buffer.params:
+                        self._model_params[names[model_param]] = model_param
+                        whole.append(names[model_param])
+                self._group_fqns[id(leaf)] = sorted(whole)
                 for model_param, (gi, go) in leaf.model_param_group_index_map.items():
                     self._by_fqn[names[model_param]] = ("dist", leaf, model_param, gi, go)
             elif hasattr(leaf, "float16_groups"):
@@ -156,6 +165,8 @@ class MegatronOptimizerView(OptimizerView):
 
         for leaf in self._leaves:
             mine = sorted(f for f, entry in self._by_fqn.items() if entry[1] is leaf)
+            if id(leaf) in self._group_fqns:
+                mine = self._group_fqns[id(leaf)]
             if mine:
                 self._leaf_fqns.append((leaf, mine))
 
@@ -178,8 +189,18 @@ class MegatronOptimizerView(OptimizerView):
             chunk.start_param_sync(force_sync=True)
 
     def leaf_fqns(self) -> List[tuple]:
-        """``(leaf, fqns)`` of every megatron optimizer leaf with parameters on this rank."""
+        """``(leaf, fqns)`` of every megatron optimizer leaf with parameters on this rank.
+
+        For a distributed-optimizer leaf ``fqns`` are every parameter it steps over its
+        data-parallel group (the same list on every DP rank; :meth:`param_state` is None
+        for those of which this rank holds no shard)."""
         return list(self._leaf_fqns)
+
+    def model_param(self, fqn: str) -> Optional[torch.Tensor]:
+        entry = self._by_fqn.get(fqn)
+        if entry is not None:
+            return entry[2]
+        return self._model_params.get(fqn)
 
     def param_state(self, fqn: str) -> Optional[ParamOptimState]:
         entry = self._by_fqn.get(fqn)

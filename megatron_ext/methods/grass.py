@@ -79,9 +79,12 @@ def _validate(cfg: Any, layout: Any) -> None:
     if layout.use_distributed_optimizer:
         raise ConfigError(
             ["--grass-method", "--use-distributed-optimizer"],
-            "Grass keeps per-row selections and fp32 rows of its virtual parameters, which "
-            "the distributed optimizer would split into flat shards; use the regular "
-            "optimizer (its state for projected weights is already r x n)",
+            "after each step every data-parallel rank writes the selected rows into its "
+            "frozen projected weights from the whole fp32 virtual parameter V, and a "
+            "reselection folds, moves and zeroes V's rows and Adam moments; the distributed "
+            "optimizer keeps V's fp32 copy and moments in flat shards (a rank may hold none "
+            "of a V) and gathers only V, not the frozen weights. Use the regular optimizer "
+            "(Grass's optimizer state per projected weight is already r x n)",
         )
     if cfg.enabled("grad"):
         raise ConfigError(

@@ -114,9 +114,12 @@ def _validate(cfg: Any, layout: Any) -> None:
     if layout.use_distributed_optimizer:
         raise ConfigError(
             [_FLAG, "--use-distributed-optimizer"],
-            "the subspace optimizer averages Adam's second moment along each constrained "
-            "weight's hidden dimension and re-projects whole weights, which the distributed "
-            "optimizer splits into flat shards; use the regular optimizer",
+            "the subspace optimizer projects each constrained weight's reduced gradient "
+            "and first moment onto S and averages Adam's second moment along the hidden "
+            "dimension, which needs whole rows or columns of d values; the distributed "
+            "optimizer reduces each gradient only into its rank's flat shard and keeps the "
+            "moments in such shards, which cut them (every split weight would need its "
+            "gradient, moments and parameter gathered each step). Use the regular optimizer",
         )
     if layout.virtual_pipeline_model_parallel_size is not None:
         raise ConfigError(

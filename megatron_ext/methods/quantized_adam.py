@@ -7,8 +7,9 @@ stay local, and each rank's locally updated momentum is exchanged quantized with
 and server error compensation. The algorithm is ``megatron_ext.collectives.quantized_adam``
 (on the quantized collective of ``megatron_ext.collectives.quantized``).
 
-Constraints (refused before training, naming the flag): no ``--use-distributed-optimizer``
-(the exchange needs every rank's whole momentum), an Adam optimizer with decoupled weight
+Constraints (refused before training, naming the flag): with ``--use-distributed-optimizer``
+no gradient clipping (``--clip-grad 0``: megatron would clip by a norm over shards of
+different ranks' local gradients), an Adam optimizer with decoupled weight
 decay (``--optimizer adam``, AdamW mode), one data-parallel group for every parameter (no
 expert data parallelism). One ``--grad-compression`` method runs at a time, so no other
 data-parallel method can be combined with it.
@@ -61,16 +62,6 @@ class QuantizedAdamConfig:
         check_positive(cls, "warmup_steps", self.warmup_steps)
 
 
-def _validate(cfg: Any, layout: Any) -> None:
-    if layout.use_distributed_optimizer:
-        raise ConfigError(
-            [_FLAG, "--use-distributed-optimizer"],
-            "'quantized-adam' updates every rank's whole momentum and exchanges it; the "
-            "distributed optimizer keeps only a shard of it on each rank. Leave "
-            "--use-distributed-optimizer off",
-        )
-
-
 def check_adam(optimizer: Any) -> None:
     """Refuse an optimizer QuantizedAdam cannot take over (not Adam, or L2 weight decay).
 
@@ -108,6 +99,14 @@ def check_adam(optimizer: Any) -> None:
             raise ConfigError(
                 [_FLAG, "--optimizer"], "'quantized-adam' supports neither amsgrad nor maximize"
             )
+        clip = float(getattr(getattr(leaf, "config", None), "clip_grad", 0.0) or 0.0)
+        if clip > 0 and hasattr(leaf, "model_param_group_index_map"):
+            raise ConfigError(
+                [_FLAG, "--use-distributed-optimizer", "--clip-grad"],
+                "after its warm-up 'quantized-adam' steps each rank's own gradient, while "
+                "the distributed optimizer would clip by one norm over shards of different "
+                "ranks' gradients; pass --clip-grad 0 (or leave the distributed optimizer off)",
+            )
 
 
 def _build(ctx: MethodContext) -> Components:
@@ -139,7 +138,6 @@ METHOD = register(
         options=QuantizedAdamConfig,
         summary="QuantizedAdam: dense Adam warm-up, then frozen variance and k-bit momentum "
         "with worker and server error compensation",
-        validate=_validate,
         bench_defaults=_bench_defaults,
         bench_label=lambda o: f"quantized-adam-{o.bits}bit",
     )

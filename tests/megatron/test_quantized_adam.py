@@ -7,8 +7,9 @@ same way on both stages); Adam's variance frozen after the warm-up while the ste
 runs on; the bytes the seam reports equal what reached the process groups, about 1/8 of
 dense in the compressed steps (4-bit codes); a checkpoint saved during the run after step 4
 (compressed phase) resumes bit-exactly (parameters, Adam state, residuals, the warm-up
-count). The refusals (distributed optimizer, an optimizer that is not AdamW) are checked
-without a launch.
+count). The refusals (an optimizer that is not AdamW, gradient clipping with the
+distributed optimizer) are checked without a launch; the distributed optimizer itself is
+tests/megatron/test_quantized_adam_distopt.py.
 """
 
 import pytest
@@ -133,7 +134,7 @@ def test_quantized_adam_pp2_dp2_replicas_bytes_and_resume(tmp_path):
     assert losses[-1] < losses[0], losses
 
 
-def test_refuses_the_distributed_optimizer_and_non_adamw_optimizers():
+def test_refuses_clipping_with_the_distributed_optimizer_and_non_adamw_optimizers():
     import torch
 
     from megatron_ext.config import (
@@ -146,10 +147,7 @@ def test_refuses_the_distributed_optimizer_and_non_adamw_optimizers():
 
     cfg = ext_config_from_flags(["--grad-compression", "quantized-adam"])
     validate_ext_config(cfg, ParallelLayout(data_parallel_size=2))
-    with pytest.raises(ConfigError, match="--grad-compression, --use-distributed-optimizer"):
-        validate_ext_config(
-            cfg, ParallelLayout(data_parallel_size=2, use_distributed_optimizer=True)
-        )
+    validate_ext_config(cfg, ParallelLayout(data_parallel_size=2, use_distributed_optimizer=True))
     with pytest.raises(ConfigError, match="--quantized-adam-warmup-steps"):
         ext_config_from_flags(
             ["--grad-compression", "quantized-adam", "--quantized-adam-warmup-steps", "0"]
@@ -159,8 +157,21 @@ def test_refuses_the_distributed_optimizer_and_non_adamw_optimizers():
         def __init__(self, inner):
             self.optimizer = inner
 
+    class Config:
+        clip_grad = 1.0
+
+    class DistLeaf(Leaf):  # what identifies megatron-core's DistributedOptimizer
+        config = Config()
+        model_param_group_index_map = {}
+
     w = [torch.nn.Parameter(torch.zeros(2))]
     check_adam(Leaf(torch.optim.AdamW(w)))
+    with pytest.raises(
+        ConfigError, match="--grad-compression, --use-distributed-optimizer, --clip-grad: "
+    ):
+        check_adam(DistLeaf(torch.optim.AdamW(w)))
+    Config.clip_grad = 0.0
+    check_adam(DistLeaf(torch.optim.AdamW(w)))
     with pytest.raises(ConfigError, match="--grad-compression, --optimizer: .*SGD"):
         check_adam(Leaf(torch.optim.SGD(w, lr=0.1)))
     with pytest.raises(ConfigError, match="--grad-compression, --optimizer: .*L2"):

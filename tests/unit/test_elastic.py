@@ -35,6 +35,14 @@ def test_spread_scale_values():
     assert elastic.spread_scale("sum", old_dp=2, new_dp=4, old_op="avg", new_op="avg") == 0.5
     assert elastic.spread_scale("total", old_dp=2, new_dp=4, old_op="avg", new_op="avg") == 0.25
     assert elastic.spread_scale("partition", old_dp=2, new_dp=4, old_op="sum", new_op="sum") == 1
+    # QuantizedAdam's momentum exchange averages whatever the gradient op: the old mean
+    for ops in (("sum", "sum"), ("avg", "sum"), ("sum", "avg")):
+        assert (
+            elastic.spread_scale("mean", old_dp=4, new_dp=2, old_op=ops[0], new_op=ops[1]) == 0.25
+        )
+    assert elastic.rule_for("QuantizedAdamHook", "worker_error/a.weight") == "mean"
+    assert elastic.rule_for("QuantizedAdamHook", "server_error/a.weight") == "partition"
+    assert elastic.rule_for("QuantizedAdamHook", "applied_steps") == "same"
     with pytest.raises(ValueError, match="new_op"):
         elastic.spread_scale("sum", old_dp=2, new_dp=1, old_op="sum", new_op="mean")
     with pytest.raises(ValueError, match="rule"):

@@ -17,6 +17,10 @@ itself): the DP compressors keep the two replicas equal through the overflowing 
 Not for DiLoCo, whose sites differ between outer steps by design (tests/megatron_lm/
 test_replica_check.py has the other methods).
 
+QuantizedAdam runs with ``--use-distributed-optimizer`` (its sharded path: the replicas'
+hashes then check megatron-core's parameter all-gather too; exact and elastic resume of that
+path are driver tests, tests/megatron/test_quantized_adam_distopt.py).
+
 Needs ``MEGATRON_LM_DIR`` (skipped otherwise); ~10 s per method.
 """
 
@@ -40,7 +44,10 @@ METHODS = {
     "quantized": {},
     # Warm-up counted in applied steps: the overflowing start (skipped) does not count, the
     # frozen variance is Adam's; afterwards a rank's overflow skips the step on every rank.
-    "quantized-adam": {"quantized_adam_warmup_steps": "3"},
+    # With the distributed optimizer (sharded Adam state; its clipping would take one norm
+    # over shards of different ranks' local gradients, so --clip-grad 0): the weight-hash
+    # check below shows megatron-core's parameter all-gather keeps the replicas equal.
+    "quantized-adam": {"quantized_adam_warmup_steps": "3", "clip_grad": "0"},
     # Both Radius paper run files use fp16; reselect inside the run.
     "radius": {"radius_interval": "10"},
     # DiLoCo, 2 sites, 4-bit exchange: outer steps fall inside the overflowing start too
@@ -60,7 +67,7 @@ def test_fp16_trains_through_the_overflowing_start(method, tmp_path):
     lm_dir = Path(os.environ["MEGATRON_LM_DIR"])
     args = tiny_args(train_iters="40", **{"grad_compression": method, **METHODS[method]})
     # No --no-masked-softmax-fusion: CPU execution turns the CUDA-only fused softmax off.
-    args += ["--fp16"]
+    args += ["--fp16"] + (["--use-distributed-optimizer"] if method == "quantized-adam" else [])
     replicas = method != "diloco"  # DiLoCo's sites differ between outer steps
     if replicas:
         args += ["--check-weight-hash-across-dp-replicas-interval", "20"]
@@ -85,3 +92,5 @@ def test_fp16_trains_through_the_overflowing_start(method, tmp_path):
     assert len(losses) >= 8, losses
     first = next(float(iters[it]["loss"]) for it in sorted(iters) if "loss" in iters[it])
     assert all(loss == loss for loss in losses) and max(losses) < first, (first, losses)
+    if method == "quantized-adam":  # the sharded optimizer was on
+        assert re.search(r"use_distributed_optimizer \.+ True", run.stdout), run.stdout[:3000]

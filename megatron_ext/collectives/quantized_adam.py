@@ -65,7 +65,7 @@ Constraints:
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -82,7 +82,7 @@ from megatron_ext.collectives.grad_reducer import (
 from megatron_ext.collectives.quantized import _QuantizedReduction
 from megatron_ext.options.base import ConfigError
 from megatron_ext.options.quantized import QuantizedConfig
-from megatron_ext.protocols import OptimizerHook, OptimizerView, ParamOptimState
+from megatron_ext.protocols import RESET, OptimizerHook, OptimizerView, ParamOptimState
 
 __all__ = ["QuantizedAdamReducer", "QuantizedAdamHook", "MomentumExchange"]
 
@@ -95,6 +95,7 @@ class QuantizedAdamReducer(GradReducer):
     """
 
     name = "quantized-adam"
+    elastic_rules: ClassVar[Mapping[str, str]] = {}
     supports = ("all_reduce",)
     reduces_gradient = False
 
@@ -238,6 +239,12 @@ class QuantizedAdamHook(OptimizerHook):
     """
 
     name = "quantized_adam"
+    # Reset on another DP size (the momentum exchange's error feedback is not remapped).
+    elastic_rules: ClassVar[Mapping[str, str]] = {
+        "applied_steps": RESET,
+        "worker_error": RESET,
+        "server_error": RESET,
+    }
 
     def __init__(self, cfg: Any, reducer: QuantizedAdamReducer):
         self.cfg = cfg

@@ -44,9 +44,11 @@ Constraints:
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, ClassVar, Dict, Mapping, Optional
 
 import torch
+
+from megatron_ext.protocols import RESET, SAME, TOTAL
 
 __all__ = [
     "Subspace",
@@ -177,6 +179,15 @@ class Subspace:
         rank: ``k`` (< ``d``).
         seed: seed of the initial ``U`` and of ``T_fixed``.
     """
+
+    elastic_rules: ClassVar[Mapping[str, str]] = {
+        "u": SAME,
+        "seed": SAME,
+        "rank": SAME,
+        "updates": SAME,
+        "a": TOTAL,
+        "accumulated": RESET,
+    }
 
     def __init__(self, hidden_size: int, rank: int, seed: int):
         if not 0 < rank < hidden_size:

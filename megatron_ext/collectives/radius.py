@@ -1,6 +1,6 @@
 """Radius: top-k gradient sparsity with indices reused for T steps, all-reduced densely.
 
-What it does (radius.txt, Algorithm 1; methods.md section 2), with ``D = --radius-dense-steps``
+What it does (the Radius paper's Algorithm 1; docs/methods/radius.md), with ``D = --radius-dense-steps``
 and ``T = --radius-interval``:
 
 * steps ``t < D``: dense reduction (megatron's own collective);

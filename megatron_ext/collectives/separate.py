@@ -1,6 +1,6 @@
 """SEPARATE as a data-parallel gradient reducer (optionally G-SEPARATE).
 
-What it does, per bucket and step (methods.md section 1):
+What it does, per bucket and step (docs/methods/separate.md):
     1. ``h = g + e`` for the bucket's weight matrices, packed as rows of ``block_size``;
     2. ``P = H Omega`` with the step's common Gaussian block (one matmul);
     3. error feedback on the *local* estimate, ``e <- (1-beta) e + beta (h - P Omega^T/k)``,

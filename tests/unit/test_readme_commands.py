@@ -273,3 +273,28 @@ def test_relative_links_resolve():
             elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
                 broken.append(f"{path.relative_to(REPO)}: {target} (no such heading)")
     assert not broken, broken
+
+
+_DOC_PATH = re.compile(r"(?<![\w/.-])docs/\w[\w./-]*\.md")
+
+
+def test_doc_paths_cited_by_the_code_exist():
+    """Every ``docs/...md`` a module, config, script, benchmark or test cites exists, and no
+    file cites the design notes outside the repository (``../shared/``)."""
+    broken = []
+    for folder, patterns in (
+        ("megatron_ext", ("*.py",)),
+        ("configs", ("*.yaml", "*.sh")),
+        ("scripts", ("*.py", "*.sh")),
+        ("benchmarks", ("*.py", "*.sh")),
+        ("tests", ("*.py",)),
+    ):
+        for pattern in patterns:
+            for path in (REPO / folder).rglob(pattern):
+                text = path.read_text(encoding="utf-8")
+                for cited in set(_DOC_PATH.findall(text)):
+                    if not (REPO / cited).is_file():
+                        broken.append(f"{path.relative_to(REPO)}: {cited}")
+                if "../shared/" in text and path.name != "test_readme_commands.py":
+                    broken.append(f"{path.relative_to(REPO)}: ../shared/")
+    assert not broken, broken

@@ -256,17 +256,18 @@ def test_layout_refusals():
 
 
 def test_driver_refuses_the_replica_hash_with_several_sites():
-    from megatron_ext.train import _layout_sizes, parse_args
+    from megatron_ext.train import parse_args
+    from megatron_ext.train_config import layout_sizes
 
     extra = ["--check-weight-hash-across-dp-replicas-interval", "5"]
     cfg = parse_args(["--cpu", "--outer-method", "diloco"] + extra)
     with pytest.raises(ConfigError, match="--check-weight-hash"):
-        _layout_sizes(cfg, 2)
+        layout_sizes(cfg, 2)
     # One site (G = 1): megatron's replicas are identical.
     cfg = parse_args(["--cpu", "--outer-method", "diloco", "--outer-groups", "1"] + extra)
-    _layout_sizes(cfg, 2)
+    layout_sizes(cfg, 2)
     # Checkpoints with several sites are supported by the driver.
-    _layout_sizes(parse_args(["--cpu", "--outer-method", "diloco", "--save", "/tmp/x"]), 2)
+    layout_sizes(parse_args(["--cpu", "--outer-method", "diloco", "--save", "/tmp/x"]), 2)
 
 
 @pytest.mark.parametrize(

@@ -147,13 +147,14 @@ _DRIVER = [(n, t, w) for n, t, w in ALL if "megatron_ext.train" in w]
 )
 def test_driver_commands_parse_and_validate_for_their_layout(name, text, words, monkeypatch):
     from megatron_ext.config import ParallelLayout, validate_ext_config
-    from megatron_ext.train import _layout_sizes, parse_args
+    from megatron_ext.train import parse_args
+    from megatron_ext.train_config import layout_sizes
 
     monkeypatch.chdir(REPO)
     nproc, rest = _torchrun(_env_and_rest(words)[1])
     assert rest[:2] == ["-m", "megatron_ext.train"], text
     cfg = parse_args(rest[2:])
-    sizes = _layout_sizes(cfg, nproc)
+    sizes = layout_sizes(cfg, nproc)
     validate_ext_config(
         cfg.ext,
         ParallelLayout(

@@ -247,7 +247,8 @@ class Components:
 
     state: Mapping[str, Any] = field(default_factory=dict)
     """Further stateful objects to checkpoint, by name (reducer, codec and hooks are
-    registered automatically)."""
+    registered automatically). Each, like those, is a
+    :class:`~megatron_ext.protocols.ElasticStateful`: its class declares ``elastic_rules``."""
 
     on_install: Optional[Callable[[], None]] = None
     """Called once every seam is installed and ``ctx.handles`` is filled (allocate what

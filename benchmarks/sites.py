@@ -260,13 +260,14 @@ def check_config(train: Sequence[str], layout: Layout) -> Optional[str]:
         ``None`` when the driver accepts it, else the driver's error message.
     """
     from megatron_ext.config import ParallelLayout, validate_ext_config
-    from megatron_ext.train import _layout_sizes, parse_args
+    from megatron_ext.train import parse_args
+    from megatron_ext.train_config import layout_sizes
 
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
             cfg = parse_args(list(train[3:]))
-            sizes = _layout_sizes(cfg, layout.nproc)
+            sizes = layout_sizes(cfg, layout.nproc)
             validate_ext_config(
                 cfg.ext,
                 ParallelLayout(

@@ -34,8 +34,11 @@ What it does:
       samples of one DP rank): the new rank keeps its freshly built value. Every reset
       ``object: role`` is returned so that the caller prints it in one log line.
 
-    A role with no rule is reset, never guessed. Rules are keyed by the state object's
-    class name (``SeparateReducer``, ...), found on the live objects of the new run.
+    Every state object declares its rules itself: the class attribute ``elastic_rules``
+    (role -> rule, :class:`~megatron_ext.protocols.ElasticStateful`), read from the live
+    objects of the new run. An object without rules cannot be registered for checkpointing,
+    and a saved or fresh role without a rule stops the remap with an error naming it: a
+    role is never reset or guessed silently.
 
 Why a separate module:
     The rules are the only place that knows what each method's state *means* across ranks;
@@ -54,6 +57,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_ext.protocols import MEAN, PARTITION, RESET, SAME, SUM, TOTAL, elastic_rules_of
+
 __all__ = [
     "SUM",
     "MEAN",
@@ -61,73 +66,13 @@ __all__ = [
     "PARTITION",
     "SAME",
     "RESET",
-    "RULES",
     "role_of",
     "rule_for",
+    "rules_of",
     "spread_scale",
     "assigned_old_dp_ranks",
     "remap_objects",
 ]
-
-SUM = "sum"
-"""Error-feedback mass in the units of the rank's input to the gradient reduction."""
-
-MEAN = "mean"
-"""Error-feedback mass of an exchange that averages whatever the gradient op."""
-
-TOTAL = "total"
-"""Mass that a SUM all-reduce combines, whatever the gradient reduction's op."""
-
-PARTITION = "partition"
-"""State of the partition a rank owns (zero elsewhere); the sum is the whole state."""
-
-SAME = "same"
-"""Replicated across DP ranks: take old DP rank 0's."""
-
-RESET = "reset"
-"""Cannot be remapped: keep the new run's freshly built value."""
-
-RULES: Dict[str, Dict[str, str]] = {
-    "DenseGradReducer": {},
-    "SeparateReducer": {"residual": SUM, "ratio": SAME, "beta_scale": SAME},
-    "PowerSGDReducer": {"error": SUM, "q": SAME},
-    "QuantizedReducer": {"worker_error": SUM, "server_error": PARTITION},
-    "QuantizedAdamReducer": {},
-    "QuantizedAdamHook": {
-        "applied_steps": SAME,  # the warm-up is not run again
-        "worker_error": MEAN,
-        "server_error": PARTITION,
-    },
-    "RadiusReducer": {"residual": SUM, "mask": SAME, "selections": SAME},
-    "RadiusOptimizerHook": {},
-    "GrassOptimizerHook": {
-        "active_since": SAME,
-        "selections": SAME,
-        "reset_at": SAME,  # checkpoints from before the per-slot counts ("since")
-        "since": SAME,
-        "pending": SAME,  # a postponed selection (the overflow check is all-reduced)
-        "index": SAME,
-        "rho": SAME,
-        "base": SAME,
-    },
-    "Subspace": {
-        "u": SAME,
-        "seed": SAME,
-        "rank": SAME,
-        "updates": SAME,
-        "a": TOTAL,
-        "accumulated": RESET,
-    },
-    "IdentityCodec": {},
-    "SubspaceCodec": {},
-    "DirectQCodec": {},
-    "AQSGDCodec": {"policy": SAME, "send": RESET, "recv": RESET},
-    # Every role reset: the fresh state's ``anchored`` is False, so DiLoCo's first step
-    # takes its snapshots from the loaded weights (the sites' own weights are not remapped:
-    # every rank resumes from the loaded replica, and the outer momentum starts at zero).
-    "DiLoCoHook": {},
-}
-"""Per state-object class, per role: how the role carries over to another DP size."""
 
 
 def role_of(key: str) -> str:
@@ -135,9 +80,26 @@ def role_of(key: str) -> str:
     return key.split("/", 1)[0]
 
 
-def rule_for(kind: str, key: str) -> str:
-    """The rule for ``key`` of an object of class ``kind`` (reset when unknown)."""
-    return RULES.get(kind, {}).get(role_of(key), RESET)
+def rules_of(objects: Mapping[str, Any]) -> Dict[str, Mapping[str, str]]:
+    """Object name -> its class's ``elastic_rules`` (raises TypeError for an object whose
+    class declares none: see :func:`~megatron_ext.protocols.elastic_rules_of`)."""
+    return {name: elastic_rules_of(obj) for name, obj in objects.items()}
+
+
+def rule_for(rules: Mapping[str, str], key: str, *, name: str = "") -> str:
+    """The rule for ``key`` of an object whose rules are ``rules``.
+
+    Raises:
+        ValueError: the key's role has no rule (``name``: the object, for the message).
+    """
+    role = role_of(key)
+    if role not in rules:
+        raise ValueError(
+            f"megatron-ext: elastic resume: state object {name!r} has role {role!r} (key "
+            f"{key!r}) but its class declares no elastic rule for it (elastic_rules: "
+            f"{sorted(rules)}); nothing is reset silently"
+        )
+    return rules[role]
 
 
 def spread_scale(rule: str, *, old_dp: int, new_dp: int, old_op: str, new_op: str) -> float:
@@ -187,7 +149,7 @@ def remap_objects(
     assigned: Sequence[Mapping[str, Mapping[str, Any]]],
     first: Mapping[str, Mapping[str, Any]],
     fresh: Mapping[str, Mapping[str, Any]],
-    kinds: Mapping[str, str],
+    rules: Mapping[str, Mapping[str, str]],
     *,
     old_dp: int,
     new_dp: int,
@@ -201,7 +163,7 @@ def remap_objects(
         assigned: ``objects`` of the old ranks this rank adds up (same TP/PP coordinates).
         first: ``objects`` of old DP rank 0 of the same TP/PP coordinates (``same`` roles).
         fresh: this rank's freshly built ``objects`` (key sets, shapes, reset values).
-        kinds: object name -> class name (the key of :data:`RULES`).
+        rules: object name -> its rules (role -> rule; :func:`rules_of` of the live objects).
         old_dp: DP size of the saved run.
         new_dp: DP size of this run.
         old_op: gradient reduction op of the saved run (``"sum"`` / ``"avg"``).
@@ -213,8 +175,8 @@ def remap_objects(
         ``(objects, reset)``: the state to load and the ``"name: role"`` entries reset.
 
     Raises:
-        ValueError: the old ranks' objects or key sets differ, or a summed tensor's shape
-            differs (another model). The objects' ``load_state_dict`` checks the result's
+        ValueError: the old ranks' objects or key sets differ, a summed tensor's shape
+            differs (another model), or a role has no rule. The objects' ``load_state_dict`` checks the result's
             keys as on any load.
     """
     names = sorted(fresh)
@@ -235,7 +197,7 @@ def remap_objects(
         # missing on the saved side adds nothing, and its template (shape, dtype, device)
         # is the fresh value or else the saved one.
         for key in sorted(saved_keys | fresh_keys):
-            rule = rule_for(kinds[name], key)
+            rule = rule_for(rules[name], key, name=name)
             if _is_mass(rule):
                 mass.append((name, key, rule))
             elif rule == SAME:

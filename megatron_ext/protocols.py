@@ -1,4 +1,4 @@
-"""The contracts between megatron-ext's layers: the optimizer-step seam (this far).
+"""The contracts between megatron-ext's layers: the optimizer-step seam and state objects.
 
 A first-level module that imports no other megatron_ext module, so that every layer may
 implement or call these contracts: the collectives (Radius's and QuantizedAdam's hooks, the
@@ -20,6 +20,18 @@ What it does:
     unscaling, the found-inf skip, clipping) and copies the parameters back, only the
     wrapped torch optimizer's ``step()`` is replaced.
 
+State objects:
+    Everything megatron-ext checkpoints (reducers, codecs, optimizer hooks, a method's further
+    state) is a :class:`ElasticStateful`: ``state_dict`` / ``load_state_dict`` plus
+    ``elastic_rules``, a class attribute declared in the class's own body that says, for each
+    role of its state (the part of a key before the first ``/``), how the role carries over
+    to another data-parallel size (:data:`SUM`, :data:`MEAN`, :data:`TOTAL`, :data:`PARTITION`,
+    :data:`SAME`, :data:`RESET`; ``megatron_ext.elastic`` applies them). A class without its
+    own rule cannot be registered for checkpointing (:func:`elastic_rules_of` raises), and a
+    role without a rule stops an elastic resume: nothing is reset silently. A class whose
+    saved state changed form also implements :class:`VersionedState`: it brings a state
+    saved at an older format version (``megatron_ext.state.FORMAT_VERSION``) to today's.
+
 Constraints:
     Pure torch; never imports Megatron. Hooks keep their own state keyed by FQN in
     ``state_dict`` (tensors and primitives only).
@@ -29,11 +41,105 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    Callable,
+    ClassVar,
+    Dict,
+    List,
+    Mapping,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+    runtime_checkable,
+)
 
 import torch
 
-__all__ = ["ParamOptimState", "OptimizerView", "OptimizerHook", "NonFiniteError"]
+__all__ = [
+    "ParamOptimState",
+    "OptimizerView",
+    "OptimizerHook",
+    "NonFiniteError",
+    "ElasticStateful",
+    "VersionedState",
+    "elastic_rules_of",
+    "SUM",
+    "MEAN",
+    "TOTAL",
+    "PARTITION",
+    "SAME",
+    "RESET",
+    "ELASTIC_RULES",
+]
+
+SUM = "sum"
+"""Error-feedback mass in the units of the rank's input to the gradient reduction."""
+
+MEAN = "mean"
+"""Error-feedback mass of an exchange that averages whatever the gradient op."""
+
+TOTAL = "total"
+"""Mass that a SUM all-reduce combines, whatever the gradient reduction's op."""
+
+PARTITION = "partition"
+"""State of the partition a rank owns (zero elsewhere); the sum is the whole state."""
+
+SAME = "same"
+"""Replicated across DP ranks: take old DP rank 0's."""
+
+RESET = "reset"
+"""Cannot be remapped: keep the new run's freshly built value."""
+
+ELASTIC_RULES = (SUM, MEAN, TOTAL, PARTITION, SAME, RESET)
+"""Every rule a role may declare."""
+
+
+class ElasticStateful(Protocol):
+    """A checkpointed state object: its state and how each role of it survives a change of
+    the data-parallel size (see module docstring)."""
+
+    elastic_rules: ClassVar[Mapping[str, str]]
+    """Role -> rule (one of :data:`ELASTIC_RULES`) for every role :meth:`state_dict` may
+    hold; ``{}`` for an object without state."""
+
+    def state_dict(self) -> Dict[str, Any]: ...
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class VersionedState(Protocol):
+    """A state object that reads states saved at older format versions."""
+
+    def upgrade_state(self, state: Dict[str, Any], version: int) -> Dict[str, Any]:
+        """``state``, saved at megatron_ext state format ``version`` (older than the current
+        one), in the current form (its keys then complete: ``load_state_dict`` is strict)."""
+
+
+def elastic_rules_of(obj: Any) -> Mapping[str, str]:
+    """``obj``'s elastic-resume rules, declared in its own class's body (a subclass does not
+    inherit its parent's: its state may have other roles).
+
+    Raises:
+        TypeError: the class declares no ``elastic_rules``, or a rule is unknown.
+    """
+    cls = type(obj)
+    rules = cls.__dict__.get("elastic_rules")
+    if rules is None:
+        raise TypeError(
+            f"megatron-ext: {cls.__module__}.{cls.__qualname__} is checkpointed but declares "
+            "no elastic_rules (role -> sum/total/partition/same/reset; {} without state) in "
+            "its class body (megatron_ext.protocols.ElasticStateful)"
+        )
+    bad = {role: rule for role, rule in rules.items() if rule not in ELASTIC_RULES}
+    if bad:
+        raise TypeError(
+            f"megatron-ext: {cls.__qualname__}.elastic_rules has unknown rules {bad} "
+            f"(known: {', '.join(ELASTIC_RULES)})"
+        )
+    return rules
 
 
 class NonFiniteError(RuntimeError):

@@ -3,10 +3,18 @@
 What it does:
     Every stateful piece megatron_ext installs (the gradient reducer with its residuals,
     the pipeline codec with its buffers, optimizer hooks) registers here under a stable
-    name. :meth:`ExtState.state_dict` returns one dict per rank: a format version, a
+    name; its class must declare its elastic-resume rules
+    (:class:`~megatron_ext.protocols.ElasticStateful`), checked at registration. :meth:`ExtState.state_dict` returns one dict per rank: a format version, a
     fingerprint of the settings that shape the state, the parallel layout, and each
     object's ``state_dict()``. :meth:`ExtState.load_state_dict` checks all three and that
     the object key sets match exactly, and raises ``ValueError`` naming what differs.
+
+Format versions:
+    :data:`FORMAT_VERSION` numbers the layout of the saved dict. A state saved at an older
+    version is brought to the current one before anything reads it (:meth:`ExtState.upgrade`):
+    the names first (here), then each object's own state, by the objects whose class has an
+    ``upgrade_state`` (:class:`~megatron_ext.protocols.VersionedState`). Back-compat code hangs
+    on the saved version there, never on a key being absent from a current-version state.
 
 Why per rank:
     Error-feedback residuals and similar state differ across data-parallel ranks, so they
@@ -22,12 +30,25 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Protocol
 
+from megatron_ext.protocols import ElasticStateful, VersionedState, elastic_rules_of
+
 __all__ = ["Stateful", "ExtState", "StateMismatch", "StepClock", "FORMAT_VERSION", "fingerprint"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Layout of :meth:`ExtState.state_dict`. History:
+
+1. Optimizer hooks named by their position among the run's hooks,
+   ``optimizer_hook.<i>.<name>``. Objects may lack keys added while version 1 was current
+   (DiLoCo's ``pending``, ``view``, ``anchored``; Grass's per-slot ``since``).
+2. Optimizer hooks named by their stable name, ``optimizer_hook.<name>``; every object's keys
+   complete.
+"""
+
+_POSITIONAL_HOOK = re.compile(r"optimizer_hook\.\d+\.(.+)")
 
 
 class Stateful(Protocol):
@@ -78,14 +99,20 @@ class ExtState:
     """
 
     def __init__(self, settings: Mapping[str, Any], layout: Mapping[str, int]):
-        self._objects: Dict[str, Stateful] = {}
+        self._objects: Dict[str, ElasticStateful] = {}
         self.settings = dict(settings)
         self.layout = dict(layout)
 
-    def register(self, name: str, obj: Stateful) -> None:
-        """Add ``obj`` under ``name`` (names are unique)."""
+    def register(self, name: str, obj: ElasticStateful) -> None:
+        """Add ``obj`` under ``name`` (names are unique).
+
+        Raises:
+            ValueError: ``name`` is taken.
+            TypeError: ``obj``'s class declares no elastic-resume rules.
+        """
         if name in self._objects:
             raise ValueError(f"megatron_ext state {name!r} registered twice")
+        elastic_rules_of(obj)
         self._objects[name] = obj
 
     @property
@@ -94,7 +121,7 @@ class ExtState:
         return sorted(self._objects)
 
     @property
-    def objects(self) -> Dict[str, Stateful]:
+    def objects(self) -> Dict[str, ElasticStateful]:
         """The registered objects by name (a copy of the registry)."""
         return dict(self._objects)
 
@@ -108,13 +135,40 @@ class ExtState:
             "objects": {name: obj.state_dict() for name, obj in self._objects.items()},
         }
 
-    def check_compatible(self, state: Mapping[str, Any]) -> None:
-        """Raise :class:`StateMismatch` if ``state`` was saved by an incompatible run."""
+    def upgrade(self, state: Mapping[str, Any]) -> Dict[str, Any]:
+        """``state`` in the current format (itself when saved at :data:`FORMAT_VERSION`).
+
+        From format 1: ``optimizer_hook.<i>.<name>`` becomes ``optimizer_hook.<name>``, then
+        every object of this registry whose class is a
+        :class:`~megatron_ext.protocols.VersionedState` upgrades its own state.
+
+        Raises:
+            StateMismatch: an unknown or newer format, or two format-1 hooks of one name.
+        """
         version = state.get("format_version")
-        if version != FORMAT_VERSION:
+        if version == FORMAT_VERSION:
+            return dict(state)
+        if version != 1:
             raise StateMismatch(
                 f"megatron_ext state format {version} cannot be read by format {FORMAT_VERSION}"
             )
+        objects: Dict[str, Any] = {}
+        for name, value in state.get("objects", {}).items():
+            positional = _POSITIONAL_HOOK.fullmatch(name)
+            stable = f"optimizer_hook.{positional.group(1)}" if positional else name
+            if stable in objects:
+                raise StateMismatch(
+                    f"megatron_ext state format 1 holds two objects named {stable!r}"
+                )
+            obj = self._objects.get(stable)
+            if isinstance(obj, VersionedState):
+                value = obj.upgrade_state(dict(value), version)
+            objects[stable] = value
+        return {**state, "format_version": FORMAT_VERSION, "objects": objects}
+
+    def check_compatible(self, state: Mapping[str, Any]) -> None:
+        """Raise :class:`StateMismatch` if ``state`` was saved by an incompatible run."""
+        state = self.upgrade(state)
         saved_layout = dict(state.get("layout", {}))
         if saved_layout != self.layout:
             raise StateMismatch(
@@ -140,7 +194,9 @@ class ExtState:
             )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore every registered object; raises :class:`StateMismatch` / ValueError."""
+        """Restore every registered object (``state`` of any readable format); raises
+        :class:`StateMismatch` / ValueError."""
+        state = self.upgrade(state)
         self.check_compatible(state)
         for name, obj in self._objects.items():
             obj.load_state_dict(state["objects"][name])

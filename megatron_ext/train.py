@@ -58,6 +58,7 @@ from megatron_ext.train_config import (
     ParallelArgs,
     TrainingArgs,
     find_config_file,
+    layout_sizes,
     load_yaml_defaults,
 )
 from megatron_ext.validation import (
@@ -197,68 +198,6 @@ def _check_kernels(cfg: DriverConfig) -> None:
     )
 
 
-def _layout_sizes(cfg: DriverConfig, world_size: int) -> Dict[str, int]:
-    tp = cfg.parallel.tensor_model_parallel_size
-    pp = cfg.parallel.pipeline_model_parallel_size
-    if world_size % (tp * pp):
-        raise ConfigError(
-            ["--tensor-model-parallel-size", "--pipeline-model-parallel-size"],
-            f"world size {world_size} is not divisible by TP {tp} x PP {pp}",
-        )
-    dp = world_size // (tp * pp)
-    mbs = cfg.training.micro_batch_size
-    gbs = cfg.training.global_batch_size or mbs * dp
-    if gbs % (mbs * dp):
-        raise ConfigError(
-            ["--global-batch-size", "--micro-batch-size"],
-            f"global batch {gbs} is not a multiple of micro batch {mbs} x DP {dp}",
-        )
-    if cfg.model.num_layers % pp:
-        raise ConfigError(
-            ["--num-layers", "--pipeline-model-parallel-size"],
-            f"{cfg.model.num_layers} layers do not split evenly over {pp} pipeline stages",
-        )
-    heads = cfg.model.num_attention_heads
-    if heads % tp:
-        raise ConfigError(
-            ["--num-attention-heads", "--tensor-model-parallel-size"],
-            f"{heads} heads do not split over TP {tp}",
-        )
-    if cfg.model.num_query_groups and cfg.model.num_query_groups % tp:
-        raise ConfigError(
-            ["--num-query-groups", "--tensor-model-parallel-size"],
-            "query groups must be divisible by the tensor-parallel size",
-        )
-    instances = cfg.parallel.num_distributed_optimizer_instances
-    if dp % instances:
-        raise ConfigError(
-            "--num-distributed-optimizer-instances",
-            f"{instances} instances do not divide the data-parallel size {dp}",
-        )
-    _check_outer(cfg, dp)
-    return {"tp": tp, "pp": pp, "dp": dp, "gbs": gbs, "num_microbatches": gbs // (mbs * dp)}
-
-
-def _check_outer(cfg: DriverConfig, dp: int) -> None:
-    """Driver flags that DiLoCo with several sites cannot honour (refused before training)."""
-    if cfg.ext.methods["outer"] == "none":
-        return
-    from megatron_ext.methods.diloco import OuterConfig
-
-    sites = cfg.ext.options_for(OuterConfig).num_sites(dp)
-    if sites == 1:
-        return
-    # Between outer steps the sites' weights differ; the replica hash check expects them equal.
-    # (Checkpoints keep each rank's own weights and AdamW state in its megatron-ext state.)
-    hash_every = cfg.training.check_weight_hash_across_dp_replicas_interval
-    if hash_every:
-        raise ConfigError(
-            ["--check-weight-hash-across-dp-replicas-interval", "--outer-groups"],
-            f"{sites} DiLoCo sites hold different weights between outer steps (supported "
-            "with --outer-groups 1 only)",
-        )
-
-
 def batch_change_warning(saved_gbs: Optional[int], gbs: int) -> Optional[str]:
     """The warning for a resume with another global batch than the checkpoint's (None if
     the same, or unknown). Allowed, as in Megatron-LM, but rarely meant on a resume with
@@ -311,7 +250,7 @@ class Trainer:
         from megatron_ext.megatron import training
 
         cfg = self.cfg
-        self.sizes = _layout_sizes(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        self.sizes = layout_sizes(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         threads = cfg.training.num_threads
         if cfg.training.cpu and threads is None:
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

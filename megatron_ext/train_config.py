@@ -6,11 +6,14 @@ What it does:
     Megatron-LM's names (``--num-layers``, ``--micro-batch-size``, ``--lr-decay-style``,
     ``--use-distributed-optimizer``, ...) so a Megatron user's command line carries over.
     Model presets (``--model gpt-tiny``) and run files (``--config FILE.yaml``) set
-    defaults; flags on the command line override both.
+    defaults; flags on the command line override both. :func:`layout_sizes` checks a parsed
+    configuration against the number of ranks and gives the parallel sizes (the driver's,
+    and the benchmarks' check of a command before they launch it).
 
 Constraints:
     Pure Python (no torch, no Megatron): parsing and validation happen before any process
-    group or model exists, so bad flags fail fast with a message naming the flag.
+    group or model exists, so bad flags fail fast with a message naming the flag (the
+    DiLoCo check of :func:`layout_sizes` imports its options' module lazily).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ __all__ = [
     "config_search_path",
     "find_config_file",
     "load_yaml_defaults",
+    "layout_sizes",
 ]
 
 
@@ -459,3 +463,80 @@ def load_yaml_defaults(path: str, parser: argparse.ArgumentParser, flag: str) ->
             raise ConfigError(flag, f"{path}: unknown setting {key!r}")
         out[dest] = value
     return out
+
+
+def layout_sizes(cfg: Any, world_size: int) -> Dict[str, int]:
+    """The parallel sizes of a driver run on ``world_size`` ranks, checked.
+
+    Args:
+        cfg: the parsed driver configuration (``megatron_ext.train.DriverConfig``).
+        world_size: ranks of the run.
+
+    Returns:
+        ``tp``, ``pp``, ``dp``, the global batch ``gbs`` and ``num_microbatches`` per step.
+
+    Raises:
+        ConfigError: naming the flags of a layout that does not divide (world size by
+            TP x PP, global batch by micro batch x DP, layers by PP, heads and query groups
+            by TP, DP by the distributed-optimizer instances), or driver flags that DiLoCo
+            with several sites cannot honour.
+    """
+    tp = cfg.parallel.tensor_model_parallel_size
+    pp = cfg.parallel.pipeline_model_parallel_size
+    if world_size % (tp * pp):
+        raise ConfigError(
+            ["--tensor-model-parallel-size", "--pipeline-model-parallel-size"],
+            f"world size {world_size} is not divisible by TP {tp} x PP {pp}",
+        )
+    dp = world_size // (tp * pp)
+    mbs = cfg.training.micro_batch_size
+    gbs = cfg.training.global_batch_size or mbs * dp
+    if gbs % (mbs * dp):
+        raise ConfigError(
+            ["--global-batch-size", "--micro-batch-size"],
+            f"global batch {gbs} is not a multiple of micro batch {mbs} x DP {dp}",
+        )
+    if cfg.model.num_layers % pp:
+        raise ConfigError(
+            ["--num-layers", "--pipeline-model-parallel-size"],
+            f"{cfg.model.num_layers} layers do not split evenly over {pp} pipeline stages",
+        )
+    heads = cfg.model.num_attention_heads
+    if heads % tp:
+        raise ConfigError(
+            ["--num-attention-heads", "--tensor-model-parallel-size"],
+            f"{heads} heads do not split over TP {tp}",
+        )
+    if cfg.model.num_query_groups and cfg.model.num_query_groups % tp:
+        raise ConfigError(
+            ["--num-query-groups", "--tensor-model-parallel-size"],
+            "query groups must be divisible by the tensor-parallel size",
+        )
+    instances = cfg.parallel.num_distributed_optimizer_instances
+    if dp % instances:
+        raise ConfigError(
+            "--num-distributed-optimizer-instances",
+            f"{instances} instances do not divide the data-parallel size {dp}",
+        )
+    _check_outer(cfg, dp)
+    return {"tp": tp, "pp": pp, "dp": dp, "gbs": gbs, "num_microbatches": gbs // (mbs * dp)}
+
+
+def _check_outer(cfg: Any, dp: int) -> None:
+    """Driver flags that DiLoCo with several sites cannot honour (refused before training)."""
+    if cfg.ext.methods["outer"] == "none":
+        return
+    from megatron_ext.methods.diloco import OuterConfig
+
+    sites = cfg.ext.options_for(OuterConfig).num_sites(dp)
+    if sites == 1:
+        return
+    # Between outer steps the sites' weights differ; the replica hash check expects them equal.
+    # (Checkpoints keep each rank's own weights and AdamW state in its megatron-ext state.)
+    hash_every = cfg.training.check_weight_hash_across_dp_replicas_interval
+    if hash_every:
+        raise ConfigError(
+            ["--check-weight-hash-across-dp-replicas-interval", "--outer-groups"],
+            f"{sites} DiLoCo sites hold different weights between outer steps (supported "
+            "with --outer-groups 1 only)",
+        )

@@ -1,7 +1,7 @@
 """Grass: a linear layer whose backward computes only the selected rows of the weight gradient.
 
 What it does:
-    Grass (``../shared/papers/grass.txt``) trains a weight ``W`` (``m x n``) through a sparse
+    Grass (docs/methods/grass.md) trains a weight ``W`` (``m x n``) through a sparse
     projection ``P^T = rho B``: ``B`` selects ``r`` rows of the gradient ``G = dY^T X`` and
     ``rho`` scales them. The backward never forms ``G``: it computes
     ``G_C = rho (B dY^T) X``, one ``(r x tokens) x (tokens x n)`` matmul, and the input

@@ -85,7 +85,7 @@ import shutil
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -101,6 +101,7 @@ from megatron_ext.kernels.quant import (
     unpack_dequant,
 )
 from megatron_ext.options.base import ConfigError
+from megatron_ext.protocols import RESET, SAME
 from megatron_ext.state_plan import format_bytes  # ``1.50 GB`` style (torch-free, preflight)
 
 __all__ = [
@@ -636,6 +637,7 @@ class DirectQCodec(_QuantizingCodec):
     """Direct quantization of activations (``fw`` bits) and their gradients (``bw`` bits)."""
 
     name = "directq"
+    elastic_rules: ClassVar[Mapping[str, str]] = {}
 
     def payload_spec(self, shape, dtype, ctx):
         if ctx.direction == "backward":
@@ -670,6 +672,7 @@ class AQSGDCodec(_QuantizingCodec):
     """
 
     name = "aqsgd"
+    elastic_rules: ClassVar[Mapping[str, str]] = {"policy": SAME, "send": RESET, "recv": RESET}
     needs_sample_ids = True
 
     def __init__(self, cfg: Any, ctx: Any):

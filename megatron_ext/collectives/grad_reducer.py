@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.distributed_c10d import _coalescing_manager
@@ -569,6 +569,7 @@ class DenseGradReducer(GradReducer):
     """Pass-through: exactly the collectives megatron-core issues, plus accounting."""
 
     name = "none"
+    elastic_rules: ClassVar[Mapping[str, str]] = {}
 
     def _bind(self, spec: BucketGroupSpec) -> BoundReduction:
         return _DenseReduction(spec)

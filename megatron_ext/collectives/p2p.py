@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, ClassVar, Dict, Mapping, Optional, Tuple
 
 import torch
 
@@ -100,6 +100,7 @@ class IdentityCodec(P2PCodec):
     """Pass-through: the payload is the tensor itself."""
 
     name = "none"
+    elastic_rules: ClassVar[Mapping[str, str]] = {}
 
     def payload_spec(self, shape, dtype, ctx):
         return tuple(shape), dtype

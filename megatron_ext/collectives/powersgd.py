@@ -34,7 +34,7 @@ Constraints:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Mapping, Optional
 
 import torch
 
@@ -50,6 +50,7 @@ from megatron_ext.collectives.grad_reducer import (
 from megatron_ext.compressors.lowrank import compressible, initial_q, orthogonalize
 from megatron_ext.kernels.packing import Runs
 from megatron_ext.kernels.powersgd import powersgd_compress, powersgd_decompress
+from megatron_ext.protocols import SAME, SUM
 
 __all__ = ["PowerSGDReducer"]
 
@@ -94,6 +95,7 @@ class PowerSGDReducer(GradReducer):
     """
 
     name = "powersgd"
+    elastic_rules: ClassVar[Mapping[str, str]] = {"error": SUM, "q": SAME}
     supports = ("all_reduce", "reduce_scatter")
 
     def __init__(self, cfg: Any):

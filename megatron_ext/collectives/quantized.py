@@ -41,7 +41,7 @@ Constraints:
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -64,6 +64,7 @@ from megatron_ext.kernels.quant import (
     quantized_reduce_rows,
     rows_layout,
 )
+from megatron_ext.protocols import PARTITION, SUM
 
 __all__ = ["QuantizedReducer"]
 
@@ -76,6 +77,7 @@ class QuantizedReducer(GradReducer):
     """
 
     name = "quantized"
+    elastic_rules: ClassVar[Mapping[str, str]] = {"worker_error": SUM, "server_error": PARTITION}
     supports = ("all_reduce", "reduce_scatter")
 
     def __init__(self, cfg: Any):

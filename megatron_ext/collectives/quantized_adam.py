@@ -81,7 +81,7 @@ Constraints:
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -99,7 +99,14 @@ from megatron_ext.collectives.grad_reducer import (
 from megatron_ext.collectives.quantized import _QuantizedReduction
 from megatron_ext.options.base import ConfigError
 from megatron_ext.options.quantized import QuantizedConfig
-from megatron_ext.protocols import OptimizerHook, OptimizerView, ParamOptimState
+from megatron_ext.protocols import (
+    MEAN,
+    PARTITION,
+    SAME,
+    OptimizerHook,
+    OptimizerView,
+    ParamOptimState,
+)
 
 __all__ = ["QuantizedAdamReducer", "QuantizedAdamHook", "MomentumExchange"]
 
@@ -112,6 +119,7 @@ class QuantizedAdamReducer(GradReducer):
     """
 
     name = "quantized-adam"
+    elastic_rules: ClassVar[Mapping[str, str]] = {}
     supports = ("all_reduce", "reduce_scatter")
     reduces_gradient = False
 
@@ -255,6 +263,14 @@ class QuantizedAdamHook(OptimizerHook):
     """
 
     name = "quantized_adam"
+    # On another DP size: the warm-up is not run again; the worker error is the mean of the
+    # old ranks' (the momentum exchange averages), the server error the partition each rank
+    # owns.
+    elastic_rules: ClassVar[Mapping[str, str]] = {
+        "applied_steps": SAME,
+        "worker_error": MEAN,
+        "server_error": PARTITION,
+    }
 
     def __init__(self, cfg: Any, reducer: QuantizedAdamReducer):
         self.cfg = cfg

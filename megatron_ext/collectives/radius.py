@@ -1,6 +1,6 @@
 """Radius: top-k gradient sparsity with indices reused for T steps, all-reduced densely.
 
-What it does (radius.txt, Algorithm 1; methods.md section 2), with ``D = --radius-dense-steps``
+What it does (the Radius paper's Algorithm 1; docs/methods/radius.md), with ``D = --radius-dense-steps``
 and ``T = --radius-interval``:
 
 * steps ``t < D``: dense reduction (megatron's own collective);
@@ -36,7 +36,7 @@ Constraints:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Mapping, Optional
 
 import torch
 
@@ -54,7 +54,7 @@ from megatron_ext.collectives.grad_reducer import (
 from megatron_ext.compressors.topk import adamw_corrected_gradient, topk_mask
 from megatron_ext.kernels.radius import radius_compress, radius_decompress
 from megatron_ext.logging import get_logger, log_rank_0
-from megatron_ext.protocols import OptimizerHook, OptimizerView
+from megatron_ext.protocols import SAME, SUM, OptimizerHook, OptimizerView
 
 logger = get_logger(__name__)
 
@@ -83,6 +83,7 @@ class RadiusReducer(GradReducer):
     """
 
     name = "radius"
+    elastic_rules: ClassVar[Mapping[str, str]] = {"residual": SUM, "mask": SAME, "selections": SAME}
     supports = ("all_reduce", "reduce_scatter")
 
     def __init__(self, cfg: Any):
@@ -423,6 +424,7 @@ class RadiusOptimizerHook(OptimizerHook):
     """Runs Radius's top-k selection after the optimizer step of each selection step."""
 
     name = "radius"
+    elastic_rules: ClassVar[Mapping[str, str]] = {}
 
     def __init__(self, reducer: RadiusReducer):
         self.reducer = reducer

@@ -1,6 +1,6 @@
 """SEPARATE as a data-parallel gradient reducer (optionally G-SEPARATE).
 
-What it does, per bucket and step (methods.md section 1):
+What it does, per bucket and step (docs/methods/separate.md):
     1. ``h = g + e`` for the bucket's weight matrices, packed as rows of ``block_size``;
     2. ``P = H Omega`` with the step's common Gaussian block (one matmul);
     3. error feedback on the *local* estimate, ``e <- (1-beta) e + beta (h - P Omega^T/k)``,
@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -65,6 +65,7 @@ from megatron_ext.compressors.separate import (
 )
 from megatron_ext.kernels.packing import Region, Runs, gather
 from megatron_ext.kernels.separate import separate_compress, separate_decompress
+from megatron_ext.protocols import SAME, SUM
 
 __all__ = ["SeparateReducer", "projection_peak_bytes"]
 
@@ -104,6 +105,11 @@ class SeparateReducer(GradReducer):
     """
 
     name = "separate"
+    elastic_rules: ClassVar[Mapping[str, str]] = {
+        "residual": SUM,
+        "ratio": SAME,
+        "beta_scale": SAME,
+    }
     supports = ("all_reduce", "reduce_scatter")
 
     def __init__(self, cfg: Any):

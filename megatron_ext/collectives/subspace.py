@@ -39,7 +39,7 @@ Constraints:
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Deque, Optional, Tuple
+from typing import Any, ClassVar, Deque, Mapping, Optional, Tuple
 
 import torch
 
@@ -61,6 +61,7 @@ class SubspaceCodec(P2PCodec):
     """
 
     name = "protocol"
+    elastic_rules: ClassVar[Mapping[str, str]] = {}
 
     def __init__(self, subspace: Subspace, *, sends_forward: bool = True, accumulate: bool = False):
         self.subspace = subspace

@@ -8,7 +8,7 @@ What it does:
     ``H_hat = P @ Omega^T / k`` reconstructs them. Since ``E[Omega Omega^T] = k I`` the
     estimate is unbiased; its variance, ``E|H_hat - H|^2 = (c + 1) / k |H|^2 ~= ratio
     |H|^2``, depends on the ratio, not on the block size, while the cost is ``c / ratio``
-    multiply-adds per entry and per matmul (methods.md, "shape of Omega").
+    multiply-adds per entry and per matmul (docs/methods/separate.md, "Block size").
 
     ``Omega`` is a pure function of ``(seed, step, key, c, k)`` (:func:`projection_block`),
     generated on CPU with a seeded ``torch.Generator`` and then moved, so every rank and

@@ -7,9 +7,9 @@ What it does:
     boundary (:meth:`Subspace.accumulate`), from which the energy those gradients have
     outside ``S`` is ``sum |G - G U U^T|^2 = tr(A) - tr(U^T A U)`` for any ``U``.
 
-    (methods.md writes ``A += R^T R`` with ``R = G - G U U^T``; taken literally that ``A``
-    annihilates the ``U`` it was accumulated under, ``A U = 0``, and the Euclidean gradient
-    ``-2 A U`` vanishes. The paper's closed form, section 6, expands ``|G - G U U^T|^2``
+    (Accumulating ``A += R^T R`` with the residual ``R = G - G U U^T`` instead gives an
+    ``A`` that annihilates the ``U`` it was accumulated under, ``A U = 0``, and the
+    Euclidean gradient ``-2 A U`` vanishes. The paper's closed form, section 6, expands ``|G - G U U^T|^2``
     with the symmetric accumulation of the gradients themselves, which is what we keep.)
 
     :func:`project` maps a tensor onto ``S`` along its ``d`` axis (``U U^T W`` for a
@@ -26,7 +26,8 @@ What it does:
     diagonal: the retraction is continuous in the step). ``A`` is normalized by its largest
     eigenvalue first, so ``lr`` does not depend on the gradients' scale and ``lr = 0.5`` is
     close to one step of subspace iteration towards ``A``'s top-``k`` eigenvectors
-    (methods.md leaves the scale open; this is our choice, noted in docs/methods-notes.md).
+    (the paper leaves the scale open; this is our choice: docs/methods/protocol.md, "Step
+    size").
 
 Why seeds:
     Every stage and data-parallel replica must hold the same ``U`` and ``T_fixed`` without
@@ -44,9 +45,11 @@ Constraints:
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, ClassVar, Dict, Mapping, Optional
 
 import torch
+
+from megatron_ext.protocols import RESET, SAME, TOTAL
 
 __all__ = [
     "Subspace",
@@ -177,6 +180,15 @@ class Subspace:
         rank: ``k`` (< ``d``).
         seed: seed of the initial ``U`` and of ``T_fixed``.
     """
+
+    elastic_rules: ClassVar[Mapping[str, str]] = {
+        "u": SAME,
+        "seed": SAME,
+        "rank": SAME,
+        "updates": SAME,
+        "a": TOTAL,
+        "accumulated": RESET,
+    }
 
     def __init__(self, hidden_size: int, rank: int, seed: int):
         if not 0 < rank < hidden_size:

@@ -1200,17 +1200,10 @@ def _finish_reshard(
         return
     from megatron.core import parallel_state as ps
 
-    from megatron_ext.state import FORMAT_VERSION
-
-    olds = state[_OLD_STATE_KEY]
-    for old in olds.values():
-        if old.get("format_version") != FORMAT_VERSION:
-            raise StateMismatch(
-                f"megatron_ext state format {old.get('format_version')} cannot be remapped "
-                f"by format {FORMAT_VERSION}"
-            )
+    # Saved at an older format: brought to the current one first (raises on an unknown one).
+    olds = {key: runtime.state.upgrade(old) for key, old in state[_OLD_STATE_KEY].items()}
     fresh = runtime.state.state_dict()
-    kinds = {name: type(obj).__name__ for name, obj in runtime.state.objects.items()}
+    rules = elastic.rules_of(runtime.state.objects)
     group = ps.get_data_parallel_group(with_context_parallel=True)
 
     def dp_sum(flat: torch.Tensor) -> torch.Tensor:
@@ -1221,7 +1214,7 @@ def _finish_reshard(
         [olds[f"dp{j}"]["objects"] for j in plan.assigned],
         olds["dp0"]["objects"],
         fresh["objects"],
-        kinds,
+        rules,
         old_dp=plan.old["dp"],
         new_dp=plan.new["dp"],
         old_op=plan.old_op,

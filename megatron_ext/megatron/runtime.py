@@ -365,13 +365,15 @@ class ExtRuntime(Runtime):
                 )
             # The reducer's step transaction (commit or drop its staged state once megatron
             # has decided whether the step is applied) runs first, around every other hook;
-            # it holds no state, so the checkpointed hook names below stay as they were.
+            # it holds no state and is not checkpointed.
             step_hooks = [] if self.reducer.name == "none" else [ReducerStepHook(self.reducer)]
             self.optimizer_handle = install_optimizer_hooks(
                 optimizer, model_chunks, step_hooks + hooks, clock=self.clock
             )
-            for i, hook in enumerate(hooks):
-                self.state.register(f"optimizer_hook.{i}.{hook.name}", hook)
+            # Named by what they are, not by their position among the hooks (two hooks of one
+            # name are refused by the registry).
+            for hook in hooks:
+                self.state.register(f"optimizer_hook.{hook.name}", hook)
             for fam, comp in self.components.items():
                 for name, obj in comp.state.items():
                     self.state.register(f"{fam}.{name}", obj)

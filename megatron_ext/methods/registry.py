@@ -32,7 +32,12 @@ Lifecycle (the runtime's):
        linear layers and the optimizer step.
 
 Constraints:
-    Pure Python/torch: never imports Megatron. Factories import their heavy parts lazily.
+    This module is pure Python/torch and imports no Megatron. Factories import their heavy
+    parts lazily, and two of them build Megatron adapters: Grass's and Protocol Models'
+    (``methods/grass.py``, ``methods/protocol.py`` import ``megatron_ext.megatron.grass``,
+    ``.subspace`` and ``.optimizer`` inside their factories), the one cycle edge between
+    packages that ``tests/unit/test_layers.py`` still allows. The other methods reach the
+    host only through ``MethodContext.handles`` (e.g. :meth:`TrainingHandles.new_optimizer_view`).
 """
 
 from __future__ import annotations
@@ -242,7 +247,8 @@ class Components:
 
     state: Mapping[str, Any] = field(default_factory=dict)
     """Further stateful objects to checkpoint, by name (reducer, codec and hooks are
-    registered automatically)."""
+    registered automatically). Each, like those, is a
+    :class:`~megatron_ext.protocols.ElasticStateful`: its class declares ``elastic_rules``."""
 
     on_install: Optional[Callable[[], None]] = None
     """Called once every seam is installed and ``ctx.handles`` is filled (allocate what

@@ -87,7 +87,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -102,7 +102,7 @@ from megatron_ext.kernels.finite import nonfinite
 # The names --outer-compression takes (each but "none" is an OuterExchange with that
 # data-parallel method's compression); defined with the options, which need no torch.
 from megatron_ext.options.outer import OUTER_EXCHANGES
-from megatron_ext.protocols import NonFiniteError, OptimizerHook, OptimizerView
+from megatron_ext.protocols import RESET, NonFiniteError, OptimizerHook, OptimizerView
 
 __all__ = [
     "DenseOuterExchange",
@@ -458,6 +458,14 @@ class DiLoCoHook(OptimizerHook):
     """
 
     name = "diloco"
+    # Every role reset on another DP size: the fresh state's ``anchored`` is False, so the first
+    # step takes its snapshots from the loaded weights (every rank resumes from the loaded
+    # replica; the outer momentum starts at zero).
+    elastic_rules: ClassVar[Mapping[str, str]] = dict.fromkeys(
+        ("snapshot", "momentum", "exchanges", "fragments", "syncs", "pending", "view")
+        + ("anchored", "site"),
+        RESET,
+    )
 
     def __init__(
         self,
@@ -868,6 +876,14 @@ class DiLoCoHook(OptimizerHook):
             out["site"] = {"params": params, "optim": optim}
         return out
 
+    def upgrade_state(self, state: Dict[str, Any], version: int) -> Dict[str, Any]:
+        """A state saved at megatron_ext state format ``version`` (older than the current one)
+        in the current form: format 1 may predate ``--outer-delay`` (nothing in flight), the
+        view wrappers (Grass: no site state) and ``anchored`` (saved after training steps)."""
+        if version < 2:
+            state = {"pending": {}, "view": {}, "anchored": True, **state}
+        return state
+
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; applied at the first step if the state is not yet
         allocated (a resume loads before training starts)."""
@@ -883,12 +899,6 @@ class DiLoCoHook(OptimizerHook):
         }
         if self.num_sites > 1:
             expected.add("site")
-        if "pending" not in state:  # saved before --outer-delay existed: nothing in flight
-            state = {**state, "pending": {}}
-        if "view" not in state:  # saved before view wrappers (Grass) existed: none
-            state = {**state, "view": {}}
-        if "anchored" not in state:  # saved before the flag existed: after training steps
-            state = {**state, "anchored": True}
         if set(state) != expected:
             raise ValueError(f"diloco state keys {sorted(state)}, expected {sorted(expected)}")
         if self.initialized:

@@ -57,13 +57,13 @@ Constraints:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional
 
 import torch
 
 from megatron_ext.autograd.grass import GrassLayer, write_rows
 from megatron_ext.logging import get_logger
-from megatron_ext.protocols import OptimizerHook, OptimizerView, ParamOptimState
+from megatron_ext.protocols import SAME, OptimizerHook, OptimizerView, ParamOptimState
 
 __all__ = ["GrassOptimizerHook", "GrassSchedule", "GrassOuterView"]
 
@@ -111,6 +111,15 @@ class GrassOptimizerHook(OptimizerHook):
     """
 
     name = "grass"
+    elastic_rules: ClassVar[Mapping[str, str]] = {
+        "active_since": SAME,
+        "selections": SAME,
+        "since": SAME,
+        "pending": SAME,  # a postponed selection (the overflow check is all-reduced)
+        "index": SAME,
+        "rho": SAME,
+        "base": SAME,
+    }
 
     def __init__(
         self,
@@ -379,11 +388,22 @@ class GrassOptimizerHook(OptimizerHook):
                 out[f"since/{fqn}"] = self.since[fqn].detach().cpu().clone()
         return out
 
+    def upgrade_state(self, state: Dict[str, Any], version: int) -> Dict[str, Any]:
+        """A state saved at megatron_ext state format ``version`` (older than the current one)
+        in the current form: format 1 may predate the per-slot counts (``since/<fqn>``), with
+        one count ``reset_at`` for every slot of every selection."""
+        if version < 2 and "reset_at" in state:
+            state = dict(state)
+            count = int(state.pop("reset_at"))
+            for key, value in list(state.items()):
+                kind, _, fqn = key.partition("/")
+                if kind == "index" and f"since/{fqn}" not in state:
+                    state[f"since/{fqn}"] = torch.full_like(value, count, dtype=torch.int64)
+        return state
+
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         state = dict(state)
         known = {"active_since", "selections", "pending"}
-        # "reset_at": checkpoints written before per-slot counts (one count for all slots)
-        legacy = state.pop("reset_at", None)
         missing = known - set(state)
         per_layer: Dict[str, Dict[str, Any]] = {fqn: {} for fqn in self.layers}
         since: Dict[str, torch.Tensor] = {}
@@ -415,8 +435,6 @@ class GrassOptimizerHook(OptimizerHook):
                 value = since[fqn].to(layer.index.device, torch.int64)
                 if value.shape != layer.index.shape:
                     raise ValueError(f"Grass state of {fqn}: 'since' does not fit its selection")
-            elif legacy is not None:
-                value = torch.full_like(layer.index, int(legacy))
             else:
                 raise ValueError(f"Grass state does not fit this model: missing since/{fqn}")
             self.since[fqn] = value

@@ -45,7 +45,7 @@ Constraints:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional
 
 import torch
 
@@ -86,6 +86,7 @@ class SubspaceOptimizerHook(OptimizerHook):
     """
 
     name = "protocol"
+    elastic_rules: ClassVar[Mapping[str, str]] = {}
 
     def __init__(
         self,

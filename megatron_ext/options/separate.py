@@ -54,7 +54,7 @@ class SeparateConfig:
     paper's Algorithm 1, "generate fresh i.i.d. common random Gaussian vectors"); N reuses
     each draw for N steps; 0 reuses it until the next error reset (a reading of the
     paper's Algorithm 2, which keeps a buffer of random variables). Measured in
-    docs/methods-notes.md."""
+    docs/methods/separate.md."""
 
     blocks: str = field(default="bucket", metadata=arg(choices=("bucket", "layer")))
     """How gradients are cut into projected rows: bucket views each flat gradient bucket as

@@ -97,14 +97,15 @@ def _flags(device: str):
 
 def _trainer(device, flags, first=None):
     """A Trainer of ``flags``; the first one sets up the process group, later ones share it."""
-    from megatron_ext.train import Trainer, _layout_sizes, parse_args
+    from megatron_ext.train import Trainer, parse_args
+    from megatron_ext.train_config import layout_sizes
 
     cfg = parse_args(_flags(device) + list(flags))
     trainer = Trainer(cfg)
     if first is None:
         trainer.setup_distributed()
     else:
-        trainer.sizes = _layout_sizes(cfg, 1)
+        trainer.sizes = layout_sizes(cfg, 1)
         trainer.ps, trainer.rank, trainer.world = first.ps, first.rank, first.world
         trainer.seed()
     trainer.build_data()

@@ -50,6 +50,7 @@ class _HalfPrecReduction(CompressedReduction):
 
 class HalfPrecReducer(GradReducer):
     name = "halfprec"
+    elastic_rules: ClassVar[Dict[str, str]] = {}  # no state
 
     def __init__(self, cfg: HalfPrecConfig):
         super().__init__()

@@ -41,6 +41,8 @@ from tests.helpers.mcore import (
 class _RankProbe:
     """A stateful object whose state differs per rank and per step."""
 
+    elastic_rules = {"value": "reset", "count": "reset"}
+
     def __init__(self):
         import torch
 

@@ -399,7 +399,7 @@ def test_iterator_without_attention_mask(small):
 
 
 def _prepare_counting_builds(cache_dir, log_path, barrier, queue):
-    import megatron_ext.megatron.data as data
+    import megatron_ext.megatron.data.prepare as data
 
     train = data.train_sentencepiece
 

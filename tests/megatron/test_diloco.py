@@ -21,6 +21,8 @@ Two launches (CPU, gloo, the tiny GPT of ``tests.helpers.mcore``):
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from tests.helpers.dist import run_ranks
@@ -275,6 +277,42 @@ GRASS = ["--grass-method", "topr", "--grass-rank", "8", "--grass-update-interval
 GRASS += ["--grass-rewarmup-steps", "2", "--grass-sketch-size", "16"]
 
 
+@contextlib.contextmanager
+def _saved_as_format_1(trainer):
+    """While active, megatron-ext's state is saved as the code of state format 1 wrote it:
+    optimizer hooks named by their position among the run's hooks
+    (``optimizer_hook.<i>.<name>``), and DiLoCo's state without the keys format 1 gained
+    later (``pending``, ``anchored``) where they hold what a checkpoint of before them means
+    (nothing in flight, a trained state)."""
+    state = trainer.runtime.state
+    current = state.state_dict
+    positions = {
+        f"optimizer_hook.{hook.name}": f"optimizer_hook.{i}.{hook.name}"
+        for i, hook in enumerate(trainer.runtime._optimizer_hooks())
+    }
+
+    def format_1():
+        out = current()
+        objects = {}
+        for name, value in out["objects"].items():
+            if name == "optimizer_hook.diloco":
+                assert value["pending"] == {} and value["anchored"] is True
+                value = {k: v for k, v in value.items() if k not in ("pending", "anchored")}
+            objects[positions.get(name, name)] = value
+        assert sorted(objects) == [
+            "grad_reducer",
+            "optimizer_hook.0.diloco",
+            "optimizer_hook.1.grass",
+        ], sorted(objects)
+        return {**out, "format_version": 1, "objects": objects}
+
+    state.state_dict = format_1
+    try:
+        yield
+    finally:
+        del state.state_dict
+
+
 def _without_virtual(p):
     return {f: t for f, t in p.items() if not f.endswith(".grass_weight")}
 
@@ -354,6 +392,19 @@ def _grass(rank, world, root):
     load_checkpoint(trainer, root + "-grass")
     out["resume_losses_equal"] = train(trainer, 4, start=4) == full_losses[4:]
     out["resume_params"] = first_difference(full, params(trainer))
+    teardown(trainer)
+    # (c') the same checkpoint as the code of megatron-ext state format 1 saved it (the
+    # shim): the current code reads it and resumes exactly.
+    build(trainer, stock=False)
+    train(trainer, 4)
+    with _saved_as_format_1(trainer):
+        save_checkpoint(trainer, root + "-grass-v1", 4)
+    teardown(trainer)
+    build(trainer, stock=False)
+    load_checkpoint(trainer, root + "-grass-v1")
+    out["v1_names"] = sorted(trainer.runtime.state.names)
+    out["v1_resume_losses_equal"] = train(trainer, 4, start=4) == full_losses[4:]
+    out["v1_resume_params"] = first_difference(full, params(trainer))
     teardown(trainer)
 
     # (d) the model weights of that checkpoint without megatron-ext's state, as --finetune
@@ -541,7 +592,8 @@ def test_diloco_with_grass_dp2(tmp_path):
     (a) fp32, G = 1, H = 1, outer lr 1, momentum 0 equals Grass alone to 1e-6; (b) G = 2,
     H = 2, bf16, the paper's outer optimizer: the frozen weights are the outer parameters (not
     the virtual ones), each site selects its own rows, the outer step matches the float64
-    statement; (c) a bf16 resume across a reselection and an outer step is bitwise exact;
+    statement; (c) a bf16 resume across a reselection and an outer step is bitwise exact,
+    also (c') from the same checkpoint saved as megatron-ext state format 1 wrote it;
     (d) fine-tuning from that checkpoint's weights without megatron-ext's state: (d1) G = 1,
     H = 1, lr 1 follows Grass alone, (d2) G = 2 against the float64 statement chained from
     the loaded weights.
@@ -583,6 +635,10 @@ def test_diloco_with_grass_dp2(tmp_path):
         assert r["differ_at_save"]
         assert r["resume_losses_equal"]
         assert r["resume_params"] is None, r["resume_params"]
+        # (c')
+        assert r["v1_names"] == ["grad_reducer", "optimizer_hook.diloco", "optimizer_hook.grass"]
+        assert r["v1_resume_losses_equal"]
+        assert r["v1_resume_params"] is None, r["v1_resume_params"]
         # (d1), to the rounding the test's docstring states
         assert r["ft_h1_losses"] == pytest.approx(r["ft_plain_losses"], rel=2e-4)
         assert r["ft_h1_differing"] <= 0.05, r["ft_h1_differing"]

@@ -25,7 +25,7 @@ rank, against the DP=2 run:
   preserved only the summation order differs (measured: at most 7.5e-9 apart for PP=2,
   DP 2 -> 1 and 6.0e-8 for DP 2 -> 4; with half of the residual mass lost, 1.0e-3 and
   8.9e-4 apart, so the tolerance 1e-6 separates the two);
-* a state object the rules do not know (a probe registered by the test) is reset to its
+* a state object whose rule is reset (a probe registered by the test) is reset to its
   fresh value and named in exactly one log line.
 """
 
@@ -54,7 +54,9 @@ SAVE_AT = 3
 
 
 class _Probe:
-    """State of a kind :mod:`megatron_ext.elastic` has no rule for (must be reset)."""
+    """State that cannot be remapped (its rule: reset)."""
+
+    elastic_rules = {"value": "reset"}
 
     def __init__(self, value):
         import torch

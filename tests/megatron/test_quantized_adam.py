@@ -65,7 +65,7 @@ def _run(rank, world, root):
         v.append({k: t for k, t in state.items() if k.endswith("/exp_avg_sq")})
         steps.append(sorted({float(t) for k, t in state.items() if k.endswith("/step")}))
     full_params, full_opt = params(trainer), optimizer_state(trainer)
-    full_ext = runtime.state.state_dict()["objects"]["optimizer_hook.0.quantized_adam"]
+    full_ext = runtime.state.state_dict()["objects"]["optimizer_hook.quantized_adam"]
     ps = trainer.ps
     flat = torch.cat([p.float().reshape(-1) for p in full_params.values()])
     gathered = [torch.empty_like(flat) for _ in range(ps.get_data_parallel_world_size())]
@@ -96,7 +96,7 @@ def _run(rank, world, root):
     out["resumed_losses"] = losses[:save_at] + second
     out["param_diff"] = first_difference(full_params, params(trainer))
     out["opt_diff"] = first_difference(full_opt, optimizer_state(trainer))
-    ext = trainer.runtime.state.state_dict()["objects"]["optimizer_hook.0.quantized_adam"]
+    ext = trainer.runtime.state.state_dict()["objects"]["optimizer_hook.quantized_adam"]
     out["ext_diff"] = first_difference(
         {k: t for k, t in full_ext.items() if k != "applied_steps"},
         {k: t for k, t in ext.items() if k != "applied_steps"},

@@ -80,9 +80,9 @@ def test_diloco_two_sites_resumes_exactly_between_outer_steps(two_sites, lm_dir,
         tiny_args(load=str(root / "ckpt"), ckpt_step="2", **FLAGS) + extra,
         cwd=tmp_path,
     ).check()
-    objects = "grad_reducer, optimizer_hook.0.diloco"
+    objects = "grad_reducer, optimizer_hook.diloco"
     if "--grass-method" in extra:
-        objects += ", optimizer_hook.1.grass"
+        objects += ", optimizer_hook.grass"
     assert (
         f"> megatron-ext: loaded the state of 2 ranks from {root / 'ckpt' / 'iter_0000002'} "
         f"(ShardedObject 'megatron_ext/rank_state'; objects: {objects})" in resumed.stdout

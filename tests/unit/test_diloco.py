@@ -123,7 +123,7 @@ def test_outer_state_starts_from_the_loaded_weights_unless_it_was_loaded():
                 [{"diloco": fresh}],
                 {"diloco": fresh},
                 {"diloco": fresh},
-                {"diloco": "DiLoCoHook"},
+                {"diloco": DiLoCoHook.elastic_rules},
                 old_dp=2,
                 new_dp=1,
             )
@@ -159,9 +159,12 @@ def test_outer_state_starts_from_the_loaded_weights_unless_it_was_loaded():
         torch.allclose(p, torch.full_like(p, 4.0 - 0.7 * (1.0 + 0.9 * buf)))
         for p in params.values()
     )
-    # Saved before the flag existed: taken as a trained state.
+    # Saved at state format 1 before the flag existed: taken as a trained state once
+    # upgraded (megatron_ext.state.ExtState.upgrade); a current-format state must have it.
     legacy = {k: v for k, v in saved.items() if k != "anchored"}
-    params, _ = run(load=legacy)
+    with pytest.raises(ValueError, match="diloco state keys"):
+        run(load=legacy)
+    params, _ = run(load=DiLoCoHook(opts, None).upgrade_state(legacy, 1))
     assert all(
         torch.allclose(p, torch.full_like(p, 4.0 - 0.7 * (1.0 + 0.9 * buf)))
         for p in params.values()
@@ -253,17 +256,18 @@ def test_layout_refusals():
 
 
 def test_driver_refuses_the_replica_hash_with_several_sites():
-    from megatron_ext.train import _layout_sizes, parse_args
+    from megatron_ext.train import parse_args
+    from megatron_ext.train_config import layout_sizes
 
     extra = ["--check-weight-hash-across-dp-replicas-interval", "5"]
     cfg = parse_args(["--cpu", "--outer-method", "diloco"] + extra)
     with pytest.raises(ConfigError, match="--check-weight-hash"):
-        _layout_sizes(cfg, 2)
+        layout_sizes(cfg, 2)
     # One site (G = 1): megatron's replicas are identical.
     cfg = parse_args(["--cpu", "--outer-method", "diloco", "--outer-groups", "1"] + extra)
-    _layout_sizes(cfg, 2)
+    layout_sizes(cfg, 2)
     # Checkpoints with several sites are supported by the driver.
-    _layout_sizes(parse_args(["--cpu", "--outer-method", "diloco", "--save", "/tmp/x"]), 2)
+    layout_sizes(parse_args(["--cpu", "--outer-method", "diloco", "--save", "/tmp/x"]), 2)
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from megatron_ext.config import ConfigError
-from megatron_ext.train import _layout_sizes, main, parse_args
+from megatron_ext.train import main, parse_args
+from megatron_ext.train_config import layout_sizes
 
 
 def test_model_preset_sets_defaults_and_flags_override():
@@ -106,7 +107,7 @@ def test_invalid_values_name_the_flag(argv, flag):
 def test_layout_errors_name_the_flags(argv, world, flag):
     cfg = parse_args(["--cpu"] + argv)
     with pytest.raises(ConfigError) as exc:
-        _layout_sizes(cfg, world)
+        layout_sizes(cfg, world)
     assert str(exc.value).startswith(flag), str(exc.value)
 
 
@@ -122,7 +123,7 @@ def test_layout_sizes():
             "2",
         ]
     )
-    sizes = _layout_sizes(cfg, 4)
+    sizes = layout_sizes(cfg, 4)
     assert sizes == {"tp": 1, "pp": 2, "dp": 2, "gbs": 16, "num_microbatches": 4}
 
 

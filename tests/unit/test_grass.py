@@ -272,6 +272,36 @@ def test_subspace_adamw_with_scale_rewarmup_and_reset_matches_reference():
             active = step + 1
 
 
+def test_format_1_state_with_one_count_for_every_slot_loads_as_per_slot_counts():
+    """A state saved at megatron-ext state format 1 before the per-slot counts (``reset_at``)
+    is upgraded to ``since/<fqn>`` (megatron_ext.state.ExtState.upgrade) and loads as the
+    state whose every slot has that count; the current format has no ``reset_at``."""
+    from megatron_ext.optim.grass import GrassOptimizerHook, GrassSchedule
+
+    def hook():
+        layer = _layer(10, 12, 4, "uniform", dtype=torch.float64)
+        layer.param = torch.nn.Parameter(torch.zeros(4, 12, dtype=torch.float64))
+        sched = GrassSchedule(update_interval=3, rewarmup=2, scale=0.5)
+        out = GrassOptimizerHook(
+            {"w": layer}, sched, lambda flat: None, reset_state=True, param_fqn=lambda f: "v"
+        )
+        out.initial_selection()
+        return out
+
+    saved = hook().state_dict()
+    since = saved.pop("since/w")
+    legacy = {**saved, "reset_at": 3}
+    target = hook()
+    with pytest.raises(ValueError, match="reset_at"):
+        target.load_state_dict(legacy)
+    upgraded = target.upgrade_state(legacy, 1)
+    assert "reset_at" not in upgraded
+    assert torch.equal(upgraded["since/w"], torch.full_like(since, 3))
+    target.load_state_dict(upgraded)
+    assert torch.equal(target.state_dict()["since/w"], torch.full_like(since, 3))
+    assert target.upgrade_state({**saved, "since/w": since}, 2)["since/w"] is since
+
+
 # -- on a GPU: the device, determinism, overflow (issues 25 and 26) ----------------------------
 
 

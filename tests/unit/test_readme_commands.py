@@ -147,13 +147,14 @@ _DRIVER = [(n, t, w) for n, t, w in ALL if "megatron_ext.train" in w]
 )
 def test_driver_commands_parse_and_validate_for_their_layout(name, text, words, monkeypatch):
     from megatron_ext.config import ParallelLayout, validate_ext_config
-    from megatron_ext.train import _layout_sizes, parse_args
+    from megatron_ext.train import parse_args
+    from megatron_ext.train_config import layout_sizes
 
     monkeypatch.chdir(REPO)
     nproc, rest = _torchrun(_env_and_rest(words)[1])
     assert rest[:2] == ["-m", "megatron_ext.train"], text
     cfg = parse_args(rest[2:])
-    sizes = _layout_sizes(cfg, nproc)
+    sizes = layout_sizes(cfg, nproc)
     validate_ext_config(
         cfg.ext,
         ParallelLayout(
@@ -272,4 +273,29 @@ def test_relative_links_resolve():
                 broken.append(f"{path.relative_to(REPO)}: {target}")
             elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
                 broken.append(f"{path.relative_to(REPO)}: {target} (no such heading)")
+    assert not broken, broken
+
+
+_DOC_PATH = re.compile(r"(?<![\w/.-])docs/\w[\w./-]*\.md")
+
+
+def test_doc_paths_cited_by_the_code_exist():
+    """Every ``docs/...md`` a module, config, script, benchmark or test cites exists, and no
+    file cites the design notes outside the repository (``../shared/``)."""
+    broken = []
+    for folder, patterns in (
+        ("megatron_ext", ("*.py",)),
+        ("configs", ("*.yaml", "*.sh")),
+        ("scripts", ("*.py", "*.sh")),
+        ("benchmarks", ("*.py", "*.sh")),
+        ("tests", ("*.py",)),
+    ):
+        for pattern in patterns:
+            for path in (REPO / folder).rglob(pattern):
+                text = path.read_text(encoding="utf-8")
+                for cited in set(_DOC_PATH.findall(text)):
+                    if not (REPO / cited).is_file():
+                        broken.append(f"{path.relative_to(REPO)}: {cited}")
+                if "../shared/" in text and path.name != "test_readme_commands.py":
+                    broken.append(f"{path.relative_to(REPO)}: ../shared/")
     assert not broken, broken

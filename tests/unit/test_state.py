@@ -7,6 +7,8 @@ from megatron_ext.state import ExtState, StateMismatch
 
 
 class _Obj:
+    elastic_rules = {"t": "sum"}
+
     def __init__(self, value=0.0):
         self.t = torch.full((2,), value)
 
@@ -65,3 +67,64 @@ def test_duplicate_registration_is_refused():
     s = _state()
     with pytest.raises(ValueError):
         s.register("a", _Obj())
+
+
+class _Versioned(_Obj):
+    """An object whose state gained the key ``n`` at format 2."""
+
+    elastic_rules = {"t": "sum", "n": "same"}
+
+    def __init__(self, value=0.0):
+        super().__init__(value)
+        self.n = 5
+
+    def state_dict(self):
+        return {"t": self.t.clone(), "n": self.n}
+
+    def upgrade_state(self, state, version):
+        return {"n": 0, **state} if version < 2 else state
+
+    def load_state_dict(self, state):
+        if set(state) != {"t", "n"}:
+            raise ValueError(sorted(state))
+        self.t, self.n = state["t"].clone(), state["n"]
+
+
+def test_format_1_positional_hook_names_and_old_keys_are_upgraded():
+    """A format-1 state as the code of that format wrote it: optimizer hooks named by
+    position, an object without the key its class added later."""
+    from megatron_ext.state import FORMAT_VERSION
+
+    v1 = {
+        "format_version": 1,
+        **{
+            k: v for k, v in _state().state_dict().items() if k not in ("format_version", "objects")
+        },
+        "objects": {
+            "grad_reducer": {"t": torch.full((2,), 1.0)},
+            "optimizer_hook.0.diloco": {"t": torch.full((2,), 2.0)},
+            "optimizer_hook.1.grass": {"t": torch.full((2,), 3.0)},
+        },
+    }
+    target = ExtState({"grad_compression": "none"}, LAYOUT)
+    target.register("grad_reducer", _Obj())
+    target.register("optimizer_hook.diloco", _Versioned())
+    target.register("optimizer_hook.grass", _Obj())
+    target.load_state_dict(v1)
+    loaded = target.state_dict()
+    assert loaded["format_version"] == FORMAT_VERSION == 2
+    assert {name: obj["t"][0].item() for name, obj in loaded["objects"].items()} == {
+        "grad_reducer": 1.0,
+        "optimizer_hook.diloco": 2.0,
+        "optimizer_hook.grass": 3.0,
+    }
+    assert loaded["objects"]["optimizer_hook.diloco"]["n"] == 0  # the format-1 default
+    # A current-format state is strict: a missing key is not filled in.
+    current = target.state_dict()
+    del current["objects"]["optimizer_hook.diloco"]["n"]
+    with pytest.raises(ValueError, match="'t'"):
+        target.load_state_dict(current)
+    # Two format-1 hooks of one name cannot be told apart.
+    v1["objects"]["optimizer_hook.2.grass"] = v1["objects"]["optimizer_hook.1.grass"]
+    with pytest.raises(StateMismatch, match="two objects named 'optimizer_hook.grass'"):
+        target.load_state_dict(v1)

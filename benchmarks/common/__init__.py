@@ -1,0 +1,86 @@
+"""The benchmarks' shared set-up: one import for what every benchmark script uses.
+
+One module per job, every public name re-exported here (``from benchmarks.common import
+make_report``):
+
+* :mod:`.environment`: what a number depends on (:func:`environment`, :data:`REPO_ROOT`);
+* :mod:`.machine`: the shared machine (idle waits, contention, priority; ``--quiet-wait``,
+  ``--priority``);
+* :mod:`.reports`: the common JSON report (:func:`make_report`, :func:`write_report`,
+  :func:`validate_report`) and markdown tables (:func:`format_table`); :func:`read_jsonl`
+  (the driver's ``log.jsonl``) comes from :mod:`megatron_ext.report`;
+* :mod:`.models`: GPT presets' shapes and PowerSGD's rank at equal bytes;
+* :mod:`.methods`: the registry's methods as benchmark flags and settings;
+* :mod:`.runs`: logged command runs, list flags, the median.
+
+A driver run's layout is checked with ``megatron_ext.train_config.layout_sizes``, the driver's
+own check. Torch is imported lazily (only :func:`environment` needs it), so the step-time and
+convergence drivers stay light; nothing here imports megatron.
+"""
+
+from benchmarks.common.environment import (
+    REPO_ROOT,
+    default_out_dir,
+    device_description,
+    environment,
+    source_fingerprint,
+)
+from benchmarks.common.machine import (
+    CpuMonitor,
+    PriorityBooster,
+    add_machine_args,
+    set_priority,
+    wait_for_quiet,
+)
+from benchmarks.common.methods import MethodSettings, add_method_args, method_choices
+from benchmarks.common.models import (
+    equal_bytes_rank,
+    equal_bytes_rank_for_shapes,
+    gpt_matrix_shapes,
+    gpt_vector_numel,
+    load_model_preset,
+    squareish_shape,
+)
+from benchmarks.common.reports import (
+    BENCHMARKS,
+    SCHEMA_VERSION,
+    format_table,
+    make_report,
+    validate_report,
+    write_report,
+)
+from benchmarks.common.runs import median, parse_list, run_logged, shell_join
+from megatron_ext.report import read_jsonl
+
+__all__ = [
+    "REPO_ROOT",
+    "SCHEMA_VERSION",
+    "BENCHMARKS",
+    "environment",
+    "device_description",
+    "source_fingerprint",
+    "default_out_dir",
+    "make_report",
+    "add_method_args",
+    "method_choices",
+    "MethodSettings",
+    "add_machine_args",
+    "write_report",
+    "validate_report",
+    "format_table",
+    "equal_bytes_rank",
+    "equal_bytes_rank_for_shapes",
+    "squareish_shape",
+    "gpt_matrix_shapes",
+    "gpt_vector_numel",
+    "load_model_preset",
+    "median",
+    "read_jsonl",
+    "run_logged",
+    "parse_list",
+    "shell_join",
+    "CpuMonitor",
+    "wait_for_quiet",
+    "set_priority",
+    "PriorityBooster",
+]

@@ -44,13 +44,18 @@ What it does (aq-sgd.txt Algorithm 1; methods.md section 4):
 
 Kernels:
     Each chain is one fused op (``megatron_ext/kernels/quant.py``, eager or compiled by
-    ``--fused-kernels``): the sender's delta quantized and packed (``quant_pack``), the
-    buffer update ``m + dequantize`` with its finite / range checks (``aqsgd_decode_stage``,
-    the same op on both sides of the boundary, so their buffers stay bit-identical compiled
-    too), first visits staged (``aqsgd_stage``), gradients and DirectQ's activations
-    packed and unpacked (``quant_pack``, ``unpack_dequant``). Stochastic rounding hashes
-    each value's index with a seed drawn on the device from the generator of (seed, step,
-    microbatch, direction, stage).
+    ``--fused-kernels``). Device buffers are passed whole with the revisits' slots: the
+    sender's delta against its rows quantized and packed (``aqsgd_encode_rows``), the
+    receiver's activations ``m + dequantize`` (``aqsgd_decode_rows``), and at the commit the
+    buffer update ``m + dequantize`` with its finite / range checks applied to the rows in
+    place (``aqsgd_commit_rows``, the same op on both sides of the boundary, so their
+    buffers stay bit-identical compiled too): no gathered or staged copy of the rows, the
+    step keeps only the payloads until its commit. Host and disk buffers read their rows
+    first and stage the updated rows (``quant_pack``, ``aqsgd_decode_stage``). First visits
+    are staged (``aqsgd_stage``); gradients and DirectQ's activations packed and unpacked
+    (``quant_pack``, ``unpack_dequant``). Stochastic rounding hashes each value's index with
+    a seed drawn on the device from the generator of (seed, step, microbatch, direction,
+    stage).
 
 Checkpoints:
     Default: the buffers are not saved; the state records that they must be rebuilt, and a
@@ -65,9 +70,10 @@ Constraints:
     and visit flags live on the host (payload sizes must be known before a receive is
     posted). :meth:`AQSGDCodec.begin_step` builds every microbatch's indices of the step
     on the host and copies them to the device at once (one pinned, non-blocking copy);
-    the commit writes device buffers on the device (a revisit's staged row already holds
-    the current row where its value is not finite; first visits keep theirs with a
-    ``where``), and the host reads
+    the commit writes device buffers on the device (a revisit's update keeps the current
+    row where its value is not finite; first visits keep theirs with a ``where``; a slot
+    written twice in one step has each update computed against the rows before the step,
+    then written in order), and the host reads
     the per-sample finite flags (which decide the visit flags) at the next
     ``begin_step``, non-blocking on CUDA, waiting for them only when a sample of the
     commit comes back in the very next step. So a step announced by ``begin_step`` copies
@@ -94,7 +100,10 @@ from megatron_ext.collectives.p2p import P2PCodec, P2PContext
 from megatron_ext.compressors.quantize import packed_nbytes, scale_shape
 from megatron_ext.compressors.seeding import device_generator
 from megatron_ext.kernels.quant import (
+    aqsgd_commit_rows,
+    aqsgd_decode_rows,
     aqsgd_decode_stage,
+    aqsgd_encode_rows,
     aqsgd_stage,
     draw_seed,
     quant_pack,
@@ -205,6 +214,14 @@ class SampleBuffers:
     def nbytes(self) -> int:
         """Bytes of the stored rows."""
         return self.num_slots * self.row_bytes
+
+    @property
+    def table(self) -> torch.Tensor:
+        """The whole ``[num_slots, rows, cols]`` tensor of device buffers (the fused kernels
+        read and update its rows in place; ``megatron_ext/kernels/quant.py``)."""
+        if self.where != "device":
+            raise ValueError("only device buffers are indexed by the kernels in place")
+        return self._data
 
     def _staging_rows(self, k: int) -> Tuple[torch.Tensor, int]:
         """A pinned ``[k, rows, cols]`` view whose previous copy to the device is done."""
@@ -350,13 +367,15 @@ class _Staged:
 
     values: Optional[torch.Tensor]
     """``[k, rows, cols]`` in the buffer dtype (clamped to its range), on the device; None
-    once written."""
+    once written, or for a deferred update (``payload``)."""
 
-    finite: torch.Tensor
-    """Device bool ``[k]``: the sample's value was finite (only those are written)."""
+    finite: Optional[torch.Tensor]
+    """Device bool ``[k]``: the sample's value was finite (only those are written); None
+    until a deferred update is applied."""
 
-    clamped: torch.Tensor
-    """Device bool ``[k]``: the value was clamped to the buffer dtype's range."""
+    clamped: Optional[torch.Tensor]
+    """Device bool ``[k]``: the value was clamped to the buffer dtype's range (None as
+    ``finite``)."""
 
     index: Optional[torch.Tensor] = None
     """The slots on the device (from :meth:`AQSGDCodec.begin_step`), or None."""
@@ -367,6 +386,10 @@ class _Staged:
 
     written: bool = False
     """The rows were written on the device already (only the visit flags are pending)."""
+
+    payload: Optional[torch.Tensor] = None
+    """A deferred update of device buffer rows (revisits): the quantized deltas, applied to
+    the buffer in place at the commit (``aqsgd_commit_rows``); None once applied."""
 
 
 @dataclass
@@ -957,6 +980,13 @@ class AQSGDCodec(_QuantizingCodec):
         )
         return out if out_dtype is not None else None
 
+    def _defer_revisits(self, side: str, plan: _Plan, payload: torch.Tensor) -> None:
+        """Device buffers: keep the revisits' ``payload`` for :meth:`end_step`, which applies
+        it to the buffer rows in place (one fused op, the same on both sides)."""
+        self._staged[side].append(
+            _Staged(plan.revisit_slots, None, None, None, plan.revisit_index, payload=payload)
+        )
+
     def encode(self, tensor, ctx):
         if ctx.direction == "backward":
             return self._encode_grad(tensor, ctx)
@@ -979,12 +1009,19 @@ class AQSGDCodec(_QuantizingCodec):
             parts.append(self._raw(rows))
             self._stage_rows("send", plan.first_slots, plan.first_index, rows)
         if plan.revisit_slots.numel():
-            m = buffers.read(plan.revisit_slots, plan.revisit_index)
             revisits = x if plan.num_first == 0 else x.index_select(0, plan.revisit)
             seed = self._seed(ctx, "forward", x.device)
-            payload = quant_pack(revisits, m, seed, self.cfg.fw_bits, self.cfg.granularity)
+            bits, granularity = self.cfg.fw_bits, self.cfg.granularity
+            if buffers.where == "device":
+                # The rows are read inside the kernel; the commit updates them in place.
+                index = plan.revisit_index
+                payload = aqsgd_encode_rows(revisits, buffers.table, index, seed, bits, granularity)
+                self._defer_revisits("send", plan, payload)
+            else:
+                m = buffers.read(plan.revisit_slots, plan.revisit_index)
+                payload = quant_pack(revisits, m, seed, bits, granularity)
+                self._stage_revisits("send", plan, payload, m)
             parts.append(payload)
-            self._stage_revisits("send", plan, payload, m)
         self._prefetch_next(buffers, ctx)
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
@@ -1016,8 +1053,20 @@ class AQSGDCodec(_QuantizingCodec):
             else:
                 out = x
         if plan.revisit_slots.numel():
-            m = buffers.read(plan.revisit_slots, plan.revisit_index)
-            v = self._stage_revisits("recv", plan, payload[offset:], m, dtype)
+            deltas = payload[offset:]
+            if buffers.where == "device":
+                v = aqsgd_decode_rows(
+                    deltas,
+                    buffers.table,
+                    plan.revisit_index,
+                    self.cfg.fw_bits,
+                    self.cfg.granularity,
+                    dtype,
+                )
+                self._defer_revisits("recv", plan, deltas)
+            else:
+                m = buffers.read(plan.revisit_slots, plan.revisit_index)
+                v = self._stage_revisits("recv", plan, deltas, m, dtype)
             if mixed:
                 out.index_copy_(0, plan.revisit, v)
             else:
@@ -1113,9 +1162,25 @@ class AQSGDCodec(_QuantizingCodec):
             if slots:
                 flat = torch.cat(slots)  # host tensors: no device sync
                 distinct[side] = torch.unique(flat).numel() == flat.numel()
+        bits, granularity = self.cfg.fw_bits, self.cfg.granularity
+        for side, st in staged:
+            if st.payload is not None and not distinct[side]:
+                # A slot written twice: each update is against the rows before the step, so
+                # every deferred one is computed before anything is written.
+                m = getattr(self, side).read(st.slots, st.index)
+                st.values, st.finite, st.clamped, _ = aqsgd_decode_stage(
+                    st.payload, m, bits, granularity, None
+                )
+                st.payload, st.exact = None, True
         for side, st in staged:
             buffers = getattr(self, side)
-            if buffers.where == "device":
+            if st.payload is not None:
+                # Distinct slots: the update applied to the rows in place, in one fused op.
+                st.finite, st.clamped = aqsgd_commit_rows(
+                    st.payload, buffers.table, st.index, bits, granularity
+                )
+                st.written, st.payload = True, None
+            elif buffers.where == "device":
                 keep = None if st.exact and distinct[side] else st.finite
                 buffers.write(st.slots, st.values, index=st.index, keep=keep)
                 st.written, st.values = True, None  # only the flags are still needed

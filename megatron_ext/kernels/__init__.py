@@ -48,8 +48,9 @@ How to add a kernel:
        whose body is ``run(_name, *args)``, and its ``register_fake``.
     3. Call the op from the method's code; test compiled against eager
        (``tests/unit/test_kernels_*.py``) and the step's traffic in the cost model.
-    4. A kernel that reads only some rows of a table argument (a gather inside it) says so
-       in :data:`ROW_GATHERS`, so the cost model does not count the whole table.
+    4. A kernel that reads only some rows of a table argument (a gather inside it; or
+       updates only those rows of a table it mutates) says so in :data:`ROW_GATHERS`, so
+       the cost model does not count the whole table.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ ENV_VAR = "MEGATRON_EXT_FUSED_KERNELS"
 """The mode of a process where no flag set it (tests, benchmarks)."""
 
 ROW_GATHERS: Dict[str, Tuple[str, str]] = {}
-"""Kernels that read only some rows of a table argument, for the cost model
+"""Kernels that read (or, for a table in their ``mutates_args``, update in place) only
+some rows of a table argument, for the cost model
 (``tests/helpers/strict_device.py``): ``"megatron_ext::name"`` -> (the table argument, the
 argument that counts the rows read: a tensor of row indices, one row per element, or an int
 or a list of ints whose product is the count). Each kernel's module registers its own."""

@@ -98,6 +98,7 @@ from megatron_ext.accounting import (
     collective_wire_bytes,
 )
 from megatron_ext.kernels.finite import nonfinite
+from megatron_ext.kernels.outer import outer_sgd_step_, pseudo_gradient
 
 # The names --outer-compression takes (each but "none" is an OuterExchange with that
 # data-parallel method's compression); defined with the options, which need no torch.
@@ -642,9 +643,9 @@ class DiLoCoHook(OptimizerHook):
             raise RuntimeError(f"megatron-ext: DiLoCo fragment {index} is already in flight")
         _, current = self._flat(view, fqns)
         snap = torch.cat([self.snapshot[f].reshape(-1).to(current.device) for f in fqns])
-        pseudo_grad = snap - current
-        # Read only if the outer update turns out non-finite (which site sent what).
-        self._sent_finite[index] = nonfinite(pseudo_grad).logical_not()
+        # Read only if the outer update turns out non-finite (which site sent what); the
+        # check is inside the subtraction's pass (megatron_ext/kernels/outer.py).
+        pseudo_grad, self._sent_finite[index] = pseudo_gradient(snap, current)
         exchange = self.exchanges[index]
         if apply_after is not None and not hasattr(exchange, "start"):
             # A compressed exchange overlapped: on the worker thread, every one of the hook's
@@ -694,14 +695,16 @@ class DiLoCoHook(OptimizerHook):
         if finite:
             delta = delta.to(device)
             snap = torch.cat([self.snapshot[f].reshape(-1).to(device) for f in fqns])
-            buf = None
-            if o.momentum != 0 and fqns[0] in self.momentum:
-                buf = torch.cat([self.momentum[f].reshape(-1).to(device) for f in fqns])
-            buf = outer_sgd_step(
-                snap, buf, delta, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov
-            )
-            # One pass over each (aminmax), not isfinite's several.
-            ok = nonfinite(snap, *([buf] if buf is not None else [])).logical_not()
+            buf, first = None, o.momentum != 0 and fqns[0] not in self.momentum
+            if o.momentum != 0:
+                buf = (
+                    torch.empty_like(delta)
+                    if first
+                    else torch.cat([self.momentum[f].reshape(-1).to(device) for f in fqns])
+                )
+            # outer_sgd_step's arithmetic and the finiteness of the new snapshot and momentum
+            # in one pass (megatron_ext/kernels/outer.py).
+            ok = outer_sgd_step_(snap, buf, delta, o.lr, o.momentum, o.nesterov, first)
             finite = bool(ok)  # the one host read of a fragment sync
         if not finite:
             average_finite = delta is not None and bool(nonfinite(delta).logical_not())

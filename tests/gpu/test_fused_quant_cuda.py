@@ -130,6 +130,32 @@ def test_exchange_kernels_compiled_match_eager_on_device(dev):
     assert torch.equal(outs[1], outs[2])  # every rank applies the same values
 
 
+def test_aqsgd_row_kernels_compiled_match_eager_on_device(dev):
+    """The kernels on the whole buffer (rows gathered inside, the commit in place): payload,
+    activations, rows and flags as the quantizer's tolerances allow; the rows no slot
+    addresses untouched."""
+    table = _randn(20, 64, 200, seed=4, dtype=torch.bfloat16, device=dev)
+    index = torch.tensor([7, 2, 19, 11, 0, 5], device=dev)
+    x = _randn(64, 6, 200, seed=5, dtype=torch.bfloat16, device=dev).transpose(0, 1)
+    seed = Q.draw_seed(dev, torch.Generator(device=dev).manual_seed(6))
+    payload = _both(Q.aqsgd_encode_rows, x, table, index, seed, 4, "channel")
+    _close(*payload, "aqsgd_encode_rows")
+    out = _both(Q.aqsgd_decode_rows, payload[0], table, index, 4, "channel", torch.bfloat16)
+    _close(*out, "aqsgd_decode_rows")
+    tables = [table.clone(), table.clone()]
+    kernels.set_mode("off")
+    flags_eager = Q.aqsgd_commit_rows(payload[0], tables[0], index, 4, "channel")
+    kernels.set_mode("on")
+    flags = Q.aqsgd_commit_rows(payload[0], tables[1], index, 4, "channel")
+    kernels.set_mode(None)
+    _close(tables[0], tables[1], "aqsgd_commit_rows rows")
+    for a, b in zip(flags_eager, flags):
+        assert torch.equal(a, b)
+    rest = torch.ones(20, dtype=torch.bool, device=dev)
+    rest[index] = False
+    assert torch.equal(tables[1][rest].view(torch.int16), table[rest].view(torch.int16))
+
+
 def test_aqsgd_boundary_compiled_keeps_both_buffers_identical(dev):
     from tests.helpers.method_steps import NO_MODE, CodecBoundary
 

@@ -154,3 +154,29 @@ def test_nonfinite_on_device(dev, dtype):
             t = base.clone()
             t[at] = value
             assert nonfinite(t).item(), (value, at)
+
+
+def test_outer_step_kernels_compiled_equal_eager_on_device(dev, mode):
+    """DiLoCo's outer-step kernels (megatron_ext/kernels/outer.py): the pseudo-gradient bit
+    for bit, the new snapshot and momentum within a few roundings, the finite flags equal,
+    with and without a non-finite value."""
+    from megatron_ext.kernels.outer import outer_sgd_step_, pseudo_gradient
+
+    gen = torch.Generator().manual_seed(0)
+    snap, current, buf = (torch.randn(100_003, generator=gen).to(dev) for _ in range(3))
+    for poison in (False, True):
+        if poison:
+            current[-1] = float("nan")
+        runs = []
+        for m in ("off", "on"):
+            mode(m)
+            g, sent = pseudo_gradient(snap, current)
+            s, b = snap.clone(), buf.clone()
+            ok = outer_sgd_step_(s, b, g, 0.7, 0.9, True, False)
+            runs.append((g, sent, s, b, ok))
+        (g0, sent0, s0, b0, ok0), (g1, sent1, s1, b1, ok1) = runs
+        assert torch.equal(g0.isnan(), g1.isnan())
+        assert torch.equal(g0.nan_to_num(), g1.nan_to_num())
+        assert bool(sent0) == bool(sent1) == (not poison) and bool(ok0) == bool(ok1)
+        torch.testing.assert_close(s0, s1, rtol=1e-6, atol=1e-6, equal_nan=True)
+        torch.testing.assert_close(b0, b1, rtol=1e-6, atol=1e-6, equal_nan=True)

@@ -80,8 +80,8 @@ Memory traffic (the cost model's unit; ``benchmarks/gpu_cost.py``):
     ``mutates_args``, so it is counted as one launch with exactly its own traffic, by the
     same rules and with no change here (``tests/unit/test_gpu_cost.py`` shows it). A kernel
     that gathers rows of a table argument inside it is gather-like for that argument: it
-    reads only the rows it addresses (``megatron_ext.kernels.ROW_GATHERS`` names the table
-    and what counts the rows).
+    reads only the rows it addresses, and writes only those where it updates the table in
+    place (``megatron_ext.kernels.ROW_GATHERS`` names the table and what counts the rows).
 
 What it proves, and what only a GPU can:
     It proves, on a CPU machine, that a steady-state step keeps every tensor on the device,
@@ -589,7 +589,11 @@ def op_traffic(func, name: str, args, kwargs, out) -> Tuple[int, int]:
         for t in _flat(v):
             if not _is_dev(t):
                 continue
-            if mutable:
+            if mutable and a.name in gathered:
+                # rows updated in place: the addressed rows read and written
+                written.setdefault(_tensor_key(t), gathered[a.name])
+                read.setdefault(_tensor_key(t), gathered[a.name])
+            elif mutable:
                 add(written, t)
                 if not (a.kwarg_only or (write_only_first and i == 0)):
                     add(read, t)

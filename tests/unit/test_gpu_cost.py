@@ -231,11 +231,15 @@ _OVER_TARGET = {
     # against a copy's 8 B, 2.32 at gpt2-345m. A target of 2 holds only without error feedback.
     ("quantized", "fp32"): "2.32x a copy (gpt-tiny, fused): the error feedback's floor",
     ("quantized", "bf16"): "3.65x a copy (gpt-tiny, fused)",
-    # Fused codec (one encode, one decode op), but each side still gathers its samples' rows
-    # of the activation buffer (index_select) and scatters them back (index_copy_): about 5
-    # of the 7.7 copies are those two.
-    ("aqsgd-forward", "fp32"): "7.69x a copy (gpt-tiny, fused)",
-    ("aqsgd-forward", "bf16"): "7.89x a copy (gpt-tiny, fused)",
+    # Fused on the whole buffer (rows read inside the kernels, updated in place at the
+    # commit): at the floor of a step-level commit. Per microbatch of A activation bytes and
+    # P payload bytes: the sender reads x and its rows (2A), the receiver the payload and its
+    # rows and writes its activations (2A + P), and the commit on each side reads the payload
+    # and the rows and writes the rows (2 x (2A + P)): 8A + 4P against a copy's 2A, 4 + 2P/A
+    # (P/A = 1/8 fp32, 1/4 bf16 at 4 bits). No design reaches 2: the algorithm itself reads
+    # x and both sides' rows and writes both rows and the activations (6A = 3 copies).
+    ("aqsgd-forward", "fp32"): "4.26x a copy (gpt-tiny, fused; gpt2-345m 4.25x): floor 4 + 2P/A",
+    ("aqsgd-forward", "bf16"): "4.52x a copy (gpt-tiny, fused; gpt2-345m 4.50x): floor 4 + 2P/A",
     # Fused (megatron_ext/kernels/subspace.py): both sides read T_fixed[ids] and the payload
     # travels too, 2 + (4k + 24) / (4d) copies at the least (gpt-tiny's k / d is large).
     ("protocol-forward", "fp32"): "2.26x a copy (gpt2-345m 2.04x): T_fixed's rows read twice",

@@ -40,7 +40,7 @@ FLAGS = [
     "0",
 ]
 DIST = ["--use-distributed-optimizer"]
-HOOK = "optimizer_hook.0.quantized_adam"
+HOOK = "optimizer_hook.quantized_adam"
 
 
 def _sibling(trainer, flags):

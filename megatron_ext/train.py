@@ -1028,13 +1028,20 @@ def _run_dir(cfg: DriverConfig) -> Optional[str]:
 
 
 def _build_and_train(trainer: Trainer) -> Dict[str, Any]:
+    from megatron_ext.run_report import discard_if_empty
+
     trainer.setup_distributed()
     trainer.run_dir = _run_dir(trainer.cfg)
-    trainer.build_data()
-    trainer.build_model()
-    trainer.build_optimizer()
-    trainer.install_ext()
-    return trainer.run()
+    try:
+        trainer.build_data()
+        trainer.build_model()
+        trainer.build_optimizer()
+        trainer.install_ext()
+        return trainer.run()
+    except BaseException:
+        # A refusal (or any stop) before the run wrote anything leaves no empty runs/<stamp>.
+        discard_if_empty(trainer.run_dir)
+        raise
 
 
 # Warnings megatron-core prints on every rank when optional GPU libraries are absent;

@@ -208,6 +208,8 @@ def test_bad_values_end_in_one_line_naming_the_flag(args, line, tmp_path):
     assert_cause_last(proc.stdout + proc.stderr, f"megatron-ext train: error: {line}")
     assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
     assert not _log_lines(proc.stdout)
+    # A refusal after the run directory was made (no --save) leaves no empty runs/<stamp>.
+    assert not list(tmp_path.glob("runs/*")), list(tmp_path.glob("runs/*"))
 
 
 @pytest.mark.parametrize(
@@ -236,6 +238,7 @@ def test_aqsgd_refusals_name_the_flag_before_training(args, flag, tmp_path):
     assert "megatron-ext train: error:" in proc.stderr and flag in proc.stderr, proc.stderr[-3000:]
     assert_cause_last(proc.stdout + proc.stderr, "megatron-ext train: error:")
     assert not _log_lines(proc.stdout)
+    assert not list(tmp_path.glob("runs/*")), list(tmp_path.glob("runs/*"))
 
 
 def test_aqsgd_bit_widths_outside_the_set_are_refused(tmp_path):

@@ -1044,21 +1044,13 @@ def _build_and_train(trainer: Trainer) -> Dict[str, Any]:
         raise
 
 
-# Warnings megatron-core prints on every rank when optional GPU libraries are absent;
-# expected on CPU and without Transformer Engine, so not repeated in every run's output.
-_EXPECTED_WARNINGS = (
-    "Transformer Engine and Apex are not installed",
-    "Apex is not installed",
-    "full scope is deprecated",
-)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry point; returns the exit code."""
-    import warnings
+    from megatron_ext import quiet
 
-    for message in _EXPECTED_WARNINGS:
-        warnings.filterwarnings("ignore", message=f".*{message}.*")
+    # Known-harmless library warnings off the screen (MEGATRON_EXT_VERBOSE_WARNINGS=1 shows
+    # them), before megatron is imported.
+    quiet.install()
     from megatron_ext.megatron.checkpoint import CheckpointSaveError
     from megatron_ext.protocols import NonFiniteError
     from megatron_ext.refusal import report_refusal

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.quiet import noise_lines
 from tests.helpers.refusal import assert_cause_last, torchrun_summary
 
 REPO = Path(__file__).resolve().parents[2]
@@ -148,6 +149,10 @@ def test_command_line_resume_is_exact(tmp_path):
     assert second.returncode == 0, second.stderr[-4000:]
     assert "resumed from" in second.stdout
     assert _losses(tmp_path / "a" / "log.jsonl") == _losses(tmp_path / "b" / "log.jsonl")
+    # Quiet by default: no Python warning (dist-checkpoint loads included) and no rerun state
+    # machine line; MEGATRON_EXT_VERBOSE_WARNINGS=1 shows them (megatron_ext/quiet.py).
+    for run in (full, second):
+        assert not noise_lines(run.stdout + run.stderr), noise_lines(run.stdout + run.stderr)
     # The resume added its segment to the run's report instead of replacing it.
     report = json.loads((tmp_path / "b" / "comm_report.json").read_text())
     segments = [(s["start_iteration"], s["iterations"]) for s in report["segments"]]

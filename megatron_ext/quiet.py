@@ -62,8 +62,42 @@ KNOWN_WARNINGS: Tuple[Tuple[Type[Warning], str, str], ...] = (
     ),
     (
         UserWarning,
+        r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent "
+        r"is to load in a single process",
+        "megatron-core 0.19's load_common_state_dict reads the common state in one process "
+        "on purpose (no_dist=True)",
+    ),
+    (
+        UserWarning,
+        r"The argument order of load has been changed",
+        "torch.distributed.checkpoint on megatron-core 0.19's call of load (every load)",
+    ),
+    (
+        UserWarning,
+        r"Only transformer-engine>=\S+ supports MoE experts",
+        "megatron-core 0.19's spec provider without Transformer Engine: local linears, as "
+        "--transformer-impl local asks",
+    ),
+    (
+        UserWarning,
+        r"MimoModelConfig is experimental",
+        "a megatron-core 0.19 module Megatron-LM imports, unused here",
+    ),
+    (
+        UserWarning,
         r"'pin_memory' argument is set as true but no accelerator is found",
         "Megatron-LM's data loader on CPU",
+    ),
+    (
+        UserWarning,
+        r"Constraints for invoking optimized fused softmax kernel are not met",
+        "Megatron-LM's fused softmax is a CUDA kernel; the unfused path computes the same",
+    ),
+    (
+        UserWarning,
+        r"Overriding default arguments for ",
+        "Megatron-LM saying that the user's own flag (--tokenizer-type) wins over "
+        "pretrain_gpt.py's default for it, as it should",
     ),
 )
 """(category, message regex matched at its start, why it is harmless) of each filtered

@@ -303,8 +303,13 @@ def _step_kinds(
 
 def run_methods(ext: Dict[str, Any]) -> str:
     """A run's methods from its ``ext`` settings: the selected ones of every family joined
-    with ``+`` (``separate+diloco``), ``none`` when none is selected."""
-    picked = [str(ext[k]) for k in _FAMILY_KEYS if ext.get(k) not in (None, "none")]
+    with ``+`` (``separate+diloco``; Grass as ``grass-topr``), ``none`` when none is
+    selected."""
+    picked = [
+        f"grass-{ext[k]}" if k == "grass_method" else str(ext[k])
+        for k in _FAMILY_KEYS
+        if ext.get(k) not in (None, "none")
+    ]
     return "+".join(picked) or "none"
 
 
@@ -315,13 +320,14 @@ def _over_segments(rep: Dict[str, Any]) -> Tuple[Optional[float], Dict[str, Dict
     time_sum = time_steps = 0.0
     sums: Dict[str, Dict[str, float]] = {}
     comm_steps = 0.0
+    only = 1 if len(segments) == 1 else 0  # one segment: its means, even without counts
     for seg in segments:
-        steps = seg.get("steps_this_run") or 0
+        steps = seg.get("steps_this_run") or only
         if seg.get("mean_step_time_s") is not None and steps:
             time_sum += seg["mean_step_time_s"] * steps
             time_steps += steps
         comm = seg.get("comm") or {}
-        n = comm.get("steps") or 0
+        n = comm.get("steps") or only
         for c, v in (comm.get("all_ranks_per_step") or {}).items():
             acc = sums.setdefault(c, {"sent": 0.0, "dense_sent": 0.0})
             acc["sent"] += (v.get("sent") or 0.0) * n

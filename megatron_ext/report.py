@@ -51,6 +51,15 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from megatron_ext import report_frontier, report_sites
+from megatron_ext.report_style import (
+    baseline_style,
+    curve_markers,
+    loss_limits,
+    pyplot,
+    run_colors,
+    smooth,
+    smoothing_window,
+)
 
 __all__ = [
     "build_parser",
@@ -62,6 +71,7 @@ __all__ = [
     "final_loss",
     "mean_bytes",
     "is_compressed",
+    "run_methods",
     "ReportError",
     "RunData",
 ]
@@ -84,7 +94,14 @@ _CATEGORY_ORDER = (
     "outer",
     "other",
 )
-_METHOD_COLORS = {"none": "black", "separate": "C0", "radius": "C1", "powersgd": "C2"}
+_FAMILY_KEYS = (
+    "grad_compression",
+    "p2p_compression",
+    "grass_method",
+    "subspace_method",
+    "outer_method",
+)
+"""The method selectors of a run's ``ext`` settings (``comm_report.json``), in label order."""
 
 
 class ReportError(Exception):
@@ -243,6 +260,7 @@ def summarize_curve(records: List[Dict[str, Any]], fraction: float = 0.1) -> Dic
     dense = [g.get("dense_sent", 0.0) for g in grad]
     n_final = max(1, int(round(fraction * len(records)))) if records else 0
     warm = [t for t in (times[1:] if len(times) > 1 else times) if t is not None]
+    dense_steps, compressed_steps = _step_kinds(records, sent, dense)
     return {
         "curve": {
             "iteration": [r.get("iteration") for r in records],
@@ -258,13 +276,78 @@ def summarize_curve(records: List[Dict[str, Any]], fraction: float = 0.1) -> Dic
         "last_loss": losses[-1] if losses else None,
         "mean_step_s": sum(warm) / len(warm) if warm else None,
         "bytes_per_step_all_ranks": mean_bytes(records) if records else {},
-        "num_dense_steps": sum(1 for s, d in zip(sent, dense) if d and not is_compressed(s, d)),
-        "num_compressed_steps": sum(1 for s, d in zip(sent, dense) if is_compressed(s, d)),
+        "num_dense_steps": dense_steps,
+        "num_compressed_steps": compressed_steps,
     }
 
 
-def _train_run(path: str) -> Optional[Dict[str, Any]]:
-    """A plain ``megatron-ext train`` run as a convergence-like record, or ``None``."""
+def _step_kinds(
+    records: List[Dict[str, Any]], sent: List[float], dense: List[float]
+) -> Tuple[int, int]:
+    """(dense, compressed) data-parallel steps of a run, in steps: each logged record
+    covers the steps since the one before it (the first: since iteration 0), split by the
+    fraction of them that reduced densely (from the record's mean bytes,
+    :func:`_dense_fractions`). Records without data-parallel gradient bytes count in
+    neither."""
+    fractions = _dense_fractions({"dp_grad_sent": sent, "dp_grad_dense_sent": dense})
+    dense_steps = compressed_steps = 0.0
+    prev = 0
+    for r, d, f in zip(records, dense, fractions):
+        it = r.get("iteration") or prev
+        steps, prev = max(0, it - prev), it
+        if d:
+            dense_steps += f * steps
+            compressed_steps += (1.0 - f) * steps
+    return int(round(dense_steps)), int(round(compressed_steps))
+
+
+def run_methods(ext: Dict[str, Any]) -> str:
+    """A run's methods from its ``ext`` settings: the selected ones of every family joined
+    with ``+`` (``separate+diloco``; Grass as ``grass-topr``), ``none`` when none is
+    selected."""
+    picked = [
+        f"grass-{ext[k]}" if k == "grass_method" else str(ext[k])
+        for k in _FAMILY_KEYS
+        if ext.get(k) not in (None, "none")
+    ]
+    return "+".join(picked) or "none"
+
+
+def _over_segments(rep: Dict[str, Any]) -> Tuple[Optional[float], Dict[str, Dict[str, float]]]:
+    """(mean s/step, bytes per step by category) over every segment of a resumed run's
+    report (each weighted by its steps), not only the last one."""
+    segments = [s for s in rep.get("segments") or [rep] if isinstance(s, dict)]
+    time_sum = time_steps = 0.0
+    sums: Dict[str, Dict[str, float]] = {}
+    comm_steps = 0.0
+    only = 1 if len(segments) == 1 else 0  # one segment: its means, even without counts
+    for seg in segments:
+        steps = seg.get("steps_this_run") or only
+        if seg.get("mean_step_time_s") is not None and steps:
+            time_sum += seg["mean_step_time_s"] * steps
+            time_steps += steps
+        comm = seg.get("comm") or {}
+        n = comm.get("steps") or only
+        for c, v in (comm.get("all_ranks_per_step") or {}).items():
+            acc = sums.setdefault(c, {"sent": 0.0, "dense_sent": 0.0})
+            acc["sent"] += (v.get("sent") or 0.0) * n
+            acc["dense_sent"] += (v.get("dense_sent") or 0.0) * n
+        comm_steps += n
+    per_step = {
+        c: {k: x / comm_steps for k, x in v.items()}
+        for c, v in sums.items()
+        if comm_steps and (v["sent"] or v["dense_sent"])
+    }
+    return (time_sum / time_steps if time_steps else None), per_step
+
+
+def _train_run(path: str, name: Optional[str] = None) -> Optional[Dict[str, Any]]:
+    """A plain ``megatron-ext train`` run as a convergence-like record, or ``None``.
+
+    Args:
+        path: the run directory.
+        name: how the run is named in labels (default: the directory's name).
+    """
     log = os.path.join(path, "log.jsonl")
     rep_path = os.path.join(path, "comm_report.json")
     records = read_jsonl(log) if os.path.isfile(log) else []
@@ -273,23 +356,20 @@ def _train_run(path: str) -> Optional[Dict[str, Any]]:
         return None
     if not records and rep is not None:
         records = [h for h in rep.get("history") or [] if isinstance(h, dict)]
-    method = ((rep or {}).get("ext") or {}).get("grad_compression", "none")
-    name = os.path.basename(os.path.normpath(path)) or path
+    method = run_methods((rep or {}).get("ext") or {})
+    name = name or os.path.basename(os.path.normpath(path)) or path
     run = {"method": method, "label": f"{name} ({method})", "ok": True, "source": "train"}
+    run["path"] = path
     run.update(summarize_curve(records))
     rep = rep or {}
     if run["final_loss"] is None:
         run["final_loss"] = rep.get("final_lm_loss")
     run["final_valid_loss"] = rep.get("final_valid_loss")
-    run["mean_step_s"] = rep.get("mean_step_time_s") or run["mean_step_s"]
-    # The report's per-step means cover every step, the log only the logged ones.
-    per_step = (rep.get("comm") or {}).get("all_ranks_per_step") or {}
+    # The report's means cover every step of every segment, the log only the logged ones.
+    mean_step_s, per_step = _over_segments(rep)
+    run["mean_step_s"] = mean_step_s or run["mean_step_s"]
     if per_step:
-        run["bytes_per_step_all_ranks"] = {
-            c: {"sent": v.get("sent", 0.0), "dense_sent": v.get("dense_sent", 0.0)}
-            for c, v in per_step.items()
-            if v.get("sent") or v.get("dense_sent")
-        }
+        run["bytes_per_step_all_ranks"] = per_step
     return run
 
 
@@ -316,6 +396,10 @@ def load_runs(paths: Sequence[str]) -> RunData:
                 found = True
         if not found:
             run = _train_run(path)
+            if run is not None and run["label"] in data.convergence:
+                # Two run directories of one name (a/run, b/run): named by their paths.
+                if data.convergence[run["label"]].get("path") != path:
+                    run = _train_run(path, name=os.path.normpath(path))
             if run is not None:
                 data.convergence[run["label"]] = run
                 data.sources.append(path)
@@ -452,60 +536,48 @@ def wall_clock_axis(
 # -- plots ---------------------------------------------------------------------------------
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _color(method: str, index: int) -> str:
-    return _METHOD_COLORS.get(method, f"C{3 + index}")
-
-
-def _smooth(values: List[Optional[float]], window: int) -> List[Optional[float]]:
-    out: List[Optional[float]] = []
-    buf: List[float] = []
-    for v in values:
-        if v is not None:
-            buf.append(v)
-            buf = buf[-window:]
-        out.append(sum(buf) / len(buf) if buf else None)
-    return out
-
-
 def _plot_loss_vs_step(data: RunData, path: str, window: int) -> Optional[str]:
     runs = [r for r in data.convergence.values() if (r.get("curve") or {}).get("iteration")]
     if not runs:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
-    for i, r in enumerate(runs):
+    colors = run_colors([(r["label"], r["method"]) for r in runs])
+    window = smoothing_window(window, [len(r["curve"]["iteration"]) for r in runs])
+    markers = curve_markers(
+        [r["label"] for r in runs], max(len(r["curve"]["iteration"]) for r in runs)
+    )
+    shown = []
+    for r in runs:
         c = r["curve"]
-        color = _color(r["method"], i)
-        ax.plot(c["iteration"], c["lm_loss"], color=color, alpha=0.2, linewidth=0.8)
-        ax.plot(c["iteration"], _smooth(c["lm_loss"], window), color=color, label=r["label"])
+        style = {**baseline_style(r["method"]), **markers[r["label"]]}
+        color = colors[r["label"]]
+        ys = smooth(c["lm_loss"], window)
+        if window > 1:
+            ax.plot(c["iteration"], c["lm_loss"], color=color, alpha=0.2, linewidth=0.8)
+        ax.plot(c["iteration"], ys, color=color, label=r["label"], **style)
+        shown.append(ys)
     ax.set_xlabel("iteration")
     ax.set_ylabel("training loss (lm loss)")
-    ax.set_title(f"Loss against step (thin: logged; thick: {window}-record moving mean)")
+    ax.set_title(
+        f"Loss against step (thin: logged; thick: {window}-record moving mean)"
+        if window > 1
+        else "Loss against step (logged values)"
+    )
+    ax.set_xlim(left=0)
     ax.grid(alpha=0.3)
     ax.legend()
-    _clip_loss_axis(ax, runs)
+    _clip_loss_axis(ax, shown)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
-def _clip_loss_axis(ax, runs) -> None:
-    vals = [v for r in runs for v in r["curve"]["lm_loss"] if v is not None]
-    if vals:
-        lo = min(vals)
-        # Show the interesting part: from the lowest loss to a bit above the median.
-        hi = sorted(vals)[len(vals) // 2]
-        ax.set_ylim(lo - 0.05 * (hi - lo + 1e-9), hi + 0.6 * (hi - lo + 1e-9))
+def _clip_loss_axis(ax, curves) -> None:
+    limits = loss_limits(curves)
+    if limits:
+        ax.set_ylim(*limits)
 
 
 def _plot_loss_vs_time(data: RunData, path: str, window: int) -> Optional[str]:
@@ -518,29 +590,40 @@ def _plot_loss_vs_time(data: RunData, path: str, window: int) -> Optional[str]:
     ]
     if not runs or not bws:
         return None
-    plt = _pyplot()
+    plt = pyplot()
+    colors = run_colors([(r["label"], r["method"]) for r in runs])
+    window = smoothing_window(window, [len(r["curve"]["iteration"]) for r in runs])
+    markers = curve_markers(
+        [r["label"] for r in runs], max(len(r["curve"]["iteration"]) for r in runs)
+    )
     ncols = 2 if len(bws) > 1 else 1
     nrows = math.ceil(len(bws) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, 4.2 * nrows), squeeze=False)
     for k, bw in enumerate(bws):
         ax = axes[k // ncols][k % ncols]
-        for i, r in enumerate(runs):
+        shown = []
+        for r in runs:
             times = _step_times_for(data, r["method"], bw, layout, r.get("label"))
             if times is None:
                 continue
             x = wall_clock_axis(r["curve"], *times)
+            ys = smooth(r["curve"]["lm_loss"], window)
             ax.plot(
                 [t / 60.0 for t in x],
-                _smooth(r["curve"]["lm_loss"], window),
-                color=_color(r["method"], i),
+                ys,
+                color=colors[r["label"]],
                 label=f"{r['label']} ({times[0]:.2f} s/step)",
+                **baseline_style(r["method"]),
+                **markers[r["label"]],
             )
+            shown.append(ys)
         ax.set_title(f"{_layout_words(layout)}, {bw}")
         ax.set_xlabel("wall-clock minutes (derived)")
         ax.set_ylabel("training loss")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        _clip_loss_axis(ax, runs)
+        ax.set_xlim(left=0)
+        _clip_loss_axis(ax, shown)
     for k in range(len(bws), nrows * ncols):
         axes[k // ncols][k % ncols].axis("off")
     fig.suptitle(
@@ -576,7 +659,7 @@ def _plot_bytes(data: RunData, path: str) -> Optional[str]:
     rows = _bytes_rows(data)
     if not rows:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     # Categories below 0.1% of the largest bar (loss reductions: 32 B) would be invisible.
     largest = max(sum(v.get("dense_sent", 0.0) for v in b.values()) for _, b in rows) or 1.0
     present = {
@@ -639,7 +722,7 @@ def _plot_kernels(data: RunData, path: str) -> Optional[str]:
     panels = _kernel_series(data)
     if not panels:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     keys = sorted(panels)
     fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4.8), squeeze=False)
     for ax, key in zip(axes[0], keys):
@@ -727,7 +810,10 @@ def _convergence_md(data: RunData) -> List[str]:
             f"{settings.get('final_loss_definition', 'mean of the last 10% of logged losses')}."
         )
         out.append("")
-    base = next((r.get("final_loss") for r in runs if r["method"] == "none"), None)
+    bases = [r for r in runs if r["method"] == "none"]
+    base = bases[0].get("final_loss") if bases else None
+    # Several runs without a method: the gap is to the first of them, named in the header.
+    gap_header = f"gap vs {bases[0]['label']}" if len(bases) > 1 else "gap vs none"
     rows = []
     for r in runs:
         gap = r.get("gap_pct")
@@ -750,7 +836,7 @@ def _convergence_md(data: RunData) -> List[str]:
             [
                 "method",
                 "final loss",
-                "gap vs none",
+                gap_header,
                 "valid loss (end)",
                 "compressed steps",
                 "dense steps",
@@ -917,7 +1003,7 @@ def _step_time_md(data: RunData) -> List[str]:
 def _time_to_loss_md(data: RunData, runs: List[Dict[str, Any]], bws: List[str]) -> List[str]:
     """Derived time for each method to reach the loss every method reaches."""
     window = 10
-    smoothed = {r["label"]: _smooth(r["curve"]["lm_loss"], window) for r in runs}
+    smoothed = {r["label"]: smooth(r["curve"]["lm_loss"], window) for r in runs}
     finals = [v[-1] for v in smoothed.values() if v and v[-1] is not None]
     if len(finals) < 2:
         return []

@@ -29,6 +29,15 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from megatron_ext.report_style import (
+    METHOD_COLORS,
+    bandwidth_key,
+    baseline_style,
+    pyplot,
+    run_colors,
+    table,
+)
+
 __all__ = [
     "trailing_mean",
     "milestones",
@@ -116,22 +125,6 @@ def dp_bytes(record: Dict[str, Any]) -> Optional[float]:
     return grad.get("sent")
 
 
-def _fmt(value: Any, digits: int = 3) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    out += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
-    return "\n".join(out)
-
-
 def _batches(records: Sequence[Dict[str, Any]]) -> List[int]:
     return sorted({r["tokens_per_step"] for r in records})
 
@@ -209,7 +202,7 @@ def frontier_md(records: Sequence[Dict[str, Any]]) -> List[str]:
                 ]
             )
         out.append(
-            _table(
+            table(
                 [
                     "setting",
                     "final loss",
@@ -273,7 +266,7 @@ def time_to_target_md(records: Sequence[Dict[str, Any]], tolerance: float = 0.01
     out.append("")
     for tokens in _batches(shaped):
         bws = sorted(
-            {r["bandwidth"] for r in shaped if r["tokens_per_step"] == tokens}, key=_bw_key
+            {r["bandwidth"] for r in shaped if r["tokens_per_step"] == tokens}, key=bandwidth_key
         )
         for bw in bws:
             marks, rows, final = _ttt_rows(records, tokens, bw, tolerance)
@@ -286,23 +279,9 @@ def time_to_target_md(records: Sequence[Dict[str, Any]], tolerance: float = 0.01
                 + [f"{int(100 * m['fraction'])}%: {m['loss']:.3f}" for m in marks]
                 + ["mean step s"]
             )
-            out.append(_table(headers, rows))
+            out.append(table(headers, rows))
             out.append("")
     return out
-
-
-def _bw_key(bw: Optional[str]) -> float:
-    """Fastest first: unshaped, then by rate."""
-    if bw in (None, "unshaped"):
-        return -math.inf
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-    for unit, scale in units.items():
-        if bw.endswith(unit):
-            try:
-                return -float(bw[: -len(unit)]) * scale
-            except ValueError:
-                break
-    return 0.0
 
 
 def front_page_md(
@@ -317,7 +296,7 @@ def front_page_md(
     shaped = [r for r in records if r.get("bandwidth") not in (None, "unshaped")]
     for tokens in _batches(shaped):
         bws = sorted(
-            {r["bandwidth"] for r in shaped if r["tokens_per_step"] == tokens}, key=_bw_key
+            {r["bandwidth"] for r in shaped if r["tokens_per_step"] == tokens}, key=bandwidth_key
         )
         for bw in bws:
             _, _, final = _ttt_rows(records, tokens, bw, tolerance)
@@ -343,7 +322,7 @@ def front_page_md(
         )
         out.append("")
         out.append(
-            _table(["link", "tokens/step", "pick", "time to dense final loss", "vs none"], rows)
+            table(["link", "tokens/step", "pick", "time to dense final loss", "vs none"], rows)
         )
         out.append("")
     rows = []
@@ -372,28 +351,34 @@ def front_page_md(
     if rows:
         out.append(f"Fewest DP bytes within {quality:g}% of the dense final loss, per batch size:")
         out.append("")
-        out.append(_table(["tokens/step", "setting", "gap", "fewer bytes"], rows))
+        out.append(table(["tokens/step", "setting", "gap", "fewer bytes"], rows))
         out.append("")
     return out
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-_COLORS = {
-    "none": "black",
-    "separate": "C0",
-    "radius": "C1",
-    "powersgd": "C2",
-    "quantized": "C4",
-    "topr": "C3",
-}
+def _annotate(ax, notes: Sequence[Tuple[float, float, str]]) -> None:
+    """Label points; points whose labels would overlap (within a factor 1.6 in bytes, about
+    a label's width on these axes, and 4% of the loss range) get one label naming the first
+    and how many more, instead of labels printed over each other."""
+    if not notes:
+        return
+    ys = [y for _, y, _ in notes]
+    span = (max(ys) - min(ys)) or 1.0
+    groups: List[List[Tuple[float, float, str]]] = []
+    for x, y, label in notes:
+        for group in groups if not label.startswith("none") else []:  # the baseline: own label
+            if group[0][2].startswith("none"):
+                continue
+            gx, gy, _ = group[0]
+            if abs(math.log(x / gx)) < 0.47 and abs(y - gy) < 0.04 * span:
+                group.append((x, y, label))
+                break
+        else:
+            groups.append([(x, y, label)])
+    for group in groups:
+        x, y, label = group[0]
+        text = label if len(group) == 1 else f"{label} (+{len(group) - 1} more)"
+        ax.annotate(text, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
 
 
 def plot_frontier(records: Sequence[Dict[str, Any]], path: str) -> Optional[str]:
@@ -401,7 +386,7 @@ def plot_frontier(records: Sequence[Dict[str, Any]], path: str) -> Optional[str]
     batches = _batches(records)
     if not batches:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.ticker import NullFormatter
 
     fig, axes = plt.subplots(len(batches), 2, figsize=(12, 4.2 * len(batches)), squeeze=False)
@@ -412,12 +397,13 @@ def plot_frontier(records: Sequence[Dict[str, Any]], path: str) -> Optional[str]
         for col, key in enumerate(("final_loss", "final_valid_loss")):
             ax = axes[row][col]
             seen = set()
+            notes: List[Tuple[float, float, str]] = []
             plain = [r for r in points.values() if not r.get("batch_div") and r.get(key)]
             for r in points.values():
                 b, y = dp_bytes(r), r.get(key)
                 if not b or y is None:
                     continue
-                color = _COLORS.get(r["method"], "C5")
+                color = METHOD_COLORS.get(r["method"], "C5")
                 marker = "x" if r.get("batch_div") else "o"
                 ax.scatter(
                     [b / 1e6],
@@ -431,9 +417,8 @@ def plot_frontier(records: Sequence[Dict[str, Any]], path: str) -> Optional[str]
                     ),
                 )
                 seen.add((r["method"], marker))
-                ax.annotate(
-                    r["label"], (b / 1e6, y), fontsize=7, xytext=(3, 3), textcoords="offset points"
-                )
+                notes.append((b / 1e6, y, r["label"]))
+            _annotate(ax, notes)
             pts = [(dp_bytes(r) or 0.0, r[key]) for r in plain]
             front = [plain[i] for i in pareto_front(pts)]
             if len(front) > 1:
@@ -463,11 +448,12 @@ def plot_loss_vs_wallclock(records: Sequence[Dict[str, Any]], path: str) -> Opti
     shaped = [r for r in records if r.get("bandwidth") not in (None, "unshaped") and r.get("curve")]
     panels = sorted(
         {(r["tokens_per_step"], r["bandwidth"]) for r in shaped},
-        key=lambda p: (p[0], _bw_key(p[1])),
+        key=lambda p: (p[0], bandwidth_key(p[1])),
     )
     if not panels:
         return None
-    plt = _pyplot()
+    plt = pyplot()
+    colors = run_colors(list(dict.fromkeys((r["label"], r["method"]) for r in shaped)))
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
     for ax, (tokens, bw) in zip(axes[0], panels):
         for r in shaped:
@@ -482,8 +468,9 @@ def plot_loss_vs_wallclock(records: Sequence[Dict[str, Any]], path: str) -> Opti
             ax.plot(
                 xs,
                 ys,
-                color=_COLORS.get(r["method"], None),
+                color=colors[r["label"]],
                 label=r["label"] + (" (stopped)" if r.get("truncated") else ""),
+                **baseline_style(r["method"]),
             )
         ax.set_xlabel("measured training time (s)")
         ax.set_ylabel("training loss (trailing mean)")

@@ -38,7 +38,7 @@ import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 # Shared table, rate-order and pyplot helpers of the frontier report (same package).
-from megatron_ext.report_frontier import _bw_key, _pyplot, _table
+from megatron_ext.report_style import bandwidth_key, baseline_style, pyplot, run_colors, table
 
 __all__ = [
     "SECTION_TITLE",
@@ -88,7 +88,7 @@ def group_records(records: Sequence[Dict[str, Any]]) -> List[Tuple[GroupKey, Lis
         if layout not in layouts:
             layouts.append(layout)
         groups.setdefault((layout, pp, rate, iters), []).append(r)
-    order = sorted(groups, key=lambda k: (layouts.index(k[0]), k[1], _bw_key(k[2]), k[3]))
+    order = sorted(groups, key=lambda k: (layouts.index(k[0]), k[1], bandwidth_key(k[2]), k[3]))
     return [(k, groups[k]) for k in order]
 
 
@@ -216,7 +216,7 @@ def front_page_md(records: Sequence[Dict[str, Any]]) -> List[str]:
         "run's at that rate). Last column: the same at a nearer target, the `none` "
         "run's trailing-mean loss at half its steps.",
         "",
-        _table(
+        table(
             [
                 "layout",
                 "link",
@@ -321,7 +321,7 @@ def sites_md(records: Sequence[Dict[str, Any]]) -> List[str]:
         headers += ["step s", "train s", "s to dense loss", "speed-up"]
         if half:
             headers += ["s to dense loss at 50%", "speed-up at 50%"]
-        out.append(_table(headers, rows))
+        out.append(table(headers, rows))
         out.append("")
         for r in group:
             if r.get("status") == "refused" and r.get("refusal"):
@@ -344,17 +344,10 @@ def plot_loss_vs_time(records: Sequence[Dict[str, Any]], path: str) -> Optional[
                 panels.setdefault((layout, pp, rate), []).append(r)
     if not panels:
         return None
-    # One colour per configuration across panels (``none`` black): the default cycle's 10
-    # while they suffice, else tab20's 20 (beyond that colours repeat).
+    # One colour per configuration across panels (``none`` black, dashed, on top).
     labels = list(dict.fromkeys(r["label"] for runs in panels.values() for r in runs))
-    others = [x for x in labels if x != "none"]
-    plt = _pyplot()
-    if len(others) <= 10:
-        colors = {lab: f"C{i}" for i, lab in enumerate(others)}
-    else:
-        palette = plt.get_cmap("tab20")
-        colors = {lab: palette(i % 20) for i, lab in enumerate(others)}
-    colors["none"] = "black"
+    colors = run_colors([(x, "none" if x == "none" else x) for x in labels])
+    plt = pyplot()
     ncols = min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4.2 * nrows), squeeze=False)
@@ -372,6 +365,7 @@ def plot_loss_vs_time(records: Sequence[Dict[str, Any]], path: str) -> Optional[
                 _nan(ys),
                 color=colors[r["label"]],
                 label=label,
+                **baseline_style("none" if r["label"] == "none" else r["label"]),
             )
         targets = {r.get("target_loss") for r in runs if r.get("target_loss") is not None}
         if len(targets) == 1:

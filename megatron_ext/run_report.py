@@ -9,6 +9,8 @@ What it does:
       are kept: ``segments`` lists every segment's summary in order (this one last), and a
       ``history`` of logged iterations continues the earlier one. The top-level fields stay
       this segment's (what readers of a one-segment report read).
+    * :func:`discard_if_empty`: a run refused after its fresh run directory was made
+      removes it again, so refusals leave no empty ``runs/<stamp>`` behind.
     * :func:`check_not_finished`: a ``--load`` whose checkpoint is at or past
       ``--train-iters`` is refused before anything is built, naming the flags that extend it.
 
@@ -37,6 +39,7 @@ __all__ = [
     "RUNS_DIR",
     "report_file",
     "fresh_run_dir",
+    "discard_if_empty",
     "write_report",
     "check_not_finished",
 ]
@@ -84,6 +87,17 @@ def fresh_run_dir(base: str = RUNS_DIR) -> str:
             f"cannot be created: {exc.strerror or exc}; pass --save DIR (or --comm-report FILE)",
         ) from None
     raise ConfigError("--save", f"no free run directory name under {base}/; pass --save DIR")
+
+
+def discard_if_empty(path: Optional[str]) -> None:
+    """Remove ``path`` if it is an empty directory (a fresh run directory of a run that
+    stopped before writing anything into it); anything else is left as it is."""
+    if not path:
+        return
+    try:
+        os.rmdir(path)  # fails, and keeps the directory, unless it is empty
+    except OSError:
+        pass
 
 
 def _summary_of(report: Dict[str, Any]) -> Dict[str, Any]:

@@ -967,30 +967,29 @@ def _run_dir(cfg: DriverConfig) -> Optional[str]:
 
 
 def _build_and_train(trainer: Trainer) -> Dict[str, Any]:
+    from megatron_ext.run_report import discard_if_empty
+
     trainer.setup_distributed()
     trainer.run_dir = _run_dir(trainer.cfg)
-    trainer.build_data()
-    trainer.build_model()
-    trainer.build_optimizer()
-    trainer.install_ext()
-    return trainer.run()
-
-
-# Warnings megatron-core prints on every rank when optional GPU libraries are absent;
-# expected on CPU and without Transformer Engine, so not repeated in every run's output.
-_EXPECTED_WARNINGS = (
-    "Transformer Engine and Apex are not installed",
-    "Apex is not installed",
-    "full scope is deprecated",
-)
+    try:
+        trainer.build_data()
+        trainer.build_model()
+        trainer.build_optimizer()
+        trainer.install_ext()
+        return trainer.run()
+    except BaseException:
+        # A refusal (or any stop) before the run wrote anything leaves no empty runs/<stamp>.
+        discard_if_empty(trainer.run_dir)
+        raise
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry point; returns the exit code."""
-    import warnings
+    from megatron_ext import quiet
 
-    for message in _EXPECTED_WARNINGS:
-        warnings.filterwarnings("ignore", message=f".*{message}.*")
+    # Known-harmless library warnings off the screen (MEGATRON_EXT_VERBOSE_WARNINGS=1 shows
+    # them), before megatron is imported.
+    quiet.install()
     from megatron_ext.megatron.checkpoint import CheckpointSaveError
     from megatron_ext.protocols import NonFiniteError
     from megatron_ext.refusal import report_refusal

@@ -700,17 +700,27 @@ def write_rows(layers: Sequence[GrassLayer], values: Sequence[torch.Tensor]) -> 
         layer._scatter_units(total)
 
 
+# torch >= 2.13 names these all_gather_single / reduce_scatter_single and deprecates the old
+# names with a FutureWarning at every call site; older releases only have the old names.
+_ALL_GATHER = getattr(torch.distributed, "all_gather_single", None) or (
+    torch.distributed.all_gather_into_tensor
+)
+_REDUCE_SCATTER = getattr(torch.distributed, "reduce_scatter_single", None) or (
+    torch.distributed.reduce_scatter_tensor
+)
+
+
 def _all_gather_first_dim(t: torch.Tensor, group: Any) -> torch.Tensor:
     world = torch.distributed.get_world_size(group)
     out = torch.empty((world * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-    torch.distributed.all_gather_into_tensor(out, t.contiguous(), group=group)
+    _ALL_GATHER(out, t.contiguous(), group=group)
     return out
 
 
 def _reduce_scatter_first_dim(t: torch.Tensor, group: Any) -> torch.Tensor:
     world = torch.distributed.get_world_size(group)
     out = torch.empty((t.shape[0] // world,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-    torch.distributed.reduce_scatter_tensor(out, t.contiguous(), group=group)
+    _REDUCE_SCATTER(out, t.contiguous(), group=group)
     return out
 
 

@@ -141,6 +141,13 @@ class BucketView:
         return 0, self.grad.numel()
 
 
+REDUCE_SCATTER = getattr(torch.distributed, "reduce_scatter_single", None) or (
+    torch.distributed.reduce_scatter_tensor
+)
+"""``reduce_scatter_single`` (torch >= 2.13, which deprecates ``reduce_scatter_tensor`` with a
+FutureWarning at every call site), else ``reduce_scatter_tensor``; same arguments."""
+
+
 def all_gather_flat(output: torch.Tensor, local: torch.Tensor, group: Any) -> None:
     """``output = cat(local of every rank)`` (torch >= 2.13 names it ``all_gather_single``
     and deprecates ``all_gather_into_tensor``, which older releases only have)."""
@@ -181,7 +188,7 @@ class BucketGroupSpec:
     async_op: bool = False
     """Launch asynchronously (overlap with backward); the handle is waited on later."""
 
-    reduce_scatter_fn: Callable[..., Any] = torch.distributed.reduce_scatter_tensor
+    reduce_scatter_fn: Callable[..., Any] = REDUCE_SCATTER
     """The reduce-scatter function megatron would call (it may use fp32 accumulation)."""
 
     reduce_scatter_own_handle: bool = False

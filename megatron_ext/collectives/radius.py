@@ -45,6 +45,7 @@ from megatron_ext.collectives.grad_reducer import (
     BoundReduction,
     BucketGroupSpec,
     CompressedReduction,
+    REDUCE_SCATTER,
     GradReducer,
     _DenseReduction,
     _Split,
@@ -302,7 +303,7 @@ class _RadiusReduction(CompressedReduction):
                     out = torch.empty(
                         payload.numel() // size, dtype=payload.dtype, device=grad.device
                     )
-                    work = torch.distributed.reduce_scatter_tensor(
+                    work = REDUCE_SCATTER(
                         out, payload, op=spec.op, group=spec.group, async_op=spec.async_op
                     )
                 else:

@@ -12,6 +12,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -205,6 +206,23 @@ def test_empty_split_is_refused(small, tmp_path):
         cfg, tokenizer=tok, seq_length=_SEQ, seed=1, num_samples=(8, 2, 0)
     )
     assert test is None and len(train) >= 8 and len(valid) >= 2
+    # One document (a single .txt file through prepare-data): the refusal's --split works.
+    one = write_indexed_dataset(small.docs[:1], tok, str(tmp_path / "one"))
+    cfg = DataConfig(
+        data_path=(one,),
+        tokenizer_model=small.model,
+        data_cache_path=str(tmp_path / "c1"),
+        split="98,2,0",
+    )
+    with pytest.raises(ConfigError, match="valid split") as info:
+        build_gpt_datasets(cfg, tokenizer=tok, seq_length=_SEQ, seed=1, num_samples=(8, 2, 0))
+    advice = re.search(r"pass --split (\S+)", str(info.value)).group(1)
+    assert advice == "100,0,0", str(info.value)
+    cfg = dataclasses.replace(cfg, split=advice)
+    train, valid, test = build_gpt_datasets(
+        cfg, tokenizer=tok, seq_length=_SEQ, seed=1, num_samples=(8, 2, 0)
+    )
+    assert len(train) >= 8 and valid is None and test is None
 
 
 def test_token_ids_outside_the_vocabulary_are_refused_on_the_index(small, tmp_path):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.quiet import noise_lines
 from tests.helpers.refusal import assert_cause_last, torchrun_summary
 
 REPO = Path(__file__).resolve().parents[2]
@@ -148,6 +149,10 @@ def test_command_line_resume_is_exact(tmp_path):
     assert second.returncode == 0, second.stderr[-4000:]
     assert "resumed from" in second.stdout
     assert _losses(tmp_path / "a" / "log.jsonl") == _losses(tmp_path / "b" / "log.jsonl")
+    # Quiet by default: no Python warning (dist-checkpoint loads included) and no rerun state
+    # machine line; MEGATRON_EXT_VERBOSE_WARNINGS=1 shows them (megatron_ext/quiet.py).
+    for run in (full, second):
+        assert not noise_lines(run.stdout + run.stderr), noise_lines(run.stdout + run.stderr)
     # The resume added its segment to the run's report instead of replacing it.
     report = json.loads((tmp_path / "b" / "comm_report.json").read_text())
     segments = [(s["start_iteration"], s["iterations"]) for s in report["segments"]]
@@ -204,6 +209,8 @@ def test_bad_values_end_in_one_line_naming_the_flag(args, line, tmp_path):
     assert_cause_last(proc.stdout + proc.stderr, f"megatron-ext train: error: {line}")
     assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
     assert not _log_lines(proc.stdout)
+    # A refusal after the run directory was made (no --save) leaves no empty runs/<stamp>.
+    assert not list(tmp_path.glob("runs/*")), list(tmp_path.glob("runs/*"))
 
 
 @pytest.mark.release_independent
@@ -237,6 +244,7 @@ def test_aqsgd_refusals_name_the_flag_before_training(args, flag, tmp_path):
     assert proc.stderr.count("megatron-ext train: error:") == 1, proc.stderr[-3000:]
     assert_cause_last(proc.stdout + proc.stderr, "megatron-ext train: error:")
     assert not _log_lines(proc.stdout)
+    assert not list(tmp_path.glob("runs/*")), list(tmp_path.glob("runs/*"))
 
 
 # name: (arguments, the cause the last lines must hold); refused before the ranks talk, so

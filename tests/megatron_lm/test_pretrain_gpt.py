@@ -46,6 +46,7 @@ from typing import Dict
 import pytest
 import torch
 
+from tests.helpers.quiet import noise_lines
 from tests.helpers.refusal import assert_cause_last
 from tests.megatron_lm.lm_runs import (
     REPO,
@@ -142,6 +143,10 @@ def test_torch_dist_resume_continues_exactly(dp2_torch_dist, lm_dir, tmp_path):
         f"> megatron-ext: loaded the state of 2 ranks from {root / 'ckpt' / 'iter_0000002'} "
         "(ShardedObject 'megatron_ext/rank_state'; objects: grad_reducer)" in resumed.stdout
     )
+    # Quiet by default (megatron_ext/quiet.py): no Python warning, loads included, and no
+    # rerun state machine line, in a first run and a resumed one.
+    for run in (full, resumed):
+        assert not noise_lines(run.output), noise_lines(run.output)
     a, b = iterations(full.stdout), iterations(resumed.stdout)
     _assert_dp_grad_bytes(b, [3, 4])
     # Iteration 3: loss and grad norm exactly as printed by the uninterrupted run.

@@ -134,6 +134,12 @@ def test_ci_runs_exactly_the_readme_test_command():
 def _torchrun(words: List[str]) -> Tuple[int, List[str]]:
     if words[:3] == ["python", "-m", "megatron_ext.train"]:
         return 1, words[1:]  # one process, no torchrun
+    if words[:2] == ["megatron-ext", "netbench"]:  # netbench starts --nproc ranks of COMMAND
+        from megatron_ext.netbench.cli import _parse
+
+        args, command, _ = _parse(words[2:])
+        assert command[0] == "python", words
+        return args.nproc, command[1:]
     assert words[0] == "torchrun", words
     nproc = int(words[words.index("--nproc-per-node") + 1])
     return nproc, words[words.index("--nproc-per-node") + 2 :]
@@ -169,6 +175,92 @@ def test_driver_commands_parse_and_validate_for_their_layout(name, text, words, 
     )
     if text not in _gpu_commands():
         assert cfg.training.cpu, f"{name}: a laptop command without --cpu: {text}"
+    env, rest = _env_and_rest(words)
+    if rest[:2] == ["megatron-ext", "netbench"] and "sites" in rest[: rest.index("--")]:
+        # Shaping the links between sites is what DiLoCo is measured with: the example trains
+        # with one DiLoCo group per shaped site (not dense data parallelism).
+        sites = int(rest[rest.index("--sites") + 1])
+        groups = cfg.ext.summary()["outer_groups"]
+        assert cfg.ext.method("outer") == "diloco" and groups == sites, text
+
+
+def _saved_and_loaded(words: List[str]) -> Tuple[List[str], List[str]]:
+    """(--save, --load) directories of a driver command."""
+    out: Tuple[List[str], List[str]] = ([], [])
+    for k, flag in enumerate(("--save", "--load")):
+        if flag in words:
+            out[k].append(words[words.index(flag) + 1])
+    return out
+
+
+def _model_of(words: List[str]) -> str:
+    return words[words.index("--model") + 1] if "--model" in words else "gpt-tiny"
+
+
+def test_every_loaded_checkpoint_and_data_prefix_is_made_by_an_earlier_command():
+    """A ``--load DIR`` of a command is the ``--save DIR`` of a command before it in the
+    same file (of the same model, with the same pipeline split), and a ``--data-path`` is
+    a file of the repository or the ``--output-prefix`` of an earlier ``prepare-data``: the
+    commands of a page run in order as written."""
+    by_file: dict = {}
+    for name, text, words in ALL:
+        by_file.setdefault(name, []).append(words)
+    checked = 0
+    for name, commands in by_file.items():
+        saved: dict = {}
+        prefixes = set()
+        for words in commands:
+            if words[:2] == ["megatron-ext", "prepare-data"]:
+                prefixes.add(words[words.index("--output-prefix") + 1])
+            if "megatron_ext.train" not in words:
+                continue
+            pp = (
+                words[words.index("--pipeline-model-parallel-size") + 1]
+                if ("--pipeline-model-parallel-size" in words)
+                else "1"
+            )
+            save, load = _saved_and_loaded(words)
+            for directory in load:
+                assert directory in saved, f"{name}: nothing before it saves {directory}: {words}"
+                assert saved[directory] == (_model_of(words), pp), (name, directory)
+                checked += 1
+            if "--data-path" in words:
+                prefix = words[words.index("--data-path") + 1]
+                assert prefix in prefixes or (REPO / f"{prefix}.bin").exists(), (name, prefix)
+            for directory in save:
+                saved[directory] = (_model_of(words), pp)
+    assert checked >= 1  # the AQ-SGD page's fine-tuning loads the run its first command saves
+
+
+def _benchmark_parser(script: str):
+    import importlib
+
+    module = importlib.import_module(f"benchmarks.{Path(script).stem}")
+    return getattr(module, "build_parser", None)
+
+
+def test_benchmark_commands_parse(capsys):
+    """Each ``python benchmarks/X.py ...`` of the docs is accepted by that script's parser
+    (the scripts with one; the long runs are not started here)."""
+    checked = 0
+    parsers: dict = {}
+    for name, text, words in ALL:
+        rest = _env_and_rest(words)[1]
+        if len(rest) < 2 or rest[0] not in ("python", "python3"):
+            continue
+        if not rest[1].startswith("benchmarks/"):
+            continue
+        if rest[1] not in parsers:
+            parsers[rest[1]] = _benchmark_parser(rest[1])
+        if parsers[rest[1]] is None:
+            continue
+        args = [re.sub(r"<[^>]*>", "PLACEHOLDER", a) for a in rest[2:]]
+        try:
+            parsers[rest[1]]().parse_args(args)
+        except SystemExit:
+            pytest.fail(f"{name}: {text}: {capsys.readouterr().err.strip()}")
+        checked += 1
+    assert checked >= 10, checked
 
 
 def _megatron_lm_flags() -> set:

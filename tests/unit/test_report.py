@@ -217,6 +217,80 @@ def test_report_reads_a_plain_train_run(tmp_path):
     assert "| gpt-tiny-dp2 (none) | 7.0500 |" in md
 
 
+def _train_dir(path: Path, ext: dict, segments, every=5, dense_until=0) -> Path:
+    """A driver run directory: log.jsonl every ``every`` steps (dense gradients up to
+    ``dense_until``, a quarter of the bytes after), comm_report.json with ``segments``
+    ((start, steps, mean s/step, dp-grad bytes per step))."""
+    path.mkdir(parents=True)
+    end = max(start + steps for start, steps, _, _ in segments)
+    with open(path / "log.jsonl", "w") as f:
+        for i in range(every, end + 1, every):
+            sent = 4e6 if i <= dense_until else 1e6
+            rec = {
+                "iteration": i,
+                "step_time_s": 0.3,
+                "lm_loss": 9.0 - 0.05 * i,
+                "bytes_per_step_all_ranks": {"dp-grad": {"sent": sent, "dense_sent": 4e6}},
+            }
+            f.write(json.dumps(rec) + "\n")
+    segs = [
+        {
+            "start_iteration": start,
+            "steps_this_run": steps,
+            "mean_step_time_s": step_s,
+            "comm": {
+                "steps": steps,
+                "all_ranks_per_step": {"dp-grad": {"sent": b, "dense_sent": 4e6}},
+            },
+        }
+        for start, steps, step_s, b in segments
+    ]
+    (path / "comm_report.json").write_text(json.dumps({**segs[-1], "ext": ext, "segments": segs}))
+    return path
+
+
+def test_plain_runs_get_their_methods_distinct_colours_and_counts_in_steps(tmp_path):
+    """Runs of one method are told apart (labels and colours), a run is labelled with the
+    methods of every family, dense steps are counted in steps (not log records), s/step and
+    bytes cover every resumed segment, and a short run is drawn whole."""
+    from megatron_ext.report_style import loss_limits, run_colors, smoothing_window
+
+    a = _train_dir(tmp_path / "a" / "run", {"grad_compression": "none"}, [(0, 40, 0.4, 4e6)])
+    b = _train_dir(tmp_path / "b" / "run", {"grad_compression": "none"}, [(0, 40, 0.4, 4e6)])
+    psgd = _train_dir(
+        tmp_path / "psgd", {"grad_compression": "powersgd"}, [(0, 40, 0.5, 1.75e6)], dense_until=10
+    )
+    # Resumed: 40 steps at 0.2 s, then 20 at 0.8 s (the last segment alone says 0.8).
+    sites = _train_dir(
+        tmp_path / "sites",
+        {"grad_compression": "none", "outer_method": "diloco"},
+        [(0, 40, 0.2, 4e6), (40, 20, 0.8, 1e6)],
+    )
+    data = report.load_runs([str(a), str(b), str(psgd), str(sites)])
+    runs = {r["label"]: r for r in data.convergence.values()}
+    # The second directory named "run" is named by its path.
+    assert set(runs) == {"run (none)", f"{b} (none)", "psgd (powersgd)", "sites (diloco)"}
+    p = runs["psgd (powersgd)"]
+    assert (p["num_dense_steps"], p["num_compressed_steps"]) == (10, 30)
+    s = runs["sites (diloco)"]
+    assert s["mean_step_s"] == pytest.approx((40 * 0.2 + 20 * 0.8) / 60)
+    assert s["bytes_per_step_all_ranks"]["dp-grad"]["sent"] == pytest.approx(
+        (40 * 4e6 + 20 * 1e6) / 60
+    )
+    colors = run_colors([(r["label"], r["method"]) for r in data.convergence.values()])
+    assert len(set(colors.values())) == 4, colors
+    # 8 records: no 10-record mean (it would plot a cumulative mean), every value in range.
+    assert smoothing_window(10, [8, 40]) == 2
+    losses = [9.0 - 0.05 * i for i in range(5, 45, 5)]
+    lo, hi = loss_limits([losses])
+    assert lo < min(losses) and hi > max(losses)
+    out = tmp_path / "out"
+    assert report.main([str(a), str(b), str(psgd), str(sites), "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert "| psgd (powersgd) |" in md and "| 30 | 10 | 0.500 |" in md
+    assert "| gap vs run (none) |" in md  # several runs without a method: the first
+
+
 def test_report_refuses_an_empty_directory(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()

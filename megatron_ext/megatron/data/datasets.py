@@ -149,6 +149,30 @@ def _resolve_blend(
     return [prepare_embedded_data(tokenizer, cache_dir)], None
 
 
+def _split_advice(lengths: numpy.ndarray, shares: Sequence[float]) -> str:
+    """A ``--split`` value (percentages) that gives every split with a share some tokens of a
+    dataset of these document ``lengths``: the shares of the splits that get none set to 0
+    (all to training when training gets none)."""
+    shares = list(shares)
+    for _ in range(len(shares)):  # zeroing one split renormalizes the others' bookends
+        total, beg, changed = sum(shares), 0.0, False
+        for k, share in enumerate(shares):
+            if share <= 0 or total <= 0:
+                continue
+            lo = int(round(beg / total * len(lengths)))
+            hi = int(round((beg + share) / total * len(lengths)))
+            beg += share
+            if int(lengths[lo:hi].sum()) == 0:
+                shares[k], changed = 0.0, True
+                break
+        if not changed:
+            break
+    if shares[0] <= 0:
+        return "100,0,0"
+    total = sum(shares)
+    return ",".join(f"{100 * s / total:.4g}" for s in shares)
+
+
 def _split_sizes(
     prefixes: Sequence[str], split_matrix: Sequence[Optional[Tuple[float, float]]]
 ) -> Dict[Tuple[str, Split], Tuple[int, int]]:
@@ -157,6 +181,7 @@ def _split_sizes(
     Refuses splits without tokens: megatron-core's epoch count would never terminate.
     """
     out: Dict[Tuple[str, Split], Tuple[int, int]] = {}
+    shares = [0.0 if b is None else b[1] - b[0] for b in split_matrix]
     for prefix in prefixes:
         dataset = IndexedDataset(prefix, mmap=True)
         # Copy: the lengths are a view of a memory map that closes with the dataset object.
@@ -175,8 +200,9 @@ def _split_sizes(
                 raise ConfigError(
                     "--split",
                     f"the {split.name} split of {prefix} gets no documents ({num_elements} "
-                    "documents in all); give it a larger share, or set its share to 0 "
-                    "(e.g. --split 98,2,0), or ask for 0 samples of it",
+                    f"documents in all); pass --split {_split_advice(lengths, shares)} "
+                    "(the splits that get no documents set to 0), give it a larger share, "
+                    "or ask for 0 samples of it",
                 )
             out[prefix, split] = (end - beg, tokens)
     return out

@@ -154,6 +154,9 @@ def install_megatron_lm_hooks(cpu: Optional[bool] = None) -> Any:
     global _HOOKS
     if _HOOKS is not None:
         return _HOOKS
+    from megatron_ext import quiet
+
+    quiet.install()  # before megatron is imported: its import-time warnings are known
     from megatron_ext.megatron.lm.compat import apply_python_shims
     from megatron_ext.megatron.lm.cpu import (
         cpu_requested_by_env,

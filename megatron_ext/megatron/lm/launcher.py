@@ -177,6 +177,9 @@ def setup_sys_path(checkout: str, release_version: str, core_from: str) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry point (returns only if the script returns)."""
+    from megatron_ext import quiet
+
+    quiet.install()  # known-harmless warnings of the imports below (megatron_ext/quiet.py)
     from megatron_ext.megatron.lm.cpu import CPU_ENV_VAR, cpu_requested_by_env
     from megatron_ext.megatron.lm.releases import (
         UnsupportedReleaseError,

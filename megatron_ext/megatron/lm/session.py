@@ -77,7 +77,13 @@ from megatron_ext.preflight import (
 )
 from megatron_ext.protocols import NonFiniteError
 from megatron_ext.refusal import report_refusal
-from megatron_ext.run_report import check_not_finished, fresh_run_dir, report_file, write_report
+from megatron_ext.run_report import (
+    check_not_finished,
+    discard_if_empty,
+    fresh_run_dir,
+    report_file,
+    write_report,
+)
 from megatron_ext.state import StateMismatch
 from megatron_ext.validation import (
     check_backend,
@@ -398,6 +404,7 @@ class MegatronLMSession:
         except (ConfigError, PreflightError, StateMismatch, UnsupportedReleaseError) as exc:
             # Every refusing rank reports: the line is printed once, by the first of them,
             # and is out before any of them exits (megatron_ext.refusal).
+            discard_if_empty(self.run_dir)  # a refusal leaves no empty runs/<stamp>
             report_refusal(f"megatron-ext: error: {exc}")
             raise SystemExit(2) from None
 
@@ -409,6 +416,7 @@ class MegatronLMSession:
         try:
             yield
         except (NonFiniteError, lm_ckpt.CheckpointSaveError) as exc:
+            discard_if_empty(self.run_dir)
             report_refusal(f"megatron-ext: error: {str(exc).removeprefix('megatron-ext: ')}")
             raise SystemExit(1) from None
 

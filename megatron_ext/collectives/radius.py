@@ -42,10 +42,10 @@ import torch
 
 from megatron_ext.accounting import ProcessGroupTrafficMeter
 from megatron_ext.collectives.grad_reducer import (
+    REDUCE_SCATTER,
     BoundReduction,
     BucketGroupSpec,
     CompressedReduction,
-    REDUCE_SCATTER,
     GradReducer,
     _DenseReduction,
     _Split,

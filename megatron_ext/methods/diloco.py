@@ -20,6 +20,7 @@ from megatron_ext.options.outer import OUTER_EXCHANGES
 __all__ = ["OuterConfig", "METHOD"]
 
 _STATE_DEVICES = ("device", "cpu")
+_TRANSPORTS = ("world", "torchft")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +76,35 @@ class OuterConfig:
     --quantized-* / --radius-* / --separate-* / --powersgd-* flags (those configure
     --grad-compression inside a site)."""
 
+    transport: str = field(default="world", metadata={"argparse": {"choices": _TRANSPORTS}})
+    """How the sites talk at an outer step: 'world' (every site is a run of data-parallel
+    ranks of one torch.distributed world, --outer-groups; a failure anywhere stops every
+    site) or 'torchft' (each site is its own job, this one; the outer step goes through
+    torchft's Manager and lighthouse: a dead site is dropped at the next quorum, a started or
+    restarted one recovers the global state from a live peer; megatron_ext/optim/diloco_ft.py)."""
+
+    site_id: Optional[int] = None
+    """With --outer-transport torchft: this job's site (torchft replica id), unique among the
+    sites; a restarted site keeps its id."""
+
+    lighthouse: Optional[str] = None
+    """With --outer-transport torchft: the lighthouse address, e.g. http://host:29510
+    (megatron-ext lighthouse starts one). Default: the TORCHFT_LIGHTHOUSE environment variable."""
+
+    min_sites: int = 1
+    """With --outer-transport torchft: an outer step commits only with at least this many
+    sites present (torchft's min_replica_size); with fewer, the sites wait (up to
+    --outer-quorum-timeout) for others."""
+
+    quorum_timeout: float = 600.0
+    """With --outer-transport torchft: seconds an outer step may wait for its quorum (the
+    other sites reaching the same step, a dead one being dropped); training stops with an
+    error past it."""
+
+    timeout: float = 60.0
+    """With --outer-transport torchft: seconds for the exchange's collectives and a live
+    recovery's transfer; a failed attempt is retried over the sites still alive."""
+
     def __post_init__(self):
         cls = type(self)
         check_positive(cls, "interval", self.interval)
@@ -113,9 +143,50 @@ class OuterConfig:
                 f"{', '.join(OUTER_EXCHANGES)})",
             )
 
+        if self.transport not in _TRANSPORTS:
+            raise ConfigError(
+                flag_of(cls, "transport"),
+                f"invalid value {self.transport!r} (choose from {', '.join(_TRANSPORTS)})",
+            )
+        check_positive(cls, "min_sites", self.min_sites)
+        check_positive(cls, "quorum_timeout", self.quorum_timeout)
+        check_positive(cls, "timeout", self.timeout)
+        if self.transport == "torchft":
+            _check_torchft(self)
+
     def num_sites(self, dp: int) -> int:
-        """G for a data-parallel size ``dp``."""
+        """G for a data-parallel size ``dp`` (sites inside this world: 1 with torchft, where
+        the whole job is one site)."""
+        if self.transport == "torchft":
+            return 1
         return dp if self.groups is None else self.groups
+
+
+def _check_torchft(o: OuterConfig) -> None:
+    """What --outer-transport torchft cannot serve (yet), refused naming the flags."""
+    cls = type(o)
+    t = flag_of(cls, "transport")
+    if o.site_id is None or o.site_id < 0:
+        raise ConfigError([t, flag_of(cls, "site_id")], "each site needs its id (0, 1, ...)")
+    if o.groups not in (None, 1):
+        raise ConfigError(
+            [t, flag_of(cls, "groups")],
+            "with torchft each job is one site (its data-parallel ranks reduce every step); "
+            "start one job per site instead of --outer-groups",
+        )
+    for name, default in (("fragments", 1), ("delay", 0), ("merge_alpha", 0.0)):
+        if getattr(o, name) != default:
+            raise ConfigError(
+                [t, flag_of(cls, name)],
+                "streaming fragments and overlapped exchanges are not implemented over "
+                "torchft yet (one fragment, blocking outer step)",
+            )
+    if o.compression != "none":
+        raise ConfigError(
+            [t, flag_of(cls, "compression")],
+            "compressed exchanges are not implemented over torchft yet (their collectives "
+            "need a torch.distributed group; torchft's reconfigurable group is not one)",
+        )
 
 
 def _validate(cfg, layout) -> None:

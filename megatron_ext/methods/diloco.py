@@ -87,6 +87,10 @@ class OuterConfig:
     """With --outer-transport torchft: this job's site (torchft replica id), unique among the
     sites; a restarted site keeps its id."""
 
+    sites: Optional[int] = None
+    """With --outer-transport torchft: N, the site ids are 0..N-1; each site trains on its
+    own 1/N of the training samples (disjoint shards, megatron_ext/train.py)."""
+
     lighthouse: Optional[str] = None
     """With --outer-transport torchft: the lighthouse address, e.g. http://host:29510
     (megatron-ext lighthouse starts one). Default: the TORCHFT_LIGHTHOUSE environment variable."""
@@ -168,6 +172,17 @@ def _check_torchft(o: OuterConfig) -> None:
     t = flag_of(cls, "transport")
     if o.site_id is None or o.site_id < 0:
         raise ConfigError([t, flag_of(cls, "site_id")], "each site needs its id (0, 1, ...)")
+    if o.sites is None or not 0 <= o.site_id < o.sites:
+        raise ConfigError(
+            [flag_of(cls, "sites"), flag_of(cls, "site_id")],
+            f"the site ids are 0 .. N-1 for N sites (each reads its own 1/N of the data): "
+            f"got site {o.site_id} of {o.sites}",
+        )
+    if o.min_sites > o.sites:
+        raise ConfigError(
+            [flag_of(cls, "min_sites"), flag_of(cls, "sites")],
+            f"{o.min_sites} sites per outer step cannot be reached with {o.sites} sites",
+        )
     if o.groups not in (None, 1):
         raise ConfigError(
             [t, flag_of(cls, "groups")],
@@ -191,6 +206,8 @@ def _check_torchft(o: OuterConfig) -> None:
 
 def _validate(cfg, layout) -> None:
     o = cfg.options_for(OuterConfig)
+    if o.transport == "torchft":
+        _validate_torchft(o)
     dp = layout.data_parallel_size
     g = o.num_sites(dp)
     if dp % g:
@@ -240,10 +257,65 @@ def _validate(cfg, layout) -> None:
             )
 
 
+def _validate_torchft(o: OuterConfig) -> None:
+    """The run-time needs of --outer-transport torchft (an address, torchft itself)."""
+    import os
+
+    if not (o.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):
+        raise ConfigError(
+            ["--outer-transport", "--outer-lighthouse"],
+            "torchft needs the lighthouse's address (http://host:port, from megatron-ext "
+            "lighthouse), or TORCHFT_LIGHTHOUSE in the environment",
+        )
+    from megatron_ext.optim.diloco_ft import torchft_missing
+
+    missing = torchft_missing()
+    if missing:
+        raise ConfigError("--outer-transport", missing)
+
+
+def _build_torchft(ctx: MethodContext) -> Components:
+    """One site of --outer-transport torchft: the whole job is the site (its data-parallel
+    group reduces every step), the outer step goes through torchft."""
+    import torch
+
+    from megatron_ext.optim.diloco_ft import FaultTolerantDiLoCoHook
+
+    o = ctx.options
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    hook = FaultTolerantDiLoCoHook(o, meter=ctx.meter, rank=rank)
+
+    def describe() -> str:
+        return (
+            f"DiLoCo over torchft: site {o.site_id} (at least {o.min_sites} per outer step), "
+            f"H={o.interval}, outer lr {o.lr:g}, momentum {o.momentum:g}"
+            f"{' (Nesterov)' if o.nesterov else ''}, weight {hook.weight:g} tokens per outer "
+            "step"
+        )
+
+    def on_install() -> None:
+        samples = ctx.handles.samples
+        if samples is not None:
+            # A site's weight in the average: the tokens it trained on in one outer cycle.
+            hook.weight = float(
+                samples.dp_size
+                * samples.micro_batch_size
+                * samples.num_microbatches
+                * samples.seq_length
+                * o.interval
+            )
+        hook.view_wrappers = [c.outer_view for c in ctx.peers.values() if c.outer_view]
+        hook.setup(ctx.handles.new_optimizer_view())
+
+    return Components(optimizer_hooks=[hook], describe=describe, on_install=on_install)
+
+
 def _build(ctx: MethodContext) -> Components:
     from megatron_ext.optim.diloco import DiLoCoHook, site_groups
 
     o = ctx.options
+    if o.transport == "torchft":
+        return _build_torchft(ctx)
     g = o.num_sites(ctx.layout.data_parallel_size)
     dp, dp_cp = ctx.groups.dp, ctx.groups.dp_cp
     if dp is not None and dp_cp is not None:

@@ -60,7 +60,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from megatron_ext.accounting import collective_wire_bytes
+from megatron_ext.accounting import ProcessGroupTrafficMeter, collective_wire_bytes
 from megatron_ext.optim.diloco import DiLoCoHook, PendingAverage
 from megatron_ext.protocols import OptimizerView
 
@@ -315,7 +315,8 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
             sent_finite = torch.isfinite(buf[:-1]).all()
             buf[:-1].mul_(weight)
             buf[-1] = weight
-            committed = self.transport.sum_and_commit(buf)
+            with ProcessGroupTrafficMeter.tagged("outer", force=True):
+                committed = self.transport.sum_and_commit(buf)
             sites = self.transport.num_participants()
             if committed:
                 break

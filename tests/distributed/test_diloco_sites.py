@@ -176,3 +176,84 @@ def test_site_killed_and_restarted(tmp_path):
                 p.wait()
         for log in logs.values():
             log.close()
+
+
+def test_driver_sites_survive_a_killed_site(tmp_path):
+    """The same through the driver (``python -m megatron_ext train``, gpt-tiny, one rank per
+    site): 2 sites reading disjoint data (their first losses differ), site 1 SIGKILLed after
+    its third outer step; site 0 completes the next outer step alone (weight of one site's
+    tokens) and finishes training (exit code 0)."""
+    out = str(tmp_path)
+    procs, logs = {}, {}
+    try:
+        port = free_port()
+        procs["lighthouse"] = lighthouse = subprocess.Popen(
+            [sys.executable, "-m", "megatron_ext", "lighthouse", "--min-replicas", "1"]
+            + ["--bind", f"127.0.0.1:{port}", "--heartbeat-timeout-ms", "2000"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=_env(),
+        )
+        address = lighthouse.stdout.readline().split()[1]
+        for site in range(2):
+            path = os.path.join(out, f"site{site}.log")
+            logs[site] = open(path, "w")
+            procs[f"site{site}"] = subprocess.Popen(
+                [sys.executable, "-m", "megatron_ext", "train", "--cpu", "--model", "gpt-tiny"]
+                + ["--no-progress", "--log-interval", "1", "--eval-iters", "0"]
+                + ["--train-iters", "24", "--lr-warmup-iters", "2", "--outer-method", "diloco"]
+                + ["--outer-interval", "4", "--outer-transport", "torchft"]
+                + ["--outer-site-id", str(site), "--outer-sites", "2"]
+                + ["--outer-lighthouse", address, "--outer-timeout", "20"],
+                stdout=logs[site],
+                stderr=subprocess.STDOUT,
+                env=_env(MASTER_PORT=free_port()),
+                cwd=out,
+            )
+
+        def text(site):
+            return open(os.path.join(out, f"site{site}.log")).read()
+
+        def commits(site):
+            head = f"megatron-ext: torchft site {site}: commit "
+            out = []
+            for line in text(site).splitlines():
+                if line.startswith(head):
+                    fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+                    fields["at"] = float(line.rsplit(" at ", 1)[1])
+                    out.append(fields)
+            return out
+
+        def both(c):  # an outer step both sites contributed to (tokens of two sites)
+            return float(c["total_weight"]) == 2 * float(c["weight"]) > 0
+
+        _wait(lambda: any(both(c) for c in commits(1)), "an outer step of both sites", procs)
+        procs["site1"].send_signal(signal.SIGKILL)
+        procs["site1"].wait()
+        killed_at = time.time()
+        procs["site0"].wait(timeout=TIMEOUT)
+        assert procs["site0"].returncode == 0, text(0)[-3000:]
+        done = commits(0)
+        assert done[-1]["iteration"] == "24", done
+        # the outer steps after the last one with both sites: alone, after the kill
+        last_both = max(i for i, c in enumerate(done) if c["sites"] == "2")
+        after = done[last_both + 1 :]
+        assert after and after[0]["at"] > killed_at, done
+        print(f"driver: site 0's next outer step {after[0]['at'] - killed_at:.2f} s after the kill")
+        # the average over who is there: site 0's tokens alone
+        for c in after:
+            assert c["sites"] == "1" and float(c["total_weight"]) == float(c["weight"]) > 0, c
+        # disjoint shards: the two sites' first losses differ
+        first = [
+            [l for l in text(s).splitlines() if "iteration        1/" in l][0].split("lm loss:")[1]
+            for s in range(2)
+        ]
+        assert first[0] != first[1], first
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+        for log in logs.values():
+            log.close()

@@ -147,6 +147,7 @@ def test_site_killed_and_restarted(tmp_path):
         for n in a["weights"]:
             assert torch.equal(a["weights"][n], b["weights"][n]), n
         # 3. restart site 2: it heals, joins with weight 0, then contributes.
+        open(os.path.join(out, "stop"), "w").close()  # end at the next step of three
         start(2, "-restarted")
         for name in ("site0", "site1", "site2-restarted"):
             procs[name].wait(timeout=TIMEOUT)

@@ -4,8 +4,8 @@
 ``MASTER_PORT``) trains a small model with AdamW and
 :class:`~megatron_ext.optim.diloco_ft.FaultTolerantDiLoCoHook` (H = 3, the DiLoCo paper's
 outer optimizer) on data of its own (its site id seeds it), in a gloo world of one rank,
-until an outer step in which ``FT_SITES`` sites contributed and torchft's step is at least
-``FT_MIN_STEPS``. After every committed outer step it saves, as ``<site>_<step>.pt``, its
+until an outer step in which ``FT_SITES`` sites contributed once the file ``OUT_DIR/stop``
+exists. After every committed outer step it saves, as ``<site>_<step>.pt``, its
 weights, what it sent (weighted pseudo-gradient and weight) and the sum it received.
 """
 
@@ -19,7 +19,7 @@ import torch
 def main() -> int:
     site, out = int(sys.argv[1]), sys.argv[2]
     want_sites = int(os.environ.get("FT_SITES", "3"))
-    min_steps = int(os.environ.get("FT_MIN_STEPS", "5"))
+    stop = os.path.join(out, "stop")
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=0, world_size=1
     )
@@ -94,7 +94,7 @@ def main() -> int:
                 },
                 os.path.join(out, f"{site}_{ev['step']}.pt"),
             )
-            if float(ev["total_weight"]) == want_sites and ev["step"] >= min_steps:
+            if float(ev["total_weight"]) == want_sites and os.path.exists(stop):
                 return True
         return False
 

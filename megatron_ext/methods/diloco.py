@@ -307,7 +307,9 @@ def _build_torchft(ctx: MethodContext) -> Components:
         hook.view_wrappers = [c.outer_view for c in ctx.peers.values() if c.outer_view]
         hook.setup(ctx.handles.new_optimizer_view())
 
-    return Components(optimizer_hooks=[hook], describe=describe, on_install=on_install)
+    return Components(
+        optimizer_hooks=[hook], describe=describe, on_install=on_install, on_step=hook.on_step
+    )
 
 
 def _build(ctx: MethodContext) -> Components:

@@ -29,7 +29,8 @@ What it does:
     4. the outer SGD step, written as the one-world hook writes it (non-finite checks
        included): every site present, the healed one too, holds the same weights after it.
 
-    A site joins at its first step: before training it takes part in one outer step with
+    A site joins at its first step: before that step's forward pass (the runtime's
+    ``on_step``; else before its first optimizer step) it takes part in one outer step with
     weight 0 (step 1 above heals it if the others are ahead; if every site starts together
     nothing is averaged and training starts from the common initial weights). Events (the
     quorum, each failed attempt, each commit with its wall time and the sites present) are
@@ -269,14 +270,25 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
             device = next(iter(self.snapshot.values())).device if self.snapshot else "cpu"
             self.transport = self.make_transport(self.outer_state, self.load_outer_state, device)
 
+    def on_step(self, iteration: int) -> None:
+        """Before the first training step's forward pass (after a checkpoint load): join
+        (the runtime's per-step callback; without one, :meth:`pre_step` joins)."""
+        if self._joined or self._raw is None:
+            return
+        super().pre_step(self._raw)  # anchors the snapshots to the loaded weights
+        self._join(self._raw)
+
     def pre_step(self, view: OptimizerView) -> None:
         super().pre_step(view)
         if not self._joined:
-            # Before the first inner step: one outer step with weight 0 (a late or restarted
-            # site heals here and starts from the global weights).
-            self._joined = True
-            self._outer_step(self.outer_view(view), contribute=False)
-            view.sync_params()
+            self._join(view)
+
+    def _join(self, view: OptimizerView) -> None:
+        """One outer step with weight 0 before this site's first inner step: a late or
+        restarted site heals here and starts from the global weights."""
+        self._joined = True
+        self._outer_step(self.outer_view(view), contribute=False)
+        view.sync_params()
 
     def post_step(self, view: OptimizerView, update_successful: bool) -> None:
         view = self.outer_view(view)

@@ -326,7 +326,18 @@ def test_torchft_transport_refusals_name_the_flags(monkeypatch):
     with pytest.raises(ConfigError, match="^--outer-transport, --outer-lighthouse: "):
         validate_ext_config(cfg, layout)
     cfg = ext_config_from_flags(ok + ["--outer-lighthouse", "http://127.0.0.1:29510"])
+    from types import SimpleNamespace
+
+    from megatron_ext.megatron.lm.session import _check_outer_sites
     from megatron_ext.methods.diloco import OuterConfig
+    from megatron_ext.train import _layout_sizes, parse_args
+
+    with pytest.raises(ConfigError, match="^--outer-transport: .*pretrain_gpt.py"):
+        _check_outer_sites(SimpleNamespace(data_parallel_size=2), cfg)
+    driver = ["--cpu", "--outer-lighthouse", "http://127.0.0.1:29510"] + ok
+    with pytest.raises(ConfigError, match="^--outer-transport, --fixed-samples: "):
+        _layout_sizes(parse_args(driver + ["--fixed-samples", "64"]), 2)
+    _layout_sizes(parse_args(driver), 2)
 
     assert cfg.options_for(OuterConfig).num_sites(2) == 1
     if importlib.util.find_spec("torchft") is not None:

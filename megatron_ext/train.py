@@ -173,6 +173,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> DriverConfig:
         config_file=run_file,
     )
     _check_kernels(cfg)
+    if _torchft_site(cfg) is not None and cfg.data.fixed_samples:
+        raise ConfigError(
+            ["--outer-transport", "--fixed-samples"],
+            "sites in separate jobs read disjoint blocks of one pass over the data; "
+            "fixed-sample epochs are not sharded across them",
+        )
     return cfg
 
 
@@ -245,12 +251,6 @@ def _check_outer(cfg: DriverConfig, dp: int) -> None:
         return
     from megatron_ext.methods.diloco import OuterConfig
 
-    if _torchft_site(cfg) is not None and cfg.data.fixed_samples:
-        raise ConfigError(
-            ["--outer-transport", "--fixed-samples"],
-            "sites in separate jobs read disjoint blocks of one pass over the data; "
-            "fixed-sample epochs are not sharded across them",
-        )
     sites = cfg.ext.options_for(OuterConfig).num_sites(dp)
     if sites == 1:
         return

@@ -330,14 +330,14 @@ def test_torchft_transport_refusals_name_the_flags(monkeypatch):
 
     from megatron_ext.megatron.lm.session import _check_outer_sites
     from megatron_ext.methods.diloco import OuterConfig
-    from megatron_ext.train import _layout_sizes, parse_args
+    from megatron_ext.train import parse_args
 
     with pytest.raises(ConfigError, match="^--outer-transport: .*pretrain_gpt.py"):
         _check_outer_sites(SimpleNamespace(data_parallel_size=2), cfg)
     driver = ["--cpu", "--outer-lighthouse", "http://127.0.0.1:29510"] + ok
     with pytest.raises(ConfigError, match="^--outer-transport, --fixed-samples: "):
-        _layout_sizes(parse_args(driver + ["--fixed-samples", "64"]), 2)
-    _layout_sizes(parse_args(driver), 2)
+        parse_args(driver + ["--fixed-samples", "64"])
+    parse_args(driver)
 
     assert cfg.options_for(OuterConfig).num_sites(2) == 1
     if importlib.util.find_spec("torchft") is not None:

@@ -265,6 +265,19 @@ def _check_outer(cfg: DriverConfig, dp: int) -> None:
         )
 
 
+def batch_change_warning(saved_gbs: Optional[int], gbs: int) -> Optional[str]:
+    """The warning for a resume with another global batch than the checkpoint's (None if
+    the same, or unknown). Allowed, as in Megatron-LM, but rarely meant on a resume with
+    another data-parallel size: the default global batch is micro batch x DP."""
+    if saved_gbs is None or saved_gbs == gbs:
+        return None
+    return (
+        f"megatron-ext: WARNING: the checkpoint was trained with global batch {saved_gbs}, "
+        f"this run uses {gbs} (pass --global-batch-size {saved_gbs} to continue the same "
+        "optimization)"
+    )
+
+
 def _torchft_site(cfg: DriverConfig) -> Optional[tuple]:
     """``(site id, number of sites)`` with --outer-transport torchft, else None."""
     if cfg.ext.methods["outer"] == "none":
@@ -290,19 +303,6 @@ class _ShardSampler:
 
     def indices(self, consumed_samples: int, microbatch: int = 0):
         return self.base.indices(consumed_samples, microbatch) + self.offset
-
-
-def batch_change_warning(saved_gbs: Optional[int], gbs: int) -> Optional[str]:
-    """The warning for a resume with another global batch than the checkpoint's (None if
-    the same, or unknown). Allowed, as in Megatron-LM, but rarely meant on a resume with
-    another data-parallel size: the default global batch is micro batch x DP."""
-    if saved_gbs is None or saved_gbs == gbs:
-        return None
-    return (
-        f"megatron-ext: WARNING: the checkpoint was trained with global batch {saved_gbs}, "
-        f"this run uses {gbs} (pass --global-batch-size {saved_gbs} to continue the same "
-        "optimization)"
-    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -31,6 +31,10 @@ SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
         "megatron_ext.megatron.lm.patch",
         "patch (or --revert) a Megatron-LM checkout's pretrain_gpt.py to load megatron-ext",
     ),
+    "lighthouse": (
+        "megatron_ext.lighthouse",
+        "serve torchft's lighthouse for DiLoCo sites in separate jobs (--outer-transport torchft)",
+    ),
     "report": (
         "megatron_ext.report",
         "plots (PNG) and a markdown table from benchmark and training run directories",

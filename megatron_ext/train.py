@@ -174,6 +174,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> DriverConfig:
         config_file=run_file,
     )
     _check_kernels(cfg)
+    if _torchft_site(cfg) is not None and cfg.data.fixed_samples:
+        raise ConfigError(
+            ["--outer-transport", "--fixed-samples"],
+            "sites in separate jobs read disjoint blocks of one pass over the data; "
+            "fixed-sample epochs are not sharded across them",
+        )
     return cfg
 
 
@@ -209,6 +215,33 @@ def batch_change_warning(saved_gbs: Optional[int], gbs: int) -> Optional[str]:
         f"this run uses {gbs} (pass --global-batch-size {saved_gbs} to continue the same "
         "optimization)"
     )
+
+
+def _torchft_site(cfg: DriverConfig) -> Optional[tuple]:
+    """``(site id, number of sites)`` with --outer-transport torchft, else None."""
+    if cfg.ext.methods["outer"] == "none":
+        return None
+    from megatron_ext.methods.diloco import OuterConfig
+
+    o = cfg.ext.options_for(OuterConfig)
+    return (o.site_id, o.sites) if o.transport == "torchft" else None
+
+
+class _ShardSampler:
+    """A sampler's indices shifted by ``offset``: one site's own block of the training
+    samples (``--outer-sites`` blocks of ``--train-iters`` global batches each)."""
+
+    fixed = False
+
+    def __init__(self, base, offset: int):
+        self.base = base
+        self.offset = int(offset)
+        self.micro_batch_size = base.micro_batch_size
+        self.dp_rank = base.dp_rank
+        self.dp_size = base.dp_size
+
+    def indices(self, consumed_samples: int, microbatch: int = 0):
+        return self.base.indices(consumed_samples, microbatch) + self.offset
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,8 +320,14 @@ class Trainer:
         self.dp_rank = self.ps.get_data_parallel_rank()
         self.dp_size = self.ps.get_data_parallel_world_size()
         self.sampler = self._train_sampler()
+        shards = 1
+        site = _torchft_site(cfg)
+        if site is not None:
+            # DiLoCo sites in separate jobs: site s of N reads its own block of the samples.
+            site_id, shards = site
+            self.sampler = _ShardSampler(self.sampler, site_id * iters * sizes["gbs"])
         num_samples = (
-            self.sampler.num_samples if self.sampler.fixed else iters * sizes["gbs"],
+            self.sampler.num_samples if self.sampler.fixed else shards * iters * sizes["gbs"],
             eval_runs * cfg.training.eval_iters * sizes["gbs"],
             0,
         )

@@ -238,6 +238,11 @@ FLAG_RANGES: Dict[str, Range] = {
     "outer_fragments": _count(),
     "outer_delay": _count(0),
     "outer_merge_alpha": _FRACTION,
+    "outer_site_id": _count(0),
+    "outer_sites": _count(),
+    "outer_min_sites": _count(),
+    "outer_quorum_timeout": _POSITIVE,
+    "outer_timeout": _POSITIVE,
 }
 """Allowed range of every numeric flag, by argparse destination (see module docstring).
 tests/unit/test_validation.py checks that every numeric field of the driver's and

@@ -20,6 +20,7 @@ from megatron_ext.options.outer import OUTER_EXCHANGES
 __all__ = ["OuterConfig", "METHOD"]
 
 _STATE_DEVICES = ("device", "cpu")
+_TRANSPORTS = ("world", "torchft")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +76,39 @@ class OuterConfig:
     --quantized-* / --radius-* / --separate-* / --powersgd-* flags (those configure
     --grad-compression inside a site)."""
 
+    transport: str = field(default="world", metadata={"argparse": {"choices": _TRANSPORTS}})
+    """How the sites talk at an outer step: 'world' (every site is a run of data-parallel
+    ranks of one torch.distributed world, --outer-groups; a failure anywhere stops every
+    site) or 'torchft' (each site is its own job, this one; the outer step goes through
+    torchft's Manager and lighthouse: a dead site is dropped at the next quorum, a started or
+    restarted one recovers the global state from a live peer; megatron_ext/optim/diloco_ft.py)."""
+
+    site_id: Optional[int] = None
+    """With --outer-transport torchft: this job's site (torchft replica id), unique among the
+    sites; a restarted site keeps its id."""
+
+    sites: Optional[int] = None
+    """With --outer-transport torchft: N, the site ids are 0..N-1; each site trains on its
+    own 1/N of the training samples (disjoint shards, megatron_ext/train.py)."""
+
+    lighthouse: Optional[str] = None
+    """With --outer-transport torchft: the lighthouse address, e.g. http://host:29510
+    (megatron-ext lighthouse starts one). Default: the TORCHFT_LIGHTHOUSE environment variable."""
+
+    min_sites: int = 1
+    """With --outer-transport torchft: an outer step commits only with at least this many
+    sites present (torchft's min_replica_size); with fewer, the sites wait (up to
+    --outer-quorum-timeout) for others."""
+
+    quorum_timeout: float = 600.0
+    """With --outer-transport torchft: seconds an outer step may wait for its quorum (the
+    other sites reaching the same step, a dead one being dropped); training stops with an
+    error past it."""
+
+    timeout: float = 60.0
+    """With --outer-transport torchft: seconds for the exchange's collectives and a live
+    recovery's transfer; a failed attempt is retried over the sites still alive."""
+
     def __post_init__(self):
         cls = type(self)
         check_positive(cls, "interval", self.interval)
@@ -113,13 +147,67 @@ class OuterConfig:
                 f"{', '.join(OUTER_EXCHANGES)})",
             )
 
+        if self.transport not in _TRANSPORTS:
+            raise ConfigError(
+                flag_of(cls, "transport"),
+                f"invalid value {self.transport!r} (choose from {', '.join(_TRANSPORTS)})",
+            )
+        check_positive(cls, "min_sites", self.min_sites)
+        check_positive(cls, "quorum_timeout", self.quorum_timeout)
+        check_positive(cls, "timeout", self.timeout)
+        if self.transport == "torchft":
+            _check_torchft(self)
+
     def num_sites(self, dp: int) -> int:
-        """G for a data-parallel size ``dp``."""
+        """G for a data-parallel size ``dp`` (sites inside this world: 1 with torchft, where
+        the whole job is one site)."""
+        if self.transport == "torchft":
+            return 1
         return dp if self.groups is None else self.groups
+
+
+def _check_torchft(o: OuterConfig) -> None:
+    """What --outer-transport torchft cannot serve (yet), refused naming the flags."""
+    cls = type(o)
+    t = flag_of(cls, "transport")
+    if o.site_id is None or o.site_id < 0:
+        raise ConfigError([t, flag_of(cls, "site_id")], "each site needs its id (0, 1, ...)")
+    if o.sites is None or not 0 <= o.site_id < o.sites:
+        raise ConfigError(
+            [flag_of(cls, "sites"), flag_of(cls, "site_id")],
+            f"the site ids are 0 .. N-1 for N sites (each reads its own 1/N of the data): "
+            f"got site {o.site_id} of {o.sites}",
+        )
+    if o.min_sites > o.sites:
+        raise ConfigError(
+            [flag_of(cls, "min_sites"), flag_of(cls, "sites")],
+            f"{o.min_sites} sites per outer step cannot be reached with {o.sites} sites",
+        )
+    if o.groups not in (None, 1):
+        raise ConfigError(
+            [t, flag_of(cls, "groups")],
+            "with torchft each job is one site (its data-parallel ranks reduce every step); "
+            "start one job per site instead of --outer-groups",
+        )
+    for name, default in (("fragments", 1), ("delay", 0), ("merge_alpha", 0.0)):
+        if getattr(o, name) != default:
+            raise ConfigError(
+                [t, flag_of(cls, name)],
+                "streaming fragments and overlapped exchanges are not implemented over "
+                "torchft yet (one fragment, blocking outer step)",
+            )
+    if o.compression != "none":
+        raise ConfigError(
+            [t, flag_of(cls, "compression")],
+            "compressed exchanges are not implemented over torchft yet (their collectives "
+            "need a torch.distributed group; torchft's reconfigurable group is not one)",
+        )
 
 
 def _validate(cfg, layout) -> None:
     o = cfg.options_for(OuterConfig)
+    if o.transport == "torchft":
+        _validate_torchft(o)
     dp = layout.data_parallel_size
     g = o.num_sites(dp)
     if dp % g:
@@ -169,10 +257,67 @@ def _validate(cfg, layout) -> None:
             )
 
 
+def _validate_torchft(o: OuterConfig) -> None:
+    """The run-time needs of --outer-transport torchft (an address, torchft itself)."""
+    import os
+
+    if not (o.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):
+        raise ConfigError(
+            ["--outer-transport", "--outer-lighthouse"],
+            "torchft needs the lighthouse's address (http://host:port, from megatron-ext "
+            "lighthouse), or TORCHFT_LIGHTHOUSE in the environment",
+        )
+    from megatron_ext.optim.diloco_ft import torchft_missing
+
+    missing = torchft_missing()
+    if missing:
+        raise ConfigError("--outer-transport", missing)
+
+
+def _build_torchft(ctx: MethodContext) -> Components:
+    """One site of --outer-transport torchft: the whole job is the site (its data-parallel
+    group reduces every step), the outer step goes through torchft."""
+    import torch
+
+    from megatron_ext.optim.diloco_ft import FaultTolerantDiLoCoHook
+
+    o = ctx.options
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    hook = FaultTolerantDiLoCoHook(o, meter=ctx.meter, rank=rank)
+
+    def describe() -> str:
+        return (
+            f"DiLoCo over torchft: site {o.site_id} (at least {o.min_sites} per outer step), "
+            f"H={o.interval}, outer lr {o.lr:g}, momentum {o.momentum:g}"
+            f"{' (Nesterov)' if o.nesterov else ''}, weight {hook.weight:g} tokens per outer "
+            "step"
+        )
+
+    def on_install() -> None:
+        samples = ctx.handles.samples
+        if samples is not None:
+            # A site's weight in the average: the tokens it trained on in one outer cycle.
+            hook.weight = float(
+                samples.dp_size
+                * samples.micro_batch_size
+                * samples.num_microbatches
+                * samples.seq_length
+                * o.interval
+            )
+        hook.view_wrappers = [c.outer_view for c in ctx.peers.values() if c.outer_view]
+        hook.setup(ctx.handles.new_optimizer_view())
+
+    return Components(
+        optimizer_hooks=[hook], describe=describe, on_install=on_install, on_step=hook.on_step
+    )
+
+
 def _build(ctx: MethodContext) -> Components:
     from megatron_ext.optim.diloco import DiLoCoHook, site_groups
 
     o = ctx.options
+    if o.transport == "torchft":
+        return _build_torchft(ctx)
     g = o.num_sites(ctx.layout.data_parallel_size)
     dp, dp_cp = ctx.groups.dp, ctx.groups.dp_cp
     if dp is not None and dp_cp is not None:

@@ -5,6 +5,8 @@ statement; fragments cover every parameter exactly once per cycle; the flags' re
 name the flags, before training (options, layout, driver).
 """
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -299,3 +301,48 @@ def test_megatron_lm_checkpoints_with_several_sites_are_accepted():
 
     args = SimpleNamespace(data_parallel_size=2, save="/tmp/x", load="/tmp/x")
     _check_outer_sites(args, ext_config_from_flags(["--outer-method", "diloco"]))
+
+
+def test_torchft_transport_refusals_name_the_flags(monkeypatch):
+    """--outer-transport torchft: what it cannot serve is refused before training, naming
+    the flags; a complete set of flags is accepted (and one site per job: G = 1)."""
+    from megatron_ext.config import validate_ext_config
+
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    site = ["--outer-method", "diloco", "--outer-transport", "torchft"]
+    ok = site + ["--outer-site-id", "1", "--outer-sites", "3", "--outer-min-sites", "2"]
+    refused = [
+        (site, "--outer-transport, --outer-site-id"),
+        (site + ["--outer-site-id", "3", "--outer-sites", "3"], "--outer-sites, --outer-site-id"),
+        (ok[:-1] + ["4"], "--outer-min-sites, --outer-sites"),
+        (ok + ["--outer-groups", "2"], "--outer-transport, --outer-groups"),
+        (ok + ["--outer-fragments", "2"], "--outer-transport, --outer-fragments"),
+        (ok + ["--outer-delay", "1"], "--outer-transport, --outer-delay"),
+        (ok + ["--outer-compression", "quantized"], "--outer-transport, --outer-compression"),
+        (ok + ["--outer-quorum-timeout", "0"], "--outer-quorum-timeout"),
+    ]
+    for flags, named in refused:
+        with pytest.raises(ConfigError) as err:
+            ext_config_from_flags(flags)
+        assert ", ".join(err.value.flags) == named, (flags, str(err.value))
+    cfg = ext_config_from_flags(ok)
+    layout = ParallelLayout(data_parallel_size=2)
+    with pytest.raises(ConfigError, match="^--outer-transport, --outer-lighthouse: "):
+        validate_ext_config(cfg, layout)
+    cfg = ext_config_from_flags(ok + ["--outer-lighthouse", "http://127.0.0.1:29510"])
+    from types import SimpleNamespace
+
+    from megatron_ext.megatron.lm.session import _check_outer_sites
+    from megatron_ext.methods.diloco import OuterConfig
+    from megatron_ext.train import parse_args
+
+    with pytest.raises(ConfigError, match="^--outer-transport: .*pretrain_gpt.py"):
+        _check_outer_sites(SimpleNamespace(data_parallel_size=2), cfg)
+    driver = ["--cpu", "--outer-lighthouse", "http://127.0.0.1:29510"] + ok
+    with pytest.raises(ConfigError, match="^--outer-transport, --fixed-samples: "):
+        parse_args(driver + ["--fixed-samples", "64"])
+    parse_args(driver)
+
+    assert cfg.options_for(OuterConfig).num_sites(2) == 1
+    if importlib.util.find_spec("torchft") is not None:
+        validate_ext_config(cfg, layout)

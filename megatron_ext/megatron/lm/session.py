@@ -270,7 +270,17 @@ def _check_outer_sites(args: Any, cfg: ExtConfig) -> None:
     """Megatron-LM options that DiLoCo with several sites cannot honour."""
     from megatron_ext.methods.diloco import OuterConfig
 
-    sites = cfg.options_for(OuterConfig).num_sites(args.data_parallel_size)
+    outer = cfg.options_for(OuterConfig)
+    if outer.transport == "torchft":
+        # Megatron-LM's data loader gives every job the same samples; the driver shards
+        # them per site (megatron_ext/train.py).
+        raise ConfigError(
+            "--outer-transport",
+            "sites in separate jobs (torchft) run through megatron-ext train, not "
+            "pretrain_gpt.py yet: Megatron-LM's data loader would give every site the same "
+            "samples",
+        )
+    sites = outer.num_sites(args.data_parallel_size)
     if getattr(args, "calculate_per_token_loss", False):
         # finalize_model_grads divides by the token count of every data-parallel rank,
         # while a site's gradient holds the site's tokens only.

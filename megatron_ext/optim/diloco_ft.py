@@ -1,0 +1,372 @@
+"""DiLoCo's outer step between sites that fail alone: each site its own job, torchft between.
+
+What it does:
+    With ``--outer-transport torchft`` every site is its own ``torchrun`` / Slurm job with its
+    own torch.distributed world (its data, tensor and pipeline parallelism inside). Across
+    sites only the outer step talks, through torchft (the existing engine for this, not a
+    home-made quorum): one ``torchft.Manager`` per rank (replica id = the site), a lighthouse
+    that forms a quorum of the sites present, and torchft's reconfigurable process group
+    (gloo for CPU tensors, its NCCL group for CUDA ones) joining the ranks at one position in
+    every site. :class:`FaultTolerantDiLoCoHook` is :class:`~megatron_ext.optim.diloco.DiLoCoHook`
+    with that transport; its outer step after every H steps a site takes:
+
+    1. quorum (``Manager.start_quorum``, synchronous): the sites that reached this outer
+       step; a dead site is dropped once the lighthouse's heartbeat has expired, a site
+       that is behind (just started, or restarted) *heals*: it receives the live peer's
+       outer state (:meth:`FaultTolerantDiLoCoHook.outer_state`: the last synchronized
+       weights, the outer momentum, the exchanges' error feedback, the outer step count)
+       through torchft's checkpoint transport (HTTP from the peer, not a shared disk);
+    2. one all-reduce (SUM) of ``[w * (snapshot - current), w]``, ``w`` the site's weight
+       (tokens it trained on since the last outer step by default; 0 for a site that has
+       just healed or joined: it has no pseudo-gradient of this cycle); the averaged
+       pseudo-gradient is ``sum(w * delta) / sum(w)``: the average over the sites present,
+       weighted by tokens;
+    3. ``Manager.should_commit``: every site of the quorum agrees that the exchange
+       succeeded. If not (a site died during the exchange, a collective timed out), the
+       attempt is discarded and repeated at once with a new quorum over the sites still
+       alive, until it commits or ``--outer-quorum-timeout`` has passed since the first
+       attempt (then training stops with an error naming the flag);
+    4. the outer SGD step, written as the one-world hook writes it (non-finite checks
+       included): every site present, the healed one too, holds the same weights after it.
+
+    A site joins at its first step: before that step's forward pass (the runtime's
+    ``on_step``; else before its first optimizer step) it takes part in one outer step with
+    weight 0 (step 1 above heals it if the others are ahead; if every site starts together
+    nothing is averaged and training starts from the common initial weights). Events (the
+    quorum, each failed attempt, each commit with its wall time and the sites present) are
+    printed by the site's first rank and kept in :attr:`FaultTolerantDiLoCoHook.events`.
+
+Inner optimizer state of a site that heals: its own (fresh after a restart), not the
+    peer's. The inner AdamW moments are a site's local state between outer steps (they
+    follow its own data); copying a peer's would send twice the model's size more over the
+    WAN at every recovery and give the site another site's statistics; AdamW re-estimates
+    them within its bias-corrected warm-up (a few hundred steps, shorter than H in
+    practice).
+
+Constraints:
+    Pure torch plus torchft (imported when a transport is built); never imports Megatron.
+    One fragment, blocking exchange, dense (compression, streaming and overlap are refused
+    by ``megatron_ext.methods.diloco``). Every site must lay out the outer state alike (the
+    same TP / PP / distributed-optimizer sharding): a healed state that does not fit is
+    refused. The outer steps are counted by steps taken since the site's last outer step
+    (identical to the iteration schedule for a site that started with the others).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from megatron_ext.accounting import ProcessGroupTrafficMeter, collective_wire_bytes
+from megatron_ext.optim.diloco import DiLoCoHook, PendingAverage
+from megatron_ext.protocols import OptimizerView
+
+__all__ = ["TorchftTransport", "FaultTolerantDiLoCoHook", "torchft_missing"]
+
+
+def torchft_missing() -> Optional[str]:
+    """Why torchft cannot be used here (None: it imports)."""
+    try:
+        import torchft  # noqa: F401
+    except Exception as exc:  # ImportError, or its native extension failing to load
+        return f"torchft does not import ({type(exc).__name__}: {exc}); pip install torchft"
+    return None
+
+
+class TorchftTransport:
+    """One rank's torchft ``Manager`` and reconfigurable process group.
+
+    Args:
+        site_id: this site (the replica id ``site_<id>``).
+        lighthouse: the lighthouse address (``http://host:port``).
+        min_sites: torchft's ``min_replica_size``: fewer sites never commit.
+        quorum_timeout: seconds a quorum may take.
+        timeout: seconds for collectives, commits and a recovery's transfer.
+        device: where the exchanged tensors live (``cpu``: gloo; ``cuda``: NCCL).
+        rank, world_size: this rank in its site's job and the job's size.
+        store_addr, store_port: the site's TCPStore (torchrun's; MASTER_ADDR / MASTER_PORT).
+        state_dict, load_state_dict: the outer state a healing site receives and loads.
+    """
+
+    def __init__(
+        self,
+        *,
+        site_id: int,
+        lighthouse: str,
+        min_sites: int,
+        quorum_timeout: float,
+        timeout: float,
+        device: Any,
+        rank: int,
+        world_size: int,
+        store_addr: str,
+        store_port: int,
+        state_dict: Callable[[], Any],
+        load_state_dict: Callable[[Any], None],
+    ):
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+
+        device = torch.device(device)
+        pg_timeout = timedelta(seconds=timeout)
+        self.pg = (
+            ProcessGroupNCCL(timeout=pg_timeout)
+            if device.type == "cuda"
+            else ProcessGroupGloo(timeout=pg_timeout)
+        )
+        self.site_id = int(site_id)
+        self.manager = Manager(
+            pg=self.pg,
+            load_state_dict=load_state_dict,
+            state_dict=state_dict,
+            min_replica_size=min_sites,
+            use_async_quorum=False,
+            timeout=pg_timeout,
+            quorum_timeout=timedelta(seconds=quorum_timeout),
+            connect_timeout=pg_timeout,
+            rank=rank,
+            world_size=world_size,
+            store_addr=store_addr,
+            store_port=store_port,
+            lighthouse_addr=lighthouse,
+            replica_id=f"site_{self.site_id}",
+        )
+
+    def quorum(self) -> None:
+        """The sites of this outer step (heals this site when it is behind: the registered
+        ``load_state_dict`` runs before this returns)."""
+        self.manager.start_quorum()
+
+    def sum_and_commit(self, buf: torch.Tensor) -> bool:
+        """All-reduce (SUM) ``buf`` in place over the quorum, then torchft's commit vote:
+        True when every site's exchange succeeded (``buf`` then holds the sum)."""
+        work = self.manager.allreduce(buf, reduce_op=torch.distributed.ReduceOp.SUM)
+        work.wait()
+        return bool(self.manager.should_commit())
+
+    def num_participants(self) -> int:
+        return int(self.manager.num_participants())
+
+    def step(self) -> int:
+        """Outer steps committed (torchft's step)."""
+        return int(self.manager.current_step())
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+class FaultTolerantDiLoCoHook(DiLoCoHook):
+    """DiLoCo's outer step over torchft (module docstring).
+
+    Args:
+        options: the ``--outer-*`` options (transport fields included).
+        make_transport: ``(state_dict, load_state_dict, device) -> transport`` with
+            ``quorum()``, ``sum_and_commit(buf)``, ``num_participants()``, ``step()``,
+            ``shutdown()`` (default: :class:`TorchftTransport` from the options and the
+            site job's environment).
+        weight: this site's weight in the average per outer step (tokens trained on between
+            two outer steps; 1: the plain mean over the sites present).
+        meter: byte accounting (category ``outer``).
+        rank: this rank in its site (its first rank prints the events).
+    """
+
+    def __init__(
+        self,
+        options: Any,
+        *,
+        make_transport: Optional[Callable[..., Any]] = None,
+        weight: float = 1.0,
+        meter: Any = None,
+        rank: int = 0,
+    ):
+        super().__init__(options, None, meter=meter)
+        self.make_transport = make_transport or self._default_transport
+        self.transport: Any = None
+        self.weight = float(weight)
+        self.rank = rank
+        self.events: List[Dict[str, Any]] = []
+        self._joined = False
+        self._healed = False
+        self._since_sync = 0
+        self._iteration = 0
+
+    def _default_transport(self, state_dict, load_state_dict, device):
+        o = self.options
+        lighthouse = o.lighthouse or os.environ["TORCHFT_LIGHTHOUSE"]
+        return TorchftTransport(
+            site_id=o.site_id,
+            lighthouse=lighthouse,
+            min_sites=o.min_sites,
+            quorum_timeout=o.quorum_timeout,
+            timeout=o.timeout,
+            device=device,
+            rank=int(os.environ.get("RANK", "0")),
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            store_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            store_port=int(os.environ["MASTER_PORT"]),
+            state_dict=state_dict,
+            load_state_dict=load_state_dict,
+        )
+
+    # -- events ---------------------------------------------------------------------------------
+
+    def _event(self, kind: str, **info: Any) -> None:
+        info = {"event": kind, "time": time.time(), **info}
+        self.events.append(info)
+        if self.rank == 0:
+            detail = " ".join(f"{k}={v}" for k, v in info.items() if k not in ("event", "time"))
+            print(
+                f"megatron-ext: torchft site {self.options.site_id}: {kind} {detail} "
+                f"at {info['time']:.3f}",
+                flush=True,
+            )
+
+    # -- the outer state a healing site receives ------------------------------------------------
+
+    def outer_state(self) -> Dict[str, Any]:
+        """The global state a live site sends to a healing one (on torchft's quorum thread,
+        while this site's main thread waits for the quorum)."""
+        return {
+            "snapshot": {f: t.detach().cpu().clone() for f, t in self.snapshot.items()},
+            "momentum": {f: t.detach().cpu().clone() for f, t in self.momentum.items()},
+            "exchanges": [{} if e is None else e.state_dict() for e in self.exchanges],
+            "syncs": self.syncs,
+            "iteration": self._iteration,
+        }
+
+    def load_outer_state(self, state: Dict[str, Any]) -> None:
+        """Take a live peer's :meth:`outer_state` (on this site's main thread, inside the
+        quorum): this site then contributes nothing to the outer step at hand and ends it
+        with the others' weights."""
+        if set(state["snapshot"]) != set(self.snapshot) or any(
+            tuple(t.shape) != tuple(self.snapshot[f].shape) for f, t in state["snapshot"].items()
+        ):
+            raise ValueError(
+                "megatron-ext: the outer state received from a live site does not fit this "
+                "site's parameters (the sites need the same model and TP / PP / "
+                "distributed-optimizer layout)"
+            )
+        for f, t in state["snapshot"].items():
+            self.snapshot[f].copy_(t)
+        self.momentum = {
+            f: t.to(self.snapshot[f].device, copy=True) for f, t in state["momentum"].items()
+        }
+        for e, sd in zip(self.exchanges, state["exchanges"]):
+            if e is not None:
+                e.load_state_dict(sd)
+        self.syncs = int(state["syncs"])
+        self.anchored = True
+        self._healed = True
+        self._event("healed", peer_iteration=state["iteration"], syncs=self.syncs)
+
+    # -- schedule -------------------------------------------------------------------------------
+
+    def setup(self, view: OptimizerView) -> None:
+        super().setup(view)
+        if self.transport is None:
+            device = next(iter(self.snapshot.values())).device if self.snapshot else "cpu"
+            self.transport = self.make_transport(self.outer_state, self.load_outer_state, device)
+
+    def on_step(self, iteration: int) -> None:
+        """Before the first training step's forward pass (after a checkpoint load): join
+        (the runtime's per-step callback; without one, :meth:`pre_step` joins)."""
+        if self._joined or self._raw is None:
+            return
+        super().pre_step(self._raw)  # anchors the snapshots to the loaded weights
+        self._join(self._raw)
+
+    def pre_step(self, view: OptimizerView) -> None:
+        super().pre_step(view)
+        if not self._joined:
+            self._join(view)
+
+    def _join(self, view: OptimizerView) -> None:
+        """One outer step with weight 0 before this site's first inner step: a late or
+        restarted site heals here and starts from the global weights."""
+        self._joined = True
+        self._outer_step(self.outer_view(view), contribute=False)
+        view.sync_params()
+
+    def post_step(self, view: OptimizerView, update_successful: bool) -> None:
+        view = self.outer_view(view)
+        self._since_sync += 1
+        self._iteration = view.step + 1
+        if self._since_sync < self.options.interval:
+            return
+        self._since_sync = 0
+        self._outer_step(view, contribute=True)
+        view.sync_params()
+
+    # -- the outer step -------------------------------------------------------------------------
+
+    def _outer_step(self, view: OptimizerView, *, contribute: bool) -> None:
+        o = self.options
+        fqns = self.fragments[0]
+        first = time.monotonic()
+        failed_at: Optional[float] = None
+        attempt = 0
+        while True:
+            attempt += 1
+            self._healed = False
+            try:
+                self.transport.quorum()
+            except Exception as exc:
+                raise RuntimeError(
+                    f"megatron-ext: --outer-quorum-timeout: no quorum of at least "
+                    f"--outer-min-sites {o.min_sites} site(s) for the outer step after "
+                    f"iteration {self._iteration} ({type(exc).__name__}: {exc})"
+                ) from exc
+            weight = self.weight if contribute and not self._healed else 0.0
+            states, current = self._flat(view, fqns)
+            snap = torch.cat([self.snapshot[f].reshape(-1).to(current.device) for f in fqns])
+            buf = torch.empty(current.numel() + 1, dtype=torch.float32, device=current.device)
+            torch.sub(snap, current, out=buf[:-1])
+            sent_finite = torch.isfinite(buf[:-1]).all()
+            buf[:-1].mul_(weight)
+            buf[-1] = weight
+            with ProcessGroupTrafficMeter.tagged("outer", force=True):
+                committed = self.transport.sum_and_commit(buf)
+            sites = self.transport.num_participants()
+            if committed:
+                break
+            if failed_at is None:
+                failed_at = time.time()
+            self._event("retry", attempt=attempt, sites=sites, iteration=self._iteration)
+            if time.monotonic() - first > o.quorum_timeout:
+                raise RuntimeError(
+                    f"megatron-ext: --outer-quorum-timeout: the outer step after iteration "
+                    f"{self._iteration} did not commit within {o.quorum_timeout:g} s "
+                    f"({attempt} attempts)"
+                )
+        total = float(buf[-1])
+        if self.meter is not None:
+            wire = collective_wire_bytes("all_reduce", 4 * buf.numel(), max(sites, 1))
+            self.meter.record("outer", sent=wire, recv=wire, dense_sent=wire, dense_recv=wire)
+        if total > 0:
+            delta = buf[:-1].div_(total)
+            self.pending[0] = (-1, PendingAverage(delta))
+            self._sent_finite[0] = sent_finite
+            self.finish_fragment(view, 0)  # the one-world hook's outer SGD step and writes
+        elif self._healed:
+            # Nobody contributed (every site joining): start from the received weights.
+            values = [self.snapshot[f].to(current.device) for f in fqns]
+            view.write_params(fqns, values)
+        self._event(
+            "commit",
+            step=self.transport.step(),
+            sites=sites,
+            attempts=attempt,
+            iteration=self._iteration,
+            weight=f"{weight:g}",
+            total_weight=f"{total:g}",
+            **({"failed_at": f"{failed_at:.3f}"} if failed_at is not None else {}),
+        )
+
+    def finish(self) -> None:
+        super().finish()
+        if self.transport is not None:
+            self.transport.shutdown()
+            self.transport = None

@@ -1,0 +1,120 @@
+"""One DiLoCo site of tests/distributed/test_diloco_sites.py: its own process and world.
+
+``python -m tests.helpers.ft_site SITE_ID OUT_DIR`` (environment: ``TORCHFT_LIGHTHOUSE``,
+``MASTER_PORT``) trains a small model with AdamW and
+:class:`~megatron_ext.optim.diloco_ft.FaultTolerantDiLoCoHook` (H = 3, the DiLoCo paper's
+outer optimizer) on data of its own (its site id seeds it), in a gloo world of one rank,
+until an outer step in which ``FT_SITES`` sites contributed once the file ``OUT_DIR/stop``
+exists. After every committed outer step it saves, as ``<site>_<step>.pt``, its
+weights, what it sent (weighted pseudo-gradient and weight) and the sum it received.
+"""
+
+import os
+import sys
+import time
+
+import torch
+
+
+def main() -> int:
+    site, out = int(sys.argv[1]), sys.argv[2]
+    want_sites = int(os.environ.get("FT_SITES", "3"))
+    stop = os.path.join(out, "stop")
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=0, world_size=1
+    )
+    import types
+
+    from megatron_ext.optim.diloco_ft import FaultTolerantDiLoCoHook
+    from megatron_ext.protocols import OptimizerView, ParamOptimState
+
+    torch.manual_seed(11)  # the same start on every site
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    params = dict(model.named_parameters())
+    inner = torch.optim.AdamW(model.parameters(), lr=0.02)
+    clock = {"step": 0}
+
+    class View(OptimizerView):
+        def fqns(self):
+            return list(params)
+
+        def param_state(self, fqn):
+            p = params[fqn]
+            return ParamOptimState(fqn=fqn, model_param=p.data, main_param=p.data, state={})
+
+        @property
+        def step(self):
+            return clock["step"]
+
+    opts = types.SimpleNamespace(
+        interval=3,
+        lr=0.7,
+        momentum=0.9,
+        nesterov=True,
+        fragments=1,
+        state_device="device",
+        compression="none",
+        delay=0,
+        merge_alpha=0.0,
+        site_id=site,
+        lighthouse=None,
+        min_sites=int(os.environ.get("FT_MIN_SITES", "2")),
+        quorum_timeout=120.0,
+        timeout=20.0,
+    )
+    hook = FaultTolerantDiLoCoHook(opts)
+    view = View()
+    hook.setup(view)
+    sent = {}
+    transport = hook.transport
+    plain = transport.sum_and_commit
+
+    def recorded(buf):
+        sent["buf"] = buf.clone()
+        ok = plain(buf)
+        sent["sum"] = buf.clone()
+        return ok
+
+    transport.sum_and_commit = recorded
+    seen = [0]
+
+    def record() -> bool:
+        """Save every new commit (right after it: the weights it left); True: done."""
+        while seen[0] < len(hook.events):
+            ev = hook.events[seen[0]]
+            seen[0] += 1
+            if ev["event"] != "commit":
+                continue
+            torch.save(
+                {
+                    "weights": {n: p.detach().clone() for n, p in params.items()},
+                    "sent": sent.get("buf"),
+                    "sum": sent.get("sum"),
+                    "event": ev,
+                },
+                os.path.join(out, f"{site}_{ev['step']}.pt"),
+            )
+            if float(ev["total_weight"]) == want_sites and os.path.exists(stop):
+                return True
+        return False
+
+    gen = torch.Generator().manual_seed(1000 + site)
+    for step in range(100000):
+        clock["step"] = step
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+        inner.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        hook.pre_step(view)  # the first one joins (an outer step with weight 0)
+        record()
+        inner.step()
+        hook.post_step(view, True)
+        if record():
+            hook.finish()
+            print(f"site {site}: done at iteration {step}", flush=True)
+            return 0
+        time.sleep(0.02)  # a site's step takes time; the others' outer steps interleave
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -423,9 +423,17 @@ def family(name: str) -> Family:
 
 
 def methods(family_name: str) -> Dict[str, Method]:
-    """The family's methods by name, in registration order (``none`` first)."""
+    """The family's methods by name: the built-in ones in :data:`BUILTIN`'s order (``none``
+    first), whichever module was imported first, then the others in registration order."""
     _ensure_loaded()
-    return dict(_METHODS[family_name])
+    from megatron_ext.methods import BUILTIN
+
+    rank = {module: i for i, module in enumerate(BUILTIN)}
+    ordered = sorted(
+        _METHODS[family_name].values(),
+        key=lambda m: rank.get(getattr(m.build, "__module__", ""), len(BUILTIN)),
+    )
+    return {m.name: m for m in ordered}
 
 
 def choices(family_name: str) -> Tuple[str, ...]:

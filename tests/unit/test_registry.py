@@ -115,3 +115,23 @@ def test_ext_config_selects_and_validates():
     assert cfg.state_settings()["separate_ratio"] == 8
     # Settings of methods that are not selected do not enter the fingerprint.
     assert "separate_ratio" not in ExtConfig().state_settings()
+
+
+def test_method_order_does_not_depend_on_which_module_is_imported_first():
+    """``--help``, docs/flags.md and the choices list the built-in methods in BUILTIN's order
+    even when a method module is imported before the registry (it used to move that method
+    last: Radius after QuantizedAdam)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import megatron_ext.methods.radius, megatron_ext.methods.grass\n"
+        "from megatron_ext.methods import registry\n"
+        "print(registry.choices('grad'), registry.choices('linear'))"
+    )
+    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr[-2000:]
+    from megatron_ext.methods import registry
+
+    assert first.stdout.strip() == f"{registry.choices('grad')} {registry.choices('linear')}"
+    assert registry.choices("grad")[:3] == ("none", "separate", "radius")

@@ -57,7 +57,7 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional
 
 import torch
 
@@ -172,6 +172,11 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         meter: byte accounting (category ``outer``).
         rank: this rank in its site (its first rank prints the events).
     """
+
+    # The one-world hook's roles and rules (declared here: a subclass states its own). On
+    # another DP size inside a site they reset as there; the outer state a site lacks comes
+    # from a live peer when it heals.
+    elastic_rules: ClassVar[Mapping[str, str]] = DiLoCoHook.elastic_rules
 
     def __init__(
         self,

@@ -64,6 +64,7 @@ __all__ = [
     "resume_args",
     "check_layout",
     "check_megatron_lm_defaults",
+    "check_save_interval",
     "check_inputs",
     "memory_needs",
     "method_state_needs",
@@ -111,6 +112,7 @@ def _megatron_subset(args: Sequence[str]) -> argparse.Namespace:
         ("--vocab-size", None),
         ("--make-vocab-size-divisible-by", 128),
         ("--eval-interval", None),
+        ("--save-interval", None),
         ("--train-iters", None),
         ("--train-samples", None),
     ]:
@@ -267,6 +269,9 @@ def check_megatron_lm_defaults(a: Any) -> None:
     * no training data (``--data-path``, ``--train-data-path``, ``--data-args-path``,
       ``--per-split-data-args-path`` or ``--mock-data``): "GPTDataset failed to build as a
       mock data generator" once the model is built;
+    * ``--save`` without ``--save-interval`` (None): a bare ``AssertionError`` in Megatron-LM's
+      ``validate_args`` (:func:`check_save_interval`, which a patched ``pretrain_gpt.py``
+      runs before that check);
     * a tokenizer without its files (``--tokenizer-type`` defaults to GPT2BPETokenizer in
       ``pretrain_gpt.py``, which needs ``--vocab-file`` and ``--merge-file``; NullTokenizer
       needs ``--vocab-size``; the SentencePiece, Llama2, HuggingFace and TikToken ones
@@ -306,6 +311,9 @@ def check_megatron_lm_defaults(a: Any) -> None:
             "--data-path: no training data: give --data-path PREFIX (or --train-data-path, "
             "--data-args-path, --per-split-data-args-path), or --mock-data"
         )
+    save_interval = _save_interval_problem(a)
+    if save_interval:
+        problems.append(save_interval)
     tokenizer = getattr(a, "tokenizer_type", None) or "GPT2BPETokenizer"
     missing = [n for n in _TOKENIZER_NEEDS.get(tokenizer, ()) if getattr(a, n, None) is None]
     if missing:
@@ -315,6 +323,28 @@ def check_megatron_lm_defaults(a: Any) -> None:
         )
     if problems:
         raise PreflightError("; ".join(problems))
+
+
+def _save_interval_problem(a: Any) -> Optional[str]:
+    if getattr(a, "save", None) and getattr(a, "save_interval", None) is None:
+        return (
+            "--save-interval: Megatron-LM needs it with --save (without it, a bare "
+            "AssertionError in its validate_args): give --save-interval N, e.g. "
+            "--save-interval 1000"
+        )
+    return None
+
+
+def check_save_interval(a: Any) -> None:
+    """Refuse ``--save`` without ``--save-interval``, which Megatron-LM's ``validate_args``
+    stops with a bare ``AssertionError``.
+
+    Raises:
+        PreflightError: naming ``--save-interval``.
+    """
+    problem = _save_interval_problem(a)
+    if problem:
+        raise PreflightError(problem)
 
 
 def check_inputs(args: Sequence[str]) -> None:

@@ -473,6 +473,8 @@ _REFUSALS = {
     ),
     # A patched pretrain_gpt.py has no launcher to check it before Megatron-LM parses.
     "no-eval-interval": (2, _without(tiny_args(), "--eval-interval"), ["--eval-interval: "]),
+    # Megatron-LM's validate_args would stop it with a bare AssertionError.
+    "save-without-interval": (1, tiny_args(save="TMP/ckpt"), ["--save-interval: "]),
     # Megatron-LM's own flags through megatron-ext's range table (the driver's), before
     # Megatron-LM's validate_args: an Adam beta of 2 reached torch's optimizer as a worker
     # traceback, a NaN learning rate Megatron-LM's assertion min_lr <= lr.

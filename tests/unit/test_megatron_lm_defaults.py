@@ -55,6 +55,7 @@ def test_complete_arguments_pass():
         (["--lr"], [], "--lr: Megatron-LM has no default learning rate"),
         (["--mock-data"], [], "--data-path: no training data"),
         (["--vocab-size"], [], "--tokenizer-type NullTokenizer: needs --vocab-size"),
+        ([], ["--save", "ckpt"], "--save-interval: Megatron-LM needs it with --save"),
         (
             ["--tokenizer-type", "--vocab-size"],
             [],
@@ -85,10 +86,13 @@ def test_every_problem_is_named_in_one_line():
         ["--train-samples", "32"],  # in place of --train-iters
         ["--data-path", "1.0", "/data/a_text_document"],  # in place of --mock-data
         ["--per-split-data-args-path", "splits.json"],
+        ["--save", "ckpt", "--save-interval", "100"],
     ],
 )
 def test_the_alternatives_megatron_lm_accepts_pass(extra):
-    flag = {"--train-samples": "--train-iters"}.get(extra[0], "--mock-data")
+    flag = {"--train-samples": "--train-iters", "--save": "--no-such-flag"}.get(
+        extra[0], "--mock-data"
+    )
     check_megatron_lm_defaults(_megatron_subset(_args(without=[flag], extra=extra)))
 
 

@@ -74,6 +74,7 @@ from megatron_ext.preflight import (
     CHECKPOINT_TRACKER,
     PreflightError,
     check_megatron_lm_defaults,
+    check_save_interval,
 )
 from megatron_ext.protocols import NonFiniteError
 from megatron_ext.refusal import report_refusal
@@ -435,13 +436,16 @@ class MegatronLMSession:
     def check_values(self, args: Any) -> None:
         """Before Megatron-LM's ``validate_args``: every numeric flag in its range and the
         flag relations of :mod:`megatron_ext.validation` (the driver's table), refused with
-        one line naming the flag instead of an assertion or a failure inside training.
+        one line naming the flag instead of an assertion or a failure inside training; and
+        ``--save`` without ``--save-interval``, which that function only asserts.
 
         Raises:
             ConfigError: naming the flag and its range.
+            PreflightError: naming ``--save-interval``.
         """
         check_flag_values(args)
         check_flag_relations(args)
+        check_save_interval(args)
 
     def configure(self, args: Any) -> ExtConfig:
         """Build and check megatron-ext's config from Megatron-LM's validated args.

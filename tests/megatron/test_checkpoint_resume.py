@@ -237,14 +237,15 @@ def _refused_save(trainer, root):
 @contextlib.contextmanager
 def _unchecked_saves():
     """Saves without the finite check (how a non-finite checkpoint could still exist)."""
-    from megatron_ext.megatron import checkpoint
+    from megatron_ext.megatron.checkpoint import save as ckpt_save
 
-    original = checkpoint.check_finite_for_save
-    checkpoint.check_finite_for_save = lambda *args, **kwargs: None
+    # Replaced where save_checkpoint looks it up.
+    original = ckpt_save.check_finite_for_save
+    ckpt_save.check_finite_for_save = lambda *args, **kwargs: None
     try:
         yield
     finally:
-        checkpoint.check_finite_for_save = original
+        ckpt_save.check_finite_for_save = original
 
 
 def _load_checks(rank, world, flags, root):

@@ -4,11 +4,11 @@ checkpoint behind (issue 26).
 Real megatron-core dist_checkpointing (torch_dist) on CPU/gloo, 2 ranks, through the
 driver's :func:`megatron_ext.megatron.checkpoint.save_checkpoint`:
 
-* the free-space check: the file system's free space is faked (``shutil.disk_usage`` of
-  the checkpoint module) to be smaller than the estimate, which is the state's size for a
-  first save and the last checkpoint's size afterwards; every rank gets the same one-line
-  ``--save`` error naming the directory and the bytes, nothing is written and the latest
-  marker does not move;
+* the free-space check: the file system's free space is faked (``shutil.disk_usage`` as
+  ``megatron_ext.megatron.checkpoint.space`` reads it) to be smaller than the estimate,
+  which is the state's size for a first save and the last checkpoint's size afterwards;
+  every rank gets the same one-line ``--save`` error naming the directory and the bytes,
+  nothing is written and the latest marker does not move;
 * a full disk during the save: a real tmpfs with room for one checkpoint and a half
   (mounted by the test, root only), the free-space check switched off (as if another job
   filled the disk right after it) so the second save runs out of space inside megatron-core
@@ -32,9 +32,9 @@ def _trainer():
     return trainer
 
 
-def _fake_free(ckpt, free):
-    real = ckpt.shutil.disk_usage
-    ckpt.shutil.disk_usage = lambda path: real(path)._replace(free=free)
+def _fake_free(space, free):
+    real = space.shutil.disk_usage
+    space.shutil.disk_usage = lambda path: real(path)._replace(free=free)
     return real
 
 
@@ -50,22 +50,23 @@ def _refused(trainer, root, iteration):
 
 def _space_check(rank, world, root):
     from megatron_ext.megatron import checkpoint as ckpt
+    from megatron_ext.megatron.checkpoint import space
 
     trainer = _trainer()
     out = {}
-    real = _fake_free(ckpt, 1000)
+    real = _fake_free(space, 1000)
     try:
         out["first"] = _refused(trainer, root, 1)
     finally:
-        ckpt.shutil.disk_usage = real
+        space.shutil.disk_usage = real
     out["after_first"] = sorted(os.listdir(root)) if os.path.isdir(root) else []
     save_checkpoint(trainer, root, 1)
-    out["size"] = ckpt._directory_bytes(ckpt.checkpoint_dir(root, 1))
-    real = _fake_free(ckpt, out["size"] // 2)
+    out["size"] = space._directory_bytes(ckpt.checkpoint_dir(root, 1))
+    real = _fake_free(space, out["size"] // 2)
     try:
         out["second"] = _refused(trainer, root, 2)
     finally:
-        ckpt.shutil.disk_usage = real
+        space.shutil.disk_usage = real
     out["after_second"] = sorted(os.listdir(root))
     out["latest"] = ckpt.latest_iteration(root)
     teardown(trainer)
@@ -100,14 +101,14 @@ def _full_disk(rank, world, small, mounted_flag):
     import torch
 
     from megatron_ext.megatron import checkpoint as ckpt
-    from megatron_ext.megatron.checkpoint import CheckpointSaveError
+    from megatron_ext.megatron.checkpoint import CheckpointSaveError, save as ckpt_save, space
 
     trainer = _trainer()
     root = os.path.join(small, "ckpt")
     if rank == 0:
         # Room for one checkpoint and a half: the size of one, measured on a normal disk.
         save_checkpoint(trainer, os.path.join(small, "probe"), 1)
-        size = ckpt._directory_bytes(os.path.join(small, "probe"))
+        size = space._directory_bytes(os.path.join(small, "probe"))
     else:
         save_checkpoint(trainer, os.path.join(small, "probe"), 1)
     if rank == 0:
@@ -120,8 +121,8 @@ def _full_disk(rank, world, small, mounted_flag):
     root = os.path.join(small, "mnt", "ckpt")
     save_checkpoint(trainer, root, 1)
     # The check passes (as when another job fills the disk right after it).
-    real = ckpt.check_free_space
-    ckpt.check_free_space = lambda *args: None
+    real = ckpt_save.check_free_space
+    ckpt_save.check_free_space = lambda *args: None
     try:
         save_checkpoint(trainer, root, 2)
         error = None
@@ -129,7 +130,7 @@ def _full_disk(rank, world, small, mounted_flag):
         error = str(exc)
         assert exc.detailed == (rank == 0)
     finally:
-        ckpt.check_free_space = real
+        ckpt_save.check_free_space = real
     torch.distributed.barrier()
     out = {
         "error": error,

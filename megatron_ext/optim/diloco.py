@@ -887,6 +887,19 @@ class DiLoCoHook(OptimizerHook):
             state = {"pending": {}, "view": {}, "anchored": True, **state}
         return state
 
+    def _load_outer_state(self, state: Dict[str, Any]) -> None:
+        """The outer state every site shares (snapshots, outer momentum, the exchanges' error
+        feedback, the outer step count), from ``state`` in :meth:`state_dict`'s form."""
+        for f, t in state["snapshot"].items():
+            self.snapshot[f].copy_(t)
+        self.momentum = {
+            f: t.to(self.snapshot[f].device, copy=True) for f, t in state["momentum"].items()
+        }
+        for e, sd in zip(self.exchanges, state["exchanges"]):
+            if e is not None:
+                e.load_state_dict(sd)
+        self.syncs = int(state["syncs"])
+
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; applied at the first step if the state is not yet
         allocated (a resume loads before training starts)."""
@@ -920,15 +933,7 @@ class DiLoCoHook(OptimizerHook):
             raise ValueError("diloco state was saved with other fragments (--outer-fragments)")
         if set(state["snapshot"]) != set(self.snapshot):
             raise ValueError("diloco state was saved for other parameters")
-        for f, t in state["snapshot"].items():
-            self.snapshot[f].copy_(t)
-        self.momentum = {
-            f: t.to(self.snapshot[f].device, copy=True) for f, t in state["momentum"].items()
-        }
-        for e, sd in zip(self.exchanges, state["exchanges"]):
-            if e is not None:
-                e.load_state_dict(sd)
-        self.syncs = int(state["syncs"])
+        self._load_outer_state(state)
         self.pending = {}
         self._sent_finite = {}
         for i, p in state["pending"].items():

@@ -254,15 +254,7 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
                 "site's parameters (the sites need the same model and TP / PP / "
                 "distributed-optimizer layout)"
             )
-        for f, t in state["snapshot"].items():
-            self.snapshot[f].copy_(t)
-        self.momentum = {
-            f: t.to(self.snapshot[f].device, copy=True) for f, t in state["momentum"].items()
-        }
-        for e, sd in zip(self.exchanges, state["exchanges"]):
-            if e is not None:
-                e.load_state_dict(sd)
-        self.syncs = int(state["syncs"])
+        self._load_outer_state(state)
         self.anchored = True
         self._healed = True
         self._event("healed", peer_iteration=state["iteration"], syncs=self.syncs)

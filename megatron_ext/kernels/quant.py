@@ -361,6 +361,14 @@ def _stage_values(
     return staged, finite, clamped
 
 
+def _rows_plus_deltas(
+    payload: torch.Tensor, m: torch.Tensor, bits: int, granularity: str
+) -> torch.Tensor:
+    """``m`` (``[k, rows, cols]``, buffer rows) plus the payload's dequantized deltas, fp32."""
+    k, rows, cols = m.shape
+    return m.float() + _unpack_samples(payload, bits, granularity, k, rows, cols)
+
+
 def _aqsgd_decode_stage(
     payload: torch.Tensor,
     m: torch.Tensor,
@@ -368,8 +376,7 @@ def _aqsgd_decode_stage(
     granularity: str,
     out_dtype: Optional[torch.dtype],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    k, rows, cols = m.shape
-    v = m.float() + _unpack_samples(payload, bits, granularity, k, rows, cols)
+    v = _rows_plus_deltas(payload, m, bits, granularity)
     staged, finite, clamped = _stage_values(v, m.dtype, m)
     out = v.to(out_dtype) if out_dtype is not None else v.new_empty(0)
     return staged, finite, clamped, out
@@ -513,8 +520,7 @@ def _aqsgd_decode_rows(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     m = table.index_select(0, index)
-    k, rows, cols = m.shape
-    return (m.float() + _unpack_samples(payload, bits, granularity, k, rows, cols)).to(out_dtype)
+    return _rows_plus_deltas(payload, m, bits, granularity).to(out_dtype)
 
 
 def _aqsgd_commit_rows(
@@ -525,8 +531,7 @@ def _aqsgd_commit_rows(
     granularity: str,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     m = table.index_select(0, index)
-    k, rows, cols = m.shape
-    v = m.float() + _unpack_samples(payload, bits, granularity, k, rows, cols)
+    v = _rows_plus_deltas(payload, m, bits, granularity)
     staged, finite, clamped = _stage_values(v, table.dtype, m)
     table.index_copy_(0, index, staged)
     return finite, clamped

@@ -398,7 +398,14 @@ def register(method: Method) -> Method:
         raise ValueError(f"unknown method family {method.family!r} (of method {method.name!r})")
     if method.name in _METHODS[method.family]:
         raise ValueError(f"method {method.name!r} is registered twice in {method.family!r}")
-    _METHODS[method.family][method.name] = method
+    from megatron_ext.methods import BUILTIN
+
+    # Kept in BUILTIN's order: a method module imported before the registry registers its
+    # method while the registry loads the others, which would otherwise put it last.
+    rank = {module: i for i, module in enumerate(BUILTIN)}
+    members = [*_METHODS[method.family].values(), method]
+    members.sort(key=lambda m: rank.get(getattr(m.build, "__module__", ""), len(BUILTIN)))
+    _METHODS[method.family] = {m.name: m for m in members}
     return method
 
 
@@ -426,14 +433,7 @@ def methods(family_name: str) -> Dict[str, Method]:
     """The family's methods by name: the built-in ones in :data:`BUILTIN`'s order (``none``
     first), whichever module was imported first, then the others in registration order."""
     _ensure_loaded()
-    from megatron_ext.methods import BUILTIN
-
-    rank = {module: i for i, module in enumerate(BUILTIN)}
-    ordered = sorted(
-        _METHODS[family_name].values(),
-        key=lambda m: rank.get(getattr(m.build, "__module__", ""), len(BUILTIN)),
-    )
-    return {m.name: m for m in ordered}
+    return dict(_METHODS[family_name])
 
 
 def choices(family_name: str) -> Tuple[str, ...]:

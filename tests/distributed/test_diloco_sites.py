@@ -68,6 +68,16 @@ def _records(out, site):
     return found
 
 
+def _kill_all(procs, logs):
+    """SIGKILL every process still running (sites, lighthouse); close the logs."""
+    for p in procs.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+    for log in logs.values():
+        log.close()
+
+
 def test_site_killed_and_restarted(tmp_path):
     out = str(tmp_path)
     procs = {}
@@ -171,12 +181,7 @@ def test_site_killed_and_restarted(tmp_path):
         # the steps between the kill and the rejoin went on over two sites
         assert all(recs[0][s]["event"]["sites"] == 2 for s in range(step, join))
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                p.wait()
-        for log in logs.values():
-            log.close()
+        _kill_all(procs, logs)
 
 
 def test_driver_sites_survive_a_killed_site(tmp_path):
@@ -252,9 +257,4 @@ def test_driver_sites_survive_a_killed_site(tmp_path):
         ]
         assert first[0] != first[1], first
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                p.wait()
-        for log in logs.values():
-            log.close()
+        _kill_all(procs, logs)

@@ -70,25 +70,13 @@ def _ours(member, group, setting):
     import types
 
     from megatron_ext.optim.diloco import DiLoCoHook
-    from megatron_ext.protocols import OptimizerView, ParamOptimState
+    from tests.helpers.views import ParamsView
 
     interval, fragments, lr, momentum, nesterov = SETTINGS[setting]
     model = _model()
     params = dict(model.named_parameters())
     inner = _inner(model)
     clock = {"step": 0}
-
-    class View(OptimizerView):
-        def fqns(self):
-            return list(params)
-
-        def param_state(self, fqn):
-            p = params[fqn]
-            return ParamOptimState(fqn=fqn, model_param=p.data, main_param=p.data, state={})
-
-        @property
-        def step(self):
-            return clock["step"]
 
     opts = types.SimpleNamespace(
         interval=interval,
@@ -102,7 +90,7 @@ def _ours(member, group, setting):
         merge_alpha=0.0,
     )
     hook = DiLoCoHook(opts, group)
-    view = View()
+    view = ParamsView(params, clock)
     hook.setup(view)
     history = []
     for step in range(STEPS):

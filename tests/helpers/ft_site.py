@@ -26,25 +26,13 @@ def main() -> int:
     import types
 
     from megatron_ext.optim.diloco_ft import FaultTolerantDiLoCoHook
-    from megatron_ext.protocols import OptimizerView, ParamOptimState
+    from tests.helpers.views import ParamsView
 
     torch.manual_seed(11)  # the same start on every site
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
     params = dict(model.named_parameters())
     inner = torch.optim.AdamW(model.parameters(), lr=0.02)
     clock = {"step": 0}
-
-    class View(OptimizerView):
-        def fqns(self):
-            return list(params)
-
-        def param_state(self, fqn):
-            p = params[fqn]
-            return ParamOptimState(fqn=fqn, model_param=p.data, main_param=p.data, state={})
-
-        @property
-        def step(self):
-            return clock["step"]
 
     opts = types.SimpleNamespace(
         interval=3,
@@ -63,7 +51,7 @@ def main() -> int:
         timeout=20.0,
     )
     hook = FaultTolerantDiLoCoHook(opts)
-    view = View()
+    view = ParamsView(params, clock)
     hook.setup(view)
     sent = {}
     transport = hook.transport

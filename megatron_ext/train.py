@@ -48,6 +48,7 @@ from megatron_ext.config import (
     add_config_args,
     config_from_args,
     ext_config_from_args,
+    validate_ext_config,
 )
 from megatron_ext.logging import is_last_rank, print_rank_0
 from megatron_ext.train_config import (
@@ -57,6 +58,7 @@ from megatron_ext.train_config import (
     ModelArgs,
     ParallelArgs,
     TrainingArgs,
+    driver_layout,
     find_config_file,
     layout_sizes,
     load_yaml_defaults,
@@ -284,6 +286,9 @@ class Trainer:
 
         cfg = self.cfg
         self.sizes = layout_sizes(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        # The methods' combination checks, before the ranks talk (build_model checks again
+        # against parallel_state's layout, which is the same).
+        validate_ext_config(cfg.ext, driver_layout(cfg, self.sizes))
         threads = cfg.training.num_threads
         if cfg.training.cpu and threads is None:
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

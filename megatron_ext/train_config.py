@@ -522,6 +522,25 @@ def layout_sizes(cfg: Any, world_size: int) -> Dict[str, int]:
     return {"tp": tp, "pp": pp, "dp": dp, "gbs": gbs, "num_microbatches": gbs // (mbs * dp)}
 
 
+def driver_layout(cfg: Any, sizes: Dict[str, int]) -> Any:
+    """The :class:`~megatron_ext.config.ParallelLayout` of a driver run, from its flags and
+    :func:`layout_sizes` (the same one ``parallel_state`` gives once the groups exist: the
+    driver has no virtual pipeline), so the methods' combination checks run before the
+    ranks start talking."""
+    from megatron_ext.config import ParallelLayout
+
+    p = cfg.parallel
+    return ParallelLayout(
+        tensor_model_parallel_size=sizes["tp"],
+        pipeline_model_parallel_size=sizes["pp"],
+        data_parallel_size=sizes["dp"],
+        use_distributed_optimizer=p.use_distributed_optimizer,
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        num_distributed_optimizer_instances=p.num_distributed_optimizer_instances,
+        transformer_impl=cfg.model.transformer_impl,
+    )
+
+
 def _check_outer(cfg: Any, dp: int) -> None:
     """Driver flags that DiLoCo with several sites cannot honour (refused before training)."""
     if cfg.ext.methods["outer"] == "none":

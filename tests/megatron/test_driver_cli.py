@@ -118,22 +118,35 @@ def test_pp2_variant(tmp_path):
     assert not (tmp_path / "comm_report.json").exists()
 
 
+# 8 iterations without dropout, logged every iteration.
+_EXACT = BASE + [
+    "--train-iters",
+    "8",
+    "--log-interval",
+    "1",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--eval-iters",
+    "0",
+]
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """One uninterrupted run of ``_EXACT`` saved under ``a/`` (its ``log.jsonl`` there): the
+    reference of the resume test and the pretrained model of the fine-tuning test."""
+    root = tmp_path_factory.mktemp("full_run")
+    proc = _torchrun(_EXACT + ["--save", str(root / "a")], root)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return root, proc
+
+
 @pytest.mark.slow
-def test_command_line_resume_is_exact(tmp_path):
-    args = BASE + [
-        "--train-iters",
-        "8",
-        "--log-interval",
-        "1",
-        "--hidden-dropout",
-        "0",
-        "--attention-dropout",
-        "0",
-        "--eval-iters",
-        "0",
-    ]
-    full = _torchrun(args + ["--save", str(tmp_path / "a")], tmp_path)
-    assert full.returncode == 0, full.stderr[-4000:]
+def test_command_line_resume_is_exact(full_run, tmp_path):
+    args = _EXACT
+    root, full = full_run
     # --load equal to --save with nothing there yet: a first run (auto-resume convention).
     first = _torchrun(
         args
@@ -148,7 +161,7 @@ def test_command_line_resume_is_exact(tmp_path):
     )
     assert second.returncode == 0, second.stderr[-4000:]
     assert "resumed from" in second.stdout
-    assert _losses(tmp_path / "a" / "log.jsonl") == _losses(tmp_path / "b" / "log.jsonl")
+    assert _losses(root / "a" / "log.jsonl") == _losses(tmp_path / "b" / "log.jsonl")
     # Quiet by default: no Python warning (dist-checkpoint loads included) and no rerun state
     # machine line; MEGATRON_EXT_VERBOSE_WARNINGS=1 shows them (megatron_ext/quiet.py).
     for run in (full, second):
@@ -275,6 +288,14 @@ _EARLY_REFUSALS = {
         "--outer-interval, --train-iters",
     ),
     "warm-up": (["--train-iters", "5", "--lr-warmup-iters", "5"], "--lr-warmup-iters"),
+    "grass-distopt": (
+        ["--grass-method", "topr", "--use-distributed-optimizer"],
+        "--grass-method, --use-distributed-optimizer",
+    ),
+    "grass-compression": (
+        ["--grass-method", "topr", "--grad-compression", "separate"],
+        "--grass-method, --grad-compression",
+    ),
     # FINISHED: a checkpoint directory at iteration 4 (made by the test; no model in it, so
     # the refusal must come before anything is built or loaded).
     "finished-load": (
@@ -319,27 +340,15 @@ def test_early_refusals_are_the_last_lines_under_torchrun(tmp_path, monkeypatch,
         assert_cause_last(torchrun_summary(str(error_file)), cause)
 
 
-def test_finetune_loads_the_model_only_and_starts_at_iteration_zero(tmp_path):
-    pre = _torchrun(
-        BASE
-        + [
-            "--train-iters",
-            "8",
-            "--save",
-            str(tmp_path / "pre"),
-            "--log-json",
-            str(tmp_path / "pre.jsonl"),
-        ],
-        cwd=tmp_path,
-    )
-    assert pre.returncode == 0, pre.stderr[-3000:]
+def test_finetune_loads_the_model_only_and_starts_at_iteration_zero(full_run, tmp_path):
+    pre = full_run[0] / "a"  # 8 iterations
     tuned = _torchrun(
         BASE
         + [
             "--train-iters",
             "4",
             "--load",
-            str(tmp_path / "pre"),
+            str(pre),
             "--finetune",
             "--log-interval",
             "1",
@@ -352,7 +361,7 @@ def test_finetune_loads_the_model_only_and_starts_at_iteration_zero(tmp_path):
     assert "fine-tuning from the model weights of" in tuned.stdout
     records = [json.loads(l) for l in (tmp_path / "ft.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2, 3, 4]  # a fresh schedule from 0
-    pretrained_end = _losses(tmp_path / "pre.jsonl")[-1]
+    pretrained_end = _losses(pre / "log.jsonl")[-1]
     # The first fine-tuning step starts from the pretrained weights, not from scratch (~9).
     assert records[0]["lm_loss"] < pretrained_end + 0.3, (records[0], pretrained_end)
 
@@ -360,9 +369,9 @@ def test_finetune_loads_the_model_only_and_starts_at_iteration_zero(tmp_path):
 @pytest.mark.parametrize(
     "args, flag",
     [
+        # Decided on the model megatron-core built (the combinations with the distributed
+        # optimizer and a gradient compressor are in _EARLY_REFUSALS).
         (["--grass-rank", "100000"], "--grass-rank"),  # larger than any projected dimension
-        (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
-        (["--grad-compression", "separate"], "--grad-compression"),
         (["--grass-layers", "no_such_layer"], "--grass-layers"),
     ],
 )

@@ -273,8 +273,7 @@ class ExtConfig:
         out: Dict[str, Any] = {}
         selected = self.selected()
         for fam, method in selected:
-            if fam.name == "outer" and method.name == "none":
-                # Added after checkpoints existed: its default leaves their fingerprint as is.
+            if method.name == "none" and not fam.fingerprint_none:
                 continue
             out[fam.dest] = method.name
         for _, method in selected:
@@ -349,7 +348,8 @@ def validate_ext_config(cfg: ExtConfig, layout: ParallelLayout) -> None:
         why = fused_unavailable("cpu")
         if why:
             raise ConfigError("--fused-kernels", f"'on' compiles CPU kernels too: {why}")
-    if layout.num_distributed_optimizer_instances != 1 and not cfg.enabled("outer"):
+    sites = [fam for fam, method in cfg.selected() if fam.spans_sites and method.name != "none"]
+    if layout.num_distributed_optimizer_instances != 1 and not sites:
         # megatron-ext's gradient seam reduces inside one instance; with DiLoCo the instances
         # are its sites (methods.diloco validates that), otherwise megatron's all-reduce
         # across instances would be missing.

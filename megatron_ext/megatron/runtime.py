@@ -250,7 +250,9 @@ class ExtRuntime(Runtime):
         # come first, so that their post_step runs last (post_step runs in reverse order),
         # after every other hook has written the weights (Protocol Models' constrained AdamW
         # step), and the outer step's weights are the iteration's last word.
-        order = sorted(self.components, key=lambda family: family != "outer")
+        from megatron_ext.methods import registry
+
+        order = sorted(self.components, key=lambda name: not registry.family(name).spans_sites)
         return [h for family in order for h in self.components[family].optimizer_hooks]
 
     def descriptions(self) -> List[str]:

@@ -87,6 +87,18 @@ class Family:
     options: Optional[type] = None
     """Options shared by every method of the family (e.g. which linear layers are hooked)."""
 
+    spans_sites: bool = False
+    """The family synchronizes sites of data-parallel ranks (the outer synchronization):
+    its method is built first and its ``Components.grad_group`` (the ranks of this site)
+    becomes the data-parallel group of every other family's method; its optimizer hooks
+    run first, so their ``post_step`` runs last (the outer step's weights are the step's
+    last word). It also lets several distributed-optimizer instances be its sites."""
+
+    fingerprint_none: bool = True
+    """Whether selecting ``none`` enters the state fingerprint
+    (``ExtConfig.state_settings``). False for a family added after checkpoints existed:
+    its default leaves their fingerprint as it was."""
+
     @property
     def dest(self) -> str:
         """argparse destination of the selector (``grad_compression``)."""
@@ -369,6 +381,8 @@ def _define_families() -> Tuple[Family, ...]:
             "megatron-ext: outer synchronization across sites (DiLoCo)",
             "Outer synchronization of data-parallel sites; 'none' synchronizes every step "
             "(ordinary data parallelism).",
+            spans_sites=True,
+            fingerprint_none=False,
         ),
     )
 
@@ -506,13 +520,14 @@ def build_components(
         )
         built[fam.name] = method.build(ctx)
 
+    site = None
     for fam, method in selected:
-        if fam.name == "outer":
+        if fam.spans_sites:
             build(fam, method, groups)
-    site = built["outer"].grad_group if "outer" in built else None
+            site = built[fam.name].grad_group
     inner = groups if site is None else dataclasses.replace(groups, dp=site, dp_cp=site)
     for fam, method in selected:
-        if fam.name != "outer":
+        if not fam.spans_sites:
             build(fam, method, inner)
     order = [fam.name for fam, _ in selected]
     ordered = {name: built[name] for name in order}

@@ -282,25 +282,25 @@ def test_driver_refuses_the_replica_hash_with_several_sites():
 def test_megatron_lm_refusals(attrs, named):
     from types import SimpleNamespace
 
-    from megatron_ext.megatron.lm.session import _check_outer_sites
+    from megatron_ext.megatron.lm.arguments import check_outer_sites
 
     groups = attrs.pop("groups", None)
     flags = ["--outer-method", "diloco"] + ([] if groups is None else ["--outer-groups", "1"])
     cfg = ext_config_from_flags(flags)
     args = SimpleNamespace(data_parallel_size=2, **attrs)
     with pytest.raises(ConfigError, match=named):
-        _check_outer_sites(args, cfg)
+        check_outer_sites(args, cfg)
     if groups is None:  # one site: allowed
-        _check_outer_sites(args, ext_config_from_flags(flags + ["--outer-groups", "1"]))
+        check_outer_sites(args, ext_config_from_flags(flags + ["--outer-groups", "1"]))
 
 
 def test_megatron_lm_checkpoints_with_several_sites_are_accepted():
     from types import SimpleNamespace
 
-    from megatron_ext.megatron.lm.session import _check_outer_sites
+    from megatron_ext.megatron.lm.arguments import check_outer_sites
 
     args = SimpleNamespace(data_parallel_size=2, save="/tmp/x", load="/tmp/x")
-    _check_outer_sites(args, ext_config_from_flags(["--outer-method", "diloco"]))
+    check_outer_sites(args, ext_config_from_flags(["--outer-method", "diloco"]))
 
 
 def test_torchft_transport_refusals_name_the_flags(monkeypatch):
@@ -332,12 +332,12 @@ def test_torchft_transport_refusals_name_the_flags(monkeypatch):
     cfg = ext_config_from_flags(ok + ["--outer-lighthouse", "http://127.0.0.1:29510"])
     from types import SimpleNamespace
 
-    from megatron_ext.megatron.lm.session import _check_outer_sites
+    from megatron_ext.megatron.lm.arguments import check_outer_sites
     from megatron_ext.methods.diloco import OuterConfig
     from megatron_ext.train import parse_args
 
     with pytest.raises(ConfigError, match="^--outer-transport: .*pretrain_gpt.py"):
-        _check_outer_sites(SimpleNamespace(data_parallel_size=2), cfg)
+        check_outer_sites(SimpleNamespace(data_parallel_size=2), cfg)
     driver = ["--cpu", "--outer-lighthouse", "http://127.0.0.1:29510"] + ok
     with pytest.raises(ConfigError, match="^--outer-transport, --fixed-samples: "):
         parse_args(driver + ["--fixed-samples", "64"])

@@ -287,6 +287,11 @@ class OptimizerHook:
     def post_step(self, view: OptimizerView, update_successful: bool) -> None:
         """After the update (default: nothing)."""
 
+    def finish(self) -> None:
+        """End of training, on every rank (collective): finish work still in flight, e.g. an
+        overlapped exchange, before the report is written and the process groups go away
+        (default: nothing)."""
+
     def state_dict(self) -> Dict[str, Any]:
         """Rank-local state (tensors and primitives only)."""
         return {}

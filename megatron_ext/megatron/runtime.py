@@ -446,9 +446,7 @@ class ExtRuntime(Runtime):
         overlapped exchanges), before the report is written and the process groups go away."""
         if self.optimizer_handle is not None:
             for hook in self.optimizer_handle.hooks:
-                finish = getattr(hook, "finish", None)
-                if finish is not None:
-                    finish()
+                hook.finish()
 
     def remove(self) -> None:
         """Undo every installation (for tests and in-process reuse)."""

@@ -185,10 +185,13 @@ def test_site_killed_and_restarted(tmp_path):
 
 
 def test_driver_sites_survive_a_killed_site(tmp_path):
-    """The same through the driver (``python -m megatron_ext train``, gpt-tiny, one rank per
-    site): 2 sites reading disjoint data (their first losses differ), site 1 SIGKILLed after
-    its third outer step; site 0 completes the next outer step alone (weight of one site's
-    tokens) and finishes training (exit code 0)."""
+    """The same through the driver, each site a ``torchrun`` job of its own: gpt-tiny in a
+    pipeline of 2 stages with Protocol Models inside each site (its subspace-confined
+    pipeline traffic between the site's two ranks; a torchft Manager per rank, one replica
+    per site). 2 sites reading disjoint data (their first losses differ); once both have
+    contributed to an outer step, site 1's torchrun is SIGKILLed (its ranks die with it);
+    site 0 completes the next outer step alone (weight of one site's tokens) and finishes
+    training (exit code 0)."""
     out = str(tmp_path)
     procs, logs = {}, {}
     try:
@@ -206,15 +209,20 @@ def test_driver_sites_survive_a_killed_site(tmp_path):
             path = os.path.join(out, f"site{site}.log")
             logs[site] = open(path, "w")
             procs[f"site{site}"] = subprocess.Popen(
-                [sys.executable, "-m", "megatron_ext", "train", "--cpu", "--model", "gpt-tiny"]
+                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+                + ["--master-port", str(free_port()), "-m", "megatron_ext.train"]
+                + ["--cpu", "--model", "gpt-tiny", "--num-threads", "1"]
                 + ["--no-progress", "--log-interval", "1", "--eval-iters", "0"]
+                + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]
+                + ["--subspace-method", "protocol", "--subspace-rank", "32"]
+                + ["--hidden-dropout", "0"]
                 + ["--train-iters", "24", "--lr-warmup-iters", "2", "--outer-method", "diloco"]
                 + ["--outer-interval", "4", "--outer-transport", "torchft"]
                 + ["--outer-site-id", str(site), "--outer-sites", "2"]
                 + ["--outer-lighthouse", address, "--outer-timeout", "20"],
                 stdout=logs[site],
                 stderr=subprocess.STDOUT,
-                env=_env(MASTER_PORT=free_port()),
+                env=_env(),
                 cwd=out,
             )
 
@@ -256,5 +264,8 @@ def test_driver_sites_survive_a_killed_site(tmp_path):
             for s in range(2)
         ]
         assert first[0] != first[1], first
+        # Protocol Models inside the site: the pipeline sent k of d coordinates per token.
+        last = [l for l in text(0).splitlines() if "iteration       24/" in l][0]
+        assert "pp-act" in last and "(dense" in last, last
     finally:
         _kill_all(procs, logs)

@@ -23,6 +23,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from megatron_ext.collectives import aqsgd as aqsgd_module
+from megatron_ext.collectives.aqsgd import codecs as aqsgd_codecs
 from megatron_ext.collectives.aqsgd import AQSGDCodec, DirectQCodec, SampleBuffers
 from megatron_ext.collectives.p2p import P2PContext
 from megatron_ext.compressors.quantize import packed_nbytes
@@ -397,13 +398,13 @@ def test_directq_warmup_sends_the_activations_themselves():
 def test_stochastic_rounding_draws_on_the_tensors_device(monkeypatch):
     """CUDA kernels take CUDA generators only: the codec seeds one on the tensor's device."""
     devices = []
-    real = aqsgd_module.device_generator
+    real = aqsgd_codecs.device_generator
 
     def record(device, *parts):
         devices.append(device)
         return real(device, *parts)
 
-    monkeypatch.setattr(aqsgd_module, "device_generator", record)
+    monkeypatch.setattr(aqsgd_codecs, "device_generator", record)
     sender, receiver = _pair(rounding="stochastic")
     _epochs(sender, receiver, epochs=2)
     g = torch.randn(SEQ, MBS, HIDDEN)

@@ -623,7 +623,7 @@ def _outer_checks(findings):
         for f in findings
         if f.kind == "host-sync"
         and f.detail.startswith("item()")
-        and "optim/diloco.py" in f.where
+        and "optim/diloco/hook.py" in f.where
         and "(finish_fragment)" in f.where
     ]
 

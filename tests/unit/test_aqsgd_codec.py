@@ -192,7 +192,7 @@ def _run_schedule(announce):
 
 @pytest.mark.filterwarnings("ignore:aqsgd")
 def test_announced_steps_read_visit_flags_late_with_the_same_result():
-    """Issue 25: a step announced by ``begin_step`` commits device buffers on the device and
+    """A step announced by ``begin_step`` commits device buffers on the device and
     reads the visit flags later; payloads, outputs, buffers and flags must be bit-identical
     to steps that read them at the commit, non-finite samples and a skipped step included."""
     late, a_s, a_r = _run_schedule(announce=True)
@@ -487,7 +487,7 @@ def _send(sender, receiver, x, ids, step):
 
 @pytest.mark.filterwarnings("ignore:aqsgd")
 def test_out_of_range_and_non_finite_activations_never_stored_as_inf():
-    """Issue 26: a bf16 70000 in fp16 buffers is clamped (the value delivered stays right),
+    """A bf16 70000 in fp16 buffers is clamped (the value delivered stays right),
     an inf activation is never written, and both sides stay bit-identical."""
     sender, receiver = _pair(buffer_dtype="fp16")
     big, bad = torch.tensor([2]), torch.tensor([9])

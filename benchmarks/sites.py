@@ -111,7 +111,7 @@ DEFAULT_CONFIGS = (
     "diloco-h50-q4=--outer-method diloco --outer-interval 50 --outer-compression quantized "
     "--quantized-bits 4",
 )
-"""``LABEL=FLAGS`` of the default sweep (the issue's DiLoCo configurations included).
+"""``LABEL=FLAGS`` of the default sweep (DiLoCo's configurations included).
 PowerSGD starts at step 30, its setting in ``benchmarks/frontier.py`` (``bench_defaults``)."""
 
 QUICK_CONFIGS = (

@@ -7,9 +7,11 @@ What it does:
     already exist. It binds the method's gradient reducer to one flat fp32 "bucket" (the
     way ``tests/helpers/reducers.py`` binds reducers outside Megatron), reduces it with
     ``ReduceOp.AVG`` and closes every call as an applied step, so the reducers' error
-    feedback carries over from one outer sync to the next:
+    feedback carries over from one outer sync to the next. The dense exchange (``none``) is
+    not one of them: it is DiLoCo's ``DenseOuterExchange``
+    (``megatron_ext/optim/diloco/exchange.py``), a plain all-reduce with no state. The
+    compressed ones:
 
-    * ``none``: one dense all-reduce (AVG) of the fp32 buffer.
     * ``quantized`` (:class:`~megatron_ext.options.quantized.QuantizedConfig`): the k-bit
       exchange of ``collectives/quantized.py`` (4 bits by default, as Streaming DiLoCo;
       rows of 256 values with one fp16 scale): all-to-all of the rank's quantized
@@ -86,7 +88,6 @@ import torch
 from megatron_ext.accounting import CommMeter, ProcessGroupTrafficMeter, collective_wire_bytes
 from megatron_ext.collectives.grad_reducer import (
     BucketGroupSpec,
-    DenseGradReducer,
     GradReducer,
     ParamSlice,
     all_gather_flat,
@@ -96,10 +97,11 @@ from megatron_ext.compressors.topk import num_selected
 from megatron_ext.options.outer import OUTER_EXCHANGE_OPTIONS, OUTER_EXCHANGES
 from megatron_ext.protocols import NonFiniteError
 
-__all__ = ["METHODS", "OuterExchange", "make_outer_exchange", "outer_defaults", "TOPK_CHUNK"]
+__all__ = ["METHODS", "OuterExchange", "outer_defaults", "TOPK_CHUNK"]
 
-#: The exchange methods (the data-parallel method whose compression each one reuses).
-METHODS: Tuple[str, ...] = OUTER_EXCHANGES
+#: The compressed exchange methods (the data-parallel method whose compression each one
+#: reuses): every ``--outer-compression`` but ``none``.
+METHODS: Tuple[str, ...] = tuple(m for m in OUTER_EXCHANGES if m != "none")
 
 #: Values per top-k chunk (SparseLoCo's chunks of 4096): indices fit in int16.
 TOPK_CHUNK = 4096
@@ -108,11 +110,12 @@ TOPK_CHUNK = 4096
 TOPK_DENSITY = 1.0 / 64
 
 
-def _config_class(method: str) -> Optional[type]:
-    return OUTER_EXCHANGE_OPTIONS.get(method)
-
-
 def _check_method(method: str) -> None:
+    if method == "none":
+        raise ValueError(
+            "outer exchange: 'none' is the dense all-reduce (DiLoCo's DenseOuterExchange); "
+            f"this exchange compresses: choose one of {', '.join(METHODS)}"
+        )
     if method not in METHODS:
         raise ValueError(
             f"outer exchange: unknown method {method!r}; choose one of {', '.join(METHODS)}"
@@ -125,12 +128,10 @@ def outer_defaults(method: str) -> Any:
     ``quantized``: 4 bits, rows of 256, error feedback (the DP defaults). ``radius``:
     density 1/64, no dense outer syncs. ``separate``: the DP defaults (ratio 16). ``powersgd``:
     ``start_step`` 0 (the DP default 10 would exchange the first 10 outer syncs densely),
-    rank 4. ``none``: None.
+    rank 4.
     """
     _check_method(method)
-    cls = _config_class(method)
-    if cls is None:
-        return None
+    cls = OUTER_EXCHANGE_OPTIONS[method]
     if method == "radius":
         return cls(density=TOPK_DENSITY, dense_steps=0)
     if method == "powersgd":
@@ -150,7 +151,7 @@ class OuterExchange:
         method: one of :data:`METHODS`.
         options: the config dataclass of that data-parallel method
             (``QuantizedConfig``, ``RadiusConfig``, ``SeparateConfig``, ``PowerSGDConfig``),
-            None for ``none`` or for :func:`outer_defaults`.
+            or None for :func:`outer_defaults`.
         numel: elements of the pseudo-gradient.
         group: the process group joining the sites (one rank per site in the outer group).
         device: where the buffers live.
@@ -173,13 +174,12 @@ class OuterExchange:
         shapes: Optional[Sequence[Tuple[str, Sequence[int]]]] = None,
     ):
         _check_method(method)
-        cls = _config_class(method)
+        cls = OUTER_EXCHANGE_OPTIONS[method]
         if options is None:
             options = outer_defaults(method)
-        elif cls is None or not isinstance(options, cls):
-            want = "None" if cls is None else cls.__name__
+        elif not isinstance(options, cls):
             raise TypeError(
-                f"outer exchange {method!r}: options must be a {want}, got "
+                f"outer exchange {method!r}: options must be a {cls.__name__}, got "
                 f"{type(options).__name__}"
             )
         if numel <= 0:
@@ -335,8 +335,6 @@ class OuterExchange:
 
 
 def _make_reducer(method: str, options: Any) -> GradReducer:
-    if method == "none":
-        return DenseGradReducer()
     if method == "quantized":
         from megatron_ext.collectives.quantized import QuantizedReducer
 
@@ -425,10 +423,3 @@ class _TopKExchange:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.error.zero_()
         self.error[: self.numel].copy_(state[f"residual/{self.name}"])
-
-
-def make_outer_exchange(
-    method: str, options: Any, numel: int, group: Any, device: Any, **kwargs: Any
-) -> OuterExchange:
-    """The :class:`OuterExchange` of ``method`` (``kwargs``: ``name``, ``shapes``)."""
-    return OuterExchange(method, options, numel, group, device, **kwargs)

@@ -1,8 +1,9 @@
 """Radius's math: the AdamW-corrected gradient and per-layer top-k selection.
 
 What it does:
-    Radius (radius.txt, Algorithm 2) picks the entries to communicate by the magnitude of
-    the *update direction* AdamW would apply, not of the raw gradient:
+    Radius (the paper's Algorithm 2; ``docs/methods/radius.md``) picks the entries to
+    communicate by the magnitude of the *update direction* AdamW would apply, not of the
+    raw gradient:
     ``G_c = m_hat / (sqrt(v_hat) + eps) + lambda * w`` with bias-corrected moments. Here
     the moments are the optimizer's own state after the selection step's update, so
     :func:`adamw_corrected_gradient` also undoes that update to recover the weight ``w_t``

@@ -1,9 +1,9 @@
 """DiLoCo's outer step as fused kernels, each with its finiteness check inside.
 
 What it does:
-    Two ops of the outer step (``megatron_ext/optim/diloco.py``), each a pass that already
-    reads the tensors whose finiteness DiLoCo checks, returning the check's answer as a 0-d
-    bool device tensor (no host synchronization) next to its result:
+    Two ops of the outer step (``megatron_ext/optim/diloco/hook.py``), each a pass that
+    already reads the tensors whose finiteness DiLoCo checks, returning the check's answer
+    as a 0-d bool device tensor (no host synchronization) next to its result:
 
     * ``pseudo_gradient(snap, current)``: ``snap - current`` and whether it is finite (this
       site's flag, read only when an outer update turns out non-finite);

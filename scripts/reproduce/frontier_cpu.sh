@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16's measurements on the 2-core CPU machine: the quality-versus-bytes frontier at
+# Measurements on the 2-core CPU machine: the quality-versus-bytes frontier at
 # 1,024 and 4,096 tokens per step, the SEPARATE readings, and time to target measured
 # inside netbench at 1 Gbit/s, 100 Mbit/s and 10 Mbit/s; then the report
 # (docs/performance/frontier/). About 2.5 hours on 2 cores; the netbench runs need root and
@@ -37,7 +37,7 @@ run() { run_cmd "$PYTHON" benchmarks/frontier.py "$@"; }
 run "${B8[@]}" --out "$OUT/b8" --points separate:ratio=2,4,8,32 powersgd:approx_rank=7,55 \
     radius:density=0.1,0.2 linear/topr:rank=64 \
     separate:ratio=16:blocks=layer separate:ratio=16:refresh_interval=0
-# Radius at the top of the issue's density range; Grass top-r at other ranks.
+# Radius at density 0.6; Grass top-r at other ranks.
 run "${B8[@]}" --out "$OUT/b8-extra" --points radius:density=0.6 linear/topr:rank=32,128
 # The spread of SEPARATE-16 over projection seeds (how far apart two readings must be).
 run "${B8[@]}" --out "$OUT/b8-seeds" --points separate:ratio=16:seed=7,99 \

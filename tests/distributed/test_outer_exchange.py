@@ -12,7 +12,8 @@ checks, in float64 bookkeeping of the float32 values:
   average of its error by design (``e <- (1 - beta) e + beta d``, reset at the first sync),
   so the test checks that recursion per call instead:
   ``average_t + mean_r (e_t - (1 - beta) e_{t-1}) / beta == mean_r (delta_r,t + e_{t-1})``.
-* ``none`` returns the exact mean; every rank gets bit-identical averages.
+* Every rank gets bit-identical averages. (The dense exchange, ``none``, is DiLoCo's
+  ``DenseOuterExchange``: the overlap cases below run it.)
 * **Resume**: the state after ``CALLS // 2`` calls, saved with ``torch.save`` and loaded into
   a new exchange, continues bit-exactly.
 * **Bytes**: ``wire_bytes`` against the dense fp32 all-reduce, by the factor each method's
@@ -28,7 +29,7 @@ from tests.helpers.dist import run_ranks
 SHAPES = [("w1", (48, 64)), ("b1", (64,)), ("w2", (32, 48))]
 NUMEL = 48 * 64 + 64 + 32 * 48  # 4672: two top-k chunks, the second padded
 CALLS = 10
-METHODS = ("none", "quantized", "radius", "separate", "powersgd")
+METHODS = ("quantized", "radius", "separate", "powersgd")
 
 
 def _delta(member, call, numel):
@@ -54,14 +55,14 @@ def _one(method, layout, members, group):
     import torch
     import torch.distributed as dist
 
-    from megatron_ext.collectives.outer_exchange import make_outer_exchange, outer_defaults
+    from megatron_ext.collectives.outer_exchange import OuterExchange, outer_defaults
 
     size = len(members)
     me = members.index(dist.get_rank())
     kwargs = {"name": "outer/0"}
     if layout == "params":
         kwargs["shapes"] = SHAPES
-    ex = make_outer_exchange(method, None, NUMEL, group, "cpu", **kwargs)
+    ex = OuterExchange(method, None, NUMEL, group, "cpu", **kwargs)
     opts = outer_defaults(method)
     res = {"wire": [], "dense": ex.dense_wire_bytes(), "rank_equal": True}
     outs, saved, prev_e = [], None, torch.zeros(NUMEL, dtype=torch.float64)
@@ -90,17 +91,13 @@ def _one(method, layout, members, group):
                 lhs = out.double() + (e - (1 - beta) * prev_e) / beta
                 separate_err = max(separate_err, (lhs - (mean + prev_e)).abs().max().item())
         prev_e = e
-        if method == "none":
-            res["none_err"] = max(
-                res.get("none_err", 0.0), (out.double() - mean).abs().max().item()
-            )
     res["ef_err"] = (total_out + prev_e - total_mean).abs().max().item()
     res["separate_err"] = separate_err
     res["residual"] = prev_e.abs().max().item()
     res["scale"] = total_mean.abs().max().item()
 
     # Resume from the saved state in a new exchange: the same averages, bit for bit.
-    again = make_outer_exchange(method, None, NUMEL, group, "cpu", **kwargs)
+    again = OuterExchange(method, None, NUMEL, group, "cpu", **kwargs)
     again.load_state_dict(torch.load(io.BytesIO(saved)))
     res["resume_exact"] = all(
         torch.equal(again.average(_delta(members[me], t, NUMEL)), outs[t])
@@ -131,6 +128,7 @@ def _refusals(group):
     out = []
     for args, kwargs in [
         (("topk", None), {}),
+        (("none", None), {}),
         (("powersgd", QuantizedConfig()), {}),
         (("quantized", None), {"shapes": [("w", (3, 3))]}),
     ]:
@@ -139,7 +137,7 @@ def _refusals(group):
             out.append(None)
         except (ValueError, TypeError) as exc:
             out.append(str(exc))
-    ex = OuterExchange("none", None, NUMEL, group, "cpu")
+    ex = OuterExchange("quantized", None, NUMEL, group, "cpu")
     try:
         ex.average(torch.zeros(NUMEL, dtype=torch.float64))
         out.append(None)
@@ -152,7 +150,7 @@ def _warmups(group):
     """Options given explicitly are used as given: a dense start of 2 outer syncs."""
     import torch
 
-    from megatron_ext.collectives.outer_exchange import make_outer_exchange
+    from megatron_ext.collectives.outer_exchange import OuterExchange
     from megatron_ext.methods.powersgd import PowerSGDConfig
     from megatron_ext.methods.radius import RadiusConfig
 
@@ -163,7 +161,7 @@ def _warmups(group):
         ("radius", RadiusConfig(density=1 / 64, dense_steps=2)),
         ("powersgd", PowerSGDConfig(start_step=2)),
     ]:
-        ex = make_outer_exchange(method, options, NUMEL, group, "cpu", shapes=SHAPES)
+        ex = OuterExchange(method, options, NUMEL, group, "cpu", shapes=SHAPES)
         rows = []
         for t in range(3):
             deltas = [_delta(m, t, NUMEL) for m in members]
@@ -420,8 +418,6 @@ def _expected_ratio(method, layout, size):
     import math
 
     dense = 2 * (size - 1) / size * 4 * NUMEL
-    if method == "none":
-        return 1.0
     if method == "quantized":
         # All-to-all of the rank's 4-bit codes + fp16 scales per 256 (+ a 4-byte flag per
         # partition), then all-gather of the owner's re-quantized partition.
@@ -453,8 +449,9 @@ def results():
 
 
 def test_outer_exchange_refuses_bad_arguments(results):
-    unknown, wrong_options, wrong_shapes, wrong_dtype = results[0]["refusals"]
+    unknown, dense, wrong_options, wrong_shapes, wrong_dtype = results[0]["refusals"]
     assert unknown and "unknown method 'topk'" in unknown
+    assert dense and "'none' is the dense all-reduce" in dense and "DenseOuterExchange" in dense
     assert wrong_options and "PowerSGDConfig" in wrong_options
     assert wrong_shapes and "cover 9 elements" in wrong_shapes
     assert wrong_dtype and "float32" in wrong_dtype
@@ -486,9 +483,6 @@ def test_outer_exchange_error_feedback_resume_and_bytes(results, method, size):
                 assert r["residual"] > 1e-2, where
             else:
                 assert r["ef_err"] < tol, (where, r["ef_err"], r["residual"])
-            if method == "none":
-                assert r["none_err"] < 1e-5 and r["residual"] == 0.0, where
-            else:
                 assert r["residual"] > 1e-2, (where, r["residual"])
             assert r["resume_exact"] and r["resume_syncs"] == CALLS, where
             assert r["nan_raised"] and r["nan_kept"], where

@@ -1,4 +1,4 @@
-"""DiLoCo's outer step obeys the non-finite rule (``optim/diloco.py``, "Non-finite values").
+"""DiLoCo's outer step obeys the non-finite rule (``optim/diloco/hook.py``, "Non-finite values").
 
 One launch of 2 gloo ranks, each rank a site, runs :class:`DiLoCoHook` on a plain view (as
 tests/distributed/test_outer_exchange.py does): H = 2, F = 1, the paper's outer SGD. After

@@ -138,7 +138,7 @@ def test_resume_is_bit_exact(case, tmp_path):
         assert out["probe_equal"], f"rank {rank}: per-rank megatron_ext state not restored"
 
 
-# -- what a load reads is checked (issue 26) --------------------------------------------------
+# -- what a load reads is checked -------------------------------------------------------------
 
 
 def _corrupt(root, name, directory, rank):

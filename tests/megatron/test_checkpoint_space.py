@@ -1,5 +1,5 @@
 """A save that cannot fit is refused before writing; a save that fails anyway leaves no torn
-checkpoint behind (issue 26).
+checkpoint behind.
 
 Real megatron-core dist_checkpointing (torch_dist) on CPU/gloo, 2 ranks, through the
 driver's :func:`megatron_ext.megatron.checkpoint.save_checkpoint`:

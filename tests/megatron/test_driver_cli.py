@@ -383,7 +383,7 @@ def test_grass_refusals_name_the_flag_before_training(args, flag, tmp_path):
     assert not _log_lines(proc.stdout)
 
 
-# -- resume semantics (issue 26) ------------------------------------------------------------
+# -- resume semantics -----------------------------------------------------------------------
 
 
 def _records(path):

@@ -1,4 +1,4 @@
-"""``megatron-ext train`` when the run is stopped or its environment fails (issue 26).
+"""``megatron-ext train`` when the run is stopped or its environment fails.
 
 Each test launches the driver as users do (torchrun, 2 CPU ranks, gloo, tiny GPT):
 

@@ -377,7 +377,7 @@ def test_tp1_and_tp2_choose_the_same_dimension_and_rows():
 
 def test_optimizers_other_than_decoupled_adamw_are_refused_at_install():
     """megatron-core's SGD and Adam with L2 decay are refused naming the flag before any
-    step, in the driver and any script that installs megatron-ext (issue 27)."""
+    step, in the driver and any script that installs megatron-ext."""
     out = run_ranks(_optimizer_refusals, 1, SPARSE + ["--no-grass-reset-state"])[0]
     for name, what in (("sgd", "torch.optim.sgd.SGD"), ("adam-l2", "decoupled_weight_decay")):
         assert out[name] is not None, f"{name} was accepted"

@@ -171,7 +171,7 @@ def test_resume_with_other_settings_stops_naming_the_flag(dp2_torch_dist, lm_dir
     assert not iterations(run.stdout)
 
 
-# -- DP=2, distributed optimizer: resume and a corrupted checkpoint (issue 26) ----------------
+# -- DP=2, distributed optimizer: resume and a corrupted checkpoint ---------------------------
 
 
 @pytest.fixture(scope="module")

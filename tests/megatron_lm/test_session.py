@@ -255,7 +255,7 @@ def test_aqsgd_needs_fixed_samples_in_megatron_lm_naming_the_flag():
     ],
 )
 def test_grass_refuses_every_optimizer_but_decoupled_adamw(overrides, flag, named):
-    """Grass's update, decay, bias correction and moment carrying are AdamW's (issue 27)."""
+    """Grass's update, decay, bias correction and moment carrying are AdamW's."""
     from megatron_ext.config import ext_config_from_flags
 
     cfg = ext_config_from_flags(["--grass-method", "topr", "--no-grass-reset-state"])

@@ -23,6 +23,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from megatron_ext.collectives import aqsgd as aqsgd_module
+from megatron_ext.collectives.aqsgd import codecs as aqsgd_codecs
 from megatron_ext.collectives.aqsgd import AQSGDCodec, DirectQCodec, SampleBuffers
 from megatron_ext.collectives.p2p import P2PContext
 from megatron_ext.compressors.quantize import packed_nbytes
@@ -191,7 +192,7 @@ def _run_schedule(announce):
 
 @pytest.mark.filterwarnings("ignore:aqsgd")
 def test_announced_steps_read_visit_flags_late_with_the_same_result():
-    """Issue 25: a step announced by ``begin_step`` commits device buffers on the device and
+    """A step announced by ``begin_step`` commits device buffers on the device and
     reads the visit flags later; payloads, outputs, buffers and flags must be bit-identical
     to steps that read them at the commit, non-finite samples and a skipped step included."""
     late, a_s, a_r = _run_schedule(announce=True)
@@ -397,13 +398,13 @@ def test_directq_warmup_sends_the_activations_themselves():
 def test_stochastic_rounding_draws_on_the_tensors_device(monkeypatch):
     """CUDA kernels take CUDA generators only: the codec seeds one on the tensor's device."""
     devices = []
-    real = aqsgd_module.device_generator
+    real = aqsgd_codecs.device_generator
 
     def record(device, *parts):
         devices.append(device)
         return real(device, *parts)
 
-    monkeypatch.setattr(aqsgd_module, "device_generator", record)
+    monkeypatch.setattr(aqsgd_codecs, "device_generator", record)
     sender, receiver = _pair(rounding="stochastic")
     _epochs(sender, receiver, epochs=2)
     g = torch.randn(SEQ, MBS, HIDDEN)
@@ -486,7 +487,7 @@ def _send(sender, receiver, x, ids, step):
 
 @pytest.mark.filterwarnings("ignore:aqsgd")
 def test_out_of_range_and_non_finite_activations_never_stored_as_inf():
-    """Issue 26: a bf16 70000 in fp16 buffers is clamped (the value delivered stays right),
+    """A bf16 70000 in fp16 buffers is clamped (the value delivered stays right),
     an inf activation is never written, and both sides stay bit-identical."""
     sender, receiver = _pair(buffer_dtype="fp16")
     big, bad = torch.tensor([2]), torch.tensor([9])

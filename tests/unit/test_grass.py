@@ -302,7 +302,7 @@ def test_format_1_state_with_one_count_for_every_slot_loads_as_per_slot_counts()
     assert target.upgrade_state({**saved, "since/w": since}, 2)["since/w"] is since
 
 
-# -- on a GPU: the device, determinism, overflow (issues 25 and 26) ----------------------------
+# -- on a GPU: the device, determinism, overflow -----------------------------------------------
 
 
 class _DeviceView:
@@ -456,7 +456,7 @@ def test_selection_on_a_non_finite_sketch_is_postponed_to_the_next_step(skip):
         assert not torch.isnan(a["weight"]).any(), step
 
 
-# -- the paper's rules, stated independently of megatron_ext (issue 27) ------------------------
+# -- the paper's rules, stated independently of megatron_ext -----------------------------------
 #
 # Grass (section 3.2) selects, for each projected matrix G (m x n, rows projected):
 #   Top-r: the r rows of largest norm, rho = 1;
@@ -626,7 +626,7 @@ def test_uniform_nr_is_uniform_without_replacement_and_agrees_across_ranks():
     torch.testing.assert_close(other.rho, b.rho, rtol=0, atol=0)
 
 
-# -- the optimizer state across a reselection (issue 27) ---------------------------------------
+# -- the optimizer state across a reselection --------------------------------------------------
 
 
 class _PaperRowsAdam:

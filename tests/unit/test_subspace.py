@@ -331,7 +331,7 @@ def test_rank_from_the_compression_rate():
 
 
 def test_optimizer_step_keeps_no_full_size_copy_of_a_constrained_weight():
-    """Issue 25: the hook keeps the k coordinates of a weight before the step, not a clone
+    """The hook keeps the k coordinates of a weight before the step, not a clone
     (2 GB for a 128k x 4096 fp32 embedding), and projects gradients, first moments and
     weights in place: no op in pre_step / post_step (with a re-projection) allocates a
     tensor the size of the weight."""
@@ -370,7 +370,7 @@ def test_optimizer_step_keeps_no_full_size_copy_of_a_constrained_weight():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fixed_embedding_is_drawn_in_the_model_dtype_on_its_device(dtype):
-    """Issue 25: T_fixed comes from the device's own generator in the model's dtype: no fp32
+    """T_fixed comes from the device's own generator in the model's dtype: no fp32
     table and no copy (formerly drawn in fp32 on the CPU, then copied and cast), and two
     subspaces of the same seed (two pipeline stages) hold the same bits."""
     from tests.helpers.dispatch import OpRecorder

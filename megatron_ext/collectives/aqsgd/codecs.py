@@ -1,6 +1,6 @@
 """AQ-SGD and DirectQ: pipeline activations as quantized per-sample deltas, or quantized.
 
-What it does (aq-sgd.txt Algorithm 1; methods.md section 4):
+What it does (Algorithm 1 of the AQ-SGD paper; ``docs/methods/aqsgd.md``):
     Both sides of a pipeline boundary keep ``m(xi)``, the last activation of training
     sample ``xi`` they agreed on, in :class:`SampleBuffers` (device memory, host memory
     read through pinned staging, or a memory-mapped file), one row per sample this
@@ -41,6 +41,11 @@ What it does (aq-sgd.txt Algorithm 1; methods.md section 4):
     never written, and a finite value beyond an explicitly chosen narrower buffer dtype
     (a bf16 70000 in fp16 buffers) is stored clamped to that dtype's range, never as inf.
     Both sides decide this from the same value, so their buffers stay bit-identical.
+
+Why:
+    The codecs are the protocol of a pipeline boundary (what is sent, what both sides
+    write, when a step commits); the storage they write lives in ``buffers.py``, the
+    sizes both sides compute alike in ``sizing.py``.
 
 Kernels:
     Each chain is one fused op (``megatron_ext/kernels/quant.py``, eager or compiled by
@@ -85,19 +90,24 @@ Constraints:
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import shutil
-import threading
 import warnings
-from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple
 
-import numpy as np
 import torch
 
+from megatron_ext.collectives.aqsgd.buffers import SampleBuffers, _Plan, _Staged, buffer_nbytes
+from megatron_ext.collectives.aqsgd.sizing import (
+    _NAMES,
+    _agree_on_fit,
+    _quantized_nbytes,
+    boundary_sides,
+    local_rows,
+    resolve_buffer_dtype,
+    warmup_steps,
+)
 from megatron_ext.collectives.p2p import P2PCodec, P2PContext
-from megatron_ext.compressors.quantize import packed_nbytes, scale_shape
 from megatron_ext.compressors.seeding import device_generator
 from megatron_ext.kernels.quant import (
     aqsgd_commit_rows,
@@ -113,451 +123,7 @@ from megatron_ext.options.base import ConfigError
 from megatron_ext.protocols import RESET, SAME
 from megatron_ext.state_plan import format_bytes  # ``1.50 GB`` style (torch-free, preflight)
 
-__all__ = [
-    "SampleBuffers",
-    "scale_groups",
-    "warmup_steps",
-    "AQSGDCodec",
-    "DirectQCodec",
-    "boundary_sides",
-    "buffer_nbytes",
-    "format_bytes",
-    "local_rows",
-    "resolve_buffer_dtype",
-]
-
-_DTYPES = {"fp16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16}
-_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
-
-
-def buffer_nbytes(num_slots: int, rows: int, cols: int, dtype: torch.dtype) -> int:
-    """Bytes of one boundary's buffer."""
-    return num_slots * rows * cols * torch.tensor([], dtype=dtype).element_size()
-
-
-def boundary_sides(stage: int, num_stages: int) -> List[str]:
-    """The buffers a pipeline stage keeps: "send" unless it is the last stage, "recv" unless
-    it is the first (the forward activations of the boundaries it touches)."""
-    sides = []
-    if stage < num_stages - 1:
-        sides.append("send")
-    if stage > 0:
-        sides.append("recv")
-    return sides
-
-
-def _key(slots: torch.Tensor) -> bytes:
-    """A prefetch key of host slot indices (no device synchronization)."""
-    return slots.numpy().tobytes()
-
-
-class SampleBuffers:
-    """``m(xi)`` of one side of one boundary: ``[num_slots, rows, cols]`` plus visit flags.
-
-    The visit flags and the slot indices that callers pass live on the host: the payload
-    size of a transfer depends on them and must be known before the receive is posted.
-    Device buffers are indexed with the same slots on their device, passed by the caller
-    (prepared once per step), or else copied there per access (a small host-to-device
-    copy, no device-to-host synchronization). Host and disk
-    buffers gather the rows into a pinned staging tensor (two of them, used in turn, each
-    reused only once the copy out of it has completed) and copy that to the device
-    asynchronously: indexing a host tensor returns pageable memory, whose
-    ``non_blocking`` copy would be synchronous.
-
-    Args:
-        num_slots: samples this rank owns.
-        rows: sequence length (of this rank's shard).
-        cols: hidden size.
-        dtype: storage dtype.
-        where: "device", "host" (pageable; staged through pinned memory when CUDA exists)
-            or "disk" (memory-mapped file).
-        device: where rows are used.
-        path: the file of "disk" buffers.
-    """
-
-    def __init__(
-        self,
-        num_slots: int,
-        rows: int,
-        cols: int,
-        dtype: torch.dtype,
-        where: str,
-        device: torch.device,
-        path: Optional[str] = None,
-    ):
-        self.num_slots, self.rows, self.cols, self.dtype = num_slots, rows, cols, dtype
-        self.where, self.device, self.path = where, torch.device(device), path
-        self.visited = torch.zeros(num_slots, dtype=torch.bool)
-        self.row_bytes = rows * cols * torch.tensor([], dtype=dtype).element_size()
-        self._memmap = None
-        self._data: Optional[torch.Tensor] = None
-        if where == "device":
-            self._data = torch.zeros(num_slots, rows, cols, dtype=dtype, device=self.device)
-        elif where == "host":
-            self._data = torch.zeros(num_slots, rows, cols, dtype=dtype)
-        elif where == "disk":
-            self._memmap = np.memmap(
-                path, mode="w+", dtype=np.uint8, shape=(num_slots, self.row_bytes)
-            )
-        else:
-            raise ValueError(f"unknown buffer place {where!r}")
-        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._prefetched: Dict[bytes, concurrent.futures.Future] = {}
-        # Host and disk buffers read into one of two pinned tensors (a CUDA device only);
-        # the event says when the copy out of it is done and it may be refilled.
-        self._staging: List[Optional[torch.Tensor]] = [None, None]
-        self._staging_done: List[Optional[Any]] = [None, None]
-        self._turn = 0
-        self._lock = threading.Lock()
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the stored rows."""
-        return self.num_slots * self.row_bytes
-
-    @property
-    def table(self) -> torch.Tensor:
-        """The whole ``[num_slots, rows, cols]`` tensor of device buffers (the fused kernels
-        read and update its rows in place; ``megatron_ext/kernels/quant.py``)."""
-        if self.where != "device":
-            raise ValueError("only device buffers are indexed by the kernels in place")
-        return self._data
-
-    def _staging_rows(self, k: int) -> Tuple[torch.Tensor, int]:
-        """A pinned ``[k, rows, cols]`` view whose previous copy to the device is done."""
-        turn = self._turn
-        self._turn ^= 1
-        done = self._staging_done[turn]
-        if done is not None:
-            done.synchronize()
-        buf = self._staging[turn]
-        if buf is None or buf.shape[0] < k:
-            buf = torch.empty(k, self.rows, self.cols, dtype=self.dtype, pin_memory=True)
-            self._staging[turn] = buf
-        return buf[:k], turn
-
-    def _load(self, slots: torch.Tensor) -> Tuple[torch.Tensor, Optional[Any]]:
-        """Rows of host / disk ``slots`` (host int64) on the device, and the CUDA event
-        that completes their copy (None on the CPU)."""
-        k = slots.numel()
-        if self._memmap is not None:
-            raw = torch.from_numpy(self._memmap[slots.numpy()])
-            rows = raw.view(self.dtype).view(k, self.rows, self.cols)
-        else:
-            rows = None
-        if self.device.type != "cuda":
-            if rows is None:
-                rows = self._data.index_select(0, slots)
-            return rows.to(self.device), None
-        # The prefetch thread's current device is not this rank's: name it. The lock
-        # keeps the prefetch thread and a direct read from taking the same staging tensor.
-        with self._lock, torch.cuda.device(self.device):
-            staging, turn = self._staging_rows(k)
-            if rows is not None:
-                staging.copy_(rows)
-            else:
-                torch.index_select(self._data, 0, slots, out=staging)
-            out = staging.to(self.device, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.device))
-        self._staging_done[turn] = done
-        return out, done
-
-    def prefetch(self, slots: torch.Tensor) -> None:
-        """Start reading ``slots`` (host int64) in the background (host and disk buffers)."""
-        if self.where == "device":
-            return
-        key = _key(slots)
-        if key in self._prefetched:
-            return
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-        self._prefetched[key] = self._executor.submit(self._load, slots.clone())
-
-    def read(self, slots: torch.Tensor, index: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Rows of ``slots`` (host int64) on the device, ``[k, rows, cols]`` (a prefetched
-        read if any). ``index``: the same slots already on the device (device buffers
-        then copy nothing to the device)."""
-        if self.where == "device":
-            if index is None:
-                index = slots.to(self.device, non_blocking=True)
-            return self._data.index_select(0, index)
-        future = self._prefetched.pop(_key(slots), None)
-        rows, done = future.result() if future is not None else self._load(slots)
-        if done is not None:
-            # The copy ran on the reading thread's stream; order this stream after it.
-            torch.cuda.current_stream(self.device).wait_event(done)
-        return rows
-
-    def write(
-        self,
-        slots: torch.Tensor,
-        values: torch.Tensor,
-        index: Optional[torch.Tensor] = None,
-        keep: Optional[torch.Tensor] = None,
-    ) -> None:
-        """Store ``values`` (``[k, rows, cols]``, the storage dtype) at ``slots`` (host
-        int64, distinct).
-
-        Args:
-            slots: host int64 slots.
-            values: rows to store.
-            index: device buffers: the same slots on the device (no host-to-device copy).
-            keep: device buffers: a device bool ``[k]``; rows where it is False keep their
-                old value (a ``where`` on the device: the host never reads the mask).
-        """
-        if self._memmap is not None:
-            if keep is not None:
-                raise ValueError("a device mask is only for device buffers")
-            raw = values.detach().to("cpu").contiguous().view(torch.uint8)
-            self._memmap[slots.numpy()] = raw.reshape(slots.numel(), -1).numpy()
-            return
-        if index is None:
-            index = slots.to(self._data.device, non_blocking=True)
-        values = values.detach().to(self._data.device)
-        if keep is not None:
-            if self.where != "device":
-                raise ValueError("a device mask is only for device buffers")
-            old = self._data.index_select(0, index)
-            values = torch.where(keep.view(-1, 1, 1), values, old)
-        self._data.index_copy_(0, index, values)
-
-    def checksum(self) -> float:
-        """Sum of the stored values and visit flags (for the bit-identity tests)."""
-        if self._memmap is not None:
-            data = torch.from_numpy(np.asarray(self._memmap)).view(self.dtype)
-        else:
-            data = self._data
-        return float(data.double().sum()) + float(self.visited.sum())
-
-    def contents(self) -> torch.Tensor:
-        """All rows, ``[num_slots, rows, cols]`` on the CPU (for checkpoints)."""
-        if self._memmap is not None:
-            self._memmap.flush()
-            raw = torch.from_numpy(np.array(self._memmap))
-            return raw.view(self.dtype).view(self.num_slots, self.rows, self.cols)
-        return self._data.detach().to("cpu").clone()
-
-    def restore(self, rows: torch.Tensor, visited: torch.Tensor) -> None:
-        """Set every row and visit flag (from :meth:`contents` of a checkpoint)."""
-        if tuple(rows.shape) != (self.num_slots, self.rows, self.cols):
-            raise ValueError(
-                f"AQ-SGD buffer of shape {tuple(rows.shape)} does not fit "
-                f"{(self.num_slots, self.rows, self.cols)}"
-            )
-        self.write(torch.arange(self.num_slots), rows.to(self.dtype))
-        self.visited.copy_(visited)
-
-    def drop_prefetched(self) -> None:
-        """Forget reads not consumed yet (the rows may change at a commit)."""
-        self._prefetched.clear()
-
-    def reset(self) -> None:
-        """Forget every sample: the next visit of each is a full-precision first visit."""
-        self.visited.zero_()
-        self._prefetched.clear()
-
-
-@dataclass
-class _Staged:
-    """A step's pending update of one buffer (one microbatch)."""
-
-    slots: torch.Tensor
-    """Host int64 slots."""
-
-    values: Optional[torch.Tensor]
-    """``[k, rows, cols]`` in the buffer dtype (clamped to its range), on the device; None
-    once written, or for a deferred update (``payload``)."""
-
-    finite: Optional[torch.Tensor]
-    """Device bool ``[k]``: the sample's value was finite (only those are written); None
-    until a deferred update is applied."""
-
-    clamped: Optional[torch.Tensor]
-    """Device bool ``[k]``: the value was clamped to the buffer dtype's range (None as
-    ``finite``)."""
-
-    index: Optional[torch.Tensor] = None
-    """The slots on the device (from :meth:`AQSGDCodec.begin_step`), or None."""
-
-    exact: bool = False
-    """``values`` already hold the current row of every non-finite sample (revisits: the
-    fused decode keeps ``m``), so a commit of distinct slots writes them as they are."""
-
-    written: bool = False
-    """The rows were written on the device already (only the visit flags are pending)."""
-
-    payload: Optional[torch.Tensor] = None
-    """A deferred update of device buffer rows (revisits): the quantized deltas, applied to
-    the buffer in place at the commit (``aqsgd_commit_rows``); None once applied."""
-
-
-@dataclass
-class _Plan:
-    """One microbatch's indices on one side, prepared by :meth:`AQSGDCodec.begin_step`:
-    host copies decide payload sizes, device copies index device tensors."""
-
-    slots: torch.Tensor
-    """Host int64 slots of the microbatch's samples."""
-
-    num_first: int
-    """How many of them are first visits (travel raw)."""
-
-    revisit_slots: torch.Tensor
-    """Host int64 slots of the revisits (host / disk buffer reads)."""
-
-    first_slots: torch.Tensor
-    """Host int64 slots of the first visits."""
-
-    first: torch.Tensor
-    """Device positions (in the microbatch) of the first visits."""
-
-    revisit: torch.Tensor
-    """Device positions of the revisits."""
-
-    revisit_index: torch.Tensor
-    """Device slots of the revisits."""
-
-    first_index: torch.Tensor
-    """Device slots of the first visits."""
-
-    index: torch.Tensor
-    """Device slots of every sample (warm-up commits)."""
-
-
-def scale_groups(k: int, rows: int, cols: int, granularity: str) -> Tuple[int, ...]:
-    """Shape of the fp16 scales of ``k`` quantized ``[rows, cols]`` samples.
-
-    'channel': ``[k, 1, cols]`` (per sample and hidden channel); 'microbatch': ``[1, 1,
-    cols]`` (per channel over the ``k`` samples and the sequence: the public AQ-SGD code's
-    ``scale_dims=(0, 1)`` of a ``[micro-batch, seq, hidden]`` tensor); 'token': ``[k, rows,
-    1]``. A micro-batch scale covers the samples quantized together: all of a DirectQ
-    micro-batch or of its gradients, the revisited samples of an AQ-SGD micro-batch."""
-    if granularity == "microbatch":
-        return (1, 1, cols)
-    return (k,) + scale_shape((rows, cols), granularity)
-
-
-def _quantized_nbytes(k: int, rows: int, cols: int, bits: int, granularity: str) -> int:
-    """Wire bytes of ``k`` quantized ``[rows, cols]`` samples: every sample's packed codes
-    (padded to a multiple of 8 values) and the fp16 scales (none when ``k`` is 0)."""
-    if k == 0:
-        return 0
-    n = rows * cols
-    scales = int(np.prod(scale_groups(k, rows, cols, granularity)))
-    return k * packed_nbytes(n + (-n) % 8, bits) + 2 * scales
-
-
-def warmup_steps(epochs: int, samples: Any) -> int:
-    """Steps of a warm-up of ``epochs`` epochs (``--aqsgd-warmup-epochs``).
-
-    An epoch is every fixed sample once: ``num_samples`` (``--fixed-samples`` rounded down
-    to a multiple of the data-parallel size) over the global batch (``dp x micro-batch x
-    microbatches``). The warm-up lasts ``ceil(epochs x num_samples / global batch)`` steps,
-    so every sample has had ``epochs`` full-precision visits when it ends (an epoch that
-    ends inside a step finishes with that step).
-
-    Args:
-        epochs: warm-up epochs (0: none).
-        samples: the :class:`~megatron_ext.methods.registry.SampleSpace` of training
-            (its ``train_iters``, when known, must outlast the warm-up).
-
-    Raises:
-        ConfigError: naming ``--aqsgd-warmup-epochs`` when epochs are not defined (no
-            ``--fixed-samples``) or the warm-up would not end before training does.
-    """
-    if epochs == 0:
-        return 0
-    if samples is None or not samples.fixed:
-        raise ConfigError(
-            ["--aqsgd-warmup-epochs", "--fixed-samples"],
-            f"a warm-up of {epochs} epoch(s) counts epochs of the fixed samples; add "
-            "--fixed-samples N, or --aqsgd-warmup-epochs 0 to compress from the first step",
-        )
-    per_step = samples.dp_size * samples.micro_batch_size * samples.num_microbatches
-    steps = -(-epochs * samples.num_samples // per_step)
-    train_iters = samples.train_iters
-    if train_iters is not None and steps >= train_iters:
-        raise ConfigError(
-            ["--aqsgd-warmup-epochs", "--train-iters"],
-            f"a warm-up of {epochs} epoch(s) of {samples.num_samples} fixed samples at "
-            f"{per_step} a step lasts {steps} steps, but training has {train_iters}: "
-            "nothing would ever be compressed; lower --aqsgd-warmup-epochs or train longer",
-        )
-    return steps
-
-
-def local_rows(seq_length: int, config: Any) -> int:
-    """Tokens of one sample that cross a pipeline boundary on this rank: megatron-core's
-    P2P tensor is ``[seq / context-parallel size (/ tensor-parallel size with sequence
-    parallelism), micro batch, hidden]`` (``schedules.get_tensor_shapes``), and with
-    context parallelism every rank always holds the same positions of a sample.
-
-    Args:
-        seq_length: tokens per sample (``--seq-length``).
-        config: the model's ``TransformerConfig`` (read: ``context_parallel_size``,
-            ``tensor_model_parallel_size``, ``sequence_parallel``).
-
-    Raises:
-        ConfigError: the sequence does not split evenly.
-    """
-    cp = getattr(config, "context_parallel_size", 1) or 1
-    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
-    if seq_length % cp:
-        raise ConfigError(
-            ["--seq-length", "--context-parallel-size"],
-            f"aqsgd keeps per-rank shards of each sample; {seq_length} tokens do not split "
-            f"over {cp} context-parallel ranks",
-        )
-    rows = seq_length // cp
-    if getattr(config, "sequence_parallel", False):
-        if rows % tp:
-            raise ConfigError(
-                ["--seq-length", "--sequence-parallel"],
-                f"{rows} tokens per context-parallel rank do not split over {tp} "
-                "tensor-parallel ranks",
-            )
-        rows //= tp  # the local shard of the sequence
-    return rows
-
-
-def resolve_buffer_dtype(name: str, activation_dtype: torch.dtype) -> torch.dtype:
-    """The storage dtype of ``--aqsgd-buffer-dtype name`` for activations of
-    ``activation_dtype``: 'auto' stores them in their own dtype (no value of the run is
-    out of range or rounded on its first visit)."""
-    if name == "auto":
-        return activation_dtype
-    return _DTYPES[name]
-
-
-def _agree_on_fit(problem: Optional[Tuple[List[str], str]], group: Any) -> None:
-    """One decision for every rank of ``group``: raise on all if the buffers do not fit
-    on one (a MIN all-reduce of the fit flag, then the reasons gathered for the message)."""
-    if group is None or not torch.distributed.is_initialized():
-        if problem is not None:
-            raise ConfigError(*problem)
-        return
-    backend = str(torch.distributed.get_backend(group))
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else "cpu"
-    fits = torch.tensor([0 if problem else 1], dtype=torch.int32, device=device)
-    torch.distributed.all_reduce(fits, op=torch.distributed.ReduceOp.MIN, group=group)
-    if int(fits[0]) == 1:  # once, at start-up
-        return
-    reasons: List[Any] = [None] * torch.distributed.get_world_size(group)
-    rank = torch.distributed.get_rank()
-    torch.distributed.all_gather_object(reasons, (rank, problem), group=group)
-    flags: List[str] = []
-    lines = []
-    for r, reason in reasons:
-        if reason is None:
-            continue
-        flags += [f for f in reason[0] if f not in flags]
-        lines.append(f"rank {r}: {reason[1]}")
-    raise ConfigError(
-        flags,
-        f"the AQ-SGD buffers do not fit on {len(lines)} rank(s), so every rank stops: "
-        + "; ".join(lines),
-    )
+__all__ = ["AQSGDCodec", "DirectQCodec"]
 
 
 class _QuantizingCodec(P2PCodec):

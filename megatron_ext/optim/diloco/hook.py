@@ -1,12 +1,13 @@
-"""DiLoCo: infrequent outer synchronization of data-parallel sites (pure torch).
+"""DiLoCo's outer step: the optimizer hook that synchronizes data-parallel sites (pure torch).
 
 What it does:
     The data-parallel ranks form G *sites* of consecutive ranks. Inside a site training is
     ordinary data parallelism every step (the gradient seam reduces over the site's ranks,
-    :func:`site_groups` builds those groups); the inner optimizer (megatron's AdamW) and its
-    state stay local to the site. Every H steps the sites synchronize through an *outer*
-    step (Douillard et al., 2023, "DiLoCo"): with ``snapshot`` the fp32 parameters of the
-    last synchronization and ``current`` the fp32 main parameters now,
+    :func:`~megatron_ext.optim.diloco.sites.site_groups` builds those groups); the inner
+    optimizer (megatron's AdamW) and its state stay local to the site. Every H steps the
+    sites synchronize through an *outer* step (Douillard et al., 2023, "DiLoCo"): with
+    ``snapshot`` the fp32 parameters of the last synchronization and ``current`` the fp32
+    main parameters now,
 
         delta  = mean over sites of (snapshot - current)   (the pseudo-gradient)
         buf    = mu * buf + delta
@@ -16,22 +17,23 @@ What it does:
 
     (``torch.optim.SGD`` semantics, no dampening, no weight decay; the first step's
     ``buf`` is ``delta``, as torch's). The mean is taken by an *outer exchange* over the
-    group of the ranks holding the same position in each site (:func:`site_groups`); the
-    exchange is built by :func:`make_outer_exchange`, which knows only the dense all-reduce
-    (``none``) here; compressed exchanges plug in behind the same interface
-    (:class:`DenseOuterExchange`).
+    group of the ranks holding the same position in each site (``sites.py``); the exchange
+    is built by :func:`~megatron_ext.optim.diloco.exchange.make_outer_exchange`
+    (``exchange.py``): the dense all-reduce (``none``) or a compressed exchange behind the
+    same interface.
 
     Streaming DiLoCo (Douillard et al., 2025): the parameters are split into F *fragments*
     (contiguous runs of parameters in FQN order, balanced by element count; every parameter
-    in exactly one); fragment i is synchronized after the steps ``t`` (1-based count of
-    steps taken) with ``t % H == (i * H) // F``. Each fragment has its own snapshot,
-    momentum and exchange. With a delay ``tau`` > 0 (Streaming DiLoCo's overlap, torchft's
-    ``fragment_sync_delay``) the fragment's pseudo-gradient is computed and its exchange
-    started after step ``t``, and the outer step applied after step ``t + tau``: the
-    exchange runs while the next ``tau`` inner steps compute. The dense exchange is an
-    asynchronous all-reduce; a compressed one (several dependent collectives and its
-    codec) runs on :class:`ExchangeWorker`'s thread, all of the hook's exchanges in one
-    order, its bytes counted when it lands. The fragment's weights
+    in exactly one; ``fragments.py``); fragment i is synchronized after the steps ``t``
+    (1-based count of steps taken) with ``t % H == (i * H) // F``. Each fragment has its
+    own snapshot, momentum and exchange. With a delay ``tau`` > 0 (Streaming DiLoCo's
+    overlap, torchft's ``fragment_sync_delay``) the fragment's pseudo-gradient is computed
+    and its exchange started after step ``t``, and the outer step applied after step
+    ``t + tau``: the exchange runs while the next ``tau`` inner steps compute. The dense
+    exchange is an asynchronous all-reduce; a compressed one (several dependent collectives
+    and its codec) runs on the thread of
+    :class:`~megatron_ext.optim.diloco.overlap.ExchangeWorker` (``overlap.py``), all of the
+    hook's exchanges in one order, its bytes counted when it lands. The fragment's weights
     then become ``alpha * local + (1 - alpha) * global`` (``alpha``: Streaming DiLoCo's
     merge, torchft's ``fragment_update_alpha``; 0, the default, takes the global weights and
     drops the fragment's local progress of the ``tau`` steps, as torchft does).
@@ -52,6 +54,12 @@ What it does:
     fragments are of whole parameters (``OptimizerView.param_numels``), and after an outer
     step the site gathers its parameters (``OptimizerView.sync_params``, scheduled by step so
     every rank of the site joins it).
+
+Why:
+    This module is the outer step itself (what is written, when, and what a checkpoint
+    keeps); the exchanges (``exchange.py``), their overlap (``overlap.py``), the sites'
+    groups (``sites.py``), the fragment schedule (``fragments.py``) and the eager outer
+    SGD step (``outer_step.py``) live beside it.
 
 Non-finite values:
     The outer update of a fragment is computed into fresh tensors and checked before
@@ -85,8 +93,6 @@ Constraints:
 
 from __future__ import annotations
 
-import queue
-import threading
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -99,305 +105,17 @@ from megatron_ext.accounting import (
 )
 from megatron_ext.kernels.finite import nonfinite
 from megatron_ext.kernels.outer import outer_sgd_step_, pseudo_gradient
-
-# The names --outer-compression takes (each but "none" is an OuterExchange with that
-# data-parallel method's compression); defined with the options, which need no torch.
-from megatron_ext.options.outer import OUTER_EXCHANGES
+from megatron_ext.optim.diloco.exchange import make_outer_exchange
+from megatron_ext.optim.diloco.fragments import fragment_due, split_fragments
+from megatron_ext.optim.diloco.overlap import (
+    ExchangeWorker,
+    PendingAverage,
+    ThreadedAverage,
+    _blocking_average,
+)
 from megatron_ext.protocols import RESET, NonFiniteError, OptimizerHook, OptimizerView
 
-__all__ = [
-    "DenseOuterExchange",
-    "PendingAverage",
-    "ThreadedAverage",
-    "ExchangeWorker",
-    "make_outer_exchange",
-    "OUTER_EXCHANGES",
-    "site_groups",
-    "split_fragments",
-    "fragment_due",
-    "outer_sgd_step",
-    "DiLoCoHook",
-]
-
-
-class DenseOuterExchange:
-    """The dense pseudo-gradient exchange: an all-reduce mean over the outer group.
-
-    Same interface as the compressed exchanges (``average``, ``state_dict``,
-    ``load_state_dict``, ``wire_bytes``); it holds no state.
-
-    Args:
-        method: ``"none"``.
-        options: unused (the compressed exchanges' options).
-        numel: elements of the flat pseudo-gradient.
-        group: the outer process group (one rank per site).
-        device: where the flat tensor lives when exchanged.
-        layout: ``name`` (the buffer's stable name) and ``shapes`` (the parameters laid out
-            in it), which compressed exchanges use; the dense one ignores them.
-    """
-
-    def __init__(
-        self, method: str, options: Any, numel: int, group: Any, device: Any, **layout: Any
-    ):
-        if method != "none":
-            raise ValueError(f"DenseOuterExchange is the 'none' exchange, got {method!r}")
-        self.numel = int(numel)
-        self.group = group
-        self.device = torch.device(device)
-        self.size = torch.distributed.get_world_size(group) if group is not None else 1
-
-    def average(self, flat: torch.Tensor) -> torch.Tensor:
-        """The mean of ``flat`` (fp32, ``numel`` elements) over the outer group."""
-        self._check(flat)
-        if self.size == 1:
-            return flat
-        out = flat.clone()
-        # SUM then divide: gloo has no AVG.
-        with ProcessGroupTrafficMeter.tagged("outer"):
-            torch.distributed.all_reduce(out, group=self.group)
-        out.div_(self.size)
-        return out
-
-    def start(self, flat: torch.Tensor) -> "PendingAverage":
-        """Start :meth:`average` without waiting (an asynchronous all-reduce): the returned
-        handle's ``wait()`` gives the mean. ``flat`` is consumed (reduced in place)."""
-        self._check(flat)
-        if self.size == 1:
-            return PendingAverage(flat)
-        with ProcessGroupTrafficMeter.tagged("outer"):
-            work = torch.distributed.all_reduce(flat, group=self.group, async_op=True)
-        return PendingAverage(flat, work=work, divide_by=self.size)
-
-    def _check(self, flat: torch.Tensor) -> None:
-        if flat.dtype != torch.float32 or flat.numel() != self.numel:
-            raise ValueError(
-                f"outer exchange expects {self.numel} fp32 elements, got {flat.numel()} "
-                f"{flat.dtype}"
-            )
-
-    def wire_bytes(self) -> int:
-        """Bytes this rank sends per :meth:`average` (ring all-reduce convention)."""
-        return collective_wire_bytes("all_reduce", 4 * self.numel, self.size)
-
-    def state_dict(self) -> Dict[str, Any]:
-        """No state."""
-        return {}
-
-    def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        """Accepts only the empty state."""
-        if sd:
-            raise ValueError(f"the dense outer exchange has no state, got {sorted(sd)}")
-
-
-class PendingAverage:
-    """An outer exchange in flight: ``wait()`` returns the mean (idempotent).
-
-    Args:
-        out: the tensor being reduced in place (or the finished mean).
-        work: the asynchronous collective's handle (None: finished).
-        divide_by: the sum's divisor once it has landed (gloo has no AVG).
-    """
-
-    def __init__(self, out: torch.Tensor, *, work: Any = None, divide_by: int = 1):
-        self._out = out
-        self._work = work
-        self._divide_by = divide_by
-
-    def wait(self) -> torch.Tensor:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-            if self._divide_by != 1:
-                self._out.div_(self._divide_by)
-        return self._out
-
-    def in_flight(self) -> bool:
-        """Not yet waited for."""
-        return self._work is not None
-
-
-class ThreadedAverage:
-    """A compressed outer exchange running on :class:`ExchangeWorker`'s thread: ``wait()``
-    returns its mean (idempotent) or raises what the exchange raised (a NaN, a peer gone).
-
-    ``exchange`` is kept so the bytes it sent can be read once it has finished
-    (``wire_bytes()`` is only known then)."""
-
-    def __init__(self, exchange: Any):
-        self.exchange = exchange
-        self._done = threading.Event()
-        self._result: Optional[torch.Tensor] = None
-        self._error: Optional[BaseException] = None
-        self._waited = False
-
-    def _finish(self, result: Optional[torch.Tensor], error: Optional[BaseException]) -> None:
-        self._result, self._error = result, error
-        self._done.set()
-
-    def wait(self) -> torch.Tensor:
-        self._done.wait()
-        self._waited = True
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result
-
-    def in_flight(self) -> bool:
-        """Not yet waited for."""
-        return not self._waited
-
-
-class ExchangeWorker:
-    """One daemon thread that runs a hook's compressed outer exchanges (``--outer-delay``
-    with ``--outer-compression`` other than ``none``), one at a time, in submission order.
-
-    Every rank submits the same exchanges in the same order (the schedule is by iteration),
-    so the collectives on the outer group happen in the same order everywhere; the main
-    thread never uses the outer group while the worker exists (every exchange of the hook
-    goes through it). The worker tags its collectives ``outer`` (the traffic meter's tag is
-    thread-local) and, on CUDA, binds the rank's device first.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = torch.device(device)
-        self._queue: "queue.Queue[Any]" = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="megatron-ext-outer", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            exchange, flat, handle = item
-            try:
-                with ProcessGroupTrafficMeter.tagged("outer", force=True):
-                    out = exchange.average(flat)  # ends with a host read of its isfinite
-                handle._finish(out, None)
-            except BaseException as exc:  # raised to the main thread by wait()
-                handle._finish(None, exc)
-
-    def submit(self, exchange: Any, flat: torch.Tensor) -> ThreadedAverage:
-        """Queue ``exchange.average(flat)``; ``flat`` must not be modified until it lands."""
-        handle = ThreadedAverage(exchange)
-        self._queue.put((exchange, flat, handle))
-        return handle
-
-    def call(self, fn: Any) -> Any:
-        """Run ``fn()`` on the thread after the queued exchanges (another collective on the
-        outer group, in the same order on every rank) and return its result."""
-        handle = ThreadedAverage(None)
-        self._queue.put((_Call(fn), None, handle))
-        return handle.wait()
-
-    def close(self) -> None:
-        """Stop the thread once the queued exchanges have run."""
-        self._queue.put(None)
-        self._thread.join()
-
-
-class _Call:
-    """A function queued on :class:`ExchangeWorker` (its ``average`` ignores the input)."""
-
-    def __init__(self, fn: Any):
-        self.fn = fn
-
-    def average(self, _flat: Any) -> Any:
-        return self.fn()
-
-
-def make_outer_exchange(
-    method: str, options: Any, numel: int, group: Any, device: Any, **layout: Any
-) -> Any:
-    """The outer exchange called ``method`` (``--outer-compression``).
-
-    ``layout``: ``name=`` the flat buffer's stable name (``outer/<fragment>``) and
-    ``shapes=`` the ``(fqn, shape)`` of its parameters, for exchanges that compress per
-    matrix or key their state by name.
-
-    Raises:
-        ValueError: a method this build does not know.
-    """
-    if method == "none":
-        return DenseOuterExchange(method, options, numel, group, device, **layout)
-    if method in OUTER_EXCHANGES:
-        from megatron_ext.collectives.outer_exchange import OuterExchange
-
-        return OuterExchange(method, options, numel, group, device, **layout)
-    raise ValueError(f"unknown outer exchange {method!r} (known: {', '.join(OUTER_EXCHANGES)})")
-
-
-def _blocking_average(exchange: Any, flat: torch.Tensor) -> Any:
-    """``exchange.average(flat)`` as a finished handle; a compressed exchange that finds a
-    non-finite input (on any rank) gives a handle whose ``wait()`` raises it, as a threaded
-    one does."""
-    try:
-        return PendingAverage(exchange.average(flat))
-    except NonFiniteError as exc:
-        handle = ThreadedAverage(None)
-        handle._finish(None, exc)
-        return handle
-
-
-def site_groups(dp_group: Any, num_sites: int) -> Tuple[Any, Any, int]:
-    """Process groups of the sites: ``(inner, outer, site)`` for this rank.
-
-    The ranks of every data-parallel group (there is one per tensor/pipeline position) are
-    split into ``num_sites`` runs of consecutive data-parallel ranks. ``inner`` is this
-    rank's site (the gradient seam reduces over it), ``outer`` the ranks at this rank's
-    position in every site (the outer exchange), ``site`` this rank's site index. Every
-    rank of the world must call this, in the same order (``new_group`` is collective).
-
-    Raises:
-        ValueError: the data-parallel size is not a multiple of ``num_sites``.
-    """
-    dist = torch.distributed
-    ranks = dist.get_process_group_ranks(dp_group)
-    dp = len(ranks)
-    if num_sites < 1 or dp % num_sites:
-        raise ValueError(f"{num_sites} sites do not divide the data-parallel size {dp}")
-    everyone: List[Optional[List[int]]] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, ranks)
-    all_dp_groups = sorted({tuple(r) for r in everyone})
-    per_site = dp // num_sites
-    me = dist.get_rank()
-    inner = outer = None
-    site = -1
-    for group_ranks in all_dp_groups:
-        for s in range(num_sites):
-            members = list(group_ranks[s * per_site : (s + 1) * per_site])
-            pg = dist.new_group(members)
-            if me in members:
-                inner, site = pg, s
-        for j in range(per_site):
-            members = [group_ranks[s * per_site + j] for s in range(num_sites)]
-            pg = dist.new_group(members)
-            if me in members:
-                outer = pg
-    return inner, outer, site
-
-
-def split_fragments(sizes: Sequence[Tuple[str, int]], num_fragments: int) -> List[List[str]]:
-    """Split ``(fqn, numel)`` pairs, in the given order, into contiguous fragments balanced
-    by element count; every parameter lands in exactly one fragment (some may be empty when
-    one parameter outweighs a fragment's share)."""
-    total = sum(n for _, n in sizes)
-    out: List[List[str]] = [[] for _ in range(num_fragments)]
-    start = 0
-    for fqn, n in sizes:
-        mid2 = 2 * start + n  # twice the midpoint, kept in integers
-        k = min(num_fragments - 1, (mid2 * num_fragments) // (2 * max(total, 1)))
-        out[k].append(fqn)
-        start += n
-    return out
-
-
-def fragment_due(steps_taken: int, interval: int, num_fragments: int) -> List[int]:
-    """The fragments synchronized once ``steps_taken`` (>= 1) inner steps are done."""
-    phase = steps_taken % interval
-    return [i for i in range(num_fragments) if (i * interval) // num_fragments == phase]
+__all__ = ["DiLoCoHook"]
 
 
 def _copy_all(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
@@ -408,37 +126,6 @@ def _copy_all(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
         return
     for d, s in zip(dst, src):
         d.copy_(s)
-
-
-def outer_sgd_step(
-    snapshot: torch.Tensor,
-    buf: Optional[torch.Tensor],
-    delta: torch.Tensor,
-    *,
-    lr: float,
-    momentum: float,
-    nesterov: bool,
-) -> Optional[torch.Tensor]:
-    """One outer SGD step in place on ``snapshot`` (``torch.optim.SGD`` semantics).
-
-    Args:
-        snapshot: fp32 parameters of the last synchronization (updated in place).
-        buf: the momentum buffer (updated in place), or None before the first step.
-        delta: the averaged pseudo-gradient (snapshot - current, mean over sites).
-
-    Returns:
-        The momentum buffer (None when ``momentum`` is 0).
-    """
-    if momentum == 0:
-        snapshot.add_(delta, alpha=-lr)
-        return None
-    if buf is None:
-        buf = delta.clone()
-    else:
-        buf.mul_(momentum).add_(delta)
-    update = delta.add(buf, alpha=momentum) if nesterov else buf
-    snapshot.add_(update, alpha=-lr)
-    return buf
 
 
 class DiLoCoHook(OptimizerHook):

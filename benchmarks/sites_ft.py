@@ -27,20 +27,23 @@ What it does:
       (``--outer-transport world``, the default, ``--outer-groups`` = sites), ``--save`` /
       ``--save-interval``; the last rank is SIGKILLed at ``--iters / 3``, the other ranks are
       stopped at once (what torchrun does when a worker dies) and the world is started again
-      at once with ``--load``.
+      at once with ``--load``;
+    * ``w`` (one world, uninterrupted): ``c`` without the kill, ``c``'s reference.
 
     Measured, from each job's stdout (the driver's timestamped iteration lines, its
     ``log.jsonl`` for the losses, torchft's commit lines with their unix times) against the
     wall clock of the run's start: each site's loss curve against wall time and iterations,
-    each job's exit code and finish time, and the time lost per failure: for ``b`` the
+    each job's exit code and finish time, and the time lost per failure. For ``b``: the
     survivors' time from the kill to their next completed iteration and to their next
-    committed outer step, their longest gap between two iterations after the kill (against
-    their median gap before it), and the extra wall time to finish against ``a`` (the
-    survivors' and the last site's); for ``c`` the wall time from the kill to regaining the
-    last iteration logged before it, the iterations redone (since the last checkpoint) and
-    what they had cost before the kill, and the time from the kill to the restarted world's
-    first iteration. The final loss of a run is the mean over its sites of the mean of the
-    last 10% of each site's logged losses (each site's own data; one world: the logged loss).
+    committed outer step, the duration of their first outer step after the kill against
+    their median one before it, the restarted site's time from its restart to its first
+    outer step (where it heals), and the extra wall time to finish against ``a`` (the
+    survivors' and the last site's). For ``c``: the wall time from the kill to regaining
+    the last iteration logged before it, the iterations redone (since the last checkpoint)
+    and what they had cost before the kill, the time from the kill to the restarted world's
+    first iteration, and the extra wall time against ``w``. The final loss of a run is the
+    mean over its sites of the mean of the last 10% of each site's logged losses (each
+    site's own data; one world: the logged loss, averaged over its ranks).
     ``sites_ft.json`` (the layout of :func:`benchmarks.common.make_report`) is written after
     every scenario; a table is printed at the end.
 
@@ -174,43 +177,56 @@ def site_curve(launches: Sequence[Dict[str, Any]], t0: float, iters: int) -> Dic
     }
 
 
-def time_lost(survivors: Sequence[Dict[str, Any]], kill_s: float) -> Dict[str, Optional[float]]:
+def time_lost(
+    survivors: Sequence[Dict[str, Any]], kill_s: float, interval: int
+) -> Dict[str, Optional[float]]:
     """Survivors' delays after a kill at ``kill_s`` (seconds since the run's start).
 
+    The duration of an outer step is the time between the logged iterations ``kH - 1`` and
+    ``kH`` (iteration ``kH`` ends with the outer step: quorum, exchange, commit).
+
     Args:
-        survivors: Per survivor ``{"wall_s": [...], "commit_s": [...]}`` (iteration and
-            committed outer-step times since the start).
+        survivors: Per survivor ``{"iteration": [...], "wall_s": [...], "commit_s": [...]}``
+            (its logged iterations and their times, its committed outer steps' times).
         kill_s: When the kill happened.
+        interval: DiLoCo's H.
 
     Returns:
-        The latest over the survivors of: the time from the kill to the next completed
-        iteration and to the next committed outer step, the longest gap between two
-        iterations after the kill; and the median gap between iterations before it.
+        The largest over the survivors of: the time from the kill to its next completed
+        iteration and to its next committed outer step, the duration of its first outer
+        step after the kill, and its median outer-step and inner-step durations before it.
     """
-    nxt, commit, gap_after, gap_before = [], [], [], []
+    out: Dict[str, List[float]] = {
+        "kill_to_next_iteration_s": [],
+        "kill_to_next_outer_commit_s": [],
+        "next_outer_step_s": [],
+        "median_outer_step_before_kill_s": [],
+        "median_inner_step_before_kill_s": [],
+    }
     for s in survivors:
-        walls = list(s["wall_s"])
-        after = [t for t in walls if t > kill_s]
-        before = [t for t in walls if t <= kill_s]
+        at = dict(zip(s["iteration"], s["wall_s"]))
+        after = [t for t in s["wall_s"] if t > kill_s]
         if after:
-            nxt.append(after[0] - kill_s)
-            seq = ([before[-1]] if before else []) + after
-            gaps = [b - a for a, b in zip(seq, seq[1:])]
-            if gaps:
-                gap_after.append(max(gaps))
-        gaps_b = [b - a for a, b in zip(before, before[1:])]
-        if gaps_b:
-            gap_before.append(statistics.median(gaps_b))
+            out["kill_to_next_iteration_s"].append(after[0] - kill_s)
         later = [t for t in s["commit_s"] if t > kill_s]
         if later:
-            commit.append(later[0] - kill_s)
-    top = lambda xs: max(xs) if xs else None  # noqa: E731
-    return {
-        "kill_to_next_iteration_s": top(nxt),
-        "kill_to_next_outer_commit_s": top(commit),
-        "longest_gap_after_kill_s": top(gap_after),
-        "median_gap_before_kill_s": top(gap_before),
-    }
+            out["kill_to_next_outer_commit_s"].append(later[0] - kill_s)
+        outer, inner = [], []
+        for it, t in at.items():
+            if it - 1 not in at:
+                continue
+            if it % interval == 0:
+                outer.append((t, t - at[it - 1]))
+            elif t <= kill_s:
+                inner.append(t - at[it - 1])
+        before = [d for t, d in outer if t <= kill_s]
+        first_after = [d for t, d in outer if t > kill_s][:1]
+        out["next_outer_step_s"] += first_after
+        if before:
+            out["median_outer_step_before_kill_s"].append(statistics.median(before))
+        if inner:
+            out["median_inner_step_before_kill_s"].append(statistics.median(inner))
+    return {k: (max(v) if v else None) for k, v in out.items()}
 
 
 # -- commands ---------------------------------------------------------------------------------
@@ -267,6 +283,10 @@ def _killpg(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
 
 class _Failed(RuntimeError):
     """A scenario could not run as planned (the message says why)."""
+
+
+class _Done(Exception):
+    """An uninterrupted run ended (no kill to do)."""
 
 
 def _wait(cond, what: str, procs: Dict[str, subprocess.Popen], logs: Dict[str, str], timeout):
@@ -392,7 +412,9 @@ def run_torchft(args: argparse.Namespace, out: str, scenario: str) -> Dict[str, 
             with open(launch["stdout"], errors="replace") as fh:
                 texts.append(fh.read())
         curve["commits"] = [
-            dict(c, wall_s=c["time"] - t0) for text in texts for c in parse_commits(text)
+            dict(c, wall_s=c["time"] - t0, launch=k)
+            for k, text in enumerate(texts)
+            for c in parse_commits(text)
         ]
         curve["healed"] = any("healed" in text for text in texts[1:])
         sites.append(dict(curve, site=site))
@@ -407,31 +429,36 @@ def run_torchft(args: argparse.Namespace, out: str, scenario: str) -> Dict[str, 
         if kill:
             surv = [
                 {
+                    "iteration": s["curve"]["iteration"],
                     "wall_s": s["curve"]["wall_s"],
                     "commit_s": [c["wall_s"] for c in s["commits"]],
                 }
                 for s in sites[:victim]
             ]
-            result.update(time_lost(surv, result["kill_s"]))
+            result.update(time_lost(surv, result["kill_s"], args.interval))
             result["survivors_finish_s"] = max(
                 finish[f"site{s}"] for s in range(args.sites) if s != victim
             )
             result["restarted_finish_s"] = finish[launches[victim][-1]["name"]]
+            rejoin = [c["wall_s"] for c in sites[victim]["commits"] if c["launch"] == 1]
+            result["restart_to_rejoin_s"] = rejoin[0] - result["restart_s"] if rejoin else None
             if not sites[victim]["healed"]:
                 result.update(status="failed", error="the restarted site did not heal")
     return result
 
 
-def run_world(args: argparse.Namespace, out: str) -> Dict[str, Any]:
-    """Scenario ``c``: one world, a rank killed at a third, restarted from its checkpoint."""
+def run_world(args: argparse.Namespace, out: str, scenario: str = "c") -> Dict[str, Any]:
+    """Scenario ``c``: one world, a rank killed at a third, restarted from its checkpoint;
+    ``w``: the same world uninterrupted (``c``'s reference)."""
     from megatron_ext.netbench import ShapedNetwork
     from megatron_ext.netbench.topology import ParallelLayout
 
-    run_dir = os.path.join(out, "runs", "c")
+    kill = scenario == "c"
+    run_dir = os.path.join(out, "runs", scenario)
     os.makedirs(run_dir, exist_ok=True)
     n = args.sites
     pairs = ParallelLayout(world_size=n, sites=n).pairs("sites")
-    result: Dict[str, Any] = {"scenario": "c", "transport": "world", "commands": {}}
+    result: Dict[str, Any] = {"scenario": scenario, "transport": "world", "commands": {}}
     launches: List[Dict[str, Any]] = []
     files = []
     with ShapedNetwork(n, bandwidth=args.rate, shaped_pairs=pairs) as net:
@@ -462,14 +489,20 @@ def run_world(args: argparse.Namespace, out: str) -> Dict[str, Any]:
                 f"rank{r}": launches[0]["stdout"].replace(f"rank{n - 1}", f"rank{r}")
                 for r in range(n)
             }
-            third = max(1, args.iters // 3)
+            third = max(1, args.iters // 3) if kill else args.iters + 1
             _wait(
-                lambda: _last_iteration(launches[0]["stdout"]) >= third,
+                lambda: (
+                    _last_iteration(launches[0]["stdout"]) >= third
+                    or all(p.poll() == 0 for p in procs)
+                ),
                 f"iteration {third}",
                 names,
                 logs,
                 args.run_timeout,
             )
+            if not kill:
+                result.update(finish_s={"world": time.time() - t0}, status="ok")
+                raise _Done
             killed_after = _last_iteration(launches[0]["stdout"])
             _killpg(procs[n - 1])
             result["kill_s"] = time.time() - t0
@@ -493,6 +526,8 @@ def run_world(args: argparse.Namespace, out: str) -> Dict[str, Any]:
             result["status"] = "ok"
         except _Failed as exc:
             result.update(status="failed", error=str(exc)[-3000:])
+        except _Done:
+            pass
         finally:
             for launch in launches:
                 for p in launch["procs"]:
@@ -507,6 +542,7 @@ def run_world(args: argparse.Namespace, out: str) -> Dict[str, Any]:
     if result["status"] == "ok":
         result["final_loss"] = curve["final_loss"]
         result["wall_s"] = result["finish_s"]["world"]
+    if result["status"] == "ok" and kill:
         c = curve["curve"]
         first = [(i, w) for k, i, w in zip(c["launch"], c["iteration"], c["wall_s"]) if k == 0]
         second = [(i, w) for k, i, w in zip(c["launch"], c["iteration"], c["wall_s"]) if k == 1]
@@ -541,19 +577,21 @@ def _mean(values):
 
 
 def add_comparisons(results: List[Dict[str, Any]]) -> None:
-    """``extra_wall_vs_a_s`` (and for ``b`` the survivors' one) against scenario ``a``."""
-    base = next((r for r in results if r["scenario"] == "a" and r["status"] == "ok"), None)
+    """``extra_wall_s``: the wall time against the same transport's uninterrupted run
+    (``b`` against ``a``, with the survivors' one; ``c`` against ``w``)."""
+    ok = {r["scenario"]: r for r in results if r["status"] == "ok"}
     for r in results:
-        r["extra_wall_vs_a_s"] = None
+        r["extra_wall_s"] = None
+        base = ok.get({"b": "a", "c": "w"}.get(r["scenario"], ""))
         if base is None or r["status"] != "ok":
             continue
-        r["extra_wall_vs_a_s"] = r["wall_s"] - base["wall_s"]
+        r["extra_wall_s"] = r["wall_s"] - base["wall_s"]
         if "survivors_finish_s" in r:
-            r["survivors_extra_wall_vs_a_s"] = r["survivors_finish_s"] - base["wall_s"]
+            r["survivors_extra_wall_s"] = r["survivors_finish_s"] - base["wall_s"]
 
 
-def print_table(results: List[Dict[str, Any]]) -> None:
-    """One row per scenario."""
+def print_table(results: List[Dict[str, Any]], file=None) -> None:
+    """One row per scenario (a markdown table), then the failures."""
     rows = []
     for r in results:
         rows.append(
@@ -563,21 +601,21 @@ def print_table(results: List[Dict[str, Any]]) -> None:
                 r["status"],
                 r.get("final_loss"),
                 r.get("wall_s"),
-                r.get("extra_wall_vs_a_s"),
-                r.get("survivors_extra_wall_vs_a_s"),
-                r.get("kill_to_next_outer_commit_s"),
-                r.get("longest_gap_after_kill_s"),
+                r.get("extra_wall_s"),
+                r.get("survivors_extra_wall_s"),
+                r.get("next_outer_step_s"),
+                r.get("median_outer_step_before_kill_s"),
                 r.get("kill_to_regained_iteration_s"),
                 r.get("iterations_redone"),
             ]
         )
-    header = ["scenario", "transport", "status", "final loss", "wall s", "extra s vs a"]
-    header += ["survivors' extra s", "kill->next outer step s", "longest gap s"]
+    header = ["scenario", "transport", "status", "final loss", "wall s", "extra s"]
+    header += ["survivors' extra s", "outer step after kill s", "outer step before s"]
     header += ["kill->regained iter s", "iters redone"]
-    print(format_table(header, rows))
+    print(format_table(header, rows), file=file)
     for r in results:
         if r["status"] != "ok":
-            print(f"{r['scenario']} failed: {r.get('error')}")
+            print(f"{r['scenario']} failed: {r.get('error')}", file=file)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -587,7 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="DiLoCo across sites with a site killed: separate site jobs over torchft "
         "against one world restarted from its checkpoint (inside netbench; needs root).",
     )
-    p.add_argument("--scenarios", default="a,b,c", help="Any of a, b, c (default a,b,c).")
+    p.add_argument("--scenarios", default="a,b,w,c", help="Any of a, b, w, c (default a,b,w,c).")
     p.add_argument("--sites", type=int, default=3, help="Sites of one rank each (3).")
     p.add_argument("--rate", default="100mbit", help="Inter-site link rate, tc syntax.")
     p.add_argument("--iters", type=int, default=60, help="Training iterations per site (60).")
@@ -615,10 +653,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.set_defaults(**QUICK_DEFAULTS)
         args = parser.parse_args(argv)
     scenarios = parse_list(args.scenarios)
-    bad = [s for s in scenarios if s not in ("a", "b", "c")]
+    bad = [s for s in scenarios if s not in ("a", "b", "c", "w")]
     problems = []
     if bad or not scenarios:
-        problems.append(f"--scenarios: expected a, b and/or c, got {args.scenarios!r}")
+        problems.append(f"--scenarios: expected a, b, c and/or w, got {args.scenarios!r}")
     if args.sites < 2 or args.iters < 3 or args.interval < 1 or args.save_interval < 0:
         problems.append("--sites >= 2, --iters >= 3, --interval >= 1, --save-interval >= 0")
     if {"b", "c"} & set(scenarios) and not 0 < args.save_interval < args.iters // 3:
@@ -647,7 +685,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     t0 = time.time()
     for scenario in scenarios:
         print(f"[{scenario}] {args.sites} sites, {args.rate}, {args.iters} steps", flush=True)
-        res = run_world(args, out) if scenario == "c" else run_torchft(args, out, scenario)
+        if scenario in ("c", "w"):
+            res = run_world(args, out, scenario)
+        else:
+            res = run_torchft(args, out, scenario)
         results.append(res)
         add_comparisons(results)
         print(f"    -> {res['status']}, wall {res.get('wall_s') or 0.0:.1f} s", flush=True)
@@ -663,7 +704,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         )
     print()
     print_table(results)
-    print(f"\nreport: {os.path.join(out, 'sites_ft.json')}")
+    with open(os.path.join(out, "sites_ft.md"), "w") as f:
+        given = list(argv) if argv is not None else sys.argv[1:]
+        f.write(f"`{shell_join(['python', 'benchmarks/sites_ft.py'] + given)}`\n\n")
+        print_table(results, file=f)
+    print(f"\nreport: {os.path.join(out, 'sites_ft.json')} (table: sites_ft.md)")
     return 0 if all(r["status"] == "ok" for r in results) else 1
 
 

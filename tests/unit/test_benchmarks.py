@@ -645,14 +645,16 @@ def test_sites_ft_reads_the_jobs_output_and_the_time_lost():
     (commit,) = sites_ft.parse_commits(text)
     assert commit["sites"] == "2" and commit["total_weight"] == "2048"
     assert commit["time"] == pytest.approx(1764331202.25)
-    # survivors: steps every 1 s, a 5 s stall after the kill at 10.5 s
-    a = {"wall_s": [8.0, 9.0, 10.0, 11.0, 16.0, 17.0], "commit_s": [10.0, 16.0]}
-    b = {"wall_s": [8.2, 9.2, 10.2, 11.4, 16.0], "commit_s": [10.2, 16.5]}
-    lost = sites_ft.time_lost([a, b], 10.5)
-    assert lost["kill_to_next_iteration_s"] == pytest.approx(0.9)
-    assert lost["kill_to_next_outer_commit_s"] == pytest.approx(6.0)
-    assert lost["longest_gap_after_kill_s"] == pytest.approx(5.0)
-    assert lost["median_gap_before_kill_s"] == pytest.approx(1.0)
+    # survivors, H = 2: inner steps of 1 s, outer steps of 2 s, one of 6 s after the kill
+    a = {"iteration": [1, 2, 3, 4, 5, 6], "wall_s": [1.0, 3.0, 4.0, 6.0, 7.0, 13.0]}
+    b = {"iteration": [1, 2, 3, 4, 5], "wall_s": [1.5, 3.5, 4.5, 6.5, 7.5]}
+    a["commit_s"], b["commit_s"] = [3.0, 6.0, 13.0], [3.5, 6.5]
+    lost = sites_ft.time_lost([a, b], 6.8, 2)
+    assert lost["kill_to_next_iteration_s"] == pytest.approx(0.7)
+    assert lost["kill_to_next_outer_commit_s"] == pytest.approx(6.2)
+    assert lost["next_outer_step_s"] == pytest.approx(6.0)
+    assert lost["median_outer_step_before_kill_s"] == pytest.approx(2.0)
+    assert lost["median_inner_step_before_kill_s"] == pytest.approx(1.0)
     assert sites_ft.main(["--scenarios", "a,x"]) == 2
     assert sites_ft.main(["--iters", "9", "--save-interval", "3"]) == 2  # no checkpoint < 1/3
 

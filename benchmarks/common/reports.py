@@ -37,6 +37,7 @@ BENCHMARKS = (
     "state_memory",
     "one_gpu",
     "sites",
+    "sites_ft",
 )
 """Names a report's ``benchmark`` field may take; also the JSON file names (``<name>.json``)."""
 

@@ -712,6 +712,45 @@ class ShapedNetwork:
         env.update({k: str(v) for k, v in (env_extra or {}).items()})
         return env
 
+    def start(
+        self,
+        rank: int,
+        command: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        hostname: Optional[str] = None,
+        **popen_kwargs,
+    ) -> subprocess.Popen:
+        """Start ``command`` inside a rank's namespace and return at once (no waiting).
+
+        For callers that start, kill and restart processes one by one (separate jobs, fault
+        injection); :meth:`run_ranks` is the one-world launcher. The process leads its own
+        session (``os.killpg(proc.pid, sig)`` reaches its children) and is stopped by
+        :meth:`close` if still running.
+
+        Args:
+            rank: Namespace index.
+            command: The argv to run.
+            env: Variables added to the caller's environment (``rank_command``).
+            hostname: Run it in its own UTS namespace with this host name (e.g. the rank's
+                address): programs that advertise ``socket.gethostname()`` to peers in other
+                namespaces (torchft's managers) then advertise a reachable name.
+            **popen_kwargs: Passed to ``subprocess.Popen`` (``stdout``, ``cwd``, ...).
+        """
+        self._require_open()
+        if not command:
+            raise ValueError("empty command")
+        argv = rank_command(self.namespace(rank), env, command)
+        if hostname is not None:
+            if shutil.which("unshare") is None:
+                raise NetbenchUnavailableError(
+                    "'unshare' not found on PATH (util-linux); it gives a job its own host name"
+                )
+            # unshare(1) without --fork execs: the pid stays the command's.
+            argv = argv[:4] + ["unshare", "--uts", "--", "sh", "-c"]
+            argv += ['hostname "$0" && exec "$@"', hostname] + rank_command("", env, command)[4:]
+        return self._spawn(argv, **popen_kwargs)
+
     def interface_counters(self) -> List[Dict[str, int]]:
         """Per rank, the ``tx_bytes`` / ``rx_bytes`` counters of its ``eth0`` now."""
         out = []

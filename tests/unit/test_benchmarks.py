@@ -8,6 +8,7 @@ when netbench cannot run.
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -627,6 +628,70 @@ def test_sites_quick_runs_inside_netbench(tmp_path):
     grad = runs["powersgd-r14"]["bytes_per_step_all_ranks"]["dp-grad"]
     assert grad["sent"] < 0.5 * dense["bytes_per_step_all_ranks"]["dp-grad"]["sent"]
     assert "refused: dp2 1gbit refused" in proc.stdout
+
+
+def test_sites_ft_reads_the_jobs_output_and_the_time_lost():
+    from benchmarks import sites_ft
+
+    text = (
+        "noise\n [2026-11-28 12:00:01.500000] iteration        1/      60 | lm loss: 9\n"
+        "megatron-ext: torchft site 1: commit step=3 sites=2 attempts=1 iteration=10 "
+        "weight=1024 total_weight=2048 at 1764331202.250\n"
+        " [2026-11-28 12:00:03.000000] iteration        2/      60 |\n"
+    )
+    its = sites_ft.parse_iterations(text)
+    assert [i["iteration"] for i in its] == [1, 2]
+    assert its[1]["time"] - its[0]["time"] == pytest.approx(1.5)
+    (commit,) = sites_ft.parse_commits(text)
+    assert commit["sites"] == "2" and commit["total_weight"] == "2048"
+    assert commit["time"] == pytest.approx(1764331202.25)
+    # survivors, H = 2: inner steps of 1 s, outer steps of 2 s, one of 6 s after the kill
+    a = {"iteration": [1, 2, 3, 4, 5, 6], "wall_s": [1.0, 3.0, 4.0, 6.0, 7.0, 13.0]}
+    b = {"iteration": [1, 2, 3, 4, 5], "wall_s": [1.5, 3.5, 4.5, 6.5, 7.5]}
+    a["commit_s"], b["commit_s"] = [3.0, 6.0, 13.0], [3.5, 6.5]
+    lost = sites_ft.time_lost([a, b], 6.8, 2)
+    assert lost["kill_to_next_iteration_s"] == pytest.approx(0.7)
+    assert lost["kill_to_next_outer_commit_s"] == pytest.approx(6.2)
+    assert lost["next_outer_step_s"] == pytest.approx(6.0)
+    assert lost["median_outer_step_before_kill_s"] == pytest.approx(2.0)
+    assert lost["median_inner_step_before_kill_s"] == pytest.approx(1.0)
+    assert sites_ft.main(["--scenarios", "a,x"]) == 2
+    assert sites_ft.main(["--iters", "9", "--save-interval", "3"]) == 2  # no checkpoint < 1/3
+
+
+def test_sites_ft_quick_runs_site_jobs_inside_netbench(tmp_path):
+    """Two site jobs (gpt-tiny, one rank each) and a lighthouse, each in its namespace, 3
+    steps over torchft at 100mbit between the sites; the links between sites are shaped,
+    the lighthouse's and a site's own are not, each site's manager advertises its own
+    address (about 30 s, needs root and torchft)."""
+    reason = _netbench_reason()
+    if reason:
+        pytest.skip(f"netbench cannot run here: {reason}")
+    pytest.importorskip("torchft")
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/sites_ft.py", "--quick", "--out", str(tmp_path)]
+        + ["--iters", "3", "--check-seconds", "0.3"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = common.validate_report(json.loads((tmp_path / "sites_ft.json").read_text()))
+    (a,) = report["results"]
+    assert a["scenario"] == "a" and a["status"] == "ok" and a["final_loss"] > 0
+    for site in a["sites"]:
+        assert site["curve"]["iteration"] == [1, 2, 3] and site["last_iteration"] == 3
+        assert all(w > 0 for w in site["curve"]["wall_s"])
+        assert float(site["commits"][-1]["total_weight"]) > 0
+    links = {(m["src"], m["dst"]): m for m in a["link_check"]}
+    assert links[(0, 1)]["shaped"] and links[(0, 1)]["mb_per_s"] < 13.0  # 100mbit: 12.5 MB/s
+    assert not links[(0, 0)]["shaped"] and links[(0, 0)]["mb_per_s"] > 50.0
+    assert any(2 in pair and not m["shaped"] for pair, m in links.items())  # the lighthouse
+    log0 = (tmp_path / "runs" / "a" / "site0.txt").read_text()
+    subnet = re.search(r"--outer-lighthouse http://(\d+\.\d+\.\d+)\.3:", a["commands"]["site0"])
+    assert f"Manager listening on http://{subnet.group(1)}.1:" in log0, log0[-2000:]
 
 
 def test_sites_stopped_dense_run_gives_a_lower_bound():

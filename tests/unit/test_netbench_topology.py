@@ -410,3 +410,26 @@ def test_cli_sites_parse_builds_the_site_layout():
     assert layout.pairs(args.shape) == ParallelLayout(8, pp_size=2, sites=2).pairs("sites")
     assert cli._link_kind(layout, 0, 2) == "dp (site 0->1)"
     assert cli._link_kind(layout, 0, 4) == "pp (site 0)"
+
+
+def test_site_jobs_shape_only_links_between_sites_without_root():
+    """Separate site jobs: one namespace per site plus the lighthouse's, whose links are
+    unshaped; each job gets a one-rank world's variables with its store on its address."""
+    from megatron_ext.netbench import SiteJobsNetwork, site_job_pairs
+
+    assert site_job_pairs(2) == {(0, 1), (1, 0)}
+    jobs = SiteJobsNetwork(3, bandwidth="100mbit", prefix="mxnbunit")
+    net = jobs.network
+    assert net.num_ranks == 4 and jobs.lighthouse_host == net.address(3)
+    for site in range(3):
+        filters = [c for c in net._shaping_commands(site) if c[1] == "filter"]
+        far = [net.address(r) + "/32" for r in range(3) if r != site]
+        assert [c[c.index("dst") + 1] for c in filters] == far  # never the lighthouse
+    assert net._shaping_commands(3) == []
+    env = jobs.site_env(2, {"FOO": "1"})
+    assert (env["RANK"], env["WORLD_SIZE"], env["FOO"]) == ("0", "1", "1")
+    assert env["MASTER_ADDR"] == jobs.address(2) and env["GLOO_SOCKET_IFNAME"] == "eth0"
+    with pytest.raises(ValueError):
+        jobs.address(3)
+    with pytest.raises(ValueError):
+        SiteJobsNetwork(1, bandwidth="100mbit")

@@ -72,6 +72,7 @@ from megatron_ext.options.base import (  # noqa: F401 (re-exported)
     check_positive,
     config_from_args,
     flag_of,
+    shapes_state,
 )
 from megatron_ext.options.linear import DEFAULT_LINEAR_LAYERS, LinearLayersConfig  # noqa: F401
 
@@ -269,7 +270,8 @@ class ExtConfig:
 
     def state_settings(self) -> Dict[str, Any]:
         """The settings that shape megatron_ext's checkpointed state (for its fingerprint):
-        each family's method and the options of the selected methods only."""
+        each family's method and the options of the selected methods only, but for those
+        marked :data:`~megatron_ext.options.base.RUN_ONLY` (see :meth:`run_only_settings`)."""
         out: Dict[str, Any] = {}
         selected = self.selected()
         for fam, method in selected:
@@ -280,8 +282,20 @@ class ExtConfig:
             if method.options is not None:
                 sub = self.options[method.options]
                 for sf in dataclasses.fields(sub):
-                    out[_dest_of(type(sub), sf)] = getattr(sub, sf.name)
+                    if shapes_state(sf):
+                        out[_dest_of(type(sub), sf)] = getattr(sub, sf.name)
         return out
+
+    def run_only_settings(self) -> List[str]:
+        """The settings of every method's options that do not shape checkpointed state (an
+        address, a timeout): a checkpoint whose fingerprint differs from this run's in these
+        only (saved before they were marked) still fits."""
+        return sorted(
+            _dest_of(cls, sf)
+            for cls, sub in self.options.items()
+            for sf in dataclasses.fields(sub)
+            if not shapes_state(sf)
+        )
 
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

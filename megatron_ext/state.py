@@ -32,7 +32,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Protocol
+from typing import Any, Dict, Mapping, Protocol, Sequence
 
 from megatron_ext.protocols import ElasticStateful, VersionedState, elastic_rules_of
 
@@ -96,12 +96,21 @@ class ExtState:
             the fingerprint.
         layout: parallel layout and this rank's coordinates, e.g. ``{"tp": 1, "pp": 2,
             "dp": 2, "rank": 3}``.
+        run_only: names of settings that do not shape the state (not in ``settings``); a
+            checkpoint saved with them in its settings still fits when it differs in them
+            only.
     """
 
-    def __init__(self, settings: Mapping[str, Any], layout: Mapping[str, int]):
+    def __init__(
+        self,
+        settings: Mapping[str, Any],
+        layout: Mapping[str, int],
+        run_only: Sequence[str] = (),
+    ):
         self._objects: Dict[str, ElasticStateful] = {}
         self.settings = dict(settings)
         self.layout = dict(layout)
+        self.run_only = frozenset(run_only)
 
     def register(self, name: str, obj: ElasticStateful) -> None:
         """Add ``obj`` under ``name`` (names are unique).
@@ -166,6 +175,19 @@ class ExtState:
             objects[stable] = value
         return {**state, "format_version": FORMAT_VERSION, "objects": objects}
 
+    def settings_diff(self, saved: Mapping[str, Any]) -> Dict[str, Any]:
+        """``{setting: (saved, now)}`` of the settings that shape the state and differ between
+        ``saved`` (a state or checkpoint record holding ``fingerprint`` and ``settings``) and
+        this run; empty when the state fits (the run-only settings are not compared)."""
+        if saved.get("fingerprint") == fingerprint(self.settings):
+            return {}
+        old = saved.get("settings", {})
+        return {
+            k: (old.get(k), self.settings.get(k))
+            for k in sorted(set(old) | set(self.settings))
+            if old.get(k) != self.settings.get(k) and k not in self.run_only
+        }
+
     def check_compatible(self, state: Mapping[str, Any]) -> None:
         """Raise :class:`StateMismatch` if ``state`` was saved by an incompatible run."""
         state = self.upgrade(state)
@@ -175,13 +197,8 @@ class ExtState:
                 f"megatron_ext state was saved with layout {saved_layout}, this rank has "
                 f"{self.layout}"
             )
-        if state.get("fingerprint") != fingerprint(self.settings):
-            saved = state.get("settings", {})
-            diff = {
-                k: (saved.get(k), self.settings.get(k))
-                for k in sorted(set(saved) | set(self.settings))
-                if saved.get(k) != self.settings.get(k)
-            }
+        diff = self.settings_diff(state)
+        if diff:
             raise StateMismatch(
                 f"megatron_ext state was saved with other settings (saved, now): {diff}"
             )

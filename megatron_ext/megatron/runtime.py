@@ -328,6 +328,7 @@ class ExtRuntime(Runtime):
             self.pg_meter = ProcessGroupTrafficMeter(_traffic_classifier()).install()
         self.state = ExtState(
             settings=self.config.state_settings(),
+            run_only=self.config.run_only_settings(),
             layout={
                 "tp": layout.tensor_model_parallel_size,
                 "pp": layout.pipeline_model_parallel_size,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 from megatron_ext.methods.registry import Components, Method, MethodContext, register
-from megatron_ext.options.base import ConfigError, check_positive, flag_of
+from megatron_ext.options.base import RUN_ONLY, ConfigError, check_positive, flag_of
 from megatron_ext.options.outer import OUTER_EXCHANGES
 
 __all__ = ["OuterConfig", "METHOD"]
@@ -91,21 +91,21 @@ class OuterConfig:
     """With --outer-transport torchft: N, the site ids are 0..N-1; each site trains on its
     own 1/N of the training samples (disjoint shards, megatron_ext/train.py)."""
 
-    lighthouse: Optional[str] = None
+    lighthouse: Optional[str] = field(default=None, metadata=RUN_ONLY)
     """With --outer-transport torchft: the lighthouse address, e.g. http://host:29510
     (megatron-ext lighthouse starts one). Default: the TORCHFT_LIGHTHOUSE environment variable."""
 
-    min_sites: int = 1
+    min_sites: int = field(default=1, metadata=RUN_ONLY)
     """With --outer-transport torchft: an outer step commits only with at least this many
     sites present (torchft's min_replica_size); with fewer, the sites wait (up to
     --outer-quorum-timeout) for others."""
 
-    quorum_timeout: float = 600.0
+    quorum_timeout: float = field(default=600.0, metadata=RUN_ONLY)
     """With --outer-transport torchft: seconds an outer step may wait for its quorum (the
     other sites reaching the same step, a dead one being dropped); training stops with an
     error past it."""
 
-    timeout: float = 60.0
+    timeout: float = field(default=60.0, metadata=RUN_ONLY)
     """With --outer-transport torchft: seconds for the exchange's collectives and a live
     recovery's transfer; a failed attempt is retried over the sites still alive."""
 

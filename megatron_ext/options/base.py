@@ -32,6 +32,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 __all__ = [
     "ConfigError",
     "arg",
+    "RUN_ONLY",
+    "shapes_state",
     "flag_of",
     "check_positive",
     "add_config_args",
@@ -79,6 +81,17 @@ def arg(
             "aliases": tuple(aliases),
         }
     }
+
+
+RUN_ONLY: Dict[str, Any] = {"shapes_state": False}
+"""Field metadata of an option that does not shape checkpointed state (an address, a
+timeout): left out of the state's fingerprint, so a run may resume with another value
+(``field(default=..., metadata=RUN_ONLY)``)."""
+
+
+def shapes_state(f: dataclasses.Field) -> bool:
+    """Whether the option field ``f`` enters the fingerprint of checkpointed state."""
+    return f.metadata.get("shapes_state", True)
 
 
 @lru_cache(maxsize=None)

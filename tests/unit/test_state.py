@@ -50,6 +50,38 @@ def test_settings_change_is_detected_and_reported():
         _state(settings={"grad_compression": "separate"}).load_state_dict(saved)
 
 
+def test_run_only_settings_do_not_stop_a_resume():
+    """A torchft site restarted with another lighthouse, quorum size or timeout resumes: those
+    options do not shape the state (RUN_ONLY), so they are not fingerprinted, and a checkpoint
+    saved while they still were (its settings hold them) fits when it differs in them only.
+    A setting that shapes the state still stops the load, named."""
+    from megatron_ext.config import ext_config_from_flags
+
+    site = ["--outer-method", "diloco", "--outer-transport", "torchft", "--outer-site-id", "0"]
+    site += ["--outer-sites", "2"]
+    a = ext_config_from_flags(site + ["--outer-lighthouse", "http://a:1", "--outer-min-sites", "2"])
+    b = ext_config_from_flags(site + ["--outer-lighthouse", "http://b:2", "--outer-timeout", "9"])
+    assert a.state_settings() == b.state_settings()
+    assert "outer_lighthouse" not in a.state_settings()
+    assert "outer_site_id" in a.state_settings() and "outer_interval" in a.state_settings()
+    run_only = a.run_only_settings()
+    assert set(run_only) >= {"outer_lighthouse", "outer_min_sites", "outer_timeout"}
+
+    def state(cfg, settings=None):
+        s = ExtState(settings or cfg.state_settings(), LAYOUT, run_only=cfg.run_only_settings())
+        s.register("a", _Obj(1.0))
+        return s
+
+    state(b).load_state_dict(state(a).state_dict())
+    # Saved by the earlier format of the settings (the run-only options fingerprinted).
+    older = {**a.state_settings(), "outer_lighthouse": "http://a:1", "outer_min_sites": 2}
+    state(b).load_state_dict(state(a, older).state_dict())
+    # An option that shapes the state: named.
+    other = ext_config_from_flags(site + ["--outer-interval", "7"])
+    with pytest.raises(StateMismatch, match="outer_interval"):
+        state(other).load_state_dict(state(a, older).state_dict())
+
+
 def test_object_sets_must_match_exactly():
     saved = _state(names=("a", "b")).state_dict()
     with pytest.raises(StateMismatch, match="unexpected \\['b'\\]"):

@@ -100,10 +100,7 @@ def decide_load(
     meta = ext_meta(runtime)
     if saved_meta is None:
         problem = f"{where} holds no megatron-ext state (saved without megatron-ext)"
-    elif (
-        saved_meta.get("layout") != meta["layout"]
-        or saved_meta.get("fingerprint") != meta["fingerprint"]
-    ):
+    elif saved_meta.get("layout") != meta["layout"] or runtime.state.settings_diff(saved_meta):
         problem = (
             f"megatron-ext state in {where} was saved with layout {saved_meta.get('layout')} "
             f"and settings {saved_meta.get('settings')}; this run has {meta['layout']} and "

@@ -36,7 +36,6 @@ from megatron_ext.megatron.checkpoint.ext_state import (
     META_KEY,
     SHARDED_OBJECT_KEY,
     decide_load,
-    ext_meta,
 )
 from megatron_ext.megatron.checkpoint.state_dict import _RNG_KEY
 from megatron_ext.megatron.checkpoint.topology import (
@@ -140,7 +139,7 @@ def _can_remap(
     saved = common.get(META_KEY)
     # TP and PP are the same (checked by _reshard_plan); the settings must be too.
     if plan.by_dp is not None and saved is not None:
-        if saved.get("fingerprint") == ext_meta(runtime)["fingerprint"]:
+        if not runtime.state.settings_diff(saved):
             from megatron.core import parallel_state as ps
 
             dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)

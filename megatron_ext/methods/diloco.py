@@ -196,12 +196,6 @@ def _check_torchft(o: OuterConfig) -> None:
                 "streaming fragments and overlapped exchanges are not implemented over "
                 "torchft yet (one fragment, blocking outer step)",
             )
-    if o.compression != "none":
-        raise ConfigError(
-            [t, flag_of(cls, "compression")],
-            "compressed exchanges are not implemented over torchft yet (their collectives "
-            "need a torch.distributed group; torchft's reconfigurable group is not one)",
-        )
 
 
 def _validate(cfg, layout) -> None:

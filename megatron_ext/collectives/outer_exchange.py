@@ -56,6 +56,20 @@ Units and the error-feedback invariant:
     ``sum_t average_t + mean_r residual_r == sum_t mean_r delta_r,t`` (up to fp32
     rounding; tests/distributed/test_outer_exchange.py).
 
+Sum mode and changing groups (``reduce="sum"``, DiLoCo over torchft,
+``megatron_ext/optim/diloco_ft.py``):
+    Each rank passes its share already scaled (``w / sum(w) * delta``) and gets the sum; a
+    rank's residual is in the units of the result and the ranks' residuals add up to the
+    global one for any group size. :meth:`OuterExchange.average` with ``commit=False``
+    stages the new residuals until :meth:`OuterExchange.end` says whether the step was
+    applied (a failed step leaves them as they were). :meth:`OuterExchange.regroup` carries
+    the state to a group of another size (the quantized exchange's server error is added
+    into the owner's worker error first: the sum is unchanged);
+    :meth:`OuterExchange.shared_state_dict` is what a joining rank takes from a peer (the
+    residuals zeroed). The group may be a ``ProcessGroup`` torch.distributed did not
+    register (torchft's): ranks and sizes are read from the group itself then
+    (``collectives/grad_reducer.py``: ``group_rank``, ``group_size``).
+
 State (rank-local; keys carry the exchange's ``name``, e.g. ``outer/<fragment>``, as the
 parameter name): the reducer's state (``worker_error/``, ``server_error/``, ``error/``,
 ``q/``, ``residual/`` + name) and ``syncs``, the outer syncs done.

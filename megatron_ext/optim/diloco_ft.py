@@ -29,6 +29,21 @@ What it does:
     4. the outer SGD step, written as the one-world hook writes it (non-finite checks
        included): every site present, the healed one too, holds the same weights after it.
 
+    With ``--outer-compression`` step 2 is the compressed exchange of
+    ``megatron_ext/collectives/outer_exchange.py``, run over the quorum's group
+    (:meth:`TorchftTransport.group`: torchft's current ``ProcessGroup``, which
+    torch.distributed's collectives take unregistered) in its SUM mode: one all-reduce of
+    ``w`` gives ``sum(w)``, each site sends ``w / sum(w) * delta``, the sum received is the
+    weighted average. A collective's error (a peer killed mid-exchange) is reported to the
+    Manager, whose vote then says no. The exchange stages its new error feedback and keeps it
+    only when the step commits (a step is a transaction). The error feedback is each site's
+    own residual, in the units of the applied update (the sites' residuals add up to the
+    global one for any number of sites); at every new quorum the exchange is rebuilt over the
+    new group carrying it (:meth:`OuterExchange.regroup`). A healing site receives the
+    exchange's shared state (outer syncs, PowerSGD's warm-start Q) with a zero residual: it
+    owes nothing of what was sent before, so what was applied plus the present sites'
+    residuals stays what they sent. A site that leaves takes its residual with it.
+
     A site joins at its first step: before that step's forward pass (the runtime's
     ``on_step``; else before its first optimizer step) it takes part in one outer step with
     weight 0 (step 1 above heals it if the others are ahead; if every site starts together
@@ -45,8 +60,10 @@ Inner optimizer state of a site that heals: its own (fresh after a restart), not
 
 Constraints:
     Pure torch plus torchft (imported when a transport is built); never imports Megatron.
-    One fragment, blocking exchange, dense (compression, streaming and overlap are refused
-    by ``megatron_ext.methods.diloco``). Every site must lay out the outer state alike (the
+    One fragment, blocking exchange (streaming and overlap are refused by
+    ``megatron_ext.methods.diloco``). The compressed exchanges are tested on gloo (CPU);
+    on CUDA they run on the NCCL group torchft builds, without torchft's per-collective
+    timeout wrapper (NCCL's own timeout applies). Every site must lay out the outer state alike (the
     same TP / PP / distributed-optimizer sharding): a healed state that does not fit is
     refused. The outer steps are counted by steps taken since the site's last outer step
     (identical to the iteration schedule for a site that started with the others).

@@ -284,7 +284,7 @@ def _build_torchft(ctx: MethodContext) -> Components:
             f"DiLoCo over torchft: site {o.site_id} (at least {o.min_sites} per outer step), "
             f"H={o.interval}, outer lr {o.lr:g}, momentum {o.momentum:g}"
             f"{' (Nesterov)' if o.nesterov else ''}, weight {hook.weight:g} tokens per outer "
-            "step"
+            f"step, exchange {o.compression}"
         )
 
     def on_install() -> None:

@@ -84,6 +84,8 @@ __all__ = [
     "CompressedReduction",
     "GradReducer",
     "DenseGradReducer",
+    "group_rank",
+    "group_size",
     "shard_bounds",
     "all_gather_flat",
     "ReducerStepHook",
@@ -157,6 +159,31 @@ def all_gather_flat(output: torch.Tensor, local: torch.Tensor, group: Any) -> No
     gather(output, local, group=group)
 
 
+def _known_to_torch(group: Any) -> bool:
+    """``group`` is None, the world, a group torch.distributed registered, or the marker of a
+    group this rank is not in (torch.distributed answers for all of these)."""
+    from torch.distributed.distributed_c10d import GroupMember, _world
+
+    return group is None or group is GroupMember.NON_GROUP_MEMBER or group in _world.pg_group_ranks
+
+
+def group_size(group: Any) -> int:
+    """Ranks in ``group``: torch.distributed's count for a group it knows; the group's own
+    ``size()`` for a ``ProcessGroup`` it does not (a reconfigurable one built outside
+    ``new_group``, e.g. torchft's current group of the sites: torch.distributed's collectives
+    accept it, ``get_rank`` does not)."""
+    if _known_to_torch(group):
+        return torch.distributed.get_world_size(group)
+    return int(group.size())
+
+
+def group_rank(group: Any) -> int:
+    """This rank's index in ``group`` (see :func:`group_size`)."""
+    if _known_to_torch(group):
+        return torch.distributed.get_rank(group)
+    return int(group.rank())
+
+
 def shard_bounds(numel: int, group_size: int, group_rank: int) -> Tuple[int, int]:
     """megatron's shard of a bucket under the distributed optimizer (equal chunks)."""
     size = numel // group_size
@@ -209,8 +236,7 @@ class BucketGroupSpec:
         **kwargs: Any,
     ) -> "BucketGroupSpec":
         """Build a spec from ``(grad, params, key)`` per bucket, computing the shards."""
-        size = torch.distributed.get_world_size(group)
-        rank = torch.distributed.get_rank(group)
+        size, rank = group_size(group), group_rank(group)
         buckets = tuple(
             BucketView(
                 grad=grad,

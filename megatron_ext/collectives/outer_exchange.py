@@ -58,6 +58,20 @@ Units and the error-feedback invariant:
     ``sum_t average_t + mean_r residual_r == sum_t mean_r delta_r,t`` (up to fp32
     rounding; tests/distributed/test_outer_exchange.py).
 
+Sum mode and changing groups (``reduce="sum"``, DiLoCo over torchft,
+``megatron_ext/optim/diloco_ft.py``):
+    Each rank passes its share already scaled (``w / sum(w) * delta``) and gets the sum; a
+    rank's residual is in the units of the result and the ranks' residuals add up to the
+    global one for any group size. :meth:`OuterExchange.average` with ``commit=False``
+    stages the new residuals until :meth:`OuterExchange.end` says whether the step was
+    applied (a failed step leaves them as they were). :meth:`OuterExchange.regroup` carries
+    the state to a group of another size (the quantized exchange's server error is added
+    into the owner's worker error first: the sum is unchanged);
+    :meth:`OuterExchange.shared_state_dict` is what a joining rank takes from a peer (the
+    residuals zeroed). The group may be a ``ProcessGroup`` torch.distributed did not
+    register (torchft's): ranks and sizes are read from the group itself then
+    (``collectives/grad_reducer.py``: ``group_rank``, ``group_size``).
+
 State (rank-local; keys carry the exchange's ``name``, e.g. ``outer/<fragment>``, as the
 parameter name): the reducer's state (``worker_error/``, ``server_error/``, ``error/``,
 ``q/``, ``residual/`` + name) and ``syncs``, the outer syncs done.
@@ -92,12 +106,13 @@ from megatron_ext.collectives.grad_reducer import (
     ParamSlice,
     all_gather_flat,
     check_state_keys,
+    group_size,
 )
 from megatron_ext.compressors.topk import num_selected
 from megatron_ext.options.outer import OUTER_EXCHANGE_OPTIONS, OUTER_EXCHANGES
 from megatron_ext.protocols import NonFiniteError
 
-__all__ = ["METHODS", "OuterExchange", "outer_defaults", "TOPK_CHUNK"]
+__all__ = ["METHODS", "OuterExchange", "outer_defaults", "TOPK_CHUNK", "RESIDUAL_ROLES"]
 
 #: The compressed exchange methods (the data-parallel method whose compression each one
 #: reuses): every ``--outer-compression`` but ``none``.
@@ -108,6 +123,11 @@ TOPK_CHUNK = 4096
 
 #: The top-k density of :func:`outer_defaults` (SparseLoCo keeps 1-3% of the entries).
 TOPK_DENSITY = 1.0 / 64
+
+#: The roles of the state keys that hold a rank's own residual (error feedback); the other
+#: keys (``syncs``, PowerSGD's warm-start ``q/``, SEPARATE's adaptive ``ratio/`` and
+#: ``beta_scale/``) are the same on every rank of the group.
+RESIDUAL_ROLES: Tuple[str, ...] = ("worker_error", "server_error", "error", "residual")
 
 
 def _check_method(method: str) -> None:
@@ -160,6 +180,10 @@ class OuterExchange:
         shapes: ``(name, shape)`` of the parameters laid out back to back in the buffer;
             PowerSGD compresses each matrix separately, SEPARATE and PowerSGD send 1-D ones
             densely. None: the buffer is one near-square matrix (padded with zeros).
+        reduce: ``"mean"`` (the mean over the group, residuals in the units of the input, the
+            one-world path) or ``"sum"`` (the sum: each rank passes its share already scaled,
+            its residual is in the units of the result and the ranks' residuals add up to the
+            global one whatever the group's size; :meth:`regroup` needs it).
     """
 
     def __init__(
@@ -172,8 +196,11 @@ class OuterExchange:
         *,
         name: str = "outer",
         shapes: Optional[Sequence[Tuple[str, Sequence[int]]]] = None,
+        reduce: str = "mean",
     ):
         _check_method(method)
+        if reduce not in ("mean", "sum"):
+            raise ValueError(f"outer exchange: reduce must be 'mean' or 'sum', got {reduce!r}")
         cls = OUTER_EXCHANGE_OPTIONS[method]
         if options is None:
             options = outer_defaults(method)
@@ -190,8 +217,11 @@ class OuterExchange:
         self.group = group
         self.device = torch.device(device)
         self.name = name
-        self.size = torch.distributed.get_world_size(group)
+        self.reduce = reduce
+        self.shapes = None if shapes is None else [(f, tuple(sh)) for f, sh in shapes]
+        self.size = group_size(group)
         self.syncs = 0
+        self._open = False  # an average(commit=False) waiting for end()
         self._wire = 0
         self._meter = CommMeter()
 
@@ -222,7 +252,9 @@ class OuterExchange:
 
         if method == "radius":
             self.reducer: Optional[GradReducer] = None
-            self._topk = _TopKExchange(options, self.numel, name, group, self.device)
+            self._topk = _TopKExchange(
+                options, self.numel, name, group, self.device, mean=reduce == "mean"
+            )
             self.bound = None
             return
         self._topk = None
@@ -230,18 +262,27 @@ class OuterExchange:
         spec = BucketGroupSpec.create(
             [(self.buffer, self.slices, name)],
             group,
-            op=torch.distributed.ReduceOp.AVG,
+            op=(
+                torch.distributed.ReduceOp.AVG
+                if reduce == "mean"
+                else torch.distributed.ReduceOp.SUM
+            ),
             meter=self._meter,
         )
         self.bound = self.reducer.bind(spec)
 
     # -- the exchange -----------------------------------------------------------------------
 
-    def average(self, flat: torch.Tensor) -> torch.Tensor:
-        """The mean over the group of every rank's ``flat`` as the method reconstructs it.
+    def average(self, flat: torch.Tensor, *, commit: bool = True) -> torch.Tensor:
+        """The mean (``reduce="sum"``: the sum) over the group of every rank's ``flat`` as
+        the method reconstructs it.
 
         Args:
             flat: this rank's fp32 pseudo-gradient, ``(numel,)``; not modified.
+            commit: close the call as an applied step (the new residuals kept, ``syncs``
+                counted). False: the new residuals stay staged until :meth:`end` says
+                whether the step is applied (a caller whose participants vote on the step
+                after the exchange, e.g. torchft's ``should_commit``).
 
         Returns:
             A new ``(numel,)`` fp32 tensor, identical on every rank.
@@ -250,6 +291,8 @@ class OuterExchange:
             NonFiniteError: (a RuntimeError) some rank's input plus residual held a NaN or
                 Inf (the residuals stay as before the call).
         """
+        if self._open:
+            raise RuntimeError(f"outer exchange {self.name}: the previous call was not ended")
         if flat.shape != (self.numel,) or flat.dtype != torch.float32:
             raise ValueError(
                 f"outer exchange {self.name}: expected a ({self.numel},) float32 tensor, got "
@@ -272,10 +315,24 @@ class OuterExchange:
                 f"{self.name} at outer sync {self.syncs} (a site's pseudo-gradient plus its "
                 "error-feedback residual)"
             )
-        self._end(applied=True)
-        self.syncs += 1
         self._wire = sum(t.sent for t in self._meter.current_step().values())
+        if commit:
+            self._end(applied=True)
+            self.syncs += 1
+        else:
+            self._open = True
         return out
+
+    def end(self, applied: bool) -> None:
+        """Close an ``average(..., commit=False)``: keep its new residuals and count the sync
+        (``applied``) or drop them, leaving the state as it was before the call. A no-op
+        when no call is open (one that raised NonFiniteError has already dropped them)."""
+        if not self._open:
+            return
+        self._open = False
+        self._end(applied)
+        if applied:
+            self.syncs += 1
 
     def _end(self, applied: bool) -> None:
         if self._topk is not None:
@@ -304,7 +361,8 @@ class OuterExchange:
             part = out[s.start : s.end]
             for key, weight in (
                 (f"worker_error/{s.fqn}", 1.0),
-                (f"server_error/{s.fqn}", float(self.size)),  # held by one owner: x W
+                # held by one owner: x W under AVG
+                (f"server_error/{s.fqn}", float(self.size) if self.reduce == "mean" else 1.0),
                 (f"error/{s.fqn}", 1.0),
                 (f"residual/{s.fqn}", 1.0),
             ):
@@ -312,7 +370,50 @@ class OuterExchange:
                     part.add_(state[key].reshape(-1).to(out), alpha=weight)
         return out[: self.numel]
 
+    # -- another group ----------------------------------------------------------------------
+
+    def regroup(self, group: Any) -> "OuterExchange":
+        """This exchange over ``group`` (the sites present changed: another size, another
+        position of this rank): a new exchange that carries this one's state. Under
+        ``reduce="sum"`` a rank's residual is in the units of the result and the ranks'
+        residuals add up to the global one for any group size, so it carries as it is; the
+        quantized exchange's server error (the re-quantization error of the partition this
+        rank owned, a layout of the old size) is added into this rank's worker error first,
+        which leaves the sum unchanged. Raises RuntimeError under ``"mean"`` (a residual
+        there is in units of the old size's mean) or with a call open."""
+        if self.reduce != "sum":
+            raise RuntimeError(f"outer exchange {self.name}: regroup needs reduce='sum'")
+        if self._open:
+            raise RuntimeError(f"outer exchange {self.name}: regroup with a call open")
+        state = self.state_dict()
+        for key in [k for k in state if k.startswith("server_error/")]:
+            fqn = key[len("server_error/") :]
+            state[f"worker_error/{fqn}"] = state[f"worker_error/{fqn}"] + state[key]
+            state[key] = torch.zeros_like(state[key])
+        new = OuterExchange(
+            self.method,
+            self.options,
+            self.numel,
+            group,
+            self.device,
+            name=self.name,
+            shapes=self.shapes,
+            reduce=self.reduce,
+        )
+        new.load_state_dict(state)
+        return new
+
     # -- state ------------------------------------------------------------------------------
+
+    def shared_state_dict(self) -> Dict[str, Any]:
+        """:meth:`state_dict` with this rank's residuals zeroed (roles
+        :data:`RESIDUAL_ROLES`): the state every rank of the group holds alike, which a rank
+        joining the group takes from a peer (it owes nothing of what was sent before)."""
+        out = self.state_dict()
+        for key, value in out.items():
+            if key.split("/", 1)[0] in RESIDUAL_ROLES and torch.is_tensor(value):
+                out[key] = torch.zeros_like(value)
+        return out
 
     def state_dict(self) -> Dict[str, Any]:
         """Rank-local state: ``syncs`` and the compressor's (tensors cloned)."""
@@ -351,11 +452,14 @@ def _make_reducer(method: str, options: Any) -> GradReducer:
 class _TopKExchange:
     """Top-k of ``delta + e`` per chunk with error feedback, all-gathered (module docstring)."""
 
-    def __init__(self, cfg: Any, numel: int, name: str, group: Any, device: torch.device):
+    def __init__(
+        self, cfg: Any, numel: int, name: str, group: Any, device: torch.device, mean: bool
+    ):
         self.cfg = cfg
         self.name = name
         self.group = group
-        self.size = torch.distributed.get_world_size(group)
+        self.mean = mean
+        self.size = group_size(group)
         self.chunk = min(TOPK_CHUNK, numel)
         self.chunks = -(-numel // self.chunk)
         self.k = num_selected(self.chunk, cfg.density)
@@ -367,10 +471,11 @@ class _TopKExchange:
         self._staged = None
         size, group = self.size, self.group
         if sync < self.cfg.dense_steps:
-            # Dense warm-up: the exact mean; the residual stays as it is (zero).
+            # Dense warm-up: the exact mean (sum); the residual stays as it is (zero).
             out = flat.clone()
+            op = torch.distributed.ReduceOp.AVG if self.mean else torch.distributed.ReduceOp.SUM
             with ProcessGroupTrafficMeter.tagged("dp-grad"):
-                torch.distributed.all_reduce(out, torch.distributed.ReduceOp.AVG, group)
+                torch.distributed.all_reduce(out, op, group)
             wire = collective_wire_bytes("all_reduce", 4 * self.numel, size)
             meter.record("dp-grad", sent=wire, recv=wire)
             return out
@@ -410,7 +515,8 @@ class _TopKExchange:
             bad = raw[6 * count :].clone().view(torch.float32)
             total.scatter_add_(1, where.long(), vals)
             total.view(-1)[:1].add_(torch.where(bad > 0, float("inf"), 0.0))
-        return (total.view(-1)[: self.numel] / size).contiguous()
+        total = total.view(-1)[: self.numel]
+        return (total / size if self.mean else total).contiguous()
 
     def end_step(self, applied: bool) -> None:
         staged, self._staged = self._staged, None

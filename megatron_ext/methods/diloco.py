@@ -196,12 +196,6 @@ def _check_torchft(o: OuterConfig) -> None:
                 "streaming fragments and overlapped exchanges are not implemented over "
                 "torchft yet (one fragment, blocking outer step)",
             )
-    if o.compression != "none":
-        raise ConfigError(
-            [t, flag_of(cls, "compression")],
-            "compressed exchanges are not implemented over torchft yet (their collectives "
-            "need a torch.distributed group; torchft's reconfigurable group is not one)",
-        )
 
 
 def _validate(cfg, layout) -> None:
@@ -290,7 +284,7 @@ def _build_torchft(ctx: MethodContext) -> Components:
             f"DiLoCo over torchft: site {o.site_id} (at least {o.min_sites} per outer step), "
             f"H={o.interval}, outer lr {o.lr:g}, momentum {o.momentum:g}"
             f"{' (Nesterov)' if o.nesterov else ''}, weight {hook.weight:g} tokens per outer "
-            "step"
+            f"step, exchange {o.compression}"
         )
 
     def on_install() -> None:

@@ -29,6 +29,21 @@ What it does:
     4. the outer SGD step, written as the one-world hook writes it (non-finite checks
        included): every site present, the healed one too, holds the same weights after it.
 
+    With ``--outer-compression`` step 2 is the compressed exchange of
+    ``megatron_ext/collectives/outer_exchange.py``, run over the quorum's group
+    (:meth:`TorchftTransport.group`: torchft's current ``ProcessGroup``, which
+    torch.distributed's collectives take unregistered) in its SUM mode: one all-reduce of
+    ``w`` gives ``sum(w)``, each site sends ``w / sum(w) * delta``, the sum received is the
+    weighted average. A collective's error (a peer killed mid-exchange) is reported to the
+    Manager, whose vote then says no. The exchange stages its new error feedback and keeps it
+    only when the step commits (a step is a transaction). The error feedback is each site's
+    own residual, in the units of the applied update (the sites' residuals add up to the
+    global one for any number of sites); at every new quorum the exchange is rebuilt over the
+    new group carrying it (:meth:`OuterExchange.regroup`). A healing site receives the
+    exchange's shared state (outer syncs, PowerSGD's warm-start Q) with a zero residual: it
+    owes nothing of what was sent before, so what was applied plus the present sites'
+    residuals stays what they sent. A site that leaves takes its residual with it.
+
     A site joins at its first step: before that step's forward pass (the runtime's
     ``on_step``; else before its first optimizer step) it takes part in one outer step with
     weight 0 (step 1 above heals it if the others are ahead; if every site starts together
@@ -45,8 +60,10 @@ Inner optimizer state of a site that heals: its own (fresh after a restart), not
 
 Constraints:
     Pure torch plus torchft (imported when a transport is built); never imports Megatron.
-    One fragment, blocking exchange, dense (compression, streaming and overlap are refused
-    by ``megatron_ext.methods.diloco``). Every site must lay out the outer state alike (the
+    One fragment, blocking exchange (streaming and overlap are refused by
+    ``megatron_ext.methods.diloco``). The compressed exchanges are tested on gloo (CPU);
+    on CUDA they run on the NCCL group torchft builds, without torchft's per-collective
+    timeout wrapper (NCCL's own timeout applies). Every site must lay out the outer state alike (the
     same TP / PP / distributed-optimizer sharding): a healed state that does not fit is
     refused. The outer steps are counted by steps taken since the site's last outer step
     (identical to the iteration schedule for a site that started with the others).
@@ -62,8 +79,13 @@ from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional
 import torch
 
 from megatron_ext.accounting import ProcessGroupTrafficMeter, collective_wire_bytes
-from megatron_ext.optim.diloco import DiLoCoHook, PendingAverage
-from megatron_ext.protocols import OptimizerView
+from megatron_ext.optim.diloco import (
+    DiLoCoHook,
+    PendingAverage,
+    ThreadedAverage,
+    make_outer_exchange,
+)
+from megatron_ext.protocols import NonFiniteError, OptimizerView
 
 __all__ = ["TorchftTransport", "FaultTolerantDiLoCoHook", "torchft_missing"]
 
@@ -147,6 +169,21 @@ class TorchftTransport:
         work.wait()
         return bool(self.manager.should_commit())
 
+    def group(self) -> Any:
+        """The quorum's process group as torch.distributed's collectives take it: torchft's
+        current ``ProcessGroup`` (a new one after every reconfiguration; its rank and size
+        are the site's position and the number of sites in the quorum). Collectives on it
+        bypass the Manager: their errors go to :meth:`report_error`."""
+        return self.pg.parent
+
+    def report_error(self, exc: BaseException) -> None:
+        """A collective of this outer step failed (a peer gone): the commit votes no."""
+        self.manager.report_error(exc)
+
+    def commit(self) -> bool:
+        """torchft's commit vote: True when every site's exchange succeeded."""
+        return bool(self.manager.should_commit())
+
     def num_participants(self) -> int:
         return int(self.manager.num_participants())
 
@@ -165,8 +202,9 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         options: the ``--outer-*`` options (transport fields included).
         make_transport: ``(state_dict, load_state_dict, device) -> transport`` with
             ``quorum()``, ``sum_and_commit(buf)``, ``num_participants()``, ``step()``,
-            ``shutdown()`` (default: :class:`TorchftTransport` from the options and the
-            site job's environment).
+            ``shutdown()`` and, for a compressed exchange, ``group()``,
+            ``report_error(exc)``, ``commit()`` (default: :class:`TorchftTransport` from the
+            options and the site job's environment).
         weight: this site's weight in the average per outer step (tokens trained on between
             two outer steps; 1: the plain mean over the sites present).
         meter: byte accounting (category ``outer``).
@@ -187,7 +225,9 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         meter: Any = None,
         rank: int = 0,
     ):
-        super().__init__(options, None, meter=meter)
+        self.compressed = getattr(options, "compression", "none") != "none"
+        factory = _local_exchange if self.compressed else None
+        super().__init__(options, None, meter=meter, exchange_factory=factory)
         self.make_transport = make_transport or self._default_transport
         self.transport: Any = None
         self.weight = float(weight)
@@ -237,7 +277,9 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         return {
             "snapshot": {f: t.detach().cpu().clone() for f, t in self.snapshot.items()},
             "momentum": {f: t.detach().cpu().clone() for f, t in self.momentum.items()},
-            "exchanges": [{} if e is None else e.state_dict() for e in self.exchanges],
+            # The error feedback is each site's own (its unsent share): a healing site starts
+            # from none, with the peer's shared exchange state (outer syncs, PowerSGD's Q).
+            "exchanges": [{} if e is None else _shared_state(e) for e in self.exchanges],
             "syncs": self.syncs,
             "iteration": self._iteration,
         }
@@ -317,6 +359,16 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
                     f"iteration {self._iteration} ({type(exc).__name__}: {exc})"
                 ) from exc
             weight = self.weight if contribute and not self._healed else 0.0
+            if self.compressed:
+                committed, total, result = self._compressed_attempt(view, fqns, weight)
+                sites = self.transport.num_participants()
+                if committed:
+                    break
+                if failed_at is None:
+                    failed_at = time.time()
+                self._event("retry", attempt=attempt, sites=sites, iteration=self._iteration)
+                self._check_deadline(first, attempt)
+                continue
             states, current = self._flat(view, fqns)
             snap = torch.cat([self.snapshot[f].reshape(-1).to(current.device) for f in fqns])
             buf = torch.empty(current.numel() + 1, dtype=torch.float32, device=current.device)
@@ -332,12 +384,33 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
             if failed_at is None:
                 failed_at = time.time()
             self._event("retry", attempt=attempt, sites=sites, iteration=self._iteration)
-            if time.monotonic() - first > o.quorum_timeout:
-                raise RuntimeError(
-                    f"megatron-ext: --outer-quorum-timeout: the outer step after iteration "
-                    f"{self._iteration} did not commit within {o.quorum_timeout:g} s "
-                    f"({attempt} attempts)"
-                )
+            self._check_deadline(first, attempt)
+        if self.compressed:
+            self._apply_compressed(view, fqns, total, result)
+        else:
+            total = self._apply_dense(view, fqns, buf, sites, sent_finite, current)
+        self._event(
+            "commit",
+            step=self.transport.step(),
+            sites=sites,
+            attempts=attempt,
+            iteration=self._iteration,
+            weight=f"{weight:g}",
+            total_weight=f"{total:g}",
+            **({"failed_at": f"{failed_at:.3f}"} if failed_at is not None else {}),
+        )
+
+    def _check_deadline(self, first: float, attempt: int) -> None:
+        o = self.options
+        if time.monotonic() - first > o.quorum_timeout:
+            raise RuntimeError(
+                f"megatron-ext: --outer-quorum-timeout: the outer step after iteration "
+                f"{self._iteration} did not commit within {o.quorum_timeout:g} s "
+                f"({attempt} attempts)"
+            )
+
+    def _apply_dense(self, view, fqns, buf, sites, sent_finite, current) -> float:
+        """The outer step from the committed dense sum ``[sum w * delta, sum w]``."""
         total = float(buf[-1])
         if self.meter is not None:
             wire = collective_wire_bytes("all_reduce", 4 * buf.numel(), max(sites, 1))
@@ -351,19 +424,95 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
             # Nobody contributed (every site joining): start from the received weights.
             values = [self.snapshot[f].to(current.device) for f in fqns]
             view.write_params(fqns, values)
-        self._event(
-            "commit",
-            step=self.transport.step(),
-            sites=sites,
-            attempts=attempt,
-            iteration=self._iteration,
-            weight=f"{weight:g}",
-            total_weight=f"{total:g}",
-            **({"failed_at": f"{failed_at:.3f}"} if failed_at is not None else {}),
-        )
+        return total
+
+    # -- the compressed outer step --------------------------------------------------------------
+
+    def _compressed_attempt(self, view: OptimizerView, fqns: List[str], weight: float):
+        """One attempt of a compressed outer step over the quorum's group: the sum of the
+        weights (a dense all-reduce of one value), this site's pseudo-gradient scaled by
+        ``w / sum(w)``, the compressed exchange (SUM) with the new error feedback staged,
+        torchft's vote, then the staged error feedback kept only if the step commits.
+        Returns ``(committed, total weight, the sum received or the NonFiniteError)``."""
+        exchange = self.exchanges[0]
+        result: Any = None
+        total = 0.0
+        _, current = self._flat(view, fqns)
+        snap = torch.cat([self.snapshot[f].reshape(-1).to(current.device) for f in fqns])
+        delta = snap.sub_(current)
+        self._sent_finite[0] = torch.isfinite(delta).all()
+        try:
+            group = self.transport.group()
+            if exchange.group is not group:  # a new quorum: another size, another position
+                exchange = self.exchanges[0] = exchange.regroup(group)
+            weights = torch.tensor([weight], dtype=torch.float64, device=current.device)
+            with ProcessGroupTrafficMeter.tagged("outer", force=True):
+                torch.distributed.all_reduce(weights, torch.distributed.ReduceOp.SUM, group)
+                total = float(weights)
+                if total > 0:
+                    try:
+                        result = exchange.average(delta.mul_(weight / total), commit=False)
+                    except NonFiniteError as exc:  # on every site alike (the same sum)
+                        result = exc
+        except Exception as exc:  # a peer gone mid-exchange, a timeout: the vote says no
+            self.transport.report_error(exc)
+        committed = self.transport.commit()
+        exchange.end(committed and torch.is_tensor(result))
+        # What this site sent and received in the last attempt (read by tests and tools).
+        self.last_exchange = {
+            "sent": delta if total > 0 else None,
+            "received": result,
+            "total_weight": total,
+        }
+        return committed, total, result
+
+    def _apply_compressed(self, view: OptimizerView, fqns: List[str], total: float, result):
+        """The outer step from a committed compressed exchange (the one-world hook's SGD
+        step and non-finite handling)."""
+        if total > 0:
+            if isinstance(result, NonFiniteError):
+                pending: Any = ThreadedAverage(None)
+                pending._finish(None, result)
+            else:
+                pending = PendingAverage(result)
+                self._record_bytes(self.exchanges[0], result.numel())
+            self.pending[0] = (-1, pending)
+            self.finish_fragment(view, 0)
+        else:
+            self._sent_finite.pop(0, None)
+            if self._healed:  # nobody contributed: start from the received weights
+                device = view.param_state(fqns[0]).main_param.device
+                view.write_params(fqns, [self.snapshot[f].to(device) for f in fqns])
 
     def finish(self) -> None:
         super().finish()
         if self.transport is not None:
             self.transport.shutdown()
             self.transport = None
+
+
+def _local_group() -> Any:
+    """A gloo process group of this rank alone (no peer, no store server): what a compressed
+    exchange is built over before the first quorum gives the sites' group."""
+    from torch.distributed.distributed_c10d import ProcessGroup
+
+    store = torch.distributed.HashStore()
+    pg = ProcessGroup(store, 0, 1)
+    pg._set_default_backend(ProcessGroup.BackendType.GLOO)
+    backend = torch.distributed.ProcessGroupGloo(store, 0, 1)
+    pg._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+    return pg
+
+
+def _local_exchange(method, options, numel, group, device, **kwargs):
+    """A compressed exchange that sums (each site sends its weighted share) over this rank
+    alone; :meth:`FaultTolerantDiLoCoHook._compressed_attempt` regroups it over the
+    quorum's group at every new quorum."""
+    return make_outer_exchange(
+        method, options, numel, _local_group(), device, reduce="sum", **kwargs
+    )
+
+
+def _shared_state(exchange: Any) -> Dict[str, Any]:
+    shared = getattr(exchange, "shared_state_dict", None)
+    return shared() if shared is not None else exchange.state_dict()

@@ -6,7 +6,10 @@
 outer optimizer) on data of its own (its site id seeds it), in a gloo world of one rank,
 until an outer step in which ``FT_SITES`` sites contributed once the file ``OUT_DIR/stop``
 exists. After every committed outer step it saves, as ``<site>_<step>.pt``, its
-weights, what it sent (weighted pseudo-gradient and weight) and the sum it received.
+weights, what it sent (weighted pseudo-gradient and weight; with ``FT_COMPRESSION`` set to an
+``--outer-compression`` method, its pseudo-gradient times ``w / sum(w)``, None when nothing
+was exchanged) and the sum it received. ``FT_STALL_SITE``: that site stalls inside a
+compressed exchange (see below) so that a test can kill it mid-exchange.
 """
 
 import os
@@ -41,7 +44,7 @@ def main() -> int:
         nesterov=True,
         fragments=1,
         state_device="device",
-        compression="none",
+        compression=os.environ.get("FT_COMPRESSION", "none"),
         delay=0,
         merge_alpha=0.0,
         site_id=site,
@@ -64,6 +67,22 @@ def main() -> int:
         return ok
 
     transport.sum_and_commit = recorded
+    armed = []  # a commit of three contributing sites has been recorded
+    if os.environ.get("FT_STALL_SITE") == str(site):
+        # Stall inside the first compressed exchange of three sites after a committed
+        # outer step that all three contributed to (the others are then inside its
+        # collectives), leaving the file OUT_DIR/stalled: the test kills this site there.
+        from megatron_ext.collectives.outer_exchange import OuterExchange
+
+        plain_average = OuterExchange.average
+
+        def stalled(self, flat, **kw):
+            if self.size == 3 and armed:
+                open(os.path.join(out, "stalled"), "w").close()
+                time.sleep(3600)
+            return plain_average(self, flat, **kw)
+
+        OuterExchange.average = stalled
     seen = [0]
 
     def record() -> bool:
@@ -73,6 +92,9 @@ def main() -> int:
             seen[0] += 1
             if ev["event"] != "commit":
                 continue
+            if hook.compressed:  # what the compressed exchange sent and received
+                last = getattr(hook, "last_exchange", {})
+                sent["buf"], sent["sum"] = last.get("sent"), last.get("received")
             torch.save(
                 {
                     "weights": {n: p.detach().clone() for n, p in params.items()},
@@ -82,6 +104,8 @@ def main() -> int:
                 },
                 os.path.join(out, f"{site}_{ev['step']}.pt"),
             )
+            if float(ev["total_weight"]) == 3:
+                armed.append(ev["step"])
             if float(ev["total_weight"]) == want_sites and os.path.exists(stop):
                 return True
         return False

@@ -361,23 +361,16 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
             weight = self.weight if contribute and not self._healed else 0.0
             if self.compressed:
                 committed, total, result = self._compressed_attempt(view, fqns, weight)
-                sites = self.transport.num_participants()
-                if committed:
-                    break
-                if failed_at is None:
-                    failed_at = time.time()
-                self._event("retry", attempt=attempt, sites=sites, iteration=self._iteration)
-                self._check_deadline(first, attempt)
-                continue
-            states, current = self._flat(view, fqns)
-            snap = torch.cat([self.snapshot[f].reshape(-1).to(current.device) for f in fqns])
-            buf = torch.empty(current.numel() + 1, dtype=torch.float32, device=current.device)
-            torch.sub(snap, current, out=buf[:-1])
-            sent_finite = torch.isfinite(buf[:-1]).all()
-            buf[:-1].mul_(weight)
-            buf[-1] = weight
-            with ProcessGroupTrafficMeter.tagged("outer", force=True):
-                committed = self.transport.sum_and_commit(buf)
+            else:
+                states, current = self._flat(view, fqns)
+                snap = torch.cat([self.snapshot[f].reshape(-1).to(current.device) for f in fqns])
+                buf = torch.empty(current.numel() + 1, dtype=torch.float32, device=current.device)
+                torch.sub(snap, current, out=buf[:-1])
+                sent_finite = torch.isfinite(buf[:-1]).all()
+                buf[:-1].mul_(weight)
+                buf[-1] = weight
+                with ProcessGroupTrafficMeter.tagged("outer", force=True):
+                    committed = self.transport.sum_and_commit(buf)
             sites = self.transport.num_participants()
             if committed:
                 break

@@ -318,7 +318,8 @@ def _over_torchft(rank, world, store_port):
 
     dist.init_process_group("gloo")
     if rank == 0:
-        store = dist.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)
+        # Held for the test's length: the other ranks' stores connect to it.
+        _store = dist.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)
     dist.barrier()
 
     def ft_group(name, members, timeout=60.0):

@@ -27,8 +27,8 @@ from megatron_ext.netbench.netns import (
     cleanup_stale,
     netns_unavailable_reason,
 )
-from megatron_ext.netbench.sitejobs import SiteJobsNetwork, site_job_pairs
 from megatron_ext.netbench.shaping import LinkShape, parse_loss, parse_rate, parse_time
+from megatron_ext.netbench.sitejobs import SiteJobsNetwork, site_job_pairs
 from megatron_ext.netbench.topology import SCOPES, ParallelLayout, select_check_links
 
 __all__ = [

@@ -63,9 +63,9 @@ Constraints:
     One fragment, blocking exchange (streaming and overlap are refused by
     ``megatron_ext.methods.diloco``). The compressed exchanges are tested on gloo (CPU);
     on CUDA they run on the NCCL group torchft builds, without torchft's per-collective
-    timeout wrapper (NCCL's own timeout applies). Every site must lay out the outer state alike (the
-    same TP / PP / distributed-optimizer sharding): a healed state that does not fit is
-    refused. The outer steps are counted by steps taken since the site's last outer step
+    timeout wrapper (NCCL's own timeout applies). Every site must lay out the outer state
+    alike (the same TP / PP / distributed-optimizer sharding): a healed state that does not
+    fit is refused. The outer steps are counted by steps taken since the site's last outer step
     (identical to the iteration schedule for a site that started with the others).
 """
 

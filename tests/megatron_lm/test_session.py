@@ -19,8 +19,8 @@ import pytest
 
 from megatron_ext.config import ConfigError, ExtConfig
 from megatron_ext.megatron.lm import checkpoint as lm_ckpt
-from megatron_ext.megatron.lm.releases import RELEASES
 from megatron_ext.megatron.lm.arguments import check_megatron_lm_args
+from megatron_ext.megatron.lm.releases import RELEASES
 from megatron_ext.megatron.lm.session import MegatronLMSession
 from megatron_ext.state import ExtState, StateMismatch
 from tests.megatron_lm.lm_runs import hook_module, tiny_args

@@ -23,8 +23,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from megatron_ext.collectives import aqsgd as aqsgd_module
-from megatron_ext.collectives.aqsgd import codecs as aqsgd_codecs
-from megatron_ext.collectives.aqsgd import AQSGDCodec, DirectQCodec, SampleBuffers
+from megatron_ext.collectives.aqsgd import (
+    AQSGDCodec,
+    DirectQCodec,
+    SampleBuffers,
+    codecs as aqsgd_codecs,
+)
 from megatron_ext.collectives.p2p import P2PContext
 from megatron_ext.compressors.quantize import packed_nbytes
 from megatron_ext.config import ConfigError

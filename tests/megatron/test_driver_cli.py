@@ -36,6 +36,15 @@ BASE = [
 ]
 
 
+# The driver's own resume, fine-tuning and refusal logic on top of megatron-core's
+# checkpointing and model: run once, in the main pass. Every release runs the seams they go
+# through in tests/megatron/test_checkpoint_resume.py and test_elastic_resume.py (the
+# distributed optimizer's checkpoints, model and optimizer loads), tests/megatron/test_grass.py
+# (the model's layers Grass selects from) and tests/megatron_lm/test_pretrain_gpt.py (the
+# schedule check and Megatron-LM's fine-tuning).
+release_covered = pytest.mark.release_covered
+
+
 def _torchrun(args, cwd, nproc=2, timeout=420, env=None):
     cmd = [
         sys.executable,
@@ -204,6 +213,7 @@ def test_a_refusal_ends_the_process_with_code_2(tmp_path):
     ],
     ids=["sample-index-memory"],
 )
+@release_covered
 def test_bad_values_end_in_one_line_naming_the_flag(args, line, tmp_path):
     """What used to end in worker tracebacks is refused before training: here numpy
     allocating the sample index, refused on the data's index before it is built, after the
@@ -340,6 +350,7 @@ def test_early_refusals_are_the_last_lines_under_torchrun(tmp_path, monkeypatch,
         assert_cause_last(torchrun_summary(str(error_file)), cause)
 
 
+@release_covered
 def test_finetune_loads_the_model_only_and_starts_at_iteration_zero(full_run, tmp_path):
     pre = full_run[0] / "a"  # 8 iterations
     tuned = _torchrun(
@@ -375,6 +386,7 @@ def test_finetune_loads_the_model_only_and_starts_at_iteration_zero(full_run, tm
         (["--grass-layers", "no_such_layer"], "--grass-layers"),
     ],
 )
+@release_covered
 def test_grass_refusals_name_the_flag_before_training(args, flag, tmp_path):
     proc = _torchrun(BASE + ["--train-iters", "4", "--grass-method", "topr"] + args, cwd=tmp_path)
     assert proc.returncode != 0
@@ -409,6 +421,7 @@ def distopt_run(tmp_path_factory):
     return root
 
 
+@release_covered
 def test_load_of_an_iteration_directory_continues_the_saved_schedule(distopt_run, tmp_path):
     """--load DIR/iter_0000002 loads iteration 2 (not the latest, 4); with
     --use-checkpoint-opt-param-scheduler a new --lr is ignored; the distributed optimizer
@@ -427,6 +440,7 @@ def test_load_of_an_iteration_directory_continues_the_saved_schedule(distopt_run
         assert (resumed[it]["lm_loss"], resumed[it]["lr"]) == (full[it]["lm_loss"], full[it]["lr"])
 
 
+@release_covered
 def test_override_opt_param_scheduler_takes_this_runs_schedule(distopt_run, tmp_path):
     proc = _torchrun(
         _tiny("--use-distributed-optimizer", "--load", str(distopt_run / "ckpt" / "iter_0000002"))
@@ -459,6 +473,7 @@ def test_override_opt_param_scheduler_takes_this_runs_schedule(distopt_run, tmp_
     ],
     ids=["lr", "distopt-off"],
 )
+@release_covered
 def test_resume_with_other_settings_is_refused_naming_the_flag(
     distopt_run, tmp_path, flags, needles
 ):

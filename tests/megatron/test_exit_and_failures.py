@@ -158,6 +158,12 @@ def _checkpoint_tensors(directory):
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
+# The driver's own signal handling (megatron_ext/signals.py) at three moments: run once, in
+# the main pass. The seam it goes through, megatron-core's checkpoint writer processes
+# receiving a forwarded signal while they hold a save, runs on every release in
+# tests/megatron_lm/test_slurm_requeue.py (the writers held by save_gate, the save completed,
+# the run resumed).
+@pytest.mark.release_covered
 @pytest.mark.slow
 def test_a_signal_at_any_moment_saves_and_the_run_resumes_exactly(tmp_path):
     """Three interruptions of one run, each resumed, equal an uninterrupted run bit for bit:

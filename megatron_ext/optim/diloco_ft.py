@@ -279,7 +279,7 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
             "momentum": {f: t.detach().cpu().clone() for f, t in self.momentum.items()},
             # The error feedback is each site's own (its unsent share): a healing site starts
             # from none, with the peer's shared exchange state (outer syncs, PowerSGD's Q).
-            "exchanges": [{} if e is None else _shared_state(e) for e in self.exchanges],
+            "exchanges": [{} if e is None else e.shared_state_dict() for e in self.exchanges],
             "syncs": self.syncs,
             "iteration": self._iteration,
         }
@@ -504,8 +504,3 @@ def _local_exchange(method, options, numel, group, device, **kwargs):
     return make_outer_exchange(
         method, options, numel, _local_group(), device, reduce="sum", **kwargs
     )
-
-
-def _shared_state(exchange: Any) -> Dict[str, Any]:
-    shared = getattr(exchange, "shared_state_dict", None)
-    return shared() if shared is not None else exchange.state_dict()

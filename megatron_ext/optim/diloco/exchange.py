@@ -96,6 +96,11 @@ class DenseOuterExchange:
         """No state."""
         return {}
 
+    def shared_state_dict(self) -> Dict[str, Any]:
+        """What a joining site takes from a peer (as ``OuterExchange.shared_state_dict``):
+        nothing."""
+        return {}
+
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         """Accepts only the empty state."""
         if sd:

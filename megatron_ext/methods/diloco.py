@@ -189,12 +189,12 @@ def _check_torchft(o: OuterConfig) -> None:
             "with torchft each job is one site (its data-parallel ranks reduce every step); "
             "start one job per site instead of --outer-groups",
         )
-    for name, default in (("fragments", 1), ("delay", 0), ("merge_alpha", 0.0)):
+    for name, default in (("delay", 0), ("merge_alpha", 0.0)):
         if getattr(o, name) != default:
             raise ConfigError(
                 [t, flag_of(cls, name)],
-                "streaming fragments and overlapped exchanges are not implemented over "
-                "torchft yet (one fragment, blocking outer step)",
+                "overlapped exchanges are not implemented over torchft yet (each fragment's "
+                "outer step is blocking)",
             )
 
 

@@ -8,7 +8,9 @@ What it does:
     that forms a quorum of the sites present, and torchft's reconfigurable process group
     (gloo for CPU tensors, its NCCL group for CUDA ones) joining the ranks at one position in
     every site. :class:`FaultTolerantDiLoCoHook` is :class:`~megatron_ext.optim.diloco.DiLoCoHook`
-    with that transport; its outer step after every H steps a site takes:
+    with that transport; its outer step after every H steps a site takes (with streaming
+    fragments, of fragment i after the steps t with ``t % H == i * H // F``, as in one
+    world; each fragment's outer step is the transaction below):
 
     1. quorum (``Manager.start_quorum``, synchronous): the sites that reached this outer
        step; a dead site is dropped once the lighthouse's heartbeat has expired, a site
@@ -47,7 +49,12 @@ What it does:
     A site joins at its first step: before that step's forward pass (the runtime's
     ``on_step``; else before its first optimizer step) it takes part in one outer step with
     weight 0 (step 1 above heals it if the others are ahead; if every site starts together
-    nothing is averaged and training starts from the common initial weights). Events (the
+    nothing is averaged and training starts from the common initial weights). A healed
+    site takes its peer's step count and the fragment the peer synchronizes (the sites
+    follow one schedule) and sets every parameter to the received global weights. With
+    fragments a site weighs a fragment by the share of the cycle it trained it since the
+    fragment's last outer step (less than a whole cycle only after a join). A rank that holds
+    none of a fragment's parameters still takes part in its quorum and commit vote. Events (the
     quorum, each failed attempt, each commit with its wall time and the sites present) are
     printed by the site's first rank and kept in :attr:`FaultTolerantDiLoCoHook.events`.
 
@@ -60,13 +67,13 @@ Inner optimizer state of a site that heals: its own (fresh after a restart), not
 
 Constraints:
     Pure torch plus torchft (imported when a transport is built); never imports Megatron.
-    One fragment, blocking exchange (streaming and overlap are refused by
+    Each fragment's exchange is blocking (overlap is refused by
     ``megatron_ext.methods.diloco``). The compressed exchanges are tested on gloo (CPU);
     on CUDA they run on the NCCL group torchft builds, without torchft's per-collective
     timeout wrapper (NCCL's own timeout applies). Every site must lay out the outer state
     alike (the same TP / PP / distributed-optimizer sharding): a healed state that does not
-    fit is refused. The outer steps are counted by steps taken since the site's last outer step
-    (identical to the iteration schedule for a site that started with the others).
+    fit is refused. The outer steps are scheduled by the sites' shared count of steps (a site's
+    iteration for one that started with the others; its peer's count for one that healed).
 """
 
 from __future__ import annotations
@@ -85,6 +92,7 @@ from megatron_ext.optim.diloco import (
     ThreadedAverage,
     make_outer_exchange,
 )
+from megatron_ext.optim.diloco.fragments import fragment_due
 from megatron_ext.protocols import NonFiniteError, OptimizerView
 
 __all__ = ["TorchftTransport", "FaultTolerantDiLoCoHook", "torchft_missing"]
@@ -235,8 +243,15 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         self.events: List[Dict[str, Any]] = []
         self._joined = False
         self._healed = False
-        self._since_sync = 0
+        # Inner steps counted on the schedule the sites share (a healed site takes its
+        # peer's count), and per fragment the steps since its last outer step (or the join).
+        self._count = 0
+        self._since: List[int] = []
         self._iteration = 0
+        # (count, fragment) of the outer step this site is in: what a healing peer is told
+        self._at = (0, 0)
+        self._peer_at: Optional[tuple] = None
+        self._device: Any = "cpu"
 
     def _default_transport(self, state_dict, load_state_dict, device):
         o = self.options
@@ -282,6 +297,8 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
             "exchanges": [{} if e is None else e.shared_state_dict() for e in self.exchanges],
             "syncs": self.syncs,
             "iteration": self._iteration,
+            "count": self._at[0],
+            "fragment": self._at[1],
         }
 
     def load_outer_state(self, state: Dict[str, Any]) -> None:
@@ -299,15 +316,19 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         self._load_outer_state(state)
         self.anchored = True
         self._healed = True
+        self._peer_at = (int(state["count"]), int(state["fragment"]))
         self._event("healed", peer_iteration=state["iteration"], syncs=self.syncs)
 
     # -- schedule -------------------------------------------------------------------------------
 
     def setup(self, view: OptimizerView) -> None:
         super().setup(view)
+        self._since = [0] * len(self.fragments)
         if self.transport is None:
-            device = next(iter(self.snapshot.values())).device if self.snapshot else "cpu"
-            self.transport = self.make_transport(self.outer_state, self.load_outer_state, device)
+            self._device = next(iter(self.snapshot.values())).device if self.snapshot else "cpu"
+            self.transport = self.make_transport(
+                self.outer_state, self.load_outer_state, self._device
+            )
 
     def on_step(self, iteration: int) -> None:
         """Before the first training step's forward pass (after a checkpoint load): join
@@ -324,32 +345,43 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
 
     def _join(self, view: OptimizerView) -> None:
         """One outer step with weight 0 before this site's first inner step: a late or
-        restarted site heals here and starts from the global weights."""
+        restarted site heals here, takes the sites' schedule (their step count, the fragment
+        they synchronize) and starts from the global weights."""
         self._joined = True
-        self._outer_step(self.outer_view(view), contribute=False)
+        self._outer_step(self.outer_view(view), None, contribute=False)
         view.sync_params()
 
     def post_step(self, view: OptimizerView, update_successful: bool) -> None:
         view = self.outer_view(view)
-        self._since_sync += 1
+        self._count += 1
         self._iteration = view.step + 1
-        if self._since_sync < self.options.interval:
-            return
-        self._since_sync = 0
-        self._outer_step(view, contribute=True)
-        view.sync_params()
+        self._since = [n + 1 for n in self._since]
+        o = self.options
+        for index in fragment_due(self._count, o.interval, o.fragments):
+            self._outer_step(view, index, contribute=True)
+            view.sync_params()
 
     # -- the outer step -------------------------------------------------------------------------
 
-    def _outer_step(self, view: OptimizerView, *, contribute: bool) -> None:
+    def _weight(self, index: int) -> float:
+        """This site's weight in fragment ``index``'s average: its tokens per outer cycle,
+        times the share of the cycle it trained that fragment since the fragment's last outer
+        step (less than 1 only for a fragment's first outer step after a join)."""
+        interval = self.options.interval
+        return self.weight * min(self._since[index], interval) / interval
+
+    def _outer_step(self, view: OptimizerView, index: Optional[int], *, contribute: bool) -> None:
+        """The outer step of fragment ``index`` (None: the join, whose fragment is the one
+        the sites present are at; fragment 0 when every site is joining)."""
         o = self.options
-        fqns = self.fragments[0]
         first = time.monotonic()
         failed_at: Optional[float] = None
         attempt = 0
+        healed = False
         while True:
             attempt += 1
             self._healed = False
+            self._at = (self._count, 0 if index is None else index)
             try:
                 self.transport.quorum()
             except Exception as exc:
@@ -358,9 +390,17 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
                     f"--outer-min-sites {o.min_sites} site(s) for the outer step after "
                     f"iteration {self._iteration} ({type(exc).__name__}: {exc})"
                 ) from exc
-            weight = self.weight if contribute and not self._healed else 0.0
-            if self.compressed:
-                committed, total, result = self._compressed_attempt(view, fqns, weight)
+            if self._healed:
+                healed = True
+                self._heal(view)
+            if index is None or healed:  # the fragment the sites present synchronize
+                index = self._at[1]
+            fqns = self.fragments[index]
+            weight = self._weight(index) if contribute and not healed else 0.0
+            if not fqns:  # this rank holds none of the fragment: the weights' sum, the vote
+                committed, total = self._empty_attempt(weight)
+            elif self.compressed:
+                committed, total, result = self._compressed_attempt(view, index, weight)
             else:
                 states, current = self._flat(view, fqns)
                 snap = torch.cat([self.snapshot[f].reshape(-1).to(current.device) for f in fqns])
@@ -376,22 +416,46 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
                 break
             if failed_at is None:
                 failed_at = time.time()
-            self._event("retry", attempt=attempt, sites=sites, iteration=self._iteration)
+            self._event(
+                "retry", attempt=attempt, sites=sites, iteration=self._iteration, fragment=index
+            )
             self._check_deadline(first, attempt)
-        if self.compressed:
-            self._apply_compressed(view, fqns, total, result)
+        if not fqns:
+            pass  # nothing of the fragment here to write
+        elif self.compressed:
+            self._apply_compressed(view, index, total, result)
         else:
-            total = self._apply_dense(view, fqns, buf, sites, sent_finite, current)
+            total = self._apply_dense(view, index, buf, sites, sent_finite, current)
+        self._since[index] = 0
         self._event(
             "commit",
             step=self.transport.step(),
             sites=sites,
             attempts=attempt,
             iteration=self._iteration,
+            fragment=index,
             weight=f"{weight:g}",
             total_weight=f"{total:g}",
             **({"failed_at": f"{failed_at:.3f}"} if failed_at is not None else {}),
         )
+
+    def _heal(self, view: OptimizerView) -> None:
+        """After a quorum that healed this site: the sites' schedule, and every parameter
+        from the received global weights (this site has no progress of its own to keep)."""
+        self._count, fragment = self._peer_at
+        self._at = (self._count, fragment)
+        self._since = [0] * len(self.fragments)
+        fqns = list(view.fqns())
+        if fqns:
+            device = view.param_state(fqns[0]).main_param.device
+            view.write_params(fqns, [self.snapshot[f].to(device) for f in fqns])
+
+    def _empty_attempt(self, weight: float):
+        """An outer step of a fragment this rank holds nothing of: the sum of the weights and
+        the commit vote, so that its Manager keeps the others' steps."""
+        buf = torch.tensor([weight], dtype=torch.float32, device=self._device)
+        committed = self.transport.sum_and_commit(buf)
+        return committed, float(buf[0])
 
     def _check_deadline(self, first: float, attempt: int) -> None:
         o = self.options
@@ -402,42 +466,40 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
                 f"({attempt} attempts)"
             )
 
-    def _apply_dense(self, view, fqns, buf, sites, sent_finite, current) -> float:
-        """The outer step from the committed dense sum ``[sum w * delta, sum w]``."""
+    def _apply_dense(self, view, index, buf, sites, sent_finite, current) -> float:
+        """Fragment ``index``'s outer step from the committed dense sum
+        ``[sum w * delta, sum w]`` (nothing when nobody contributed: every site joining)."""
         total = float(buf[-1])
         if self.meter is not None:
             wire = collective_wire_bytes("all_reduce", 4 * buf.numel(), max(sites, 1))
             self.meter.record("outer", sent=wire, recv=wire, dense_sent=wire, dense_recv=wire)
         if total > 0:
             delta = buf[:-1].div_(total)
-            self.pending[0] = (-1, PendingAverage(delta))
-            self._sent_finite[0] = sent_finite
-            self.finish_fragment(view, 0)  # the one-world hook's outer SGD step and writes
-        elif self._healed:
-            # Nobody contributed (every site joining): start from the received weights.
-            values = [self.snapshot[f].to(current.device) for f in fqns]
-            view.write_params(fqns, values)
+            self.pending[index] = (-1, PendingAverage(delta))
+            self._sent_finite[index] = sent_finite
+            self.finish_fragment(view, index)  # the one-world hook's outer SGD step and writes
         return total
 
     # -- the compressed outer step --------------------------------------------------------------
 
-    def _compressed_attempt(self, view: OptimizerView, fqns: List[str], weight: float):
+    def _compressed_attempt(self, view: OptimizerView, index: int, weight: float):
         """One attempt of a compressed outer step over the quorum's group: the sum of the
         weights (a dense all-reduce of one value), this site's pseudo-gradient scaled by
         ``w / sum(w)``, the compressed exchange (SUM) with the new error feedback staged,
         torchft's vote, then the staged error feedback kept only if the step commits.
         Returns ``(committed, total weight, the sum received or the NonFiniteError)``."""
-        exchange = self.exchanges[0]
+        fqns = self.fragments[index]
+        exchange = self.exchanges[index]
         result: Any = None
         total = 0.0
         _, current = self._flat(view, fqns)
         snap = torch.cat([self.snapshot[f].reshape(-1).to(current.device) for f in fqns])
         delta = snap.sub_(current)
-        self._sent_finite[0] = torch.isfinite(delta).all()
+        self._sent_finite[index] = torch.isfinite(delta).all()
         try:
             group = self.transport.group()
             if exchange.group is not group:  # a new quorum: another size, another position
-                exchange = self.exchanges[0] = exchange.regroup(group)
+                exchange = self.exchanges[index] = exchange.regroup(group)
             weights = torch.tensor([weight], dtype=torch.float64, device=current.device)
             with ProcessGroupTrafficMeter.tagged("outer", force=True):
                 torch.distributed.all_reduce(weights, torch.distributed.ReduceOp.SUM, group)
@@ -459,23 +521,20 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         }
         return committed, total, result
 
-    def _apply_compressed(self, view: OptimizerView, fqns: List[str], total: float, result):
-        """The outer step from a committed compressed exchange (the one-world hook's SGD
-        step and non-finite handling)."""
+    def _apply_compressed(self, view: OptimizerView, index: int, total: float, result):
+        """Fragment ``index``'s outer step from a committed compressed exchange (the
+        one-world hook's SGD step and non-finite handling; nothing when nobody contributed)."""
         if total > 0:
             if isinstance(result, NonFiniteError):
                 pending: Any = ThreadedAverage(None)
                 pending._finish(None, result)
             else:
                 pending = PendingAverage(result)
-                self._record_bytes(self.exchanges[0], result.numel())
-            self.pending[0] = (-1, pending)
-            self.finish_fragment(view, 0)
+                self._record_bytes(self.exchanges[index], result.numel())
+            self.pending[index] = (-1, pending)
+            self.finish_fragment(view, index)
         else:
-            self._sent_finite.pop(0, None)
-            if self._healed:  # nobody contributed: start from the received weights
-                device = view.param_state(fqns[0]).main_param.device
-                view.write_params(fqns, [self.snapshot[f].to(device) for f in fqns])
+            self._sent_finite.pop(index, None)
 
     def finish(self) -> None:
         super().finish()

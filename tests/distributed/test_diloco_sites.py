@@ -78,12 +78,26 @@ def _kill_all(procs, logs):
         log.close()
 
 
-@pytest.mark.parametrize("compression", ["none", "quantized"])
-def test_site_killed_and_restarted(tmp_path, compression):
-    """Dense, and with the 4-bit exchange with error feedback (``quantized``: what a site
-    sends is its pseudo-gradient times ``w / sum(w)``, the sites receive the same
-    compressed sum; site 2 is killed while the others are inside the exchange's collectives:
-    their attempt fails, is not committed and is repeated over the two of them)."""
+def _same_global_weights(a, b):
+    """Two sites' records of one outer step: the same snapshots (the global weights) of every
+    parameter, the same weights of the fragment synchronized (the others hold each site's own
+    progress since their last outer step; with one fragment, every parameter)."""
+    assert a["synced"] == b["synced"], (a["synced"], b["synced"])
+    for n in a["snapshot"]:
+        assert torch.equal(a["snapshot"][n], b["snapshot"][n]), n
+    for n in a["synced"]:
+        assert torch.equal(a["weights"][n], b["weights"][n]), n
+
+
+@pytest.mark.parametrize("compression, fragments", [("none", 1), ("quantized", 3)])
+def test_site_killed_and_restarted(tmp_path, compression, fragments):
+    """Dense, and streaming (3 fragments, one synchronized after every step) with the 4-bit
+    exchange with error feedback (``quantized``: what a site sends is its pseudo-gradient
+    times ``w / sum(w)``, the sites receive the same compressed sum; site 2 is killed while
+    the others are inside the exchange's collectives: their attempt fails, is not committed
+    and is repeated over the two of them). With fragments, after an outer step the sites
+    hold the same snapshots (global weights) of every fragment and the same weights of the
+    fragment synchronized; the restarted site joins at the fragment the others are at."""
     out = str(tmp_path)
     procs = {}
     logs = {}
@@ -124,6 +138,7 @@ def test_site_killed_and_restarted(tmp_path, compression):
                     TORCHFT_LIGHTHOUSE=address,
                     MASTER_PORT=free_port(),
                     FT_COMPRESSION=compression,
+                    FT_FRAGMENTS=fragments,
                     FT_STALL_SITE=2 if compression != "none" and not tag else -1,
                 ),
                 cwd=REPO,
@@ -170,8 +185,7 @@ def test_site_killed_and_restarted(tmp_path, compression):
             # the pseudo-gradient averaged over who is there: the sum of what sites 0, 1 sent
             torch.testing.assert_close(a["sum"], a["sent"] + b["sent"], rtol=1e-6, atol=1e-7)
         assert torch.equal(a["sum"], b["sum"])
-        for n in a["weights"]:
-            assert torch.equal(a["weights"][n], b["weights"][n]), n
+        _same_global_weights(a, b)
         # 3. restart site 2: it heals, joins with weight 0, then contributes.
         open(os.path.join(out, "stop"), "w").close()  # end at the next step of three
         start(2, "-restarted")
@@ -193,10 +207,22 @@ def test_site_killed_and_restarted(tmp_path, compression):
             assert not recs[2][join]["sent"].any()
         assert final > join
         for s in (join, final):
-            for n in recs[0][s]["weights"]:
-                assert torch.equal(recs[2][s]["weights"][n], recs[0][s]["weights"][n]), (s, n)
-                assert torch.equal(recs[1][s]["weights"][n], recs[0][s]["weights"][n]), (s, n)
+            _same_global_weights(recs[0][s], recs[1][s])
+            _same_global_weights(recs[0][s], recs[2][s])
+        # the restarted site joined at the fragment the others synchronized, then followed
+        # their schedule
+        for s in (join, final):
+            assert recs[2][s]["synced"] == recs[0][s]["synced"], s
+            assert recs[2][s]["event"]["fragment"] == recs[0][s]["event"]["fragment"], s
         assert float(recs[2][final]["event"]["total_weight"]) == 3.0
+        if fragments > 1:
+            # after the join each site weighs a fragment by the share of the cycle it trained
+            # it: the restarted one less, until it has trained a whole cycle
+            partial = [
+                float(recs[2][s]["event"]["weight"]) for s in sorted(recs[2]) if join < s < final
+            ]
+            assert any(0 < w < 1 for w in partial), partial
+            assert len(set(recs[0][final]["synced"])) < len(recs[0][final]["weights"])
         # the steps between the kill and the rejoin went on over two sites
         assert all(recs[0][s]["event"]["sites"] == 2 for s in range(step, join))
     finally:
@@ -207,7 +233,8 @@ def test_driver_sites_survive_a_killed_site(tmp_path):
     """The same through the driver, each site a ``torchrun`` job of its own: gpt-tiny in a
     pipeline of 2 stages with Protocol Models inside each site (its subspace-confined
     pipeline traffic between the site's two ranks; a torchft Manager per rank, one replica
-    per site). 2 sites reading disjoint data (their first losses differ); once both have
+    per site), streaming DiLoCo's 2 fragments (an outer step every 2 steps, each of half the
+    parameters). 2 sites reading disjoint data (their first losses differ); once both have
     contributed to an outer step, site 1's torchrun is SIGKILLed (its ranks die with it);
     site 0 completes the next outer step alone (weight of one site's tokens) and finishes
     training (exit code 0)."""
@@ -236,7 +263,8 @@ def test_driver_sites_survive_a_killed_site(tmp_path):
                 + ["--subspace-method", "protocol", "--subspace-rank", "32"]
                 + ["--hidden-dropout", "0"]
                 + ["--train-iters", "24", "--lr-warmup-iters", "2", "--outer-method", "diloco"]
-                + ["--outer-interval", "4", "--outer-transport", "torchft"]
+                + ["--outer-interval", "4", "--outer-fragments", "2"]
+                + ["--outer-transport", "torchft"]
                 + ["--outer-site-id", str(site), "--outer-sites", "2"]
                 + ["--outer-lighthouse", address, "--outer-timeout", "20"],
                 stdout=logs[site],
@@ -277,6 +305,11 @@ def test_driver_sites_survive_a_killed_site(tmp_path):
         # the average over who is there: site 0's tokens alone
         for c in after:
             assert c["sites"] == "1" and float(c["total_weight"]) == float(c["weight"]) > 0, c
+        # the fragments alternate, one every 2 steps (after the join, which is at the
+        # fragment the other site is at if it started first)
+        pairs = list(zip(done[1:], done[2:]))
+        assert all(a["fragment"] != b["fragment"] for a, b in pairs), done
+        assert all(int(b["iteration"]) - int(a["iteration"]) == 2 for a, b in pairs), done
         # disjoint shards: the two sites' first losses differ
         first = [
             [l for l in text(s).splitlines() if "iteration        1/" in l][0].split("lm loss:")[1]

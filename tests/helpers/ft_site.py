@@ -5,8 +5,9 @@
 :class:`~megatron_ext.optim.diloco_ft.FaultTolerantDiLoCoHook` (H = 3, the DiLoCo paper's
 outer optimizer) on data of its own (its site id seeds it), in a gloo world of one rank,
 until an outer step in which ``FT_SITES`` sites contributed once the file ``OUT_DIR/stop``
-exists. After every committed outer step it saves, as ``<site>_<step>.pt``, its
-weights, what it sent (weighted pseudo-gradient and weight; with ``FT_COMPRESSION`` set to an
+exists. ``FT_FRAGMENTS``: streaming DiLoCo's fragments (default 1). After every committed
+outer step it saves, as ``<site>_<step>.pt``, its weights, its snapshots (the global
+weights), the names of the fragment synchronized, what it sent (weighted pseudo-gradient and weight; with ``FT_COMPRESSION`` set to an
 ``--outer-compression`` method, its pseudo-gradient times ``w / sum(w)``, None when nothing
 was exchanged) and the sum it received. ``FT_STALL_SITE``: that site stalls inside a
 compressed exchange (see below) so that a test can kill it mid-exchange.
@@ -42,7 +43,7 @@ def main() -> int:
         lr=0.7,
         momentum=0.9,
         nesterov=True,
-        fragments=1,
+        fragments=int(os.environ.get("FT_FRAGMENTS", "1")),
         state_device="device",
         compression=os.environ.get("FT_COMPRESSION", "none"),
         delay=0,
@@ -98,6 +99,8 @@ def main() -> int:
             torch.save(
                 {
                     "weights": {n: p.detach().clone() for n, p in params.items()},
+                    "snapshot": {n: t.clone() for n, t in hook.snapshot.items()},
+                    "synced": list(hook.fragments[int(ev["fragment"])]),
                     "sent": sent.get("buf"),
                     "sum": sent.get("sum"),
                     "event": ev,

@@ -316,8 +316,8 @@ def test_torchft_transport_refusals_name_the_flags(monkeypatch):
         (site + ["--outer-site-id", "3", "--outer-sites", "3"], "--outer-sites, --outer-site-id"),
         (ok[:-1] + ["4"], "--outer-min-sites, --outer-sites"),
         (ok + ["--outer-groups", "2"], "--outer-transport, --outer-groups"),
-        (ok + ["--outer-fragments", "2"], "--outer-transport, --outer-fragments"),
         (ok + ["--outer-delay", "1"], "--outer-transport, --outer-delay"),
+        (ok + ["--outer-merge-alpha", "0.5"], "--outer-transport, --outer-merge-alpha"),
         (ok + ["--outer-quorum-timeout", "0"], "--outer-quorum-timeout"),
     ]
     for flags, named in refused:
@@ -327,6 +327,7 @@ def test_torchft_transport_refusals_name_the_flags(monkeypatch):
     cfg = ext_config_from_flags(ok)
     for method in ("quantized", "radius", "separate", "powersgd"):  # served since torchft
         ext_config_from_flags(ok + ["--outer-compression", method])
+    ext_config_from_flags(ok + ["--outer-fragments", "2", "--outer-interval", "4"])  # streaming
     layout = ParallelLayout(data_parallel_size=2)
     with pytest.raises(ConfigError, match="^--outer-transport, --outer-lighthouse: "):
         validate_ext_config(cfg, layout)

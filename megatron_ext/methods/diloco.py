@@ -189,13 +189,19 @@ def _check_torchft(o: OuterConfig) -> None:
             "with torchft each job is one site (its data-parallel ranks reduce every step); "
             "start one job per site instead of --outer-groups",
         )
-    for name, default in (("delay", 0), ("merge_alpha", 0.0)):
-        if getattr(o, name) != default:
-            raise ConfigError(
-                [t, flag_of(cls, name)],
-                "overlapped exchanges are not implemented over torchft yet (each fragment's "
-                "outer step is blocking)",
-            )
+    # torchft's Manager takes one step at a time (quorum, collectives, commit vote): a
+    # fragment's overlapped outer step must be voted on before the next fragment's quorum.
+    gap = min(
+        ((i + 1) * o.interval) // o.fragments - (i * o.interval) // o.fragments
+        for i in range(o.fragments)
+    )
+    if o.delay >= gap:
+        raise ConfigError(
+            [t, flag_of(cls, "delay"), flag_of(cls, "fragments")],
+            f"over torchft a fragment's exchange must land before the next fragment's outer "
+            f"step starts (one torchft step at a time): delay {o.delay} must be below "
+            f"{gap}, the fewest steps between two fragments' outer steps",
+        )
 
 
 def _validate(cfg, layout) -> None:

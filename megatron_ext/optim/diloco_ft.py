@@ -67,8 +67,15 @@ Inner optimizer state of a site that heals: its own (fresh after a restart), not
 
 Constraints:
     Pure torch plus torchft (imported when a transport is built); never imports Megatron.
-    Each fragment's exchange is blocking (overlap is refused by
-    ``megatron_ext.methods.diloco``). The compressed exchanges are tested on gloo (CPU);
+    With ``--outer-delay tau`` a fragment's outer step is split: quorum and exchange started
+    after step t (the dense all-reduce asynchronous, a compressed exchange on the exchange
+    thread), then after step t + tau the wait, the commit vote and the outer step (with
+    ``--outer-merge-alpha``), as in one world. torchft takes one step at a time, so tau must
+    be below the steps between two fragments' outer steps (refused otherwise by
+    ``megatron_ext.methods.diloco``). An overlapped step that does not commit is not
+    repeated: it is skipped on every site present (nothing applied, error feedback as it
+    was, the snapshot unchanged), and the fragment's next outer step carries its progress
+    (weighted by the cycles it spans). A save while one is in flight lands it first. The compressed exchanges are tested on gloo (CPU);
     on CUDA they run on the NCCL group torchft builds, without torchft's per-collective
     timeout wrapper (NCCL's own timeout applies). Every site must lay out the outer state
     alike (the same TP / PP / distributed-optimizer sharding): a healed state that does not
@@ -88,6 +95,7 @@ import torch
 from megatron_ext.accounting import ProcessGroupTrafficMeter, collective_wire_bytes
 from megatron_ext.optim.diloco import (
     DiLoCoHook,
+    ExchangeWorker,
     PendingAverage,
     ThreadedAverage,
     make_outer_exchange,
@@ -173,9 +181,13 @@ class TorchftTransport:
     def sum_and_commit(self, buf: torch.Tensor) -> bool:
         """All-reduce (SUM) ``buf`` in place over the quorum, then torchft's commit vote:
         True when every site's exchange succeeded (``buf`` then holds the sum)."""
-        work = self.manager.allreduce(buf, reduce_op=torch.distributed.ReduceOp.SUM)
-        work.wait()
-        return bool(self.manager.should_commit())
+        self.start_sum(buf).wait()
+        return self.commit()
+
+    def start_sum(self, buf: torch.Tensor) -> Any:
+        """Start the all-reduce (SUM) of ``buf`` in place over the quorum; its handle's
+        ``wait()`` never raises (an error goes to the Manager, whose vote then says no)."""
+        return self.manager.allreduce(buf, reduce_op=torch.distributed.ReduceOp.SUM)
 
     def group(self) -> Any:
         """The quorum's process group as torch.distributed's collectives take it: torchft's
@@ -249,8 +261,14 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         self._since: List[int] = []
         self._iteration = 0
         # (count, fragment) of the outer step this site is in: what a healing peer is told
-        self._at = (0, 0)
+        # (count, fragment, count after which it is applied or None) of the outer step this
+        # site is in: what a healing peer is told
+        self._at: tuple = (0, 0, None)
         self._peer_at: Optional[tuple] = None
+        # --outer-delay: the fragment's outer step in flight (started, not yet voted on)
+        self._inflight: Optional[Dict[str, Any]] = None
+        # a live site's outer state that does not fit this site (raised by the outer step)
+        self._heal_error: Optional[ValueError] = None
         self._device: Any = "cpu"
 
     def _default_transport(self, state_dict, load_state_dict, device):
@@ -299,24 +317,41 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
             "iteration": self._iteration,
             "count": self._at[0],
             "fragment": self._at[1],
+            "apply_after": self._at[2],
+            "schedule": self._schedule(),
         }
+
+    def _schedule(self) -> List[int]:
+        o = self.options
+        return [int(o.interval), int(o.fragments), int(o.delay)]
 
     def load_outer_state(self, state: Dict[str, Any]) -> None:
         """Take a live peer's :meth:`outer_state` (on this site's main thread, inside the
         quorum): this site then contributes nothing to the outer step at hand and ends it
         with the others' weights."""
+        problem = None
         if set(state["snapshot"]) != set(self.snapshot) or any(
             tuple(t.shape) != tuple(self.snapshot[f].shape) for f, t in state["snapshot"].items()
         ):
-            raise ValueError(
+            problem = (
                 "megatron-ext: the outer state received from a live site does not fit this "
                 "site's parameters (the sites need the same model and TP / PP / "
                 "distributed-optimizer layout)"
             )
+        elif list(state["schedule"]) != self._schedule():
+            problem = (
+                "megatron-ext: --outer-interval, --outer-fragments, --outer-delay: the live "
+                f"site's schedule {state['schedule']} is not this site's {self._schedule()} "
+                "(every site needs the same)"
+            )
+        if problem is not None:
+            # kept: torchft may report it as its own error; the outer step raises it
+            self._heal_error = ValueError(problem)
+            raise self._heal_error
         self._load_outer_state(state)
         self.anchored = True
         self._healed = True
-        self._peer_at = (int(state["count"]), int(state["fragment"]))
+        self._peer_at = (int(state["count"]), int(state["fragment"]), state["apply_after"])
         self._event("healed", peer_iteration=state["iteration"], syncs=self.syncs)
 
     # -- schedule -------------------------------------------------------------------------------
@@ -348,7 +383,10 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         restarted site heals here, takes the sites' schedule (their step count, the fragment
         they synchronize) and starts from the global weights."""
         self._joined = True
-        self._outer_step(self.outer_view(view), None, contribute=False)
+        if self.options.delay:
+            self._start(self.outer_view(view), None, contribute=False)
+        else:
+            self._outer_step(self.outer_view(view), None, contribute=False)
         view.sync_params()
 
     def post_step(self, view: OptimizerView, update_successful: bool) -> None:
@@ -357,23 +395,43 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         self._iteration = view.step + 1
         self._since = [n + 1 for n in self._since]
         o = self.options
+        if self._inflight is not None and self._inflight["apply_after"] == self._count:
+            self._land(view)
+            view.sync_params()
         for index in fragment_due(self._count, o.interval, o.fragments):
-            self._outer_step(view, index, contribute=True)
+            if o.delay:
+                self._start(view, index, contribute=True)
+            else:
+                self._outer_step(view, index, contribute=True)
             view.sync_params()
 
     # -- the outer step -------------------------------------------------------------------------
 
     def _weight(self, index: int) -> float:
         """This site's weight in fragment ``index``'s average: its tokens per outer cycle,
-        times the share of the cycle it trained that fragment since the fragment's last outer
-        step (less than 1 only for a fragment's first outer step after a join)."""
-        interval = self.options.interval
-        return self.weight * min(self._since[index], interval) / interval
+        times the cycles it trained that fragment since the fragment's last outer step
+        (less than one only for a fragment's first outer step after a join, more after an
+        overlapped outer step that did not commit)."""
+        return self.weight * self._since[index] / self.options.interval
+
+    def _quorum(self) -> None:
+        try:
+            self.transport.quorum()
+        except Exception as exc:
+            if self._heal_error is not None:
+                raise self._heal_error from exc
+            o = self.options
+            raise RuntimeError(
+                f"megatron-ext: --outer-quorum-timeout: no quorum of at least "
+                f"--outer-min-sites {o.min_sites} site(s) for the outer step after "
+                f"iteration {self._iteration} ({type(exc).__name__}: {exc})"
+            ) from exc
+        if self._heal_error is not None:
+            raise self._heal_error
 
     def _outer_step(self, view: OptimizerView, index: Optional[int], *, contribute: bool) -> None:
         """The outer step of fragment ``index`` (None: the join, whose fragment is the one
         the sites present are at; fragment 0 when every site is joining)."""
-        o = self.options
         first = time.monotonic()
         failed_at: Optional[float] = None
         attempt = 0
@@ -381,15 +439,8 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         while True:
             attempt += 1
             self._healed = False
-            self._at = (self._count, 0 if index is None else index)
-            try:
-                self.transport.quorum()
-            except Exception as exc:
-                raise RuntimeError(
-                    f"megatron-ext: --outer-quorum-timeout: no quorum of at least "
-                    f"--outer-min-sites {o.min_sites} site(s) for the outer step after "
-                    f"iteration {self._iteration} ({type(exc).__name__}: {exc})"
-                ) from exc
+            self._at = (self._count, 0 if index is None else index, None)
+            self._quorum()
             if self._healed:
                 healed = True
                 self._heal(view)
@@ -425,7 +476,7 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         elif self.compressed:
             self._apply_compressed(view, index, total, result)
         else:
-            total = self._apply_dense(view, index, buf, sites, sent_finite, current)
+            total = self._apply_dense(view, index, buf, sites, sent_finite)
         self._since[index] = 0
         self._event(
             "commit",
@@ -442,13 +493,129 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
     def _heal(self, view: OptimizerView) -> None:
         """After a quorum that healed this site: the sites' schedule, and every parameter
         from the received global weights (this site has no progress of its own to keep)."""
-        self._count, fragment = self._peer_at
-        self._at = (self._count, fragment)
+        self._at = self._peer_at
+        self._count = self._at[0]
         self._since = [0] * len(self.fragments)
         fqns = list(view.fqns())
         if fqns:
             device = view.param_state(fqns[0]).main_param.device
             view.write_params(fqns, [self.snapshot[f].to(device) for f in fqns])
+
+    # -- the overlapped outer step (--outer-delay) --------------------------------------------
+
+    def _start(self, view: OptimizerView, index: Optional[int], *, contribute: bool) -> None:
+        """Quorum, then fragment ``index``'s exchange started (None: the join's fragment, as
+        :meth:`_outer_step`); it runs while the next ``--outer-delay`` inner steps compute,
+        and :meth:`_land` votes on it and applies it."""
+        o = self.options
+        self._healed = False
+        self._at = (self._count, 0 if index is None else index, self._count + o.delay)
+        self._quorum()
+        if self._healed:
+            self._heal(view)
+        if index is None or self._healed:
+            index = self._at[1]
+        fqns = self.fragments[index]
+        weight = self._weight(index) if contribute and not self._healed else 0.0
+        flight: Dict[str, Any] = {
+            "index": index,
+            "apply_after": self._at[2],
+            "weight": weight,
+            "since": self._since[index],
+        }
+        self._since[index] = 0  # the steps from here on belong to the next outer step
+        if not fqns:
+            buf = torch.tensor([weight], dtype=torch.float32, device=self._device)
+            flight.update(buf=buf, work=self.transport.start_sum(buf))
+        elif self.compressed:
+            _, current = self._flat(view, fqns)
+            snap = torch.cat([self.snapshot[f].reshape(-1).to(current.device) for f in fqns])
+            delta = snap.sub_(current)
+            self._sent_finite[index] = torch.isfinite(delta).all()
+            group = self.transport.group()
+            exchange = self.exchanges[index]
+            if exchange.group is not group:
+                exchange = self.exchanges[index] = exchange.regroup(group)
+            if self.worker is None:
+                self.worker = ExchangeWorker(current.device)
+            share = _WeightedShare(exchange, group, weight)
+            flight.update(share=share, handle=self.worker.submit(share, delta))
+        else:
+            _, current = self._flat(view, fqns)
+            snap = torch.cat([self.snapshot[f].reshape(-1).to(current.device) for f in fqns])
+            buf = torch.empty(current.numel() + 1, dtype=torch.float32, device=current.device)
+            torch.sub(snap, current, out=buf[:-1])
+            flight["sent_finite"] = torch.isfinite(buf[:-1]).all()
+            buf[:-1].mul_(weight)
+            buf[-1] = weight
+            with ProcessGroupTrafficMeter.tagged("outer", force=True):
+                flight.update(buf=buf, work=self.transport.start_sum(buf))
+        self._inflight = flight
+
+    def _land(self, view: OptimizerView) -> None:
+        """The outer step in flight: wait for its exchange, torchft's commit vote, and apply
+        it (the one-world hook's outer SGD step and merge). Not committed (a site died
+        during the exchange): skipped on this site, nothing applied, the exchange's error
+        feedback as it was; the fragment's progress is carried by its next outer step."""
+        flight, self._inflight = self._inflight, None
+        index = flight["index"]
+        fqns = self.fragments[index]
+        result: Any = None
+        if "handle" in flight:
+            try:
+                result = flight["handle"].wait()
+            except NonFiniteError as exc:  # on every site alike (the same sum)
+                result = exc
+            except Exception as exc:  # a peer gone mid-exchange: the vote says no
+                self.transport.report_error(exc)
+        else:
+            try:
+                flight["work"].wait()
+            except Exception as exc:
+                self.transport.report_error(exc)
+        committed = self.transport.commit()
+        sites = self.transport.num_participants()
+        share = flight.get("share")
+        if share is not None:
+            share.exchange.end(committed and torch.is_tensor(result) and share.total > 0)
+            self.last_exchange = {
+                "sent": share.sent,
+                "received": result if share.total > 0 else None,
+                "total_weight": share.total,
+            }
+        if not committed:
+            self._since[index] += flight["since"]
+            self._sent_finite.pop(index, None)
+            self._event(
+                "skipped", fragment=index, sites=sites, iteration=self._iteration, overlapped=1
+            )
+            return
+        if not fqns:
+            total = float(flight["buf"][0])
+        elif share is not None:
+            total = share.total
+            self._apply_compressed(view, index, total, result)
+        else:
+            total = self._apply_dense(view, index, flight["buf"], sites, flight["sent_finite"])
+        self._event(
+            "commit",
+            step=self.transport.step(),
+            sites=sites,
+            attempts=1,
+            iteration=self._iteration,
+            fragment=index,
+            weight=f"{flight['weight']:g}",
+            total_weight=f"{total:g}",
+        )
+
+    def state_dict(self) -> Dict[str, Any]:
+        """As the one-world hook's; an outer step in flight lands first (its vote, then its
+        update applied at this save instead of ``--outer-delay`` steps after its start: the
+        global state is the same, only this site's merge comes earlier)."""
+        if self._inflight is not None:
+            self._land(self._view)
+            self._view.sync_params()
+        return super().state_dict()
 
     def _empty_attempt(self, weight: float):
         """An outer step of a fragment this rank holds nothing of: the sum of the weights and
@@ -466,7 +633,7 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
                 f"({attempt} attempts)"
             )
 
-    def _apply_dense(self, view, index, buf, sites, sent_finite, current) -> float:
+    def _apply_dense(self, view, index, buf, sites, sent_finite) -> float:
         """Fragment ``index``'s outer step from the committed dense sum
         ``[sum w * delta, sum w]`` (nothing when nobody contributed: every site joining)."""
         total = float(buf[-1])
@@ -537,10 +704,38 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
             self._sent_finite.pop(index, None)
 
     def finish(self) -> None:
+        if self._inflight is not None:  # the peers wait for this site's part of it
+            self._land(self._view)
+            self._view.sync_params()
         super().finish()
         if self.transport is not None:
             self.transport.shutdown()
             self.transport = None
+
+
+class _WeightedShare:
+    """One overlapped compressed outer step on the exchange thread: the sum of the sites'
+    weights (a dense all-reduce of one value), then this site's share ``w / sum(w)`` of its
+    pseudo-gradient through the exchange (SUM), its new error feedback staged."""
+
+    def __init__(self, exchange: Any, group: Any, weight: float):
+        self.exchange = exchange
+        self.group = group
+        self.weight = weight
+        self.total = 0.0
+        self.sent: Optional[torch.Tensor] = None
+
+    def average(self, delta: torch.Tensor) -> torch.Tensor:
+        weights = torch.tensor([self.weight], dtype=torch.float64, device=delta.device)
+        torch.distributed.all_reduce(weights, torch.distributed.ReduceOp.SUM, self.group)
+        self.total = float(weights)
+        if self.total <= 0:
+            return delta.new_empty(0)  # nobody contributed (every site joining)
+        self.sent = delta.mul_(self.weight / self.total)
+        return self.exchange.average(self.sent, commit=False)
+
+    def wire_bytes(self) -> int:
+        return self.exchange.wire_bytes()
 
 
 def _local_group() -> Any:

@@ -89,15 +89,20 @@ def _same_global_weights(a, b):
         assert torch.equal(a["weights"][n], b["weights"][n]), n
 
 
-@pytest.mark.parametrize("compression, fragments", [("none", 1), ("quantized", 3)])
-def test_site_killed_and_restarted(tmp_path, compression, fragments):
+@pytest.mark.parametrize(
+    "compression, fragments, delay", [("none", 1, 0), ("quantized", 3, 0), ("none", 1, 2)]
+)
+def test_site_killed_and_restarted(tmp_path, compression, fragments, delay):
     """Dense, and streaming (3 fragments, one synchronized after every step) with the 4-bit
     exchange with error feedback (``quantized``: what a site sends is its pseudo-gradient
     times ``w / sum(w)``, the sites receive the same compressed sum; site 2 is killed while
     the others are inside the exchange's collectives: their attempt fails, is not committed
     and is repeated over the two of them). With fragments, after an outer step the sites
     hold the same snapshots (global weights) of every fragment and the same weights of the
-    fragment synchronized; the restarted site joins at the fragment the others are at."""
+    fragment synchronized; the restarted site joins at the fragment the others are at.
+    Overlapped (``--outer-delay 2`` of H = 3; dense): the restarted site starts its join while
+    site 0's exchange is in flight (site 0 holds it until then); that exchange lands, and the
+    restarted site joins the next outer step."""
     out = str(tmp_path)
     procs = {}
     logs = {}
@@ -139,6 +144,8 @@ def test_site_killed_and_restarted(tmp_path, compression, fragments):
                     MASTER_PORT=free_port(),
                     FT_COMPRESSION=compression,
                     FT_FRAGMENTS=fragments,
+                    FT_DELAY=delay,
+                    FT_JOIN_IN_FLIGHT=int(bool(delay and tag)),
                     FT_STALL_SITE=2 if compression != "none" and not tag else -1,
                 ),
                 cwd=REPO,
@@ -178,7 +185,8 @@ def test_site_killed_and_restarted(tmp_path, compression, fragments):
             f"(over 2 sites) completed {done_at - killed_at:.2f} s after the kill"
         )
         assert done_at > killed_at
-        assert float(a["event"]["total_weight"]) == 2.0
+        # two sites of equal weight (two cycles' if the kill failed an overlapped step)
+        assert float(a["event"]["total_weight"]) == 2 * float(a["event"]["weight"]) >= 2.0
         if compression != "none":  # the attempt with site 2 inside failed, was repeated
             assert a["event"]["attempts"] >= 2 and b["event"]["attempts"] >= 2, (a, b)
         if compression == "none":
@@ -215,6 +223,14 @@ def test_site_killed_and_restarted(tmp_path, compression, fragments):
             assert recs[2][s]["synced"] == recs[0][s]["synced"], s
             assert recs[2][s]["event"]["fragment"] == recs[0][s]["event"]["fragment"], s
         assert float(recs[2][final]["event"]["total_weight"]) == 3.0
+        if delay:
+            # the join was asked for while site 0's exchange was in flight: that exchange
+            # landed after the request, and the restarted site joined the next outer step
+            asked = float(open(os.path.join(out, "joining")).read())
+            landed = min(
+                (r["event"]["time"], s) for s, r in recs[0].items() if r["event"]["time"] > asked
+            )
+            assert landed[1] == join - 1, (landed, join)
         if fragments > 1:
             # after the join each site weighs a fragment by the share of the cycle it trained
             # it: the restarted one less, until it has trained a whole cycle
@@ -234,7 +250,7 @@ def test_driver_sites_survive_a_killed_site(tmp_path):
     pipeline of 2 stages with Protocol Models inside each site (its subspace-confined
     pipeline traffic between the site's two ranks; a torchft Manager per rank, one replica
     per site), streaming DiLoCo's 2 fragments (an outer step every 2 steps, each of half the
-    parameters). 2 sites reading disjoint data (their first losses differ); once both have
+    parameters, its exchange overlapped with the next step). 2 sites reading disjoint data (their first losses differ); once both have
     contributed to an outer step, site 1's torchrun is SIGKILLed (its ranks die with it);
     site 0 completes the next outer step alone (weight of one site's tokens) and finishes
     training (exit code 0)."""
@@ -263,7 +279,7 @@ def test_driver_sites_survive_a_killed_site(tmp_path):
                 + ["--subspace-method", "protocol", "--subspace-rank", "32"]
                 + ["--hidden-dropout", "0"]
                 + ["--train-iters", "24", "--lr-warmup-iters", "2", "--outer-method", "diloco"]
-                + ["--outer-interval", "4", "--outer-fragments", "2"]
+                + ["--outer-interval", "4", "--outer-fragments", "2", "--outer-delay", "1"]
                 + ["--outer-transport", "torchft"]
                 + ["--outer-site-id", str(site), "--outer-sites", "2"]
                 + ["--outer-lighthouse", address, "--outer-timeout", "20"],
@@ -305,11 +321,15 @@ def test_driver_sites_survive_a_killed_site(tmp_path):
         # the average over who is there: site 0's tokens alone
         for c in after:
             assert c["sites"] == "1" and float(c["total_weight"]) == float(c["weight"]) > 0, c
-        # the fragments alternate, one every 2 steps (after the join, which is at the
-        # fragment the other site is at if it started first)
+        # the fragments alternate, one every 2 steps, each applied a step after its start
+        # (after the join, which is at the fragment the other site is at if it started
+        # first; the last, started at the last iteration, lands when training ends)
         pairs = list(zip(done[1:], done[2:]))
         assert all(a["fragment"] != b["fragment"] for a, b in pairs), done
-        assert all(int(b["iteration"]) - int(a["iteration"]) == 2 for a, b in pairs), done
+        steady = pairs[:-1]
+        assert all(int(b["iteration"]) - int(a["iteration"]) == 2 for a, b in steady), done
+        # started after even steps, applied after the next (odd) one
+        assert all(int(c["iteration"]) % 2 == 1 for c in done[:-1]), done
         # disjoint shards: the two sites' first losses differ
         first = [
             [l for l in text(s).splitlines() if "iteration        1/" in l][0].split("lm loss:")[1]

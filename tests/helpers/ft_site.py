@@ -5,7 +5,12 @@
 :class:`~megatron_ext.optim.diloco_ft.FaultTolerantDiLoCoHook` (H = 3, the DiLoCo paper's
 outer optimizer) on data of its own (its site id seeds it), in a gloo world of one rank,
 until an outer step in which ``FT_SITES`` sites contributed once the file ``OUT_DIR/stop``
-exists. ``FT_FRAGMENTS``: streaming DiLoCo's fragments (default 1). After every committed
+exists. ``FT_FRAGMENTS``: streaming DiLoCo's fragments (default 1); ``FT_DELAY``: the
+steps an exchange overlaps (``--outer-delay``, default 0). With a delay, site 0 keeps the
+file ``OUT_DIR/inflight`` while its exchange is in flight, and once ``OUT_DIR/stop`` exists
+it holds an exchange in flight until ``OUT_DIR/joining`` exists; a site started with
+``FT_JOIN_IN_FLIGHT=1`` waits for ``inflight``, then writes ``joining`` (with the time) and
+joins: its join starts while site 0's exchange is in flight. After every committed
 outer step it saves, as ``<site>_<step>.pt``, its weights, its snapshots (the global
 weights), the names of the fragment synchronized, what it sent (weighted pseudo-gradient and weight; with ``FT_COMPRESSION`` set to an
 ``--outer-compression`` method, its pseudo-gradient times ``w / sum(w)``, None when nothing
@@ -46,7 +51,7 @@ def main() -> int:
         fragments=int(os.environ.get("FT_FRAGMENTS", "1")),
         state_device="device",
         compression=os.environ.get("FT_COMPRESSION", "none"),
-        delay=0,
+        delay=int(os.environ.get("FT_DELAY", "0")),
         merge_alpha=0.0,
         site_id=site,
         lighthouse=None,
@@ -68,6 +73,19 @@ def main() -> int:
         return ok
 
     transport.sum_and_commit = recorded
+    # the overlapped dense exchange: what was sent at its start, the sum at the commit vote
+    plain_start, plain_commit = transport.start_sum, transport.commit
+
+    def start_recorded(buf):
+        sent["buf"], sent["flight"] = buf.clone(), buf
+        return plain_start(buf)
+
+    def commit_recorded():
+        if "flight" in sent:
+            sent["sum"] = sent.pop("flight").clone()
+        return plain_commit()
+
+    transport.start_sum, transport.commit = start_recorded, commit_recorded
     armed = []  # a commit of three contributing sites has been recorded
     if os.environ.get("FT_STALL_SITE") == str(site):
         # Stall inside the first compressed exchange of three sites after a committed
@@ -114,6 +132,12 @@ def main() -> int:
         return False
 
     gen = torch.Generator().manual_seed(1000 + site)
+    marker = os.path.join(out, "inflight")
+    if os.environ.get("FT_JOIN_IN_FLIGHT") == "1":
+        while not os.path.exists(marker):
+            time.sleep(0.002)
+        with open(os.path.join(out, "joining"), "w") as f:
+            f.write(repr(time.time()))
     for step in range(100000):
         clock["step"] = step
         x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
@@ -123,6 +147,14 @@ def main() -> int:
         record()
         inner.step()
         hook.post_step(view, True)
+        if site == 0 and opts.delay:
+            if hook._inflight is not None:
+                open(marker, "w").close()
+                if os.path.exists(stop):  # a site is about to rejoin: hold until it joins
+                    while not os.path.exists(os.path.join(out, "joining")):
+                        time.sleep(0.002)
+            elif os.path.exists(marker):
+                os.remove(marker)
         if record():
             hook.finish()
             print(f"site {site}: done at iteration {step}", flush=True)

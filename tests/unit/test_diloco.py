@@ -6,6 +6,7 @@ name the flags, before training (options, layout, driver).
 """
 
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -316,8 +317,10 @@ def test_torchft_transport_refusals_name_the_flags(monkeypatch):
         (site + ["--outer-site-id", "3", "--outer-sites", "3"], "--outer-sites, --outer-site-id"),
         (ok[:-1] + ["4"], "--outer-min-sites, --outer-sites"),
         (ok + ["--outer-groups", "2"], "--outer-transport, --outer-groups"),
-        (ok + ["--outer-delay", "1"], "--outer-transport, --outer-delay"),
-        (ok + ["--outer-merge-alpha", "0.5"], "--outer-transport, --outer-merge-alpha"),
+        (
+            ok + ["--outer-interval", "4", "--outer-fragments", "2", "--outer-delay", "2"],
+            "--outer-transport, --outer-delay, --outer-fragments",
+        ),
         (ok + ["--outer-quorum-timeout", "0"], "--outer-quorum-timeout"),
     ]
     for flags, named in refused:
@@ -327,7 +330,9 @@ def test_torchft_transport_refusals_name_the_flags(monkeypatch):
     cfg = ext_config_from_flags(ok)
     for method in ("quantized", "radius", "separate", "powersgd"):  # served since torchft
         ext_config_from_flags(ok + ["--outer-compression", method])
-    ext_config_from_flags(ok + ["--outer-fragments", "2", "--outer-interval", "4"])  # streaming
+    streaming = ok + ["--outer-fragments", "2", "--outer-interval", "4"]
+    ext_config_from_flags(streaming + ["--outer-delay", "1", "--outer-merge-alpha", "0.5"])
+    ext_config_from_flags(ok + ["--outer-interval", "4", "--outer-delay", "3"])  # one fragment
     layout = ParallelLayout(data_parallel_size=2)
     with pytest.raises(ConfigError, match="^--outer-transport, --outer-lighthouse: "):
         validate_ext_config(cfg, layout)
@@ -348,3 +353,119 @@ def test_torchft_transport_refusals_name_the_flags(monkeypatch):
     assert cfg.options_for(OuterConfig).num_sites(2) == 1
     if importlib.util.find_spec("torchft") is not None:
         validate_ext_config(cfg, layout)
+
+
+class _OneSiteTransport:
+    """A torchft transport stand-in for one site: every exchange sums this site alone and
+    commits; ``heal_from`` (a peer's ``outer_state``) is loaded at the next quorum, as
+    torchft's live recovery does."""
+
+    def __init__(self, state_dict, load_state_dict, device):
+        self.load_state_dict = load_state_dict
+        self.heal_from = None
+        self.steps = 0
+
+    def quorum(self):
+        if self.heal_from is not None:
+            state, self.heal_from = self.heal_from, None
+            self.load_state_dict(state)
+
+    def sum_and_commit(self, buf):
+        self.steps += 1
+        return True
+
+    def start_sum(self, buf):
+        return SimpleNamespace(wait=lambda: None)
+
+    def commit(self):
+        self.steps += 1
+        return True
+
+    def num_participants(self):
+        return 1
+
+    def step(self):
+        return self.steps
+
+    def shutdown(self):
+        pass
+
+
+def _ft_site(seed, **options):
+    from megatron_ext.optim.diloco_ft import FaultTolerantDiLoCoHook
+    from tests.helpers.views import ParamsView
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 4))
+    params = dict(model.named_parameters())
+    clock = {"step": 0}
+    opts = SimpleNamespace(
+        interval=4,
+        lr=0.7,
+        momentum=0.9,
+        nesterov=True,
+        fragments=2,
+        state_device="device",
+        compression="none",
+        delay=0,
+        merge_alpha=0.0,
+        site_id=0,
+        lighthouse=None,
+        min_sites=1,
+        quorum_timeout=60.0,
+        timeout=10.0,
+    )
+    opts.__dict__.update(options)
+    hook = FaultTolerantDiLoCoHook(opts, make_transport=_OneSiteTransport)
+    view = ParamsView(params, clock)
+    hook.setup(view)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step():
+        inner.zero_grad()
+        model(torch.randn(3, 6)).square().mean().backward()
+        hook.pre_step(view)
+        inner.step()
+        hook.post_step(view, True)
+        clock["step"] += 1
+
+    return hook, params, step
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_torchft_site_heals_into_the_sites_schedule(delay):
+    """A site that heals from a live one (the torchft transport, one-site stand-in) takes
+    the live site's step count and the fragment it synchronizes, starts every parameter
+    from the received global weights, weighs each fragment by the share of the cycle it
+    trained it, and follows the shared schedule; a live site with another schedule is
+    refused naming the flags."""
+    live, _, live_step = _ft_site(0, delay=delay)
+    for _ in range(6):  # the live site: fragment 1 after steps 2 and 6, fragment 0 after 4
+        live_step()
+    live._at = (6, 1, 6 + delay if delay else None)  # as in its quorum of step 6
+    state = live.outer_state()
+    site, params, step = _ft_site(1, delay=delay)
+    site.transport.heal_from = state
+    step()  # joins (heals) before its first step
+    assert site._count == 7  # the live site's count, then one step
+    joined = [e for e in site.events if e["event"] == "commit"][0]
+    assert joined["fragment"] == 1 and joined["weight"] == "0", joined
+    events = site.events[:]
+    for _ in range(6):  # steps 8 .. 13 of the shared count: fragment 0 after 8 and 12, 1 after 10
+        step()
+    commits = [e for e in site.events if e["event"] == "commit"][1:]
+    assert [c["fragment"] for c in commits] == [0, 1, 0], commits
+    # fragment 0's first outer step after the join: half a cycle trained (steps 7, 8)
+    assert [c["weight"] for c in commits] == ["0.5", "1", "1"], commits
+    assert events[0]["event"] == "healed"
+    # the join started every parameter from the received global weights
+    fresh, fresh_params, fresh_step = _ft_site(1, delay=delay)
+    fresh.transport.heal_from = state
+    fresh.pre_step(fresh.outer_view(fresh._raw))
+    for name, p in fresh_params.items():
+        assert torch.equal(p.detach(), state["snapshot"][name]), name
+    # another schedule: refused at the join, naming the flags
+    other, _, other_step = _ft_site(1, delay=delay, interval=6)
+    other.transport.heal_from = state
+    with pytest.raises(ValueError, match="--outer-interval, --outer-fragments, --outer-delay"):
+        other_step()

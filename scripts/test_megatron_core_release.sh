@@ -62,6 +62,10 @@ run pip install -q --no-deps -e .
 # letting pip touch megatron-core.
 run pip install -q einops sentencepiece datasets pyyaml psutil pytest tensorboard matplotlib \
     six regex pydantic pybind11
+# torchft (the test extra's pin) for pretrain_gpt.py's sites in separate jobs; its other
+# dependencies are not torch.
+run pip install -q --no-deps torchft==0.2.0
+run pip install -q opentelemetry-api opentelemetry-exporter-otlp-proto-http opentelemetry-sdk
 if [[ "$DRY_RUN" != 1 ]]; then
     installed=$(python -c "from megatron_ext.megatron.version import mcore_version; print(mcore_version())")
     echo "megatron-ext tests against megatron-core ${installed} (Python $(python -c 'import sys; print(sys.version.split()[0])'))"

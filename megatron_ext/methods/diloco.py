@@ -89,7 +89,8 @@ class OuterConfig:
 
     sites: Optional[int] = None
     """With --outer-transport torchft: N, the site ids are 0..N-1; each site trains on its
-    own 1/N of the training samples (disjoint shards, megatron_ext/train.py)."""
+    own 1/N of the training samples (disjoint shards: megatron_ext/train.py; in
+    pretrain_gpt.py megatron_ext/megatron/lm/session.py)."""
 
     lighthouse: Optional[str] = field(default=None, metadata=RUN_ONLY)
     """With --outer-transport torchft: the lighthouse address, e.g. http://host:29510

@@ -343,8 +343,13 @@ def test_torchft_transport_refusals_name_the_flags(monkeypatch):
     from megatron_ext.methods.diloco import OuterConfig
     from megatron_ext.train import parse_args
 
-    with pytest.raises(ConfigError, match="^--outer-transport: .*pretrain_gpt.py"):
-        check_outer_sites(SimpleNamespace(data_parallel_size=2), cfg)
+    check_outer_sites(SimpleNamespace(data_parallel_size=2, dataloader_type="single"), cfg)
+    for attrs, named in (
+        ({"fixed_samples": 64}, "--outer-transport, --fixed-samples"),
+        ({"dataloader_type": "external"}, "--outer-transport, --dataloader-type"),
+    ):
+        with pytest.raises(ConfigError, match=f"^{named}: "):
+            check_outer_sites(SimpleNamespace(data_parallel_size=2, **attrs), cfg)
     driver = ["--cpu", "--outer-lighthouse", "http://127.0.0.1:29510"] + ok
     with pytest.raises(ConfigError, match="^--outer-transport, --fixed-samples: "):
         parse_args(driver + ["--fixed-samples", "64"])

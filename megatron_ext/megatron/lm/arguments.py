@@ -209,14 +209,21 @@ def check_outer_sites(args: Any, cfg: ExtConfig) -> None:
 
     outer = cfg.options_for(OuterConfig)
     if outer.transport == "torchft":
-        # Megatron-LM's data loader gives every job the same samples; the driver shards
-        # them per site (megatron_ext/train.py).
-        raise ConfigError(
-            "--outer-transport",
-            "sites in separate jobs (torchft) run through megatron-ext train, not "
-            "pretrain_gpt.py yet: Megatron-LM's data loader would give every site the same "
-            "samples",
-        )
+        # Each site reads its own block of the training split (LMSession.site_dataset),
+        # through Megatron-LM's sampler.
+        if getattr(args, "fixed_samples", None) is not None:
+            raise ConfigError(
+                ["--outer-transport", "--fixed-samples"],
+                "sites in separate jobs read disjoint blocks of the training split; "
+                "--fixed-samples would give every site the same samples",
+            )
+        if getattr(args, "dataloader_type", None) not in (None, "single", "cyclic"):
+            raise ConfigError(
+                ["--outer-transport", "--dataloader-type"],
+                f"sites in separate jobs read disjoint blocks of the training split through "
+                f"Megatron-LM's samplers (single or cyclic), not {args.dataloader_type!r}",
+            )
+        return  # the job is one site: its data-parallel ranks reduce every step
     sites = outer.num_sites(args.data_parallel_size)
     if getattr(args, "calculate_per_token_loss", False):
         # finalize_model_grads divides by the token count of every data-parallel rank,

@@ -102,6 +102,7 @@ HOOK_TARGETS: Tuple[HookTarget, ...] = (
         "data_loader",
         ("dataset", "consumed_samples"),
     ),
+    HookTarget(_TRAINING, "get_train_valid_test_num_samples", "num_samples", ()),
     HookTarget(_TRAINING, "get_forward_backward_func", "schedule", ()),
     HookTarget(_TRAINING, "training_log", "training_log", ("iteration", "is_first_iteration")),
     HookTarget(_TRAINING, "print_rank_last", "print_log_line", ("message",)),

@@ -48,6 +48,7 @@ ROLES = (
     "build_optimizer",
     "train_step",
     "data_loader",
+    "num_samples",
     "schedule",
     "training_log",
     "print_log_line",
@@ -232,7 +233,17 @@ def _wrap(session: MegatronLMSession, target: HookTarget, original: Callable, si
                 loader = session.train_data_loader(
                     arguments["dataset"], arguments["consumed_samples"], _args()
                 )
-            return original(*args, **kwargs) if loader is None else loader
+                dataset = session.site_dataset(arguments["dataset"], _args())
+            if loader is not None:
+                return loader
+            if dataset is arguments["dataset"]:
+                return original(*args, **kwargs)
+            return original(dataset, arguments["consumed_samples"])
+
+    elif role == "num_samples":
+
+        def wrapper(*args, **kwargs):
+            return session.train_valid_test_num_samples(original(*args, **kwargs), _args())
 
     elif role == "schedule":
 

@@ -46,7 +46,7 @@ import contextlib
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -396,6 +396,48 @@ class MegatronLMSession:
             pin_memory=torch.cuda.is_available(),
             persistent_workers=args.num_workers > 0,
         )
+
+    def _site_of_sites(self) -> Optional[Tuple[int, int]]:
+        """``(site, sites)`` of ``--outer-transport torchft`` (each site its own job), else
+        None."""
+        from megatron_ext.methods.diloco import OuterConfig
+
+        if self.cfg is None or not self.cfg.enabled("outer"):
+            return None
+        outer = self.cfg.options_for(OuterConfig)
+        if outer.transport != "torchft":
+            return None
+        return outer.site_id, outer.sites
+
+    def train_valid_test_num_samples(self, numbers: Tuple[Any, ...], args: Any) -> Tuple:
+        """Megatron-LM's dataset sizes; with sites in separate jobs the training split holds
+        every site's samples (N times this job's), so that each site reads a block of its
+        own (:meth:`site_dataset`)."""
+        sites = self._site_of_sites()
+        if sites is None or numbers[0] is None:
+            return numbers
+        return (numbers[0] * sites[1], *numbers[1:])
+
+    def site_dataset(self, dataset: Any, args: Any) -> Any:
+        """The training split as this site reads it: with sites in separate jobs (torchft),
+        site ``s`` of ``N`` reads the ``s``-th of ``N`` equal blocks of the split (disjoint
+        shards; Megatron-LM's sampler then runs over the block, its consumed samples and
+        resume included). Other splits, and one-world runs, unchanged."""
+        sites = self._site_of_sites()
+        if sites is None or dataset is None:
+            return dataset
+        from megatron.core.datasets.utils import Split
+
+        split = getattr(dataset, "split", getattr(dataset, "index_split", None))
+        if split != Split.train:
+            return dataset
+        site, num_sites = sites
+        block = len(dataset) // num_sites
+        print_rank_0(
+            f"> megatron-ext: DiLoCo site {site} of {num_sites} reads the training samples "
+            f"[{site * block}, {(site + 1) * block}) of {len(dataset)}"
+        )
+        return torch.utils.data.Subset(dataset, range(site * block, (site + 1) * block))
 
     def _log_installed(self, args: Any) -> None:
         rt = self.runtime

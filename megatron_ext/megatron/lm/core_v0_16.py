@@ -39,7 +39,8 @@ What it does:
     release it claims to be). ``remove()`` restores every original.
 
     The wrappers themselves are :mod:`megatron_ext.megatron.lm.hooks` (shared with the other
-    releases); this module is the table of where they go in core_v0.16.x.
+    releases), with the targets every supported release has at one place
+    (``SHARED_TARGETS``); this module adds where the others go in core_v0.16.x.
 
 Why module globals:
     ``pretrain()`` and ``train()`` look these names up in their modules at call time, so
@@ -58,6 +59,7 @@ from __future__ import annotations
 from typing import Any, List, Tuple
 
 from megatron_ext.megatron.lm.hooks import (  # noqa: F401 (MegatronLMHooks re-exported)
+    SHARED_TARGETS,
     HookTarget,
     MegatronLMHooks,
     check_targets,
@@ -70,9 +72,8 @@ __all__ = ["install_hooks", "MegatronLMHooks", "HOOK_TARGETS", "RELEASE_LABEL"]
 RELEASE_LABEL = "core_v0.16.x"
 
 _TRAINING = "megatron.training.training"
-_CHECKPOINTING = "megatron.training.checkpointing"
 
-HOOK_TARGETS: Tuple[HookTarget, ...] = (
+HOOK_TARGETS: Tuple[HookTarget, ...] = SHARED_TARGETS + (
     HookTarget(
         "megatron.training.initialize",
         "parse_args",
@@ -91,32 +92,11 @@ HOOK_TARGETS: Tuple[HookTarget, ...] = (
         "megatron.training.initialize", "validate_args", "validate_args", ("args", "defaults")
     ),
     HookTarget(_TRAINING, "setup_model_and_optimizer", "setup_model", ("model_provider_func",)),
-    HookTarget(_TRAINING, "get_megatron_optimizer", "build_optimizer", ("config", "model_chunks")),
     HookTarget(
         _TRAINING, "get_megatron_muon_optimizer", "build_optimizer", ("config", "model_chunks")
     ),
     HookTarget(_TRAINING, "train_step", "train_step", ("iteration",)),
-    HookTarget(
-        _TRAINING,
-        "build_pretraining_data_loader",
-        "data_loader",
-        ("dataset", "consumed_samples"),
-    ),
-    HookTarget(_TRAINING, "get_train_valid_test_num_samples", "num_samples", ()),
-    HookTarget(_TRAINING, "get_forward_backward_func", "schedule", ()),
-    HookTarget(_TRAINING, "training_log", "training_log", ("iteration", "is_first_iteration")),
-    HookTarget(_TRAINING, "print_rank_last", "print_log_line", ("message",)),
     HookTarget(_TRAINING, "train", "train", ()),
-    HookTarget(_TRAINING, "save_checkpoint", "save_checkpoint", ("iteration", "release")),
-    HookTarget(_TRAINING, "load_checkpoint", "load_checkpoint", ("load_arg",)),
-    HookTarget(_CHECKPOINTING, "generate_state_dict", "generate_state_dict", ("args", "optimizer")),
-    HookTarget(_CHECKPOINTING, "_load_base_checkpoint", "load_base_checkpoint", ("rank0", "args")),
-    HookTarget(
-        "megatron.core.dist_checkpointing",
-        "save",
-        "dist_checkpointing_save",
-        ("sharded_state_dict", "checkpoint_dir"),
-    ),
 )
 
 
@@ -125,9 +105,5 @@ def _check_targets() -> List[Tuple[Any, HookTarget, Any, Any]]:
 
 
 def install_hooks(session: MegatronLMSession) -> MegatronLMHooks:
-    """Check every target, then replace them all (see module docstring).
-
-    Raises:
-        UnsupportedReleaseError: a target is missing or has another signature.
-    """
+    """:func:`~megatron_ext.megatron.lm.hooks.install_targets` of this release's table."""
     return install_targets(session, HOOK_TARGETS, RELEASE_LABEL)

@@ -3,8 +3,8 @@
 What it does:
     :func:`install_hooks` replaces the module globals of ``megatron.training`` that
     ``pretrain_gpt.py`` and ``pretrain()`` look up at call time, with the wrappers of
-    :mod:`megatron_ext.megatron.lm.hooks` (the same as for core_v0.16.x). What moved since
-    0.16:
+    :mod:`megatron_ext.megatron.lm.hooks` (the same as for core_v0.16.x; the targets at the
+    same place in both, ``SHARED_TARGETS``, are listed there). What moved since 0.16:
 
     * arguments: ``pretrain_gpt.py``'s ``__main__`` calls
       ``arguments.parse_and_validate_args(extra_args_provider=..., args_defaults=...)``,
@@ -51,6 +51,7 @@ from __future__ import annotations
 from typing import Any, List, Tuple
 
 from megatron_ext.megatron.lm.hooks import (  # noqa: F401 (MegatronLMHooks re-exported)
+    SHARED_TARGETS,
     HookTarget,
     MegatronLMHooks,
     check_targets,
@@ -64,9 +65,8 @@ RELEASE_LABEL = "core_v0.19.x"
 
 _ARGUMENTS = "megatron.training.arguments"
 _TRAINING = "megatron.training.training"
-_CHECKPOINTING = "megatron.training.checkpointing"
 
-HOOK_TARGETS: Tuple[HookTarget, ...] = (
+HOOK_TARGETS: Tuple[HookTarget, ...] = SHARED_TARGETS + (
     HookTarget(
         _ARGUMENTS, "parse_args", "parse_args", ("extra_args_provider", "ignore_unknown_args")
     ),
@@ -77,29 +77,8 @@ HOOK_TARGETS: Tuple[HookTarget, ...] = (
         "setup_model",
         ("model_provider_func", "cfg_container"),
     ),
-    HookTarget(_TRAINING, "get_megatron_optimizer", "build_optimizer", ("config", "model_chunks")),
     HookTarget(_TRAINING, "train_step", "train_step", ("iteration", "p2p_communicator")),
-    HookTarget(
-        _TRAINING,
-        "build_pretraining_data_loader",
-        "data_loader",
-        ("dataset", "consumed_samples"),
-    ),
-    HookTarget(_TRAINING, "get_train_valid_test_num_samples", "num_samples", ()),
-    HookTarget(_TRAINING, "get_forward_backward_func", "schedule", ()),
-    HookTarget(_TRAINING, "training_log", "training_log", ("iteration", "is_first_iteration")),
-    HookTarget(_TRAINING, "print_rank_last", "print_log_line", ("message",)),
     HookTarget(_TRAINING, "train", "train", ("p2p_communicator",)),
-    HookTarget(_TRAINING, "save_checkpoint", "save_checkpoint", ("iteration", "release")),
-    HookTarget(_TRAINING, "load_checkpoint", "load_checkpoint", ("load_arg",)),
-    HookTarget(_CHECKPOINTING, "generate_state_dict", "generate_state_dict", ("args", "optimizer")),
-    HookTarget(_CHECKPOINTING, "_load_base_checkpoint", "load_base_checkpoint", ("rank0", "args")),
-    HookTarget(
-        "megatron.core.dist_checkpointing",
-        "save",
-        "dist_checkpointing_save",
-        ("sharded_state_dict", "checkpoint_dir"),
-    ),
 )
 
 
@@ -108,9 +87,5 @@ def _check_targets() -> List[Tuple[Any, HookTarget, Any, Any]]:
 
 
 def install_hooks(session: MegatronLMSession) -> MegatronLMHooks:
-    """Check every target, then replace them all (see module docstring).
-
-    Raises:
-        UnsupportedReleaseError: a target is missing or has another signature.
-    """
+    """:func:`~megatron_ext.megatron.lm.hooks.install_targets` of this release's table."""
     return install_targets(session, HOOK_TARGETS, RELEASE_LABEL)

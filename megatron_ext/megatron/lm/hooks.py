@@ -39,7 +39,14 @@ from megatron_ext.megatron.lm.releases import UnsupportedReleaseError
 from megatron_ext.megatron.lm.session import MegatronLMSession
 from megatron_ext.megatron.patching import AttributePatches
 
-__all__ = ["HookTarget", "MegatronLMHooks", "ROLES", "check_targets", "install_targets"]
+__all__ = [
+    "HookTarget",
+    "MegatronLMHooks",
+    "ROLES",
+    "SHARED_TARGETS",
+    "check_targets",
+    "install_targets",
+]
 
 ROLES = (
     "parse_args",
@@ -77,6 +84,36 @@ class HookTarget:
 
     params: Tuple[str, ...]
     """Parameters the wrapper reads by name (checked against the original's signature)."""
+
+
+_TRAINING = "megatron.training.training"
+_CHECKPOINTING = "megatron.training.checkpointing"
+
+SHARED_TARGETS: Tuple[HookTarget, ...] = (
+    HookTarget(_TRAINING, "get_megatron_optimizer", "build_optimizer", ("config", "model_chunks")),
+    HookTarget(
+        _TRAINING,
+        "build_pretraining_data_loader",
+        "data_loader",
+        ("dataset", "consumed_samples"),
+    ),
+    HookTarget(_TRAINING, "get_train_valid_test_num_samples", "num_samples", ()),
+    HookTarget(_TRAINING, "get_forward_backward_func", "schedule", ()),
+    HookTarget(_TRAINING, "training_log", "training_log", ("iteration", "is_first_iteration")),
+    HookTarget(_TRAINING, "print_rank_last", "print_log_line", ("message",)),
+    HookTarget(_TRAINING, "save_checkpoint", "save_checkpoint", ("iteration", "release")),
+    HookTarget(_TRAINING, "load_checkpoint", "load_checkpoint", ("load_arg",)),
+    HookTarget(_CHECKPOINTING, "generate_state_dict", "generate_state_dict", ("args", "optimizer")),
+    HookTarget(_CHECKPOINTING, "_load_base_checkpoint", "load_base_checkpoint", ("rank0", "args")),
+    HookTarget(
+        "megatron.core.dist_checkpointing",
+        "save",
+        "dist_checkpointing_save",
+        ("sharded_state_dict", "checkpoint_dir"),
+    ),
+)
+"""The targets at the same place, with the same parameters, in every supported release; each
+release's table (``core_v0_16.py``, ``core_v0_19.py``) adds what differs."""
 
 
 class MegatronLMHooks:

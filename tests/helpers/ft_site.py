@@ -32,8 +32,6 @@ def main() -> int:
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=0, world_size=1
     )
-    import types
-
     from megatron_ext.optim.diloco_ft import FaultTolerantDiLoCoHook
     from tests.helpers.views import ParamsView
 
@@ -43,18 +41,16 @@ def main() -> int:
     inner = torch.optim.AdamW(model.parameters(), lr=0.02)
     clock = {"step": 0}
 
-    opts = types.SimpleNamespace(
+    from megatron_ext.methods.diloco import OuterConfig
+
+    opts = OuterConfig(
         interval=3,
-        lr=0.7,
-        momentum=0.9,
-        nesterov=True,
         fragments=int(os.environ.get("FT_FRAGMENTS", "1")),
-        state_device="device",
-        compression=os.environ.get("FT_COMPRESSION", "none"),
         delay=int(os.environ.get("FT_DELAY", "0")),
-        merge_alpha=0.0,
+        compression=os.environ.get("FT_COMPRESSION", "none"),
+        transport="torchft",
         site_id=site,
-        lighthouse=None,
+        sites=3,
         min_sites=int(os.environ.get("FT_MIN_SITES", "2")),
         quorum_timeout=120.0,
         timeout=20.0,

@@ -404,23 +404,10 @@ def _ft_site(seed, **options):
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 4))
     params = dict(model.named_parameters())
     clock = {"step": 0}
-    opts = SimpleNamespace(
-        interval=4,
-        lr=0.7,
-        momentum=0.9,
-        nesterov=True,
-        fragments=2,
-        state_device="device",
-        compression="none",
-        delay=0,
-        merge_alpha=0.0,
-        site_id=0,
-        lighthouse=None,
-        min_sites=1,
-        quorum_timeout=60.0,
-        timeout=10.0,
-    )
-    opts.__dict__.update(options)
+    from megatron_ext.methods.diloco import OuterConfig
+
+    settings = dict(interval=4, fragments=2, transport="torchft", site_id=0, sites=2)
+    opts = OuterConfig(**{**settings, **options})
     hook = FaultTolerantDiLoCoHook(opts, make_transport=_OneSiteTransport)
     view = ParamsView(params, clock)
     hook.setup(view)

@@ -58,14 +58,11 @@ from __future__ import annotations
 
 from typing import Any, List, Tuple
 
-from megatron_ext.megatron.lm.hooks import (  # noqa: F401 (MegatronLMHooks re-exported)
-    SHARED_TARGETS,
-    HookTarget,
-    MegatronLMHooks,
-    check_targets,
-    install_targets,
-)
+from megatron_ext.megatron.lm import hooks
 from megatron_ext.megatron.lm.session import MegatronLMSession
+
+HookTarget = hooks.HookTarget
+MegatronLMHooks = hooks.MegatronLMHooks  # re-exported
 
 __all__ = ["install_hooks", "MegatronLMHooks", "HOOK_TARGETS", "RELEASE_LABEL"]
 
@@ -73,7 +70,7 @@ RELEASE_LABEL = "core_v0.16.x"
 
 _TRAINING = "megatron.training.training"
 
-HOOK_TARGETS: Tuple[HookTarget, ...] = SHARED_TARGETS + (
+HOOK_TARGETS: Tuple[HookTarget, ...] = hooks.SHARED_TARGETS + (
     HookTarget(
         "megatron.training.initialize",
         "parse_args",
@@ -101,9 +98,9 @@ HOOK_TARGETS: Tuple[HookTarget, ...] = SHARED_TARGETS + (
 
 
 def _check_targets() -> List[Tuple[Any, HookTarget, Any, Any]]:
-    return check_targets(HOOK_TARGETS, RELEASE_LABEL)
+    return hooks.check_targets(HOOK_TARGETS, RELEASE_LABEL)
 
 
 def install_hooks(session: MegatronLMSession) -> MegatronLMHooks:
     """:func:`~megatron_ext.megatron.lm.hooks.install_targets` of this release's table."""
-    return install_targets(session, HOOK_TARGETS, RELEASE_LABEL)
+    return hooks.install_targets(session, HOOK_TARGETS, RELEASE_LABEL)

@@ -148,7 +148,12 @@ class KernelsConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelLayout:
-    """The Megatron parallel setup that flag combinations are validated against."""
+    """The run that flag combinations are validated against: Megatron's parallel setup, and
+    the few settings outside it that a method's refusals read. Host-neutral: the driver
+    (``megatron_ext.train_config.driver_layout``) and the Megatron-LM session
+    (``megatron_ext.megatron.lm.arguments.layout_from_args``) both build it, so each refusal
+    is written once, in the method's module; at run time (``parallel_state``) the settings
+    outside parallelism keep their defaults (they were checked before)."""
 
     tensor_model_parallel_size: int = 1
     """TP size."""
@@ -173,6 +178,18 @@ class ParallelLayout:
 
     transformer_impl: str = "local"
     """'local' or 'transformer_engine'."""
+
+    replica_hash_interval: int = 0
+    """``--check-weight-hash-across-dp-replicas-interval`` (0: off)."""
+
+    fixed_samples: Optional[int] = None
+    """``--fixed-samples`` (None: one pass over the data)."""
+
+    per_token_loss: bool = False
+    """Megatron-LM's ``--calculate-per-token-loss``."""
+
+    dataloader_type: Optional[str] = None
+    """Megatron-LM's ``--dataloader-type`` (None: the driver's own loader)."""
 
 
 def _registry():

@@ -176,12 +176,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> DriverConfig:
         config_file=run_file,
     )
     _check_kernels(cfg)
-    if _torchft_site(cfg) is not None and cfg.data.fixed_samples:
-        raise ConfigError(
-            ["--outer-transport", "--fixed-samples"],
-            "sites in separate jobs read disjoint blocks of one pass over the data; "
-            "fixed-sample epochs are not sharded across them",
-        )
     return cfg
 
 

@@ -12,8 +12,8 @@ What it does:
 
 Constraints:
     Pure Python (no torch, no Megatron): parsing and validation happen before any process
-    group or model exists, so bad flags fail fast with a message naming the flag (the
-    DiLoCo check of :func:`layout_sizes` imports its options' module lazily).
+    group or model exists, so bad flags fail fast with a message naming the flag;
+    :func:`driver_layout` gives the methods' checks the run they validate against.
 """
 
 from __future__ import annotations
@@ -478,8 +478,7 @@ def layout_sizes(cfg: Any, world_size: int) -> Dict[str, int]:
     Raises:
         ConfigError: naming the flags of a layout that does not divide (world size by
             TP x PP, global batch by micro batch x DP, layers by PP, heads and query groups
-            by TP, DP by the distributed-optimizer instances), or driver flags that DiLoCo
-            with several sites cannot honour.
+            by TP, DP by the distributed-optimizer instances).
     """
     tp = cfg.parallel.tensor_model_parallel_size
     pp = cfg.parallel.pipeline_model_parallel_size
@@ -518,7 +517,6 @@ def layout_sizes(cfg: Any, world_size: int) -> Dict[str, int]:
             "--num-distributed-optimizer-instances",
             f"{instances} instances do not divide the data-parallel size {dp}",
         )
-    _check_outer(cfg, dp)
     return {"tp": tp, "pp": pp, "dp": dp, "gbs": gbs, "num_microbatches": gbs // (mbs * dp)}
 
 
@@ -538,24 +536,6 @@ def driver_layout(cfg: Any, sizes: Dict[str, int]) -> Any:
         overlap_grad_reduce=p.overlap_grad_reduce,
         num_distributed_optimizer_instances=p.num_distributed_optimizer_instances,
         transformer_impl=cfg.model.transformer_impl,
+        replica_hash_interval=cfg.training.check_weight_hash_across_dp_replicas_interval or 0,
+        fixed_samples=cfg.data.fixed_samples,
     )
-
-
-def _check_outer(cfg: Any, dp: int) -> None:
-    """Driver flags that DiLoCo with several sites cannot honour (refused before training)."""
-    if cfg.ext.methods["outer"] == "none":
-        return
-    from megatron_ext.methods.diloco import OuterConfig
-
-    sites = cfg.ext.options_for(OuterConfig).num_sites(dp)
-    if sites == 1:
-        return
-    # Between outer steps the sites' weights differ; the replica hash check expects them equal.
-    # (Checkpoints keep each rank's own weights and AdamW state in its megatron-ext state.)
-    hash_every = cfg.training.check_weight_hash_across_dp_replicas_interval
-    if hash_every:
-        raise ConfigError(
-            ["--check-weight-hash-across-dp-replicas-interval", "--outer-groups"],
-            f"{sites} DiLoCo sites hold different weights between outer steps (supported "
-            "with --outer-groups 1 only)",
-        )

@@ -206,9 +206,12 @@ def _check_torchft(o: OuterConfig) -> None:
 
 
 def _validate(cfg, layout) -> None:
+    """Every refusal of DiLoCo against the run (the driver's and pretrain_gpt.py's alike)."""
     o = cfg.options_for(OuterConfig)
     if o.transport == "torchft":
-        _validate_torchft(o)
+        _validate_torchft(o, layout)
+    else:
+        _validate_one_world(o, layout)
     dp = layout.data_parallel_size
     g = o.num_sites(dp)
     if dp % g:
@@ -258,9 +261,45 @@ def _validate(cfg, layout) -> None:
             )
 
 
-def _validate_torchft(o: OuterConfig) -> None:
-    """The run-time needs of --outer-transport torchft (an address, torchft itself)."""
+def _validate_one_world(o: OuterConfig, layout) -> None:
+    """What sites inside one world cannot honour."""
+    if layout.per_token_loss:
+        # finalize_model_grads divides by the token count of every data-parallel rank,
+        # while a site's gradient holds the site's tokens only.
+        raise ConfigError(
+            ["--outer-method", "--calculate-per-token-loss"],
+            "the token count is summed over all data-parallel ranks, not over a DiLoCo site",
+        )
+    sites = o.num_sites(layout.data_parallel_size)
+    if sites > 1 and layout.replica_hash_interval:
+        # Between outer steps the sites' weights differ. (Checkpoints are supported: each
+        # rank's megatron-ext state keeps its own weights and AdamW state.)
+        raise ConfigError(
+            ["--check-weight-hash-across-dp-replicas-interval", "--outer-groups"],
+            f"{sites} DiLoCo sites hold different weights between outer steps; the replica "
+            "hash check assumes identical data-parallel replicas (supported with "
+            "--outer-groups 1 only)",
+        )
+
+
+def _validate_torchft(o: OuterConfig, layout) -> None:
+    """The needs of --outer-transport torchft: an address, torchft itself, and data that
+    can be cut into the sites' disjoint blocks (the driver's one pass, Megatron-LM's
+    samplers)."""
     import os
+
+    if layout.fixed_samples is not None:
+        raise ConfigError(
+            ["--outer-transport", "--fixed-samples"],
+            "sites in separate jobs read disjoint blocks of the training data; "
+            "--fixed-samples would give every site the same samples",
+        )
+    if layout.dataloader_type not in (None, "single", "cyclic"):
+        raise ConfigError(
+            ["--outer-transport", "--dataloader-type"],
+            f"sites in separate jobs read disjoint blocks of the training split through "
+            f"Megatron-LM's samplers (single or cyclic), not {layout.dataloader_type!r}",
+        )
 
     if not (o.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):
         raise ConfigError(

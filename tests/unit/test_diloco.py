@@ -259,18 +259,41 @@ def test_layout_refusals():
 
 
 def test_driver_refuses_the_replica_hash_with_several_sites():
+    from megatron_ext.config import validate_ext_config
     from megatron_ext.train import parse_args
-    from megatron_ext.train_config import layout_sizes
+    from megatron_ext.train_config import driver_layout, layout_sizes
+
+    def check(flags):
+        cfg = parse_args(["--cpu", "--outer-method", "diloco"] + flags)
+        validate_ext_config(cfg.ext, driver_layout(cfg, layout_sizes(cfg, 2)))
 
     extra = ["--check-weight-hash-across-dp-replicas-interval", "5"]
-    cfg = parse_args(["--cpu", "--outer-method", "diloco"] + extra)
-    with pytest.raises(ConfigError, match="--check-weight-hash"):
-        layout_sizes(cfg, 2)
-    # One site (G = 1): megatron's replicas are identical.
-    cfg = parse_args(["--cpu", "--outer-method", "diloco", "--outer-groups", "1"] + extra)
-    layout_sizes(cfg, 2)
-    # Checkpoints with several sites are supported by the driver.
-    layout_sizes(parse_args(["--cpu", "--outer-method", "diloco", "--save", "/tmp/x"]), 2)
+    with pytest.raises(ConfigError, match="^--check-weight-hash-across-dp-replicas-interval, "):
+        check(extra)
+    check(["--outer-groups", "1"] + extra)  # one site (G = 1): megatron's replicas are identical
+    check(["--save", "/tmp/x"])  # checkpoints with several sites are supported
+
+
+def _lm_layout(**attrs):
+    """``layout_from_args`` of Megatron-LM args with DP = 2 and ``attrs`` set."""
+    from types import SimpleNamespace
+
+    from megatron_ext.megatron.lm.arguments import layout_from_args
+
+    args = dict(
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        data_parallel_size=2,
+        virtual_pipeline_model_parallel_size=None,
+        use_distributed_optimizer=False,
+        overlap_grad_reduce=False,
+        num_distributed_optimizer_instances=1,
+        transformer_impl="local",
+        check_weight_hash_across_dp_replicas_interval=None,
+        calculate_per_token_loss=False,
+        dataloader_type="single",
+    )
+    return layout_from_args(SimpleNamespace(**{**args, **attrs}))
 
 
 @pytest.mark.parametrize(
@@ -281,27 +304,23 @@ def test_driver_refuses_the_replica_hash_with_several_sites():
     ],
 )
 def test_megatron_lm_refusals(attrs, named):
-    from types import SimpleNamespace
-
-    from megatron_ext.megatron.lm.arguments import check_outer_sites
+    """The refusals of pretrain_gpt.py's arguments, from the run Megatron-LM's args describe
+    (the same checks as the driver's)."""
+    from megatron_ext.config import validate_ext_config
 
     groups = attrs.pop("groups", None)
     flags = ["--outer-method", "diloco"] + ([] if groups is None else ["--outer-groups", "1"])
-    cfg = ext_config_from_flags(flags)
-    args = SimpleNamespace(data_parallel_size=2, **attrs)
     with pytest.raises(ConfigError, match=named):
-        check_outer_sites(args, cfg)
+        validate_ext_config(ext_config_from_flags(flags), _lm_layout(**attrs))
     if groups is None:  # one site: allowed
-        check_outer_sites(args, ext_config_from_flags(flags + ["--outer-groups", "1"]))
+        cfg = ext_config_from_flags(flags + ["--outer-groups", "1"])
+        validate_ext_config(cfg, _lm_layout(**attrs))
 
 
 def test_megatron_lm_checkpoints_with_several_sites_are_accepted():
-    from types import SimpleNamespace
+    from megatron_ext.config import validate_ext_config
 
-    from megatron_ext.megatron.lm.arguments import check_outer_sites
-
-    args = SimpleNamespace(data_parallel_size=2, save="/tmp/x", load="/tmp/x")
-    check_outer_sites(args, ext_config_from_flags(["--outer-method", "diloco"]))
+    validate_ext_config(ext_config_from_flags(["--outer-method", "diloco"]), _lm_layout())
 
 
 def test_torchft_transport_refusals_name_the_flags(monkeypatch):
@@ -337,27 +356,28 @@ def test_torchft_transport_refusals_name_the_flags(monkeypatch):
     with pytest.raises(ConfigError, match="^--outer-transport, --outer-lighthouse: "):
         validate_ext_config(cfg, layout)
     cfg = ext_config_from_flags(ok + ["--outer-lighthouse", "http://127.0.0.1:29510"])
-    from types import SimpleNamespace
-
-    from megatron_ext.megatron.lm.arguments import check_outer_sites
     from megatron_ext.methods.diloco import OuterConfig
     from megatron_ext.train import parse_args
+    from megatron_ext.train_config import driver_layout, layout_sizes
 
-    check_outer_sites(SimpleNamespace(data_parallel_size=2, dataloader_type="single"), cfg)
-    for attrs, named in (
-        ({"fixed_samples": 64}, "--outer-transport, --fixed-samples"),
-        ({"dataloader_type": "external"}, "--outer-transport, --dataloader-type"),
+    torchft = importlib.util.find_spec("torchft") is not None
+    if torchft:
+        validate_ext_config(cfg, _lm_layout())  # pretrain_gpt.py's sampler: accepted
+    for layout, named in (
+        (_lm_layout(fixed_samples=64), "--outer-transport, --fixed-samples"),
+        (_lm_layout(dataloader_type="external"), "--outer-transport, --dataloader-type"),
     ):
         with pytest.raises(ConfigError, match=f"^{named}: "):
-            check_outer_sites(SimpleNamespace(data_parallel_size=2, **attrs), cfg)
+            validate_ext_config(cfg, layout)
     driver = ["--cpu", "--outer-lighthouse", "http://127.0.0.1:29510"] + ok
+    fixed = parse_args(driver + ["--fixed-samples", "64"])
     with pytest.raises(ConfigError, match="^--outer-transport, --fixed-samples: "):
-        parse_args(driver + ["--fixed-samples", "64"])
+        validate_ext_config(fixed.ext, driver_layout(fixed, layout_sizes(fixed, 2)))
     parse_args(driver)
 
     assert cfg.options_for(OuterConfig).num_sites(2) == 1
-    if importlib.util.find_spec("torchft") is not None:
-        validate_ext_config(cfg, layout)
+    if torchft:
+        validate_ext_config(cfg, ParallelLayout(data_parallel_size=2))
 
 
 class _OneSiteTransport:

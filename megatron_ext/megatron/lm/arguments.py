@@ -44,6 +44,10 @@ def layout_from_args(args: Any) -> ParallelLayout:
         overlap_grad_reduce=bool(args.overlap_grad_reduce),
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         transformer_impl=args.transformer_impl,
+        replica_hash_interval=args.check_weight_hash_across_dp_replicas_interval or 0,
+        fixed_samples=getattr(args, "fixed_samples", None),
+        per_token_loss=bool(args.calculate_per_token_loss),
+        dataloader_type=args.dataloader_type,
     )
 
 
@@ -111,8 +115,6 @@ def check_megatron_lm_args(args: Any, cfg: ExtConfig) -> None:
                 )
     if cfg.enabled("linear"):
         check_grass_optimizer(args)
-    if cfg.enabled("outer"):
-        check_outer_sites(args, cfg)
     from megatron_ext.megatron.lm.requirements import (
         check_local_spec_kernels,
         check_tokenizer_package,
@@ -201,49 +203,6 @@ def check_load_not_finished(args: Any) -> None:
     check_not_finished(
         load, iteration, getattr(args, "train_iters", None), finetune=bool(args.finetune)
     )
-
-
-def check_outer_sites(args: Any, cfg: ExtConfig) -> None:
-    """Megatron-LM options that DiLoCo with several sites cannot honour."""
-    from megatron_ext.methods.diloco import OuterConfig
-
-    outer = cfg.options_for(OuterConfig)
-    if outer.transport == "torchft":
-        # Each site reads its own block of the training split (LMSession.site_dataset),
-        # through Megatron-LM's sampler.
-        if getattr(args, "fixed_samples", None) is not None:
-            raise ConfigError(
-                ["--outer-transport", "--fixed-samples"],
-                "sites in separate jobs read disjoint blocks of the training split; "
-                "--fixed-samples would give every site the same samples",
-            )
-        if getattr(args, "dataloader_type", None) not in (None, "single", "cyclic"):
-            raise ConfigError(
-                ["--outer-transport", "--dataloader-type"],
-                f"sites in separate jobs read disjoint blocks of the training split through "
-                f"Megatron-LM's samplers (single or cyclic), not {args.dataloader_type!r}",
-            )
-        return  # the job is one site: its data-parallel ranks reduce every step
-    sites = outer.num_sites(args.data_parallel_size)
-    if getattr(args, "calculate_per_token_loss", False):
-        # finalize_model_grads divides by the token count of every data-parallel rank,
-        # while a site's gradient holds the site's tokens only.
-        raise ConfigError(
-            ["--outer-method", "--calculate-per-token-loss"],
-            "the token count is summed over all data-parallel ranks, not over a DiLoCo site",
-        )
-    if sites == 1:
-        return
-    # Checkpoints (--save/--load) are supported: Megatron-LM's checkpoint keeps one mix of the
-    # data-parallel replicas, and each rank's megatron-ext state (DiLoCo's "site" entry) holds
-    # its own weights and AdamW state, put back over megatron's at the first step.
-    if getattr(args, "check_weight_hash_across_dp_replicas_interval", None):
-        raise ConfigError(
-            ["--check-weight-hash-across-dp-replicas-interval", "--outer-groups"],
-            f"{sites} DiLoCo sites hold different weights between outer steps; the replica "
-            "hash check assumes identical data-parallel replicas (supported with "
-            "--outer-groups 1 only)",
-        )
 
 
 def check_grass_optimizer(args: Any) -> None:

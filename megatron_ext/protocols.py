@@ -61,6 +61,8 @@ __all__ = [
     "ParamOptimState",
     "OptimizerView",
     "OptimizerHook",
+    "PseudoGradientExchange",
+    "SitesTransport",
     "NonFiniteError",
     "ElasticStateful",
     "VersionedState",
@@ -264,6 +266,97 @@ class OptimizerView(abc.ABC):
         (fp16), None otherwise. Under loss scaling the optimizer skips a step whose gradient
         is not finite instead of applying it."""
         return None
+
+    # -- what a view that wraps another keeps of its own (an outer step's view) ----------------
+
+    def anchor(self) -> None:
+        """Take what this view keeps of its own from the weights as they are now (after a
+        load that wrote the weights but not the outer state; default: nothing kept)."""
+
+    def site_state(self) -> Dict[str, torch.Tensor]:
+        """What this view keeps of its own that a rank saves (default: nothing)."""
+        return {}
+
+    def load_site_state(self, state: Dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`site_state`; ValueError when ``state`` does not fit."""
+        if state:
+            raise ValueError(
+                f"a view's saved state ({sorted(state)[:3]}) that this run has no use for "
+                "(saved with another method wrapping the view, e.g. Grass?)"
+            )
+
+
+@runtime_checkable
+class PseudoGradientExchange(Protocol):
+    """What DiLoCo's outer step needs of an exchange of one fragment's pseudo-gradient over
+    the outer group (``megatron_ext.optim.diloco.exchange.DenseOuterExchange``, and the
+    compressed ``megatron_ext.collectives.outer_exchange.OuterExchange``).
+
+    ``asynchronous``: the exchange also has ``start(flat)``, which starts it on the calling
+    thread and returns a handle whose ``wait()`` gives the mean (the dense all-reduce);
+    otherwise an overlapped exchange runs ``average`` on the exchange thread.
+    """
+
+    asynchronous: ClassVar[bool]
+    group: Any
+    size: int
+
+    def average(self, flat: torch.Tensor) -> torch.Tensor:
+        """The mean over the outer group of ``flat`` (this rank's fp32 pseudo-gradient)."""
+        ...
+
+    def wire_bytes(self) -> int:
+        """Bytes this rank sent in the last exchange."""
+        ...
+
+    def state_dict(self) -> Dict[str, Any]: ...
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None: ...
+
+    def shared_state_dict(self) -> Dict[str, Any]:
+        """The state every rank of the group holds alike (a joining site's share)."""
+        ...
+
+
+@runtime_checkable
+class SitesTransport(Protocol):
+    """How DiLoCo's outer step reaches the other sites when each site is its own job
+    (``megatron_ext.optim.diloco_ft.TorchftTransport`` over torchft; tests use stand-ins).
+    One outer step: :meth:`quorum`, then the exchange (:meth:`sum_and_commit`, or
+    :meth:`start_sum` and later :meth:`commit`; a compressed exchange runs its own
+    collectives on :meth:`group`, reporting failures with :meth:`report_error`)."""
+
+    def quorum(self) -> None:
+        """The sites of this outer step (a site behind heals inside it)."""
+        ...
+
+    def sum_and_commit(self, buf: torch.Tensor) -> bool:
+        """All-reduce (SUM) ``buf`` in place, then the commit vote (True: applied)."""
+        ...
+
+    def start_sum(self, buf: torch.Tensor) -> Any:
+        """Start the all-reduce (SUM) of ``buf``; the handle's ``wait()`` never raises."""
+        ...
+
+    def commit(self) -> bool:
+        """The commit vote of this outer step."""
+        ...
+
+    def group(self) -> Any:
+        """The quorum's process group, for a compressed exchange's collectives."""
+        ...
+
+    def report_error(self, exc: BaseException) -> None:
+        """A collective of this outer step failed: the vote says no."""
+        ...
+
+    def num_participants(self) -> int: ...
+
+    def step(self) -> int:
+        """Outer steps committed."""
+        ...
+
+    def shutdown(self) -> None: ...
 
 
 class OptimizerHook:

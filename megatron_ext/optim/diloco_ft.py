@@ -101,7 +101,7 @@ from megatron_ext.optim.diloco import (
     make_outer_exchange,
 )
 from megatron_ext.optim.diloco.fragments import fragment_due
-from megatron_ext.protocols import NonFiniteError, OptimizerView
+from megatron_ext.protocols import NonFiniteError, OptimizerView, SitesTransport
 
 __all__ = ["TorchftTransport", "FaultTolerantDiLoCoHook", "torchft_missing"]
 
@@ -220,11 +220,9 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
 
     Args:
         options: the ``--outer-*`` options (transport fields included).
-        make_transport: ``(state_dict, load_state_dict, device) -> transport`` with
-            ``quorum()``, ``sum_and_commit(buf)``, ``num_participants()``, ``step()``,
-            ``shutdown()`` and, for a compressed exchange, ``group()``,
-            ``report_error(exc)``, ``commit()`` (default: :class:`TorchftTransport` from the
-            options and the site job's environment).
+        make_transport: ``(state_dict, load_state_dict, device) ->``
+            :class:`~megatron_ext.protocols.SitesTransport` (default:
+            :class:`TorchftTransport` from the options and the site job's environment).
         weight: this site's weight in the average per outer step (tokens trained on between
             two outer steps; 1: the plain mean over the sites present).
         meter: byte accounting (category ``outer``).
@@ -249,7 +247,7 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         factory = _local_exchange if self.compressed else None
         super().__init__(options, None, meter=meter, exchange_factory=factory)
         self.make_transport = make_transport or self._default_transport
-        self.transport: Any = None
+        self.transport: Optional[SitesTransport] = None
         self.weight = float(weight)
         self.rank = rank
         self.events: List[Dict[str, Any]] = []

@@ -19,6 +19,7 @@ from megatron_ext.optim.diloco import (
     outer_sgd_step,
     split_fragments,
 )
+from megatron_ext.protocols import OptimizerView
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
@@ -74,18 +75,26 @@ def test_dense_exchange_without_group_and_factory():
         make_outer_exchange("int4", None, 4, None, "cpu")
 
 
-class _View:
-    """fp32 parameters that are their own main copies (an OptimizerView's surface)."""
+class _View(OptimizerView):
+    """fp32 parameters that are their own main copies."""
 
     def __init__(self, params):
         from megatron_ext.protocols import ParamOptimState
 
         self.params = params
-        self.step = 0
+        self._step = 0
         self.states = {
             f: ParamOptimState(fqn=f, model_param=p, main_param=p, state={})
             for f, p in params.items()
         }
+
+    @property
+    def step(self):
+        return self._step
+
+    @step.setter
+    def step(self, value):
+        self._step = value
 
     def fqns(self):
         return sorted(self.params)
@@ -406,6 +415,12 @@ class _OneSiteTransport:
         self.steps += 1
         return True
 
+    def group(self):
+        return None
+
+    def report_error(self, exc):
+        raise AssertionError(f"no collective fails here: {exc}")
+
     def num_participants(self):
         return 1
 
@@ -481,3 +496,23 @@ def test_torchft_site_heals_into_the_sites_schedule(delay):
     other.transport.heal_from = state
     with pytest.raises(ValueError, match="--outer-interval, --outer-fragments, --outer-delay"):
         other_step()
+
+
+def test_exchanges_and_transports_implement_their_contracts():
+    """The outer step's contracts (megatron_ext/protocols.py): both exchanges are
+    PseudoGradientExchanges (the dense one asynchronous), the torchft transport and the
+    tests' stand-in are SitesTransports."""
+    from megatron_ext.collectives.outer_exchange import OuterExchange
+    from megatron_ext.optim.diloco_ft import TorchftTransport
+    from megatron_ext.protocols import PseudoGradientExchange, SitesTransport
+
+    dense = make_outer_exchange("none", None, 4, None, "cpu")
+    from megatron_ext.optim.diloco_ft import _local_exchange
+
+    shapes = [("w", (8, 8))]
+    compressed = _local_exchange("quantized", None, 64, None, "cpu", name="outer/0", shapes=shapes)
+    assert isinstance(dense, PseudoGradientExchange) and dense.asynchronous
+    assert isinstance(compressed, OuterExchange) and not compressed.asynchronous
+    assert isinstance(compressed, PseudoGradientExchange)
+    for transport in (TorchftTransport, _OneSiteTransport):
+        assert issubclass(transport, SitesTransport), transport

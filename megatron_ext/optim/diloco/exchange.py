@@ -19,7 +19,7 @@ Constraints:
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, ClassVar, Dict
 
 import torch
 
@@ -36,8 +36,8 @@ __all__ = ["DenseOuterExchange", "make_outer_exchange"]
 class DenseOuterExchange:
     """The dense pseudo-gradient exchange: an all-reduce mean over the outer group.
 
-    Same interface as the compressed exchanges (``average``, ``state_dict``,
-    ``load_state_dict``, ``wire_bytes``); it holds no state.
+    A :class:`~megatron_ext.protocols.PseudoGradientExchange`, asynchronous (``start``); it
+    holds no state.
 
     Args:
         method: ``"none"``.
@@ -48,6 +48,8 @@ class DenseOuterExchange:
         layout: ``name`` (the buffer's stable name) and ``shapes`` (the parameters laid out
             in it), which compressed exchanges use; the dense one ignores them.
     """
+
+    asynchronous: ClassVar[bool] = True
 
     def __init__(
         self, method: str, options: Any, numel: int, group: Any, device: Any, **layout: Any

@@ -113,7 +113,13 @@ from megatron_ext.optim.diloco.overlap import (
     ThreadedAverage,
     _blocking_average,
 )
-from megatron_ext.protocols import RESET, NonFiniteError, OptimizerHook, OptimizerView
+from megatron_ext.protocols import (
+    RESET,
+    NonFiniteError,
+    OptimizerHook,
+    OptimizerView,
+    PseudoGradientExchange,
+)
 
 __all__ = ["DiLoCoHook"]
 
@@ -141,8 +147,9 @@ class DiLoCoHook(OptimizerHook):
         view_wrappers: functions wrapping the optimizer's view into the one the outer step
             reads and writes (another method's weights trained outside the optimizer's
             parameters, e.g. :class:`~megatron_ext.optim.grass.GrassOuterView`), applied
-            in order. A wrapped view may add ``site_state()`` / ``load_site_state()``: what
-            a rank keeps of its own beyond the optimizer's parameters and state.
+            in order. A wrapped view's ``site_state()`` / ``load_site_state()`` /
+            ``anchor()`` (:class:`~megatron_ext.protocols.OptimizerView`) are what a rank
+            keeps of its own beyond the optimizer's parameters and state.
     """
 
     name = "diloco"
@@ -174,7 +181,7 @@ class DiLoCoHook(OptimizerHook):
         self._nonempty: List[bool] = []
         self.snapshot: Dict[str, torch.Tensor] = {}
         self.momentum: Dict[str, torch.Tensor] = {}
-        self.exchanges: List[Any] = []
+        self.exchanges: List[Optional[PseudoGradientExchange]] = []
         self.num_sites = (
             torch.distributed.get_world_size(outer_group) if outer_group is not None else 1
         )
@@ -280,8 +287,7 @@ class DiLoCoHook(OptimizerHook):
         whose state was not loaded): the outer state starts afresh from the loaded weights,
         the same on every site (every rank loaded the same replica), with no momentum."""
         view = self.outer_view(view)
-        if hasattr(view, "anchor"):
-            view.anchor()
+        view.anchor()
         for fqn in view.fqns():
             self.snapshot[fqn].copy_(view.param_state(fqn).main_param.detach())
         self.momentum = {}
@@ -291,7 +297,7 @@ class DiLoCoHook(OptimizerHook):
         # Scheduled by iteration, the same on every site (a skipped inner step included).
         view = self.outer_view(view)
         t = view.step + 1
-        delay = getattr(self.options, "delay", 0)
+        delay = self.options.delay
         for i in sorted(self.pending):
             if self.pending[i][0] == t:
                 self.finish_fragment(view, i)
@@ -334,7 +340,7 @@ class DiLoCoHook(OptimizerHook):
         # check is inside the subtraction's pass (megatron_ext/kernels/outer.py).
         pseudo_grad, self._sent_finite[index] = pseudo_gradient(snap, current)
         exchange = self.exchanges[index]
-        if apply_after is not None and not hasattr(exchange, "start"):
+        if apply_after is not None and not exchange.asynchronous:
             # A compressed exchange overlapped: on the worker thread, every one of the hook's
             # exchanges through it (the outer group's collectives in one order); its bytes
             # are recorded when it has landed (finish_fragment).
@@ -353,10 +359,10 @@ class DiLoCoHook(OptimizerHook):
             self._record_bytes(exchange, current.numel())
         self.pending[index] = (-1 if apply_after is None else apply_after, pending)
 
-    def _record_bytes(self, exchange: Any, numel: int) -> None:
+    def _record_bytes(self, exchange: PseudoGradientExchange, numel: int) -> None:
         if self.meter is not None:
             sent = exchange.wire_bytes()
-            dense = collective_wire_bytes("all_reduce", 4 * numel, getattr(exchange, "size", 1))
+            dense = collective_wire_bytes("all_reduce", 4 * numel, exchange.size)
             self.meter.record("outer", sent=sent, recv=sent, dense_sent=dense, dense_recv=dense)
 
     def finish_fragment(self, view: OptimizerView, index: int) -> None:
@@ -367,7 +373,7 @@ class DiLoCoHook(OptimizerHook):
         if not fqns:
             return
         o = self.options
-        alpha = float(getattr(o, "merge_alpha", 0.0))
+        alpha = float(o.merge_alpha)
         _, pending = self.pending.pop(index)
         sent_finite = self._sent_finite.pop(index, None)
         try:
@@ -419,12 +425,7 @@ class DiLoCoHook(OptimizerHook):
                     if fqn not in self.momentum:
                         self.momentum[fqn] = mom.to(self._state_device(s.main_param), copy=True)
         # The parameter gather of a sharded optimizer follows in post_step.
-        values = list(weights.split(pieces))
-        if hasattr(view, "write_params"):
-            view.write_params(fqns, values)
-        else:  # a view with only the per-parameter surface (duck-typed test views)
-            for fqn, value in zip(fqns, values):
-                view.write_param(fqn, value)
+        view.write_params(fqns, list(weights.split(pieces)))
         self.syncs += 1
 
     def _site_flags(self, sent_finite: Optional[torch.Tensor]) -> List[float]:
@@ -550,7 +551,7 @@ class DiLoCoHook(OptimizerHook):
             "fragments": [list(f) for f in self.fragments],
             "syncs": self.syncs,
             "pending": pending,
-            "view": self._view.site_state() if hasattr(self._view, "site_state") else {},
+            "view": self._view.site_state(),
             "anchored": self.anchored,
         }
         if self.num_sites > 1:
@@ -630,13 +631,7 @@ class DiLoCoHook(OptimizerHook):
             device = view.param_state(self.fragments[i][0]).main_param.device
             delta = p["delta"].to(device, torch.float32, copy=True)
             self.pending[i] = (int(p["apply_after"]), PendingAverage(delta))
-        if hasattr(view, "load_site_state"):
-            view.load_site_state(state["view"])
-        elif state["view"]:
-            raise ValueError(
-                f"diloco state holds a view's state ({sorted(state['view'])[:3]}) that this "
-                "run has no use for (saved with Grass?)"
-            )
+        view.load_site_state(state["view"])
         if "site" in state:
             self._load_site(state["site"], self._raw)
         self.anchored = True

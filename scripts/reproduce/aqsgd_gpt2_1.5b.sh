@@ -35,15 +35,9 @@
 # RUN_DIR/checkpoints holds a checkpoint, scripts/pretrain_gpt_ext.sh loads it instead (no
 # --finetune), so a requeued Slurm job or a second start continues the run.
 set -euo pipefail
-# bash >= 4.4 ('set -u' with empty arrays); RHEL/CentOS 7 ships 4.2.
-if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 404)); then
-    echo "$0: needs bash >= 4.4, this is bash $BASH_VERSION; run it with a newer bash" \
-        "(e.g. 'module load bash', then: bash $0)" >&2
-    exit 2
-fi
+# shellcheck source=scripts/reproduce/common.sh
+. "$(dirname "$0")/common.sh"
 
-HERE=$(cd "$(dirname "$0")" && pwd)
-ROOT=$(cd "$HERE/../.." && pwd)
 DATA=${1:?usage: aqsgd_gpt2_1.5b.sh wikitext2|arxiv [more flags...]}
 shift
 case "$DATA" in
@@ -63,8 +57,7 @@ export SPLIT=${SPLIT:-98,2,0}
 export CONFIG=${CONFIG:-$ROOT/configs/megatron_lm/gpt2_1.5b_aqsgd_8gpu.yaml}
 export GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 export PRETRAINED VOCAB_FILE MERGE_FILE
-# shellcheck source=scripts/reproduce/common.sh
-. "$HERE/common.sh"
+launch_init
 
 if [[ -z "${DATA_PREFIX:-}" ]]; then
     : "${INPUT:?set DATA_PREFIX (an indexed dataset) or INPUT (the corpus files to tokenize)}"

@@ -1,8 +1,10 @@
-# Sourced by scripts/reproduce/*.sh (not run by itself): start one run of a reproduction on
-# this node or as a Slurm job, or print what would start (DRY_RUN=1).
+# Sourced by scripts/reproduce/*.sh (not run by itself) right after 'set -euo pipefail': the
+# bash version check, ROOT (the megatron-ext checkout), and what starts the commands of a
+# reproduction or prints them (DRY_RUN=1): run_cmd for a plain command; launch_init, then
+# launch_run once per run, for a training run on this node or as a Slurm job.
 #
-# The sourcing script sets ROOT (the megatron-ext checkout), CONFIG, GPUS_PER_NODE and the
-# run file's variables, and calls launch_run NAME RUN_DIR [flags...] once per run.
+# A training reproduction sets CONFIG, GPUS_PER_NODE, NODES and its run file's variables,
+# calls launch_init, and then launch_run NAME RUN_DIR [flags...] once per run.
 #
 # Environment:
 #   SUBMIT   local: run on this node now (scripts/pretrain_gpt_ext.sh, its output also in
@@ -15,13 +17,36 @@
 #            nothing.
 # shellcheck shell=bash
 
-SUBMIT=${SUBMIT:-local}
+# bash >= 4.4 ('set -u' with empty arrays); RHEL/CentOS 7 ships 4.2.
+if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 404)); then
+    echo "$0: needs bash >= 4.4, this is bash $BASH_VERSION; run it with a newer bash" \
+        "(e.g. 'module load bash', then: bash $0)" >&2
+    exit 2
+fi
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 DRY_RUN=${DRY_RUN:-0}
-case "$SUBMIT" in
-    local|slurm) ;;
-    *) echo "$(basename "$0"): SUBMIT must be local or slurm, got '$SUBMIT'" >&2; exit 2 ;;
-esac
-export DRY_RUN
+
+# run_cmd CMD...: run it, or print it (DRY_RUN=1).
+run_cmd() {
+    if [[ "$DRY_RUN" == 1 ]]; then
+        printf '%q ' "$@"
+        printf '\n'
+    else
+        "$@"
+    fi
+}
+
+# launch_init: check SUBMIT (default local) and hand DRY_RUN to scripts/pretrain_gpt_ext.sh;
+# called once, after the script's own arguments and variables are checked.
+launch_init() {
+    SUBMIT=${SUBMIT:-local}
+    case "$SUBMIT" in
+        local|slurm) ;;
+        *) echo "$(basename "$0"): SUBMIT must be local or slurm, got '$SUBMIT'" >&2; exit 2 ;;
+    esac
+    export DRY_RUN
+}
 
 # launch_run NAME RUN_DIR [flags for pretrain_gpt.py...]
 launch_run() {

@@ -8,29 +8,14 @@
 # Usage: scripts/reproduce/frontier_cpu.sh [RUNS_DIR]   (default runs/frontier-16)
 # DRY_RUN=1: print the commands instead of running them.
 set -euo pipefail
-# bash >= 4.4 ('set -u' with empty arrays); RHEL/CentOS 7 ships 4.2.
-if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 404)); then
-    echo "$0: needs bash >= 4.4, this is bash $BASH_VERSION; run it with a newer bash" \
-        "(e.g. 'module load bash', then: bash $0)" >&2
-    exit 2
-fi
+# shellcheck source=scripts/reproduce/common.sh
+. "$(dirname "$0")/common.sh"
 
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${1:-$ROOT/runs/frontier-16}
 cd "$ROOT"
 B8=(--batch-sizes 8 --iters 8=300)
 B32=(--batch-sizes 32 --iters 32=150)
 PYTHON=${PYTHON:-python}
-DRY_RUN=${DRY_RUN:-0}
-# run CMD...: run it, or print it (DRY_RUN=1).
-run_cmd() {
-    if [[ "$DRY_RUN" == 1 ]]; then
-        printf '%q ' "$@"
-        printf '\n'
-    else
-        "$@"
-    fi
-}
 run() { run_cmd "$PYTHON" benchmarks/frontier.py "$@"; }
 
 # Frontier, 1,024 tokens a step, 300 steps (loss only: loopback).

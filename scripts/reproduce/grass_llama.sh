@@ -16,15 +16,9 @@
 # check and print the commands; scripts/reproduce/common.sh), GPUS_PER_NODE (8; 1 for 13b)
 # and what scripts/pretrain_gpt_ext.sh reads.
 set -euo pipefail
-# bash >= 4.4 ('set -u' with empty arrays); RHEL/CentOS 7 ships 4.2.
-if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 404)); then
-    echo "$0: needs bash >= 4.4, this is bash $BASH_VERSION; run it with a newer bash" \
-        "(e.g. 'module load bash', then: bash $0)" >&2
-    exit 2
-fi
+# shellcheck source=scripts/reproduce/common.sh
+. "$(dirname "$0")/common.sh"
 
-HERE=$(cd "$(dirname "$0")" && pwd)
-ROOT=$(cd "$HERE/../.." && pwd)
 SIZE=${1:?usage: grass_llama.sh 60m|350m|1b|13b [more flags...]}
 shift
 case "$SIZE" in
@@ -40,8 +34,7 @@ export CONFIG=${CONFIG:-$ROOT/configs/megatron_lm/$CONFIG_FILE}
 export GPUS_PER_NODE=${GPUS_PER_NODE:-$GPUS}
 NODES=${NODES:-${NNODES:-1}}
 export DATA_PREFIX TOKENIZER_MODEL
-# shellcheck source=scripts/reproduce/common.sh
-. "$HERE/common.sh"
+launch_init
 
 for run in $RUNS; do
     case "$run" in

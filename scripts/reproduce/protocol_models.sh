@@ -25,15 +25,9 @@
 # print the commands; scripts/reproduce/common.sh), and what scripts/pretrain_gpt_ext.sh
 # reads (MASTER_PORT, ...).
 set -euo pipefail
-# bash >= 4.4 ('set -u' with empty arrays); RHEL/CentOS 7 ships 4.2.
-if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 404)); then
-    echo "$0: needs bash >= 4.4, this is bash $BASH_VERSION; run it with a newer bash" \
-        "(e.g. 'module load bash', then: bash $0)" >&2
-    exit 2
-fi
+# shellcheck source=scripts/reproduce/common.sh
+. "$(dirname "$0")/common.sh"
 
-HERE=$(cd "$(dirname "$0")" && pwd)
-ROOT=$(cd "$HERE/../.." && pwd)
 SIZE=${1:?usage: protocol_models.sh 2b|640m|8b [more flags...]}
 shift
 case "$SIZE" in
@@ -57,8 +51,7 @@ export CONFIG=${CONFIG:-$ROOT/configs/megatron_lm/$CONFIG_FILE}
 export GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 NODES=${NODES:-${NNODES:-$DEFAULT_NODES}}
 export DATA_PREFIX
-# shellcheck source=scripts/reproduce/common.sh
-. "$HERE/common.sh"
+launch_init
 
 for run in $RUNS; do
     case "$run" in

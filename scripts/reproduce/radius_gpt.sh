@@ -13,15 +13,9 @@
 # SUBMIT (slurm | local), NODES (16), GPUS_PER_NODE (4), DRY_RUN (1: check and print the
 # commands; scripts/reproduce/common.sh), and what pretrain_gpt_ext.sh reads.
 set -euo pipefail
-# bash >= 4.4 ('set -u' with empty arrays); RHEL/CentOS 7 ships 4.2.
-if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 404)); then
-    echo "$0: needs bash >= 4.4, this is bash $BASH_VERSION; run it with a newer bash" \
-        "(e.g. 'module load bash', then: bash $0)" >&2
-    exit 2
-fi
+# shellcheck source=scripts/reproduce/common.sh
+. "$(dirname "$0")/common.sh"
 
-HERE=$(cd "$(dirname "$0")" && pwd)
-ROOT=$(cd "$HERE/../.." && pwd)
 SIZE=${1:?usage: radius_gpt.sh 355m|2.0b [more flags...]}
 shift
 case "$SIZE" in
@@ -40,8 +34,7 @@ NODES=${NODES:-${NNODES:-16}}
 export CONFIG=${CONFIG:-$ROOT/configs/megatron_lm/gpt_${SIZE}_radius_64gpu.yaml}
 export GPUS_PER_NODE=${GPUS_PER_NODE:-4}
 export DATA_PREFIX VOCAB_FILE MERGE_FILE
-# shellcheck source=scripts/reproduce/common.sh
-. "$HERE/common.sh"
+launch_init
 
 RUNS=()
 if [[ "$BASELINE" == 1 ]]; then

@@ -13,15 +13,9 @@
 # comm_report.json), SUBMIT (local | slurm), NODES (1), DRY_RUN (1: check and print the
 # commands; scripts/reproduce/common.sh), GPUS_PER_NODE (8) and what pretrain_gpt_ext.sh reads.
 set -euo pipefail
-# bash >= 4.4 ('set -u' with empty arrays); RHEL/CentOS 7 ships 4.2.
-if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 404)); then
-    echo "$0: needs bash >= 4.4, this is bash $BASH_VERSION; run it with a newer bash" \
-        "(e.g. 'module load bash', then: bash $0)" >&2
-    exit 2
-fi
+# shellcheck source=scripts/reproduce/common.sh
+. "$(dirname "$0")/common.sh"
 
-HERE=$(cd "$(dirname "$0")" && pwd)
-ROOT=$(cd "$HERE/../.." && pwd)
 : "${DATA_PREFIX:?set DATA_PREFIX to OpenWebText in the Megatron indexed format (..._text_document)}"
 : "${VOCAB_FILE:?set VOCAB_FILE to the GPT-2 vocab (gpt2-vocab.json)}"
 : "${MERGE_FILE:?set MERGE_FILE to the GPT-2 merges (gpt2-merges.txt)}"
@@ -31,8 +25,7 @@ NODES=${NODES:-${NNODES:-1}}
 export CONFIG=${CONFIG:-$ROOT/configs/megatron_lm/gpt2_345m_separate_8gpu.yaml}
 export GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 export DATA_PREFIX VOCAB_FILE MERGE_FILE
-# shellcheck source=scripts/reproduce/common.sh
-. "$HERE/common.sh"
+launch_init
 
 for run in $RUNS; do
     if [[ "$run" == dense ]]; then

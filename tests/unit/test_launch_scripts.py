@@ -173,15 +173,36 @@ def runs(world):
     return results
 
 
+COMMON = REPO / "scripts" / "reproduce" / "common.sh"
+SOURCE_COMMON = '\n# shellcheck source=scripts/reproduce/common.sh\n. "$(dirname "$0")/common.sh"\n'
+VERSION_CHECK = re.compile(r"\n# bash >= 4\.4.*?\nfi\n", re.S)
+
+
+def _version_check(script):
+    """The bash version check ``script`` runs before anything else: its own, right after
+    'set -euo pipefail', or, where it sources scripts/reproduce/common.sh right there,
+    common.sh's (its first command)."""
+    text = (REPO / script).read_text()
+    after_set = text.index("set -euo pipefail") + 17
+    if text.startswith(SOURCE_COMMON, after_set):
+        subprocess.run(["bash", "-n", str(COMMON)], check=True)
+        text, after_set = COMMON.read_text(), None
+    match = VERSION_CHECK.search(text)
+    assert match, f"{script}: no bash version check"
+    if after_set is None:
+        before = text[: match.start()].splitlines()
+        assert all(not line.strip() or line.startswith("#") for line in before), before
+    else:
+        assert match.start() == after_set
+    return match.group(0)
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_script_parses_and_refuses_old_bash_by_name(script, tmp_path):
-    text = (REPO / script).read_text()
     subprocess.run(["bash", "-n", str(REPO / script)], check=True)
-    match = re.search(r"\n# bash >= 4\.4.*?\nfi\n", text, re.S)
-    assert match, f"{script}: no bash version check"
-    # Before anything else runs: right after 'set -euo pipefail'.
-    assert text.index(match.group(0)) == text.index("set -euo pipefail") + 17
-    check = match.group(0).replace("BASH_VERSINFO", "FAKE").replace("BASH_VERSION", "FAKE_V")
+    check = (
+        _version_check(script).replace("BASH_VERSINFO", "FAKE").replace("BASH_VERSION", "FAKE_V")
+    )
     for version, refused in [((4, 2, 46), True), ((4, 4, 20), False), ((5, 1, 16), False)]:
         setup = f"FAKE=({' '.join(map(str, version))}); FAKE_V={'.'.join(map(str, version))}"
         proc = subprocess.run(

@@ -39,7 +39,6 @@ import json
 import os
 import socket
 import sys
-import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -49,19 +48,16 @@ if __package__ in (None, ""):
 from benchmarks.common import (
     CpuMonitor,
     MethodSettings,
+    SweepReport,
     add_machine_args,
     add_method_args,
-    default_out_dir,
-    environment,
     format_table,
-    make_report,
     method_choices,
     parse_list,
     read_jsonl,
     run_logged,
     shell_join,
     wait_for_quiet,
-    write_report,
 )
 from megatron_ext.report import final_loss, summarize_curve  # noqa: E402,F401
 
@@ -413,9 +409,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 return 2
     if "none" not in methods:
         print("convergence.py: note: without 'none' there is no baseline for the gap")
-    out = args.out or default_out_dir("convergence")
-    os.makedirs(out, exist_ok=True)
-    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    report = SweepReport("convergence", args)
+    out, settings = report.out, report.settings
     chosen = MethodSettings(args, args.family)
     settings["method_options"] = {m: chosen.options(m) for m in methods}
     if grad_methods:
@@ -427,7 +422,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         f"{args.final_fraction:.0%} of the iterations"
     )
     results: List[Dict[str, Any]] = []
-    t0 = time.time()
     for i, m in enumerate(methods):
         print(f"[{i + 1}/{len(methods)}] {label(m, args)}: {args.iters} iterations ...", flush=True)
         res = run_one(args, m, out)
@@ -440,17 +434,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             " CPU",
             flush=True,
         )
-        report = make_report(
-            "convergence",
-            settings,
-            results,
-            environment(num_threads=args.num_threads),
-            wall_s=time.time() - t0,
-        )
-        write_report(report, out)
+        report.write(results)
     print()
     print_table(results, args.iters, args.final_fraction)
-    print(f"\nreport: {os.path.join(out, 'convergence.json')}")
+    print(f"\nreport: {report.path}")
     return 0 if all(r["ok"] for r in results) else 1
 
 

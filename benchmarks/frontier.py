@@ -50,7 +50,6 @@ import os
 import re
 import socket
 import sys
-import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -60,17 +59,14 @@ if __package__ in (None, ""):
 from benchmarks.common import (  # noqa: E402
     CpuMonitor,
     MethodSettings,
+    SweepReport,
     add_machine_args,
-    default_out_dir,
-    environment,
     format_table,
-    make_report,
     parse_list,
     read_jsonl,
     run_logged,
     shell_join,
     wait_for_quiet,
-    write_report,
 )
 from megatron_ext.report import summarize_curve  # noqa: E402
 
@@ -482,9 +478,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     from benchmarks.common import load_model_preset
 
     seq = int(load_model_preset(args.model)["seq_length"])
-    out = args.out or default_out_dir("frontier")
-    os.makedirs(out, exist_ok=True)
-    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    report = SweepReport("frontier", args)
+    out, settings = report.out, report.settings
     settings["seq_length"] = seq
     settings["final_loss_definition"] = "mean of the logged training losses of the last 10%"
     plan = [
@@ -502,7 +497,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             f"note: {p.method} at batch {gbs}/{p.batch_div} does not split over {args.nproc} ranks"
         )
     results: List[Dict[str, Any]] = []
-    t0 = time.time()
     for i, (gbs, bw, p) in enumerate(plan):
         lab = point_label(args, p, iters[gbs])
         print(
@@ -518,17 +512,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             f"{res.get('final_valid_loss') or float('nan'):.4f}, wall {res['wall_s']:.0f} s",
             flush=True,
         )
-        report = make_report(
-            "frontier",
-            settings,
-            results,
-            environment(num_threads=args.num_threads),
-            wall_s=time.time() - t0,
-        )
-        write_report(report, out)
+        report.write(results)
     print()
     print_table(results)
-    print(f"\nreport: {os.path.join(out, 'frontier.json')}")
+    print(f"\nreport: {report.path}")
     return 0 if all(r["ok"] or r.get("truncated") for r in results) else 1
 
 

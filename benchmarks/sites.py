@@ -68,7 +68,6 @@ import os
 import re
 import shlex
 import sys
-import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -77,17 +76,14 @@ if __package__ in (None, ""):
 
 from benchmarks.common import (  # noqa: E402
     CpuMonitor,
+    SweepReport,
     add_machine_args,
-    default_out_dir,
-    environment,
     format_table,
-    make_report,
     parse_list,
     read_jsonl,
     run_logged,
     shell_join,
     wait_for_quiet,
-    write_report,
 )
 
 __all__ = [
@@ -760,9 +756,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if reason:
         print(f"sites.py: error: this benchmark runs inside megatron-ext netbench: {reason}")
         return 2
-    out = args.out or default_out_dir("sites")
-    os.makedirs(out, exist_ok=True)
-    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    report = SweepReport("sites", args)
+    out, settings = report.out, report.settings
     settings["configs"] = {label: flags for label, flags in configs}
     settings["final_loss_definition"] = "mean of the logged training losses of the last 10%"
     settings["time_definition"] = (
@@ -776,7 +771,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     results: List[Dict[str, Any]] = [r for k, r in reused.items() if k not in planned]
     for lay, rate, (label, _) in skipped:
         print(f"skipped: {lay.name}, {rate}, {label} (--skip)", flush=True)
-    t0 = time.time()
     for i, (lay, rate, (label, flags)) in enumerate(plan):
         print(
             f"[{i + 1}/{len(plan)}] {lay.name}, {rate}, {label}: {iters_of[label]} steps",
@@ -797,17 +791,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 f", train {res.get('train_time_s') or 0.0:.1f} s, wall {res['wall_s']:.0f} s",
                 flush=True,
             )
-        report = make_report(
-            "sites",
-            settings,
-            results,
-            environment(num_threads=args.num_threads),
-            wall_s=time.time() - t0,
-        )
-        write_report(report, out)
+        report.write(results)
     print()
     print_table(results)
-    print(f"\nreport: {os.path.join(out, 'sites.json')}")
+    print(f"\nreport: {report.path}")
     return 0 if all(r["status"] in ("ok", "stopped", "refused") for r in results) else 1
 
 

@@ -78,13 +78,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    default_out_dir,
-    environment,
+    SweepReport,
     format_table,
-    make_report,
     parse_list,
     shell_join,
-    write_report,
 )
 
 __all__ = ["parse_iterations", "parse_commits", "site_curve", "time_lost", "build_parser", "main"]
@@ -671,9 +668,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if reason:
         print(f"sites_ft.py: error: this benchmark needs netbench and torchft: {reason}")
         return 2
-    out = args.out or default_out_dir("sites_ft")
-    os.makedirs(out, exist_ok=True)
-    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    report = SweepReport("sites_ft", args)
+    out, settings = report.out, report.settings
     settings["final_loss_definition"] = (
         "mean over the sites of the mean of the last 10% of each site's logged losses"
     )
@@ -682,7 +678,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         "torchft's commit times, process exits seen by the benchmark)"
     )
     results: List[Dict[str, Any]] = []
-    t0 = time.time()
     for scenario in scenarios:
         print(f"[{scenario}] {args.sites} sites, {args.rate}, {args.iters} steps", flush=True)
         if scenario in ("c", "w"):
@@ -692,23 +687,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         results.append(res)
         add_comparisons(results)
         print(f"    -> {res['status']}, wall {res.get('wall_s') or 0.0:.1f} s", flush=True)
-        write_report(
-            make_report(
-                "sites_ft",
-                settings,
-                results,
-                environment(num_threads=args.num_threads),
-                wall_s=time.time() - t0,
-            ),
-            out,
-        )
+        report.write(results)
     print()
     print_table(results)
     with open(os.path.join(out, "sites_ft.md"), "w") as f:
         given = list(argv) if argv is not None else sys.argv[1:]
         f.write(f"`{shell_join(['python', 'benchmarks/sites_ft.py'] + given)}`\n\n")
         print_table(results, file=f)
-    print(f"\nreport: {os.path.join(out, 'sites_ft.json')} (table: sites_ft.md)")
+    print(f"\nreport: {report.path} (table: sites_ft.md)")
     return 0 if all(r["status"] == "ok" for r in results) else 1
 
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -53,12 +52,10 @@ if __package__ in (None, ""):
 from benchmarks.common import (
     CpuMonitor,
     MethodSettings,
+    SweepReport,
     add_machine_args,
     add_method_args,
-    default_out_dir,
-    environment,
     format_table,
-    make_report,
     median,
     method_choices,
     parse_list,
@@ -66,7 +63,6 @@ from benchmarks.common import (
     run_logged,
     shell_join,
     wait_for_quiet,
-    write_report,
 )
 from megatron_ext.report import is_compressed, mean_bytes  # noqa: E402
 
@@ -628,8 +624,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             file=sys.stderr,
         )
         return 2
-    out = args.out or default_out_dir("step_time")
-    os.makedirs(out, exist_ok=True)
+    report = SweepReport("step_time", args)
+    out, settings = report.out, report.settings
     cells = [
         (lay, m, bw)
         for lay in layouts
@@ -652,7 +648,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         for m in methods
         if m not in _layout_methods(lay, args.family)
     ]
-    settings = {k: v for k, v in vars(args).items() if k not in ("out",)}
     chosen = MethodSettings(args, args.family)
     settings["method_options"] = {m: chosen.options(m) for m in methods}
     settings["plan"] = [[k + 1, lay, m, bw] for k, lay, m, bw in plan]
@@ -664,7 +659,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     runs: List[Dict[str, Any]] = []
     results: List[Dict[str, Any]] = []
-    t_start = time.time()
     for i, (k, lay, m, bw) in enumerate(plan):
         print(f"[{i + 1}/{len(plan)}] round {k + 1}: {lay} {m} {bw} ...", flush=True)
         res = run_one(args, lay, m, bw, out, round_index=k)
@@ -682,19 +676,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             for c in cells
             if any((r["layout"], r["method"], r["bandwidth"]) == c for r in runs)
         ]
-        report = make_report(
-            "step_time",
-            settings,
-            results,
-            environment(num_threads=args.num_threads),
-            skipped=skipped,
-            runs=runs,
-            wall_s=time.time() - t_start,
-        )
-        write_report(report, out)
+        report.write(results, skipped=skipped, runs=runs)
     print()
     print_table(results)
-    print(f"\nreport: {os.path.join(out, 'step_time.json')}")
+    print(f"\nreport: {report.path}")
     return 0 if all(r["ok"] for r in results) else 1
 
 

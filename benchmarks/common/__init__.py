@@ -7,7 +7,7 @@ make_report``):
 * :mod:`.machine`: the shared machine (idle waits, contention, priority; ``--quiet-wait``,
   ``--priority``);
 * :mod:`.reports`: the common JSON report (:func:`make_report`, :func:`write_report`,
-  :func:`validate_report`) and markdown tables (:func:`format_table`); :func:`read_jsonl`
+  :func:`validate_report`; :class:`SweepReport` for a sweep of runs) and markdown tables (:func:`format_table`); :func:`read_jsonl`
   (the driver's ``log.jsonl``) comes from :mod:`megatron_ext.report`;
 * :mod:`.models`: GPT presets' shapes and PowerSGD's rank at equal bytes;
 * :mod:`.methods`: the registry's methods as benchmark flags and settings;
@@ -44,6 +44,7 @@ from benchmarks.common.models import (
 from benchmarks.common.reports import (
     BENCHMARKS,
     SCHEMA_VERSION,
+    SweepReport,
     format_table,
     make_report,
     validate_report,
@@ -66,6 +67,7 @@ __all__ = [
     "MethodSettings",
     "add_machine_args",
     "write_report",
+    "SweepReport",
     "validate_report",
     "format_table",
     "equal_bytes_rank",

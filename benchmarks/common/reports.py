@@ -2,16 +2,21 @@
 
 :func:`make_report` / :func:`write_report` / :func:`validate_report` give every benchmark the
 same JSON layout (``benchmark``, ``schema_version``, ``environment``, ``settings``,
-``results``), which :mod:`megatron_ext.report` reads; :func:`format_table` prints
-GitHub-markdown tables (readable in a terminal, pasteable into docs).
+``results``), which :mod:`megatron_ext.report` reads; :class:`SweepReport` rewrites it after
+every run of a sweep; :func:`format_table` prints GitHub-markdown tables (readable in a
+terminal, pasteable into docs).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
+import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+from benchmarks.common.environment import default_out_dir, environment
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -19,6 +24,7 @@ __all__ = [
     "make_report",
     "validate_report",
     "write_report",
+    "SweepReport",
     "format_table",
 ]
 
@@ -99,6 +105,42 @@ def write_report(report: Dict[str, Any], out_dir: str) -> str:
         f.write("\n")
     os.replace(tmp, path)
     return path
+
+
+class SweepReport:
+    """The report of a benchmark that trains one configuration after another, rewritten after
+    every run so that a sweep stopped half-way keeps what it measured.
+
+    Args:
+        benchmark: The report's name (one of :data:`BENCHMARKS`).
+        args: The parsed options: ``out`` (the folder, default :func:`default_out_dir`, made
+            here) and ``num_threads`` (the environment's); every option but ``out`` starts
+            :attr:`settings`, to which the benchmark adds its own entries.
+
+    Attributes:
+        out: The folder of the report and the runs.
+        settings: The report's ``settings``.
+        path: ``<out>/<benchmark>.json``.
+    """
+
+    def __init__(self, benchmark: str, args: argparse.Namespace) -> None:
+        self.benchmark = benchmark
+        self.out: str = args.out or default_out_dir(benchmark)
+        os.makedirs(self.out, exist_ok=True)
+        self.path = os.path.join(self.out, f"{benchmark}.json")
+        self.settings: Dict[str, Any] = {k: v for k, v in vars(args).items() if k != "out"}
+        self._num_threads = args.num_threads
+        self._t0 = time.time()
+
+    def write(self, results: List[Dict[str, Any]], **extra: Any) -> str:
+        """Write the report of ``results`` so far (and ``extra`` top-level fields) with the
+        current environment and ``wall_s``, the seconds since the report was made; returns
+        :attr:`path`."""
+        env = environment(num_threads=self._num_threads)
+        extra["wall_s"] = time.time() - self._t0
+        return write_report(
+            make_report(self.benchmark, self.settings, results, env, **extra), self.out
+        )
 
 
 def _json_default(obj: Any) -> Any:

@@ -51,7 +51,9 @@ from benchmarks.common import (
     SweepReport,
     add_machine_args,
     add_method_args,
+    driver_command,
     format_table,
+    lr_schedule_flags,
     method_choices,
     parse_list,
     read_jsonl,
@@ -201,45 +203,17 @@ def run_names(methods: List[str], grad_methods: Optional[List[str]]) -> List[str
 
 def train_command(args: argparse.Namespace, method: str, run_dir: str) -> List[str]:
     """``torchrun ... -m megatron_ext.train ...`` of one run."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(args.nproc),
-        "--master-port",
-        str(_free_port()),
-        "-m",
-        "megatron_ext.train",
-        "--cpu",
-        "--model",
-        args.model,
-        "--num-threads",
-        str(args.num_threads),
-        "--micro-batch-size",
-        str(args.micro_batch_size),
-        "--global-batch-size",
-        str(args.global_batch_size),
-        "--train-iters",
-        str(args.iters),
-        "--seed",
-        str(args.seed),
-        "--lr",
-        str(args.lr),
-        "--min-lr",
-        str(args.min_lr),
-        "--lr-decay-style",
-        args.lr_decay_style,
-        "--lr-warmup-iters",
-        str(args.lr_warmup_iters),
-        "--log-interval",
-        "1",
-        "--no-progress",
-        "--log-json",
-        os.path.join(run_dir, "log.jsonl"),
-        "--comm-report",
-        os.path.join(run_dir, "comm_report.json"),
-    ]
+    schedule = lr_schedule_flags(args, args.lr_warmup_iters, args.lr_decay_style)
+    train = driver_command(
+        args,
+        run_dir,
+        args.micro_batch_size,
+        args.global_batch_size,
+        args.iters,
+        schedule + ["--log-interval", "1"],
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc)]
+    cmd += ["--master-port", str(_free_port())] + train[1:]
     if args.pipeline_model_parallel_size > 1:
         cmd += ["--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size)]
     if args.fixed_samples:

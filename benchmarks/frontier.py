@@ -61,7 +61,9 @@ from benchmarks.common import (  # noqa: E402
     MethodSettings,
     SweepReport,
     add_machine_args,
+    driver_command,
     format_table,
+    lr_schedule_flags,
     parse_list,
     read_jsonl,
     run_logged,
@@ -264,45 +266,10 @@ def train_command(
 ) -> List[str]:
     """The per-rank driver command of one run."""
     mbs = args.micro_batch_size or max(1, min(8, gbs // args.nproc))
-    return (
-        [
-            sys.executable,
-            "-m",
-            "megatron_ext.train",
-            "--cpu",
-            "--model",
-            args.model,
-            "--num-threads",
-            str(args.num_threads),
-            "--micro-batch-size",
-            str(mbs),
-            "--global-batch-size",
-            str(gbs),
-            "--train-iters",
-            str(iters),
-            "--seed",
-            str(args.seed),
-            "--lr",
-            str(args.lr),
-            "--min-lr",
-            str(args.min_lr),
-            "--lr-decay-style",
-            "cosine",
-            "--lr-warmup-iters",
-            str(max(1, iters // 10)),
-            "--eval-iters",
-            str(args.eval_iters),
-            "--log-interval",
-            "1",
-            "--no-progress",
-            "--log-json",
-            os.path.join(run_dir, "log.jsonl"),
-            "--comm-report",
-            os.path.join(run_dir, "comm_report.json"),
-        ]
-        + point_flags(args, point, iters)
-        + args.extra_train_args.split()
-    )
+    schedule = lr_schedule_flags(args, max(1, iters // 10))
+    schedule += ["--eval-iters", str(args.eval_iters), "--log-interval", "1"]
+    train = driver_command(args, run_dir, mbs, gbs, iters, schedule)
+    return train + point_flags(args, point, iters) + args.extra_train_args.split()
 
 
 def run_one(

@@ -78,7 +78,9 @@ from benchmarks.common import (  # noqa: E402
     CpuMonitor,
     SweepReport,
     add_machine_args,
+    driver_command,
     format_table,
+    lr_schedule_flags,
     parse_list,
     read_jsonl,
     run_logged,
@@ -209,15 +211,9 @@ def train_command(
     linear warm-up over 10% of them, then cosine decay to ``--min-lr`` at the last."""
     iters = iters or args.iters
     mbs = args.micro_batch_size or max(1, min(8, args.global_batch_size // layout.dp))
-    cmd = [sys.executable, "-m", "megatron_ext.train", "--cpu", "--model", args.model]
-    cmd += ["--num-threads", str(args.num_threads), "--micro-batch-size", str(mbs)]
-    cmd += ["--global-batch-size", str(args.global_batch_size)]
-    cmd += ["--train-iters", str(iters), "--seed", str(args.seed)]
-    cmd += ["--lr", str(args.lr), "--min-lr", str(args.min_lr), "--lr-decay-style", "cosine"]
-    cmd += ["--lr-warmup-iters", str(max(1, iters // 10)), "--eval-iters", "0"]
-    cmd += ["--log-interval", "1", "--no-progress"]
-    cmd += ["--log-json", os.path.join(run_dir, "log.jsonl")]
-    cmd += ["--comm-report", os.path.join(run_dir, "comm_report.json")]
+    schedule = lr_schedule_flags(args, max(1, iters // 10))
+    schedule += ["--eval-iters", "0", "--log-interval", "1"]
+    cmd = driver_command(args, run_dir, mbs, args.global_batch_size, iters, schedule)
     if layout.pp > 1:
         cmd += ["--pipeline-model-parallel-size", str(layout.pp)]
     return cmd + list(flags) + shlex.split(args.extra_train_args)

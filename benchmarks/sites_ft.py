@@ -80,6 +80,7 @@ if __package__ in (None, ""):
 from benchmarks.common import (  # noqa: E402
     SweepReport,
     format_table,
+    lr_schedule_flags,
     parse_list,
     shell_join,
 )
@@ -236,9 +237,8 @@ def train_command(args: argparse.Namespace, run_dir: str, tag: str, ranks: int =
     cmd += ["--num-threads", str(args.num_threads)]
     cmd += ["--micro-batch-size", str(args.batch)]
     cmd += ["--global-batch-size", str(args.batch * ranks)]
-    cmd += ["--train-iters", str(args.iters), "--seed", str(args.seed)]
-    cmd += ["--lr", str(args.lr), "--min-lr", str(args.min_lr), "--lr-decay-style", "cosine"]
-    cmd += ["--lr-warmup-iters", str(max(1, args.iters // 10)), "--eval-iters", "0"]
+    cmd += ["--train-iters", str(args.iters)]
+    cmd += lr_schedule_flags(args, max(1, args.iters // 10)) + ["--eval-iters", "0"]
     cmd += ["--log-interval", "1", "--no-progress"]
     cmd += ["--outer-method", "diloco", "--outer-interval", str(args.interval)]
     if args.save_interval:

@@ -55,6 +55,7 @@ from benchmarks.common import (
     SweepReport,
     add_machine_args,
     add_method_args,
+    driver_command,
     format_table,
     median,
     method_choices,
@@ -222,35 +223,12 @@ def train_command(
     args: argparse.Namespace, method: str, pp: int, iters: int, run_dir: str
 ) -> List[str]:
     """The per-rank driver command of one run."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_ext.train",
-        "--cpu",
-        "--model",
-        args.model,
-        "--num-threads",
-        str(args.num_threads),
-        "--micro-batch-size",
-        str(args.micro_batch_size),
-        "--global-batch-size",
-        str(args.global_batch_size),
-        "--train-iters",
-        str(iters),
-        # Step time does not depend on the learning rate; a short warm-up keeps the
-        # schedule valid for a handful of iterations.
-        "--lr-warmup-iters",
-        "1",
-        "--log-interval",
-        "1",
-        "--eval-iters",
-        "0",
-        "--no-progress",
-        "--log-json",
-        os.path.join(run_dir, "log.jsonl"),
-        "--comm-report",
-        os.path.join(run_dir, "comm_report.json"),
-    ]
+    # Step time does not depend on the learning rate; a short warm-up keeps the schedule
+    # valid for a handful of iterations.
+    schedule = ["--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0"]
+    cmd = driver_command(
+        args, run_dir, args.micro_batch_size, args.global_batch_size, iters, schedule
+    )
     if pp > 1:
         cmd += ["--pipeline-model-parallel-size", str(pp)]
     cmd += method_flags(method, args)

@@ -7,11 +7,12 @@ make_report``):
 * :mod:`.machine`: the shared machine (idle waits, contention, priority; ``--quiet-wait``,
   ``--priority``);
 * :mod:`.reports`: the common JSON report (:func:`make_report`, :func:`write_report`,
-  :func:`validate_report`; :class:`SweepReport` for a sweep of runs) and markdown tables (:func:`format_table`); :func:`read_jsonl`
-  (the driver's ``log.jsonl``) comes from :mod:`megatron_ext.report`;
+  :func:`validate_report`; :class:`SweepReport` for a sweep of runs) and markdown tables
+  (:func:`format_table`); :func:`read_jsonl` (the driver's ``log.jsonl``) comes from
+  :mod:`megatron_ext.report`;
 * :mod:`.models`: GPT presets' shapes and PowerSGD's rank at equal bytes;
 * :mod:`.methods`: the registry's methods as benchmark flags and settings;
-* :mod:`.runs`: logged command runs, list flags, the median.
+* :mod:`.runs`: the CPU driver's command, logged command runs, list flags, the median.
 
 A driver run's layout is checked with ``megatron_ext.train_config.layout_sizes``, the driver's
 own check. Torch is imported lazily (only :func:`environment` needs it), so the step-time and
@@ -50,7 +51,14 @@ from benchmarks.common.reports import (
     validate_report,
     write_report,
 )
-from benchmarks.common.runs import median, parse_list, run_logged, shell_join
+from benchmarks.common.runs import (
+    driver_command,
+    lr_schedule_flags,
+    median,
+    parse_list,
+    run_logged,
+    shell_join,
+)
 from megatron_ext.report import read_jsonl
 
 __all__ = [
@@ -76,6 +84,8 @@ __all__ = [
     "gpt_matrix_shapes",
     "gpt_vector_numel",
     "load_model_preset",
+    "driver_command",
+    "lr_schedule_flags",
     "median",
     "read_jsonl",
     "run_logged",

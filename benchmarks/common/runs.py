@@ -1,8 +1,9 @@
 """Running a benchmark's commands and summarizing them: logged runs, lists, the median.
 
-:func:`run_logged` runs a command with its output in a log file (optionally at raised
-priority), :func:`parse_list` reads comma-separated flag values, :func:`shell_join` prints a
-copy-pasteable command, :func:`median` is the statistic.
+:func:`driver_command` and :func:`lr_schedule_flags` build the CPU driver runs the training
+benchmarks make, :func:`run_logged` runs a command with its output in a log file (optionally
+at raised priority), :func:`parse_list` reads comma-separated flag values,
+:func:`shell_join` prints a copy-pasteable command, :func:`median` is the statistic.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from benchmarks.common.machine import PriorityBooster
 
 __all__ = [
+    "driver_command",
+    "lr_schedule_flags",
     "median",
     "shell_join",
     "run_logged",
@@ -37,6 +40,43 @@ def shell_join(argv: Sequence[str]) -> str:
     import shlex
 
     return " ".join(shlex.quote(str(a)) for a in argv)
+
+
+def driver_command(
+    args: Any,
+    run_dir: str,
+    micro_batch_size: int,
+    global_batch_size: int,
+    train_iters: int,
+    schedule: Sequence[str],
+) -> List[str]:
+    """The per-rank command of one CPU run of megatron-ext's driver (``python -m
+    megatron_ext.train --cpu``) that writes what a training benchmark reads back.
+
+    Args:
+        args: The benchmark's options: ``model`` and ``num_threads``.
+        run_dir: The run's folder: the per-iteration log goes to ``<run_dir>/log.jsonl``, the
+            bytes sent to ``<run_dir>/comm_report.json``.
+        micro_batch_size, global_batch_size, train_iters: The run's batch and length.
+        schedule: The flags between the batch and the logging (seed, learning rate,
+            evaluation, ``--log-interval``).
+
+    Returns:
+        The command; the caller appends the run's own flags (layout, method, extra flags).
+    """
+    cmd = [sys.executable, "-m", "megatron_ext.train", "--cpu", "--model", args.model]
+    cmd += ["--num-threads", str(args.num_threads), "--micro-batch-size", str(micro_batch_size)]
+    cmd += ["--global-batch-size", str(global_batch_size), "--train-iters", str(train_iters)]
+    cmd += list(schedule)
+    cmd += ["--no-progress", "--log-json", os.path.join(run_dir, "log.jsonl")]
+    return cmd + ["--comm-report", os.path.join(run_dir, "comm_report.json")]
+
+
+def lr_schedule_flags(args: Any, warmup_iters: int, decay_style: str = "cosine") -> List[str]:
+    """The driver flags of a run's seed and learning-rate schedule: ``--seed``, ``--lr`` and
+    ``--min-lr`` from ``args``, then ``--lr-decay-style`` and ``--lr-warmup-iters``."""
+    flags = ["--seed", str(args.seed), "--lr", str(args.lr), "--min-lr", str(args.min_lr)]
+    return flags + ["--lr-decay-style", decay_style, "--lr-warmup-iters", str(warmup_iters)]
 
 
 def run_logged(

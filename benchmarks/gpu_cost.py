@@ -411,22 +411,29 @@ def _tokens(ctx: Ctx) -> int:
     return ctx.shape.seq * ctx.micro_batch
 
 
+def _dense_linear_step(mode: Any, ctx: Ctx, shapes: List[Tuple[int, int]]) -> None:
+    """One step of the linears of ``shapes`` dense (forward + backward of every microbatch),
+    recorded by ``mode`` (``tests/helpers/method_steps.py``: ``dense_linear_steps``)."""
+    from tests.helpers.method_steps import dense_linear_steps
+
+    dense_linear_steps(
+        mode,
+        shapes,
+        1,
+        microbatches=ctx.microbatches,
+        tokens=_tokens(ctx),
+        dtype=ctx.dtype,
+        device=ctx.device,
+    )
+
+
 def _dense_linear_traffic(ctx: Ctx) -> int:
     """Forward + backward traffic of the dense linears Grass replaces (meta, one step)."""
-    from tests.helpers.method_steps import dense_linear_steps
     from tests.helpers.strict_device import StrictDeviceMode
 
     shapes = [s.shape for s in _grass_specs(ctx)]
     with StrictDeviceMode() as mode:
-        dense_linear_steps(
-            mode,
-            shapes,
-            1,
-            microbatches=ctx.microbatches,
-            tokens=_tokens(ctx),
-            dtype=ctx.dtype,
-            device=ctx.device,
-        )
+        _dense_linear_step(mode, ctx, shapes)
     return mode.named("steady")[0].traffic(("forward", "backward"))
 
 
@@ -479,20 +486,10 @@ def _grass_case() -> Case:
 
 def _grass_dense_case() -> Case:
     def build(ctx: Ctx) -> _Runner:
-        from tests.helpers.method_steps import dense_linear_steps
-
         shapes = [s.shape for s in _grass_specs(ctx)]
 
         def step(mode, i):
-            dense_linear_steps(
-                mode,
-                shapes,
-                1,
-                microbatches=ctx.microbatches,
-                tokens=_tokens(ctx),
-                dtype=ctx.dtype,
-                device=ctx.device,
-            )
+            _dense_linear_step(mode, ctx, shapes)
 
         return _Runner(step)
 

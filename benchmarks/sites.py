@@ -360,6 +360,32 @@ def _dense_reference(results: List[Dict[str, Any]], r: Dict[str, Any]) -> Option
     return (same or complete or [None])[0]
 
 
+def _none_time_to(
+    results: List[Dict[str, Any]], r: Dict[str, Any], target: float
+) -> Optional[Tuple[float, bool]]:
+    """The measured time of the ``none`` run at ``r``'s layout and rate to reach ``target``,
+    and whether it is a lower bound (that run was stopped first: its whole training time);
+    ``None`` without such a run."""
+    base = next(
+        (
+            x
+            for x in results
+            if x["label"] == "none"
+            and x["layout"] == r["layout"]
+            and x["rate"] == r["rate"]
+            and x["status"] in ("ok", "stopped")
+            and x.get("curve")
+        ),
+        None,
+    )
+    if base is None:
+        return None
+    t_base = time_to_loss(base["curve"]["elapsed_s"], base["curve"]["smoothed_loss"], target)
+    if t_base is None:
+        return base["train_time_s"], True
+    return t_base, False
+
+
 def add_comparisons(results: List[Dict[str, Any]]) -> None:
     """Per result: the target (the final loss of the complete ``none`` run of its layout,
     :func:`_dense_reference`), the gap to it, the measured time to reach it, and the speed-up
@@ -388,23 +414,10 @@ def add_comparisons(results: List[Dict[str, Any]]) -> None:
         t = time_to_loss(r["curve"]["elapsed_s"], r["curve"]["smoothed_loss"], target)
         r["reached_target"] = t is not None
         r["time_to_target_s"] = t
-        base = next(
-            (
-                x
-                for x in results
-                if x["label"] == "none"
-                and x["layout"] == r["layout"]
-                and x["rate"] == r["rate"]
-                and x["status"] in ("ok", "stopped")
-                and x.get("curve")
-            ),
-            None,
-        )
+        base = _none_time_to(results, r, target)
         if base is None:
             continue
-        t_base = time_to_loss(base["curve"]["elapsed_s"], base["curve"]["smoothed_loss"], target)
-        lower = t_base is None  # the dense run was stopped first: its whole time, a bound
-        t_base = base["train_time_s"] if lower else t_base
+        t_base, lower = base
         r["none_time_to_target_s"] = t_base
         if t is not None and t_base:
             r["speedup_vs_none"] = t_base / t
@@ -432,23 +445,10 @@ def add_half_milestone(results: List[Dict[str, Any]]) -> None:
         r["half_target_loss"] = target
         t = time_to_loss(r["curve"]["elapsed_s"], r["curve"]["smoothed_loss"], target)
         r["time_to_half_target_s"] = t
-        base = next(
-            (
-                x
-                for x in results
-                if x["label"] == "none"
-                and x["layout"] == r["layout"]
-                and x["rate"] == r["rate"]
-                and x["status"] in ("ok", "stopped")
-                and x.get("curve")
-            ),
-            None,
-        )
+        base = _none_time_to(results, r, target)
         if base is None:
             continue
-        t_base = time_to_loss(base["curve"]["elapsed_s"], base["curve"]["smoothed_loss"], target)
-        lower = t_base is None
-        t_base = base["train_time_s"] if lower else t_base
+        t_base, lower = base
         r["none_time_to_half_target_s"] = t_base
         if t is not None and t_base:
             r["speedup_half_vs_none"] = t_base / t

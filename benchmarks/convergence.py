@@ -46,20 +46,19 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (
-    CpuMonitor,
     MethodSettings,
     SweepReport,
     add_machine_args,
     add_method_args,
     driver_command,
     format_table,
+    fresh_run_dir,
     lr_schedule_flags,
     method_choices,
     parse_list,
     read_jsonl,
-    run_logged,
+    run_measured,
     shell_join,
-    wait_for_quiet,
 )
 from megatron_ext.report import final_loss, summarize_curve  # noqa: E402,F401
 
@@ -229,22 +228,10 @@ def train_command(args: argparse.Namespace, method: str, run_dir: str) -> List[s
 def run_one(args: argparse.Namespace, method: str, out_dir: str) -> Dict[str, Any]:
     """Train one method; returns its result record."""
     name = label(method, args)
-    run_dir = os.path.join(out_dir, "runs", name)
-    os.makedirs(run_dir, exist_ok=True)
-    for stale in ("log.jsonl", "comm_report.json"):
-        if os.path.exists(os.path.join(run_dir, stale)):
-            os.remove(os.path.join(run_dir, stale))
+    run_dir = fresh_run_dir(out_dir, name)
     cmd = train_command(args, method, run_dir)
-    quiet = wait_for_quiet(args.quiet_wait) if args.quiet_wait > 0 else None
     env = dict(os.environ, OMP_NUM_THREADS=str(args.num_threads))
-    with CpuMonitor() as mon:
-        code, wall = run_logged(
-            cmd,
-            os.path.join(run_dir, "stdout.txt"),
-            timeout=args.run_timeout,
-            env=env,
-            priority=args.priority,
-        )
+    code, wall, contention = run_measured(args, cmd, run_dir, args.run_timeout, env)
     shown = ["torchrun"] + [
         "python" if c == sys.executable else c for c in cmd[3:] if c != "torch.distributed.run"
     ]
@@ -259,7 +246,7 @@ def run_one(args: argparse.Namespace, method: str, out_dir: str) -> Dict[str, An
         "wall_s": wall,
         "command": shell_join(shown),
         "run_dir": os.path.relpath(run_dir, out_dir),
-        "contention": dict(mon.result(), quiet_wait=quiet),
+        "contention": contention,
     }
     log_path = os.path.join(run_dir, "log.jsonl")
     if os.path.exists(log_path):

@@ -57,18 +57,17 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    CpuMonitor,
     MethodSettings,
     SweepReport,
     add_machine_args,
     driver_command,
     format_table,
+    fresh_run_dir,
     lr_schedule_flags,
     parse_list,
     read_jsonl,
-    run_logged,
+    run_measured,
     shell_join,
-    wait_for_quiet,
 )
 from megatron_ext.report import summarize_curve  # noqa: E402
 
@@ -289,11 +288,7 @@ def run_one(
     label = point_label(args, point, iters)
     run_gbs = gbs // point.batch_div
     name = f"b{gbs}-{label}" + (f"-{bandwidth}" if bandwidth else "")
-    run_dir = os.path.join(out_dir, "runs", name.replace("/", "_"))
-    os.makedirs(run_dir, exist_ok=True)
-    for stale in ("log.jsonl", "comm_report.json", "netbench.json"):
-        if os.path.exists(os.path.join(run_dir, stale)):
-            os.remove(os.path.join(run_dir, stale))
+    run_dir = fresh_run_dir(out_dir, name.replace("/", "_"))
     train = train_command(args, point, run_gbs, iters, run_dir)
     limit = _per(args.time_limit, float).get(bandwidth or "", args.run_timeout)
     if bandwidth:
@@ -305,15 +300,8 @@ def run_one(
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node"]
         cmd += [str(args.nproc), "--master-port", str(_free_port())] + train[1:]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.num_threads))
-    quiet = wait_for_quiet(args.quiet_wait) if args.quiet_wait > 0 else None
-    with CpuMonitor() as mon:
-        code, wall = run_logged(
-            cmd,
-            os.path.join(run_dir, "stdout.txt"),
-            timeout=limit + 120 if bandwidth else limit,
-            env=env,
-            priority=args.priority,
-        )
+    timeout = limit + 120 if bandwidth else limit
+    code, wall, contention = run_measured(args, cmd, run_dir, timeout, env)
     result: Dict[str, Any] = {
         "label": label,
         "family": point.family,
@@ -333,7 +321,7 @@ def run_one(
         "flags": point_flags(args, point, iters),
         "command": shell_join(["python" if c == sys.executable else c for c in cmd]),
         "run_dir": os.path.relpath(run_dir, out_dir),
-        "contention": dict(mon.result(), quiet_wait=quiet),
+        "contention": contention,
     }
     log_path = os.path.join(run_dir, "log.jsonl")
     records = read_jsonl(log_path) if os.path.exists(log_path) else []

@@ -75,17 +75,16 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    CpuMonitor,
     SweepReport,
     add_machine_args,
     driver_command,
     format_table,
+    fresh_run_dir,
     lr_schedule_flags,
     parse_list,
     read_jsonl,
-    run_logged,
+    run_measured,
     shell_join,
-    wait_for_quiet,
 )
 
 __all__ = [
@@ -479,11 +478,7 @@ def run_one(
     """Check, then (if the driver accepts it) train one configuration; returns its record."""
     import json
 
-    run_dir = os.path.join(out_dir, "runs", f"{layout.name}-{rate}-{label}")
-    os.makedirs(run_dir, exist_ok=True)
-    for stale in ("log.jsonl", "comm_report.json", "netbench.json"):
-        if os.path.exists(os.path.join(run_dir, stale)):
-            os.remove(os.path.join(run_dir, stale))
+    run_dir = fresh_run_dir(out_dir, f"{layout.name}-{rate}-{label}")
     iters, flags = config_iters(config_flags(flags, layout), args.iters)
     train = train_command(args, layout, flags, run_dir, iters)
     limit = _per(args.time_limit).get(rate, args.run_timeout)
@@ -509,12 +504,8 @@ def run_one(
     if refusal is not None:
         result.update(status="refused", refusal=refusal, exit_code=None, wall_s=0.0)
         return result
-    quiet = wait_for_quiet(args.quiet_wait) if args.quiet_wait > 0 else None
-    with CpuMonitor() as mon:
-        code, wall = run_logged(
-            cmd, os.path.join(run_dir, "stdout.txt"), timeout=limit + 120, priority=args.priority
-        )
-    result.update(exit_code=code, wall_s=wall, contention=dict(mon.result(), quiet_wait=quiet))
+    code, wall, contention = run_measured(args, cmd, run_dir, limit + 120)
+    result.update(exit_code=code, wall_s=wall, contention=contention)
     log_path = os.path.join(run_dir, "log.jsonl")
     records = read_jsonl(log_path) if os.path.exists(log_path) else []
     if records:

@@ -50,20 +50,19 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (
-    CpuMonitor,
     MethodSettings,
     SweepReport,
     add_machine_args,
     add_method_args,
     driver_command,
     format_table,
+    fresh_run_dir,
     median,
     method_choices,
     parse_list,
     read_jsonl,
-    run_logged,
+    run_measured,
     shell_join,
-    wait_for_quiet,
 )
 from megatron_ext.report import is_compressed, mean_bytes  # noqa: E402
 
@@ -432,11 +431,7 @@ def run_one(
     nproc, pp, _ = LAYOUTS[layout]
     iters = _iters_for(args, bandwidth)
     name = f"{layout}-{method}-{bandwidth}-r{round_index + 1}"
-    run_dir = os.path.join(out_dir, "runs", name)
-    os.makedirs(run_dir, exist_ok=True)
-    for stale in ("log.jsonl", "comm_report.json", "netbench.json"):
-        if os.path.exists(os.path.join(run_dir, stale)):
-            os.remove(os.path.join(run_dir, stale))
+    run_dir = fresh_run_dir(out_dir, name)
     train = train_command(args, method, pp, iters, run_dir)
     cmd = netbench_command(
         nproc,
@@ -447,14 +442,7 @@ def run_one(
         train,
         shape=args.shape,
     )
-    quiet = wait_for_quiet(args.quiet_wait) if args.quiet_wait > 0 else None
-    with CpuMonitor() as mon:
-        code, wall = run_logged(
-            cmd,
-            os.path.join(run_dir, "stdout.txt"),
-            timeout=args.run_timeout + 120,
-            priority=args.priority,
-        )
+    code, wall, contention = run_measured(args, cmd, run_dir, args.run_timeout + 120)
     result: Dict[str, Any] = {
         "layout": layout,
         "nproc": nproc,
@@ -472,7 +460,7 @@ def run_one(
             ["megatron-ext"] + ["python" if c == sys.executable else c for c in cmd[3:]]
         ),
         "run_dir": os.path.relpath(run_dir, out_dir),
-        "contention": dict(mon.result(), quiet_wait=quiet),
+        "contention": contention,
     }
     result["family"] = args.family
     result["method_options"] = MethodSettings(args, args.family).options(method)

@@ -12,7 +12,8 @@ make_report``):
   :mod:`megatron_ext.report`;
 * :mod:`.models`: GPT presets' shapes and PowerSGD's rank at equal bytes;
 * :mod:`.methods`: the registry's methods as benchmark flags and settings;
-* :mod:`.runs`: the CPU driver's command, logged command runs, list flags, the median.
+* :mod:`.runs`: the CPU driver's command, its run folder, logged and measured command runs,
+  list flags, the median.
 
 A driver run's layout is checked with ``megatron_ext.train_config.layout_sizes``, the driver's
 own check. Torch is imported lazily (only :func:`environment` needs it), so the step-time and
@@ -53,10 +54,12 @@ from benchmarks.common.reports import (
 )
 from benchmarks.common.runs import (
     driver_command,
+    fresh_run_dir,
     lr_schedule_flags,
     median,
     parse_list,
     run_logged,
+    run_measured,
     shell_join,
 )
 from megatron_ext.report import read_jsonl
@@ -89,6 +92,8 @@ __all__ = [
     "median",
     "read_jsonl",
     "run_logged",
+    "run_measured",
+    "fresh_run_dir",
     "parse_list",
     "shell_join",
     "CpuMonitor",

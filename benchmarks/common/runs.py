@@ -1,8 +1,9 @@
 """Running a benchmark's commands and summarizing them: logged runs, lists, the median.
 
 :func:`driver_command` and :func:`lr_schedule_flags` build the CPU driver runs the training
-benchmarks make, :func:`run_logged` runs a command with its output in a log file (optionally
-at raised priority), :func:`parse_list` reads comma-separated flag values,
+benchmarks make, :func:`fresh_run_dir` and :func:`run_measured` run one of them,
+:func:`run_logged` runs a command with its output in a log file (optionally at raised
+priority), :func:`parse_list` reads comma-separated flag values,
 :func:`shell_join` prints a copy-pasteable command, :func:`median` is the statistic.
 """
 
@@ -14,11 +15,13 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from benchmarks.common.machine import PriorityBooster
+from benchmarks.common.machine import CpuMonitor, PriorityBooster, wait_for_quiet
 
 __all__ = [
     "driver_command",
     "lr_schedule_flags",
+    "fresh_run_dir",
+    "run_measured",
     "median",
     "shell_join",
     "run_logged",
@@ -134,6 +137,46 @@ def run_logged(
                     proc.wait()
                 code = 124
     return code, time.time() - t0
+
+
+def fresh_run_dir(out_dir: str, name: str) -> str:
+    """``<out_dir>/runs/<name>``, made, without the outputs an earlier run left there
+    (``log.jsonl``, ``comm_report.json``, ``netbench.json``) for the benchmark to read back
+    as this run's; returns the path."""
+    run_dir = os.path.join(out_dir, "runs", name)
+    os.makedirs(run_dir, exist_ok=True)
+    for stale in ("log.jsonl", "comm_report.json", "netbench.json"):
+        if os.path.exists(os.path.join(run_dir, stale)):
+            os.remove(os.path.join(run_dir, stale))
+    return run_dir
+
+
+def run_measured(
+    args: Any,
+    cmd: Sequence[str],
+    run_dir: str,
+    timeout: float,
+    env: Optional[Dict[str, str]] = None,
+) -> Tuple[int, float, Dict[str, Any]]:
+    """Run one measured command of a benchmark on the shared machine: first wait up to
+    ``args.quiet_wait`` seconds for it to be quiet (:func:`wait_for_quiet`; not at 0), then
+    run ``cmd`` at ``args.priority`` with its output in ``<run_dir>/stdout.txt``
+    (:func:`run_logged`) while :class:`CpuMonitor` watches the other processes.
+
+    Returns:
+        The exit code, the wall seconds, and the contention record (the monitor's result
+        and ``quiet_wait``, what the wait found).
+    """
+    quiet = wait_for_quiet(args.quiet_wait) if args.quiet_wait > 0 else None
+    with CpuMonitor() as mon:
+        code, wall = run_logged(
+            cmd,
+            os.path.join(run_dir, "stdout.txt"),
+            timeout=timeout,
+            env=env,
+            priority=args.priority,
+        )
+    return code, wall, dict(mon.result(), quiet_wait=quiet)
 
 
 def parse_list(text: str, kind=str) -> List[Any]:

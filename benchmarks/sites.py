@@ -359,12 +359,17 @@ def _dense_reference(results: List[Dict[str, Any]], r: Dict[str, Any]) -> Option
     return (same or complete or [None])[0]
 
 
-def _none_time_to(
-    results: List[Dict[str, Any]], r: Dict[str, Any], target: float
-) -> Optional[Tuple[float, bool]]:
-    """The measured time of the ``none`` run at ``r``'s layout and rate to reach ``target``,
-    and whether it is a lower bound (that run was stopped first: its whole training time);
-    ``None`` without such a run."""
+def _compare_times(
+    results: List[Dict[str, Any]], r: Dict[str, Any], target: float, kind: str = ""
+) -> Optional[float]:
+    """Time to ``target``: ``r``'s measured time to reach it (``time_to_<kind>target_s``), the
+    ``none`` run's at the same layout and rate (``none_time_to_<kind>target_s``) and the
+    speed-up over it (``speedup_<kind>vs_none``); when that ``none`` run was stopped before
+    reaching the target, its whole training time, and the speed-up a lower bound
+    (``speedup_<kind>is_lower_bound``). ``kind``: ``""`` or ``"half_"``. Returns ``r``'s time
+    (``None`` when not reached)."""
+    t = time_to_loss(r["curve"]["elapsed_s"], r["curve"]["smoothed_loss"], target)
+    r[f"time_to_{kind}target_s"] = t
     base = next(
         (
             x
@@ -378,11 +383,15 @@ def _none_time_to(
         None,
     )
     if base is None:
-        return None
+        return t
     t_base = time_to_loss(base["curve"]["elapsed_s"], base["curve"]["smoothed_loss"], target)
-    if t_base is None:
-        return base["train_time_s"], True
-    return t_base, False
+    lower = t_base is None  # the dense run was stopped first: its whole time, a bound
+    t_base = base["train_time_s"] if lower else t_base
+    r[f"none_time_to_{kind}target_s"] = t_base
+    if t is not None and t_base:
+        r[f"speedup_{kind}vs_none"] = t_base / t
+        r[f"speedup_{kind}is_lower_bound"] = lower
+    return t
 
 
 def add_comparisons(results: List[Dict[str, Any]]) -> None:
@@ -410,17 +419,7 @@ def add_comparisons(results: List[Dict[str, Any]]) -> None:
         r["target_loss"], r["target_from_rate"] = target, ref["rate"]
         if r["status"] == "ok":
             r["gap_pct"] = 100.0 * (r["final_loss"] - target) / target
-        t = time_to_loss(r["curve"]["elapsed_s"], r["curve"]["smoothed_loss"], target)
-        r["reached_target"] = t is not None
-        r["time_to_target_s"] = t
-        base = _none_time_to(results, r, target)
-        if base is None:
-            continue
-        t_base, lower = base
-        r["none_time_to_target_s"] = t_base
-        if t is not None and t_base:
-            r["speedup_vs_none"] = t_base / t
-            r["speedup_is_lower_bound"] = lower
+        r["reached_target"] = _compare_times(results, r, target) is not None
     add_half_milestone(results)
 
 
@@ -442,16 +441,7 @@ def add_half_milestone(results: List[Dict[str, Any]]) -> None:
         if target is None:
             continue
         r["half_target_loss"] = target
-        t = time_to_loss(r["curve"]["elapsed_s"], r["curve"]["smoothed_loss"], target)
-        r["time_to_half_target_s"] = t
-        base = _none_time_to(results, r, target)
-        if base is None:
-            continue
-        t_base, lower = base
-        r["none_time_to_half_target_s"] = t_base
-        if t is not None and t_base:
-            r["speedup_half_vs_none"] = t_base / t
-            r["speedup_half_is_lower_bound"] = lower
+        _compare_times(results, r, target, "half_")
 
 
 # -- running -------------------------------------------------------------------------------

@@ -397,23 +397,26 @@ class _OneSiteTransport:
     def __init__(self, state_dict, load_state_dict, device):
         self.load_state_dict = load_state_dict
         self.heal_from = None
+        self.heal_at = 0  # quorums to pass before healing from heal_from
+        self.votes = []  # the next commit votes (then True)
         self.steps = 0
 
     def quorum(self):
-        if self.heal_from is not None:
+        if self.heal_from is not None and self.heal_at == 0:
             state, self.heal_from = self.heal_from, None
             self.load_state_dict(state)
+        self.heal_at -= 1
 
     def sum_and_commit(self, buf):
-        self.steps += 1
-        return True
+        return self.commit()
 
     def start_sum(self, buf):
         return SimpleNamespace(wait=lambda: None)
 
     def commit(self):
-        self.steps += 1
-        return True
+        vote = self.votes.pop(0) if self.votes else True
+        self.steps += vote
+        return vote
 
     def group(self):
         return None
@@ -516,3 +519,28 @@ def test_exchanges_and_transports_implement_their_contracts():
     assert isinstance(compressed, PseudoGradientExchange)
     for transport in (TorchftTransport, _OneSiteTransport):
         assert issubclass(transport, SitesTransport), transport
+
+
+def test_torchft_site_whose_vote_failed_heals_at_the_retry():
+    """torchft's commit vote is per site: a site whose exchange failed while the others
+    committed is behind, and torchft heals it at its next quorum (the retry of the same
+    outer step). It then takes the others' count and fragment, contributes nothing, and
+    holds the global weights everywhere (its own progress since is dropped)."""
+    live, _, live_step = _ft_site(0)
+    for _ in range(16):  # the others' next outer step: fragment 0's, after step 16
+        live_step()
+    live._at = (16, 0, None)
+    state = live.outer_state()
+    site, params, step = _ft_site(0)
+    for _ in range(13):
+        step()
+    site.transport.votes = [False]  # its outer step after step 14 (fragment 1) fails ...
+    site.transport.heal_from, site.transport.heal_at = state, 1  # ... healed at the retry
+    step()
+    kinds = [e["event"] for e in site.events[-3:]]
+    assert kinds == ["retry", "healed", "commit"], site.events[-3:]
+    last = site.events[-1]
+    assert last["fragment"] == 0 and last["weight"] == "0", last
+    assert site._count == 16
+    for name, p in params.items():
+        assert torch.equal(p.detach(), state["snapshot"][name]), name

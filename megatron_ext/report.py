@@ -57,6 +57,7 @@ from megatron_ext.report_style import (
     loss_limits,
     pyplot,
     run_colors,
+    save_figure,
     smooth,
     smoothing_window,
 )
@@ -568,10 +569,7 @@ def _plot_loss_vs_step(data: RunData, path: str, window: int) -> Optional[str]:
     ax.grid(alpha=0.3)
     ax.legend()
     _clip_loss_axis(ax, shown)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _clip_loss_axis(ax, curves) -> None:
@@ -632,10 +630,7 @@ def _plot_loss_vs_time(data: RunData, path: str, window: int) -> Optional[str]:
         "method and step kind, dense or compressed; not an end-to-end run)",
         fontsize=9,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _bytes_rows(data: RunData) -> List[Tuple[str, Dict[str, Dict[str, float]]]]:
@@ -698,10 +693,7 @@ def _plot_bytes(data: RunData, path: str) -> Optional[str]:
     ax.set_title("Bytes per step: sent (solid) vs uncompressed (hatched)", fontsize=10)
     ax.legend(fontsize=7, ncol=2, loc="upper right")
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _kernel_series(data: RunData) -> Dict[Tuple[str, int], Dict[str, List[Tuple[int, float]]]]:
@@ -751,10 +743,7 @@ def _plot_kernels(data: RunData, path: str) -> Optional[str]:
         ax.legend(fontsize=8)
     ratio = (data.settings.get("kernels") or {}).get("ratio", "?")
     fig.suptitle(f"Compression kernels at ratio {ratio} (median; lower is better)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _kernel_sort(name: str) -> Tuple[int, int]:

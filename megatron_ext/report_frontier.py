@@ -35,6 +35,7 @@ from megatron_ext.report_style import (
     baseline_style,
     pyplot,
     run_colors,
+    save_figure,
     table,
 )
 
@@ -437,10 +438,7 @@ def plot_frontier(records: Sequence[Dict[str, Any]], path: str) -> Optional[str]
             ax.grid(alpha=0.3)
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_loss_vs_wallclock(records: Sequence[Dict[str, Any]], path: str) -> Optional[str]:
@@ -478,7 +476,4 @@ def plot_loss_vs_wallclock(records: Sequence[Dict[str, Any]], path: str) -> Opti
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -38,7 +38,14 @@ import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 # Shared table, rate-order and pyplot helpers of the frontier report (same package).
-from megatron_ext.report_style import bandwidth_key, baseline_style, pyplot, run_colors, table
+from megatron_ext.report_style import (
+    bandwidth_key,
+    baseline_style,
+    pyplot,
+    run_colors,
+    save_figure,
+    table,
+)
 
 __all__ = [
     "SECTION_TITLE",
@@ -378,7 +385,4 @@ def plot_loss_vs_time(records: Sequence[Dict[str, Any]], path: str) -> Optional[
             ax.legend(fontsize=7)
     for k in range(len(panels), nrows * ncols):
         axes[k // ncols][k % ncols].axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

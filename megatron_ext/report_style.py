@@ -3,12 +3,13 @@
 What it does:
     * markdown: :func:`fmt` (a number as a table cell), :func:`table` (a markdown table);
     * order: :func:`bandwidth_key` (unshaped first, then fastest to slowest link rate);
-    * plots: :func:`pyplot` (matplotlib on the Agg backend), :func:`run_colors` (a distinct
-      colour per curve, methods keeping their usual colour where it is free),
-      :func:`baseline_style` (``none`` drawn dashed and on top), :func:`curve_markers` (a
-      marker shape per curve, so coinciding curves stay visible), :func:`smooth` and
-      :func:`smoothing_window` (a moving mean short enough for the run), and
-      :func:`loss_limits` (a y-range that shows every curve past its first records).
+    * plots: :func:`pyplot` (matplotlib on the Agg backend), :func:`save_figure` (lay out,
+      write and close a figure), :func:`run_colors` (a distinct colour per curve, methods
+      keeping their usual colour where it is free), :func:`baseline_style` (``none`` drawn
+      dashed and on top), :func:`curve_markers` (a marker shape per curve, so coinciding
+      curves stay visible), :func:`smooth` and :func:`smoothing_window` (a moving mean
+      short enough for the run), and :func:`loss_limits` (a y-range that shows every curve
+      past its first records).
 
 Why:
     ``report.py``, ``report_frontier.py`` and ``report_sites.py`` each drew curves; with a
@@ -33,6 +34,7 @@ __all__ = [
     "table",
     "bandwidth_key",
     "pyplot",
+    "save_figure",
     "run_colors",
     "baseline_style",
     "smooth",
@@ -103,6 +105,14 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig: Any, path: str) -> str:
+    """Lay ``fig`` out tightly, write it to ``path`` (110 dpi), close it; returns ``path``."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return path
 
 
 def run_colors(curves: Sequence[Tuple[str, str]]) -> Dict[str, str]:

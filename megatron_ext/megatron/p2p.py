@@ -172,7 +172,6 @@ class ExtP2PCommunicator(P2PCommunicator):
         wait_on_reqs: bool = True,
     ):
         config = self.config
-        codec = self.codec
         if config.variable_seq_lengths or config.mtp_standalone:
             recv_prev_shape, recv_next_shape = self._communicate_shapes(
                 tensor_send_next, tensor_send_prev, recv_prev, recv_next
@@ -190,24 +189,12 @@ class ExtP2PCommunicator(P2PCommunicator):
         # Sends: forward activations to the next stage, gradients to the previous one.
         send_next_payload = send_prev_payload = None
         if tensor_send_next is not None:
-            ctx = self._context("forward", "fwd_send")
-            send_next_payload = codec.encode(tensor_send_next, ctx)
-            self._record(
-                "pp-act",
-                payload=send_next_payload,
-                dense_shape=tensor_send_next.shape,
-                dense_dtype=tensor_send_next.dtype,
-                send=True,
+            send_next_payload = self._send_payload(
+                tensor_send_next, "forward", "fwd_send", "pp-act"
             )
         if tensor_send_prev is not None:
-            ctx = self._context("backward", "bwd_send")
-            send_prev_payload = codec.encode(tensor_send_prev, ctx)
-            self._record(
-                "pp-grad",
-                payload=send_prev_payload,
-                dense_shape=tensor_send_prev.shape,
-                dense_dtype=tensor_send_prev.dtype,
-                send=True,
+            send_prev_payload = self._send_payload(
+                tensor_send_prev, "backward", "bwd_send", "pp-grad"
             )
 
         # Receives: payload buffers of the codec's declared size.
@@ -288,6 +275,18 @@ class ExtP2PCommunicator(P2PCommunicator):
         if config.batch_p2p_comm and config.batch_p2p_sync:
             torch.cuda.synchronize()
         return tensor_recv_prev, tensor_recv_next, reqs
+
+    def _send_payload(self, tensor, direction: str, counter: str, category: str):
+        """The codec's payload for one send, its bytes recorded under ``category``."""
+        payload = self.codec.encode(tensor, self._context(direction, counter))
+        self._record(
+            category,
+            payload=payload,
+            dense_shape=tensor.shape,
+            dense_dtype=tensor.dtype,
+            send=True,
+        )
+        return payload
 
     def _recv_buffer(self, shape, dtype, direction: str, counter: str):
         """Context and payload buffer for one receive (megatron's exact buffer for identity)."""

@@ -22,7 +22,7 @@ Constraints:
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -101,18 +101,15 @@ def check_megatron_lm_args(args: Any, cfg: ExtConfig) -> None:
         # weights. TE's precision-aware FusedAdam keeps scaled low-precision moments (read
         # through get_unscaled_state) and the master inside the optimizer, and the CPU
         # offload wrapper hides the AdamW mode: the selection would be silently wrong.
-        for flag, attr in (
-            ("--use-precision-aware-optimizer", "use_precision_aware_optimizer"),
-            ("--optimizer-cpu-offload", "optimizer_cpu_offload"),
-        ):
-            if getattr(args, attr, False):
-                raise ConfigError(
-                    ["--grad-compression", flag],
-                    "Radius reads the fp32 Adam moments and master weights of megatron's "
-                    "optimizer to choose its entries; with this flag they are kept elsewhere "
-                    "(scaled low-precision moments, or on the host behind a wrapper), so the "
-                    "selection would be wrong. Drop the flag or choose another method",
-                )
+        flag = _optimizer_state_elsewhere(args)
+        if flag is not None:
+            raise ConfigError(
+                ["--grad-compression", flag],
+                "Radius reads the fp32 Adam moments and master weights of megatron's "
+                "optimizer to choose its entries; with this flag they are kept elsewhere "
+                "(scaled low-precision moments, or on the host behind a wrapper), so the "
+                "selection would be wrong. Drop the flag or choose another method",
+            )
     if cfg.enabled("linear"):
         check_grass_optimizer(args)
     from megatron_ext.megatron.lm.requirements import (
@@ -230,15 +227,25 @@ def check_grass_optimizer(args: Any) -> None:
             f"{why}; got decoupled_weight_decay=False (Adam with L2 weight decay, which would "
             "put the decay into the moments of V, the change since the selection)",
         )
+    flag = _optimizer_state_elsewhere(args)
+    if flag is not None:
+        raise ConfigError(
+            ["--grass-method", flag],
+            f"{why} with fp32 moments next to megatron's fp32 main parameters; with this "
+            "flag they are kept elsewhere (scaled low-precision moments and master "
+            "weights inside TE's FusedAdam, or on the host behind a wrapper), where a "
+            "reselection cannot zero or move them. Drop the flag",
+        )
+
+
+def _optimizer_state_elsewhere(args: Any) -> Optional[str]:
+    """The first flag set in ``args`` that keeps Adam's moments and master weights outside
+    megatron's fp32 optimizer state (TE's precision-aware FusedAdam, the CPU offload
+    wrapper), or None."""
     for flag, attr in (
         ("--use-precision-aware-optimizer", "use_precision_aware_optimizer"),
         ("--optimizer-cpu-offload", "optimizer_cpu_offload"),
     ):
         if getattr(args, attr, False):
-            raise ConfigError(
-                ["--grass-method", flag],
-                f"{why} with fp32 moments next to megatron's fp32 main parameters; with this "
-                "flag they are kept elsewhere (scaled low-precision moments and master "
-                "weights inside TE's FusedAdam, or on the host behind a wrapper), where a "
-                "reselection cannot zero or move them. Drop the flag",
-            )
+            return flag
+    return None

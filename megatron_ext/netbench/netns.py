@@ -76,6 +76,7 @@ __all__ = [
     "cleanup_stale",
     "netns_unavailable_reason",
     "rank_command",
+    "torchrun_env",
 ]
 
 DEFAULT_PREFIX = "mxnb"
@@ -227,6 +228,31 @@ def rank_command(namespace: str, env: Mapping[str, str], command: Sequence[str])
         + [f"{k}={v}" for k, v in env.items()]
         + [str(part) for part in command]
     )
+
+
+def torchrun_env(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    env_extra: Optional[Mapping[str, str]] = None,
+) -> Dict[str, str]:
+    """torchrun's variables for ``rank`` of a one-node world of ``world_size`` (``LOCAL_RANK``
+    the rank, ``LOCAL_WORLD_SIZE`` the world size), gloo on :data:`RANK_IFNAME`, unbuffered
+    output; ``env_extra`` on top (values as strings)."""
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "GLOO_SOCKET_IFNAME": RANK_IFNAME,
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.update({k: str(v) for k, v in (env_extra or {}).items()})
+    return env
 
 
 def _list_namespaces() -> List[str]:
@@ -698,19 +724,7 @@ class ShapedNetwork:
         All ranks share one machine (and its accelerators), so ``LOCAL_RANK`` is the global
         rank and ``LOCAL_WORLD_SIZE`` the world size, as torchrun would set on one node.
         """
-        env = {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(self.num_ranks),
-            "LOCAL_WORLD_SIZE": str(self.num_ranks),
-            "GROUP_RANK": "0",
-            "MASTER_ADDR": self.address(0),
-            "MASTER_PORT": str(self.master_port),
-            "GLOO_SOCKET_IFNAME": RANK_IFNAME,
-            "PYTHONUNBUFFERED": "1",
-        }
-        env.update({k: str(v) for k, v in (env_extra or {}).items()})
-        return env
+        return torchrun_env(rank, self.num_ranks, self.address(0), self.master_port, env_extra)
 
     def start(
         self,

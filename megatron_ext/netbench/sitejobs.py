@@ -35,8 +35,8 @@ from typing import Dict, FrozenSet, Mapping, Optional, Sequence, Tuple
 from megatron_ext.netbench.netns import (
     DEFAULT_MASTER_PORT,
     DEFAULT_PREFIX,
-    RANK_IFNAME,
     ShapedNetwork,
+    torchrun_env,
 )
 
 __all__ = ["SiteJobsNetwork", "site_job_pairs"]
@@ -115,19 +115,7 @@ class SiteJobsNetwork:
     def site_env(self, site: int, env_extra: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
         """A site job's variables: a one-rank world's torchrun set with ``MASTER_ADDR`` the
         site's address, gloo on the namespace's interface, unbuffered output."""
-        env = {
-            "RANK": "0",
-            "LOCAL_RANK": "0",
-            "WORLD_SIZE": "1",
-            "LOCAL_WORLD_SIZE": "1",
-            "GROUP_RANK": "0",
-            "MASTER_ADDR": self.address(site),
-            "MASTER_PORT": str(self.master_port),
-            "GLOO_SOCKET_IFNAME": RANK_IFNAME,
-            "PYTHONUNBUFFERED": "1",
-        }
-        env.update({k: str(v) for k, v in (env_extra or {}).items()})
-        return env
+        return torchrun_env(0, 1, self.address(site), self.master_port, env_extra)
 
     def start_site(
         self,

@@ -138,30 +138,20 @@ class MegatronOptimizerView(OptimizerView):
                 self._group_fqns[id(leaf)] = sorted(whole)
                 for model_param, (gi, go) in leaf.model_param_group_index_map.items():
                     self._by_fqn[names[model_param]] = ("dist", leaf, model_param, gi, go)
-            elif hasattr(leaf, "float16_groups"):
-                for gi, group in enumerate(leaf.float16_groups):
-                    for j, model_param in enumerate(group):
-                        main = leaf.fp32_from_float16_groups[gi][j]
-                        self._by_fqn[names[model_param]] = ("main", leaf, model_param, main, gi)
-                for gi, group in enumerate(leaf.fp32_from_fp32_groups):
-                    for model_param in group:
-                        self._by_fqn[names[model_param]] = (
-                            "main",
-                            leaf,
-                            model_param,
-                            model_param,
-                            gi,
-                        )
             else:
-                for gi, group in enumerate(leaf.optimizer.param_groups):
-                    for model_param in group["params"]:
-                        self._by_fqn[names[model_param]] = (
-                            "main",
-                            leaf,
-                            model_param,
-                            model_param,
-                            gi,
-                        )
+                if hasattr(leaf, "float16_groups"):
+                    for gi, group in enumerate(leaf.float16_groups):
+                        for j, model_param in enumerate(group):
+                            main = leaf.fp32_from_float16_groups[gi][j]
+                            self._by_fqn[names[model_param]] = ("main", leaf, model_param, main, gi)
+                    # fp32 parameters: the model parameter is its own main parameter.
+                    own_main = leaf.fp32_from_fp32_groups
+                else:
+                    own_main = [group["params"] for group in leaf.optimizer.param_groups]
+                for gi, group in enumerate(own_main):
+                    for model_param in group:
+                        entry = ("main", leaf, model_param, model_param, gi)
+                        self._by_fqn[names[model_param]] = entry
 
         for leaf in self._leaves:
             mine = sorted(f for f, entry in self._by_fqn.items() if entry[1] is leaf)

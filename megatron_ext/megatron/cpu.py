@@ -300,16 +300,23 @@ _BATCH_INVARIANT = "megatron.core.transformer.custom_layers.batch_invariant_kern
 _PAGED_STASH_OPS = "megatron.core.transformer.moe.ops.paged_stash"
 
 
-def _batch_invariant_stand_in() -> types.ModuleType:
-    """Module with the public names of batch_invariant_kernels, for machines without triton."""
-    module = types.ModuleType(_BATCH_INVARIANT)
+def _stand_in_module(name: str, feature: str) -> Tuple[types.ModuleType, Callable[..., Any]]:
+    """An empty stand-in module ``name`` and the function its triton kernels become: it
+    raises that ``feature`` needs triton."""
+    module = types.ModuleType(name)
     module.__doc__ = "megatron-ext CPU stand-in: triton is not installed."
 
     def unavailable(*args, **kwargs):
         raise RuntimeError(
-            "--batch-invariant-mode needs triton (a GPU build); megatron-ext's CPU execution "
-            "replaced megatron.core.transformer.custom_layers.batch_invariant_kernels"
+            f"{feature} needs triton (a GPU build); megatron-ext's CPU execution replaced {name}"
         )
+
+    return module, unavailable
+
+
+def _batch_invariant_stand_in() -> types.ModuleType:
+    """Module with the public names of batch_invariant_kernels, for machines without triton."""
+    module, unavailable = _stand_in_module(_BATCH_INVARIANT, "--batch-invariant-mode")
 
     @contextlib.contextmanager
     def set_batch_invariant_mode(enabled: bool = True):
@@ -326,15 +333,7 @@ def _batch_invariant_stand_in() -> types.ModuleType:
 
 def _paged_stash_stand_in() -> types.ModuleType:
     """Module with the public names of moe.ops.paged_stash (0.19), for machines without triton."""
-    module = types.ModuleType(_PAGED_STASH_OPS)
-    module.__doc__ = "megatron-ext CPU stand-in: triton is not installed."
-
-    def unavailable(*args, **kwargs):
-        raise RuntimeError(
-            "the MoE paged stash needs triton (a GPU build); megatron-ext's CPU execution "
-            f"replaced {_PAGED_STASH_OPS}"
-        )
-
+    module, unavailable = _stand_in_module(_PAGED_STASH_OPS, "the MoE paged stash")
     module.GLOBAL_BLOCK_SIZE = 1024
     module.paged_stash_copy_kernel = unavailable
     module.paged_stash_pop_kernel = unavailable

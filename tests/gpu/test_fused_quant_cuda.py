@@ -26,6 +26,7 @@ import torch
 
 from megatron_ext import kernels
 from megatron_ext.kernels import quant as Q
+from tests.helpers.fused_modes import eager_and_compiled, fresh_kernel_mode
 
 pytestmark = pytest.mark.gpu
 
@@ -35,25 +36,12 @@ VALUES_REL = 1e-6
 
 @pytest.fixture(autouse=True)
 def _mode_restored(monkeypatch):
-    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
-    kernels.set_mode(None)
-    yield
-    kernels.set_mode(None)
+    yield from fresh_kernel_mode(monkeypatch)
 
 
 def _randn(*shape, seed=0, dtype=torch.float32, device="cpu", scale=1.0):
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype).to(device)
-
-
-def _both(op, *args, **kwargs):
-    kernels.set_mode("off")
-    eager = op(*args, **kwargs)
-    kernels.set_mode("on")
-    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        compiled = op(*args, **kwargs)
-    kernels.set_mode(None)
-    return eager, compiled
 
 
 def _close(a, b, what):
@@ -80,10 +68,10 @@ def test_sample_kernels_compiled_match_eager_on_device(dev):
         (x, None, None, 8, "token"),  # gradients
         (x.float(), None, seed, 3, "microbatch"),  # DirectQ, generic packing
     ]:
-        eager, compiled = _both(Q.quant_pack, *args)
+        eager, compiled = eager_and_compiled(Q.quant_pack, *args)
         _close(eager, compiled, f"quant_pack {args[3]} bits {args[4]}")
     payload = Q.quant_pack(x, m, seed, 4, "channel")
-    out = _both(
+    out = eager_and_compiled(
         Q.unpack_dequant,
         Q.quant_pack(x, None, None, 8, "token"),
         8,
@@ -94,14 +82,14 @@ def test_sample_kernels_compiled_match_eager_on_device(dev):
         torch.bfloat16,
     )
     _close(*out, "unpack_dequant")
-    recv = _both(Q.aqsgd_decode_stage, payload, m, 4, "channel", torch.bfloat16)
-    send = _both(Q.aqsgd_decode_stage, payload, m, 4, "channel", None)
+    recv = eager_and_compiled(Q.aqsgd_decode_stage, payload, m, 4, "channel", torch.bfloat16)
+    send = eager_and_compiled(Q.aqsgd_decode_stage, payload, m, 4, "channel", None)
     for i in range(3):
         _close(recv[0][i], recv[1][i], f"decode_stage output {i}")
     # compiled: the sender's and the receiver's graphs stage the very same rows
     for i in range(3):
         assert torch.equal(send[1][i], recv[1][i]), i
-    first = _both(Q.aqsgd_stage, x, torch.float16)
+    first = eager_and_compiled(Q.aqsgd_stage, x, torch.float16)
     for i in range(3):
         _close(first[0][i], first[1][i], f"aqsgd_stage output {i}")
 
@@ -112,11 +100,13 @@ def test_exchange_kernels_compiled_match_eager_on_device(dev):
     grad = _randn(n, seed=4, dtype=torch.bfloat16, device=dev)
     error = _randn(size, padded, seed=5, device=dev, scale=0.01)
     seed = Q.draw_seed(dev)
-    send = _both(Q.quantized_encode_rows, grad, error, seed, 4, block, size, part)
+    send = eager_and_compiled(Q.quantized_encode_rows, grad, error, seed, 4, block, size, part)
     _close(send[0][0], send[1][0], "worker bytes")
     _close(send[0][1], send[1][1], "worker error")
     recv = send[0][0]  # every partition from this rank (the shapes of an all-to-all)
-    red = _both(Q.quantized_reduce_rows, recv, error[0], seed, 4, block, part, False, True)
+    red = eager_and_compiled(
+        Q.quantized_reduce_rows, recv, error[0], seed, 4, block, part, False, True
+    )
     _close(red[0][2], red[1][2], "server bytes")
     _close(red[0][3], red[1][3], "server error")
     gathered = torch.stack([red[0][2]] * size)
@@ -138,9 +128,11 @@ def test_aqsgd_row_kernels_compiled_match_eager_on_device(dev):
     index = torch.tensor([7, 2, 19, 11, 0, 5], device=dev)
     x = _randn(64, 6, 200, seed=5, dtype=torch.bfloat16, device=dev).transpose(0, 1)
     seed = Q.draw_seed(dev, torch.Generator(device=dev).manual_seed(6))
-    payload = _both(Q.aqsgd_encode_rows, x, table, index, seed, 4, "channel")
+    payload = eager_and_compiled(Q.aqsgd_encode_rows, x, table, index, seed, 4, "channel")
     _close(*payload, "aqsgd_encode_rows")
-    out = _both(Q.aqsgd_decode_rows, payload[0], table, index, 4, "channel", torch.bfloat16)
+    out = eager_and_compiled(
+        Q.aqsgd_decode_rows, payload[0], table, index, 4, "channel", torch.bfloat16
+    )
     _close(*out, "aqsgd_decode_rows")
     tables = [table.clone(), table.clone()]
     kernels.set_mode("off")

@@ -14,14 +14,12 @@ from megatron_ext.config import (
     ext_config_from_flags,
     validate_ext_config,
 )
+from tests.helpers.fused_modes import fresh_kernel_mode
 
 
 @pytest.fixture(autouse=True)
 def _reset_mode(monkeypatch):
-    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
-    kernels.set_mode(None)
-    yield
-    kernels.set_mode(None)
+    yield from fresh_kernel_mode(monkeypatch)
 
 
 def test_modes_decide_per_device(monkeypatch):

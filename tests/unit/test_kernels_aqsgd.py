@@ -33,32 +33,12 @@ from megatron_ext.collectives.p2p import P2PContext
 from megatron_ext.kernels import quant as Q
 from megatron_ext.methods.aqsgd import AQSGDConfig
 from megatron_ext.methods.registry import SampleSpace
+from tests.helpers.fused_modes import assert_same, fresh_kernel_mode, seeded_randn
 
 
 @pytest.fixture(autouse=True)
 def _eager_after(monkeypatch):
-    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
-    kernels.set_mode(None)
-    yield
-    kernels.set_mode(None)
-
-
-def _randn(*shape, seed=0, dtype=torch.float32, scale=1.0):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
-
-
-def _same(a, b, what):
-    """Bitwise equality (NaN == NaN), dtype and shape included."""
-    if isinstance(a, (tuple, list)):
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{what}[{i}]")
-        return
-    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
-    if a.dtype.is_floating_point:
-        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=what)
-    else:
-        assert torch.equal(a, b), what
+    yield from fresh_kernel_mode(monkeypatch)
 
 
 def _same_payload(a, b, k, rows, cols, bits, granularity, what):
@@ -68,7 +48,7 @@ def _same_payload(a, b, k, rows, cols, bits, granularity, what):
     (module docstring of megatron_ext/kernels/quant.py)."""
     assert a.shape == b.shape and a.dtype == b.dtype == torch.uint8, what
     va = Q._unpack_samples(a, bits, granularity, k, rows, cols)
-    _same(va, Q._unpack_samples(b, bits, granularity, k, rows, cols), f"{what} values")
+    assert_same(va, Q._unpack_samples(b, bits, granularity, k, rows, cols), f"{what} values")
     n = Q._sample_codes_nbytes(k, rows, cols, bits)
     per = n // k
     for i in range(k):
@@ -77,7 +57,7 @@ def _same_payload(a, b, k, rows, cols, bits, granularity, what):
     if torch.isfinite(va).all():
         assert torch.equal(a, b), what
     scales = [Q._from_bytes(p[n:].reshape(1, -1), torch.float16) for p in (a, b)]
-    _same(*scales, f"{what} scales")
+    assert_same(*scales, f"{what} scales")
 
 
 def _case(dtype, buffer_dtype, seed=0):
@@ -85,9 +65,9 @@ def _case(dtype, buffer_dtype, seed=0):
     samples at slots 6, 1, 4 given as strided [k, rows, cols] activations (transposed from
     [s, b, h] as the codec passes them); slot 4's row holds a NaN (its new value is not
     finite); bf16 activations over fp16 buffers: sample 1 moves past fp16's range."""
-    table = _randn(NUM, SEQ, HIDDEN, seed=seed, dtype=buffer_dtype)
+    table = seeded_randn(NUM, SEQ, HIDDEN, seed=seed, dtype=buffer_dtype)
     index = torch.tensor([6, 1, 4])
-    x = _randn(SEQ, 3, HIDDEN, seed=seed + 1, dtype=dtype).transpose(0, 1)
+    x = seeded_randn(SEQ, 3, HIDDEN, seed=seed + 1, dtype=dtype).transpose(0, 1)
     table[4, 0, 0] = float("nan")
     if _clamps(dtype, buffer_dtype):
         x = x.clone()
@@ -135,7 +115,7 @@ def test_fused_ops_equal_the_gathered_chain(dtype, buffer_dtype, bits, granulari
     seed = Q.draw_seed(x.device, torch.Generator().manual_seed(3)) if stochastic else None
     ref = _reference(x, table, index, seed, bits, granularity, dtype)
     fused = _fused(x, table, index, seed, bits, granularity, dtype)
-    _same(ref, fused, f"{dtype} {buffer_dtype} {bits} bits {granularity}")
+    assert_same(ref, fused, f"{dtype} {buffer_dtype} {bits} bits {granularity}")
     finite, clamped = fused[3], fused[4]
     # a scale per channel over the micro-batch: slot 4's NaN reaches every sample
     assert finite.tolist() == [granularity != "microbatch"] * 2 + [False]
@@ -182,7 +162,7 @@ def test_fused_ops_compiled_equal_eager():
         kernels.set_mode(None)
         what = f"{buffer_dtype} compiled vs eager"
         _same_payload(eager[0], compiled[0], 3, SEQ, HIDDEN, bits, granularity, what)
-        _same(eager[1:], compiled[1:], what)
+        assert_same(eager[1:], compiled[1:], what)
         assert compiled[3].tolist() == [True, True, False]
         assert compiled[4].tolist() == [False, _clamps(dtype, buffer_dtype), False]
 
@@ -261,14 +241,14 @@ def test_boundary_compiled_equals_eager():
     (eager, e_s, e_r), (compiled, c_s, c_r) = runs
     for i, ((pa, oa), (pb, ob)) in enumerate(zip(eager, compiled)):
         if i < 2 * NMB:  # first visits: raw activations
-            _same(pa, pb, f"transfer {i}")
+            assert_same(pa, pb, f"transfer {i}")
         else:
             _same_payload(pa, pb, MBS, SEQ, HIDDEN, 4, "channel", f"transfer {i}")
-        _same(oa, ob, f"activation {i}")
+        assert_same(oa, ob, f"activation {i}")
     _e, _c = _rows(e_s, "send"), _rows(c_s, "send")
-    _same(_e, _c, "sender buffer")
-    _same(_rows(e_r, "recv"), _c, "receiver buffer (compiled) vs sender (eager)")
-    _same(_rows(c_r, "recv"), _c, "both sides compiled")
+    assert_same(_e, _c, "sender buffer")
+    assert_same(_rows(e_r, "recv"), _c, "receiver buffer (compiled) vs sender (eager)")
+    assert_same(_rows(c_r, "recv"), _c, "both sides compiled")
     assert torch.isfinite(_c[0]).all() and _c[1].all()
 
 
@@ -282,7 +262,7 @@ def test_a_slot_written_twice_in_a_step_ends_as_with_staged_rows(tmp_path):
     device = _run(schedule, spikes, where="device", num=4)
     host = _run(schedule, spikes, where="host", num=4)
     for i, (a, b) in enumerate(zip(device[0], host[0])):
-        _same(a, b, f"transfer {i}")
+        assert_same(a, b, f"transfer {i}")
     for d, h, side in ((device[1], host[1], "send"), (device[2], host[2], "recv")):
-        _same(_rows(d, side), _rows(h, side), side)
+        assert_same(_rows(d, side), _rows(h, side), side)
     assert torch.equal(device[1].send.contents(), device[2].recv.contents())

@@ -22,16 +22,14 @@ from megatron_ext import kernels
 from megatron_ext.kernels.finite import nonfinite
 from megatron_ext.kernels.outer import outer_sgd_step_, pseudo_gradient
 from megatron_ext.optim.diloco import outer_sgd_step
+from tests.helpers.fused_modes import fresh_kernel_mode
 
 N = 1001
 
 
 @pytest.fixture(autouse=True)
 def _eager_after(monkeypatch):
-    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
-    kernels.set_mode(None)
-    yield
-    kernels.set_mode(None)
+    yield from fresh_kernel_mode(monkeypatch)
 
 
 def _randn(seed, scale=1.0):

@@ -27,44 +27,17 @@ import torch
 
 from megatron_ext import kernels
 from megatron_ext.kernels import quant as Q
+from tests.helpers.fused_modes import (
+    assert_same,
+    eager_and_compiled,
+    fresh_kernel_mode,
+    seeded_randn,
+)
 
 
 @pytest.fixture(autouse=True)
 def _eager_after(monkeypatch):
-    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
-    kernels.set_mode(None)
-    yield
-    kernels.set_mode(None)
-
-
-def _randn(*shape, seed=0, dtype=torch.float32, scale=1.0):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
-
-
-def _both(op, *args):
-    """``op(*args)`` eager and compiled (mode "off", then "on"; a recompile past dynamo's
-    limit fails instead of running eager in silence)."""
-    kernels.set_mode("off")
-    eager = op(*args)
-    kernels.set_mode("on")
-    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        compiled = op(*args)
-    kernels.set_mode(None)
-    return eager, compiled
-
-
-def _same(a, b, what):
-    """Bitwise equality (NaN == NaN), dtype and shape included."""
-    if isinstance(a, (tuple, list)):
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{what}[{i}]")
-        return
-    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
-    if a.dtype.is_floating_point:
-        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=what)
-    else:
-        assert torch.equal(a, b), what
+    yield from fresh_kernel_mode(monkeypatch)
 
 
 # -- building blocks (eager) -------------------------------------------------------------------
@@ -143,42 +116,44 @@ def test_sample_codecs_compiled_equal_eager():
     # AQ-SGD's forward delta: bf16 [k, rows, cols] = [3, 5, 7] transposed from [s, b, h] as
     # the codecs pass it (strided; 35 values a sample), minus bf16 buffer rows, 4 bits per
     # channel, stochastic rounding.
-    x = _randn(5, 3, 7, seed=1, dtype=torch.bfloat16).transpose(0, 1)
-    m = _randn(3, 5, 7, seed=2, dtype=torch.bfloat16)
+    x = seeded_randn(5, 3, 7, seed=1, dtype=torch.bfloat16).transpose(0, 1)
+    m = seeded_randn(3, 5, 7, seed=2, dtype=torch.bfloat16)
     seed = Q.draw_seed(x.device, torch.Generator().manual_seed(3))
-    eager, compiled = _both(Q.quant_pack, x, m, seed, 4, "channel")
-    _same(eager, compiled, "quant_pack bf16 channel stochastic")
+    eager, compiled = eager_and_compiled(Q.quant_pack, x, m, seed, 4, "channel")
+    assert_same(eager, compiled, "quant_pack bf16 channel stochastic")
     # fp16 activations, 3 bits, one scale per channel over the micro-batch; decoded to fp16
-    a = _randn(3, 5, 7, seed=5, dtype=torch.float16, scale=3.0)
+    a = seeded_randn(3, 5, 7, seed=5, dtype=torch.float16, scale=3.0)
     payload16 = Q.quant_pack(a, None, None, 3, "microbatch")
-    decoded = _both(Q.unpack_dequant, payload16, 3, "microbatch", 3, 5, 7, torch.float16)
-    _same(*decoded, "unpack_dequant fp16 microbatch 3 bits")
+    decoded = eager_and_compiled(
+        Q.unpack_dequant, payload16, 3, "microbatch", 3, 5, 7, torch.float16
+    )
+    assert_same(*decoded, "unpack_dequant fp16 microbatch 3 bits")
     # (3 bits: within a quarter of its channel's scale, a little more for fp16 roundings)
     assert (decoded[0].float() - a.float()).abs().max() <= a.float().abs().max() / 4 * 1.01
     # AQ-SGD's buffer update with fp16 rows, per token: one sample goes past fp16's range
     # (stored clamped), one holds a NaN (its old row stays); the receiver's fp32 activations
     # and the sender's (none) come from two graphs that must stage the same rows
-    x2 = _randn(3, 5, 7, seed=6)
-    m2 = _randn(3, 5, 7, seed=7)
+    x2 = seeded_randn(3, 5, 7, seed=6)
+    m2 = seeded_randn(3, 5, 7, seed=7)
     x2[1, 2, 3] = m2[1, 2, 3] + 100.0
     payload = Q.quant_pack(x2, m2, None, 4, "token")
     old = m2.half()
     old[1, 2, 3], old[2, 0, 0] = 65504.0, float("nan")
-    receiver = _both(Q.aqsgd_decode_stage, payload, old, 4, "token", torch.float32)
-    _same(*receiver, "aqsgd_decode_stage receiver")
-    sender = _both(Q.aqsgd_decode_stage, payload, old, 4, "token", None)
-    _same(*sender, "aqsgd_decode_stage sender")
-    _same(sender[1][:3], receiver[1][:3], "both sides stage the same rows (compiled)")
+    receiver = eager_and_compiled(Q.aqsgd_decode_stage, payload, old, 4, "token", torch.float32)
+    assert_same(*receiver, "aqsgd_decode_stage receiver")
+    sender = eager_and_compiled(Q.aqsgd_decode_stage, payload, old, 4, "token", None)
+    assert_same(*sender, "aqsgd_decode_stage sender")
+    assert_same(sender[1][:3], receiver[1][:3], "both sides stage the same rows (compiled)")
     staged, finite, clamped, out = receiver[1]
     assert finite.tolist() == [True, True, False] and clamped.tolist() == [False, True, False]
     assert staged[1, 2, 3].item() == 65504.0 and out[1, 2, 3].item() > 65504.0
     assert torch.equal(staged[2].view(torch.int16), old[2].view(torch.int16))
     assert sender[1][3].numel() == 0
     # first visits: bf16 rows into fp16 buffers, a clamped and a non-finite sample
-    rows = _randn(3, 5, 7, seed=8, dtype=torch.bfloat16)
+    rows = seeded_randn(3, 5, 7, seed=8, dtype=torch.bfloat16)
     rows[0, 0, 0], rows[2, 1, 1] = 7e4, float("inf")
-    first = _both(Q.aqsgd_stage, rows, torch.float16)
-    _same(*first, "aqsgd_stage")
+    first = eager_and_compiled(Q.aqsgd_stage, rows, torch.float16)
+    assert_same(*first, "aqsgd_stage")
     assert first[1][1].tolist() == [True, True, False]
     assert first[1][2].tolist() == [True, False, False]
 
@@ -192,17 +167,21 @@ def test_exchange_kernels_compiled_equal_eager():
     gen = torch.Generator().manual_seed(1)
     sends = []
     for r in range(size):
-        grad = _randn(n, seed=10 + r, dtype=torch.bfloat16)
-        error = _randn(size, padded, seed=20 + r, scale=0.01)
+        grad = seeded_randn(n, seed=10 + r, dtype=torch.bfloat16)
+        error = seeded_randn(size, padded, seed=20 + r, scale=0.01)
         seed = Q.draw_seed(grad.device, gen)
-        eager, compiled = _both(Q.quantized_encode_rows, grad, error, seed, 3, block, size, part)
-        _same(eager, compiled, f"encode rank {r}")
+        eager, compiled = eager_and_compiled(
+            Q.quantized_encode_rows, grad, error, seed, 3, block, size, part
+        )
+        assert_same(eager, compiled, f"encode rank {r}")
         sends.append(eager[0])
         assert eager[0].shape == (size, nbytes + 4) and eager[1].shape == (size, padded)
     # a NaN sets every partition's flag; the codes of its 8-code group and the scales of its
     # row are not specified (module docstring of megatron_ext/kernels/quant.py)
     grad[17] = float("nan")
-    eager, compiled = _both(Q.quantized_encode_rows, grad, error, seed, 3, block, size, part)
+    eager, compiled = eager_and_compiled(
+        Q.quantized_encode_rows, grad, error, seed, 3, block, size, part
+    )
     assert Q._from_bytes(compiled[0][:, nbytes:], torch.float32).view(-1).tolist() == [1.0] * 3
     keep = torch.ones(nbytes + 4, dtype=torch.bool)
     keep[17 // 8 * 3 : 17 // 8 * 3 + 3] = False
@@ -213,11 +192,11 @@ def test_exchange_kernels_compiled_equal_eager():
     # rank 1's server side: partition 1 of every rank, averaged, quantized again with its
     # server error (the fp32 server values: tolerance 0 as well)
     recv = torch.stack([sends[r][1] for r in range(size)])
-    server_error = _randn(padded, seed=30, scale=0.01)
-    eager, compiled = _both(
+    server_error = seeded_randn(padded, seed=30, scale=0.01)
+    eager, compiled = eager_and_compiled(
         Q.quantized_reduce_rows, recv, server_error, None, 3, block, part, True, True
     )
-    _same(eager, compiled, "reduce (mean) + requantize")
+    assert_same(eager, compiled, "reduce (mean) + requantize")
     assert eager[0].item() == 0.0 and eager[2].shape == (nbytes,) and eager[1].numel() == 0
     # the reduce-scatter variant (the exact mean, no re-quantization) agrees with it
     flag, r, _, _ = Q.quantized_reduce_rows(recv, None, None, 3, block, part, True, False)
@@ -232,5 +211,5 @@ def test_exchange_kernels_compiled_equal_eager():
         out = torch.full((n,), 7.0, dtype=torch.bfloat16)
         Q.quantized_decode_rows_into(gathered, 3, block, part, out=out)
         outs.append(out)
-    _same(outs[0], outs[1], "decode into a bf16 bucket")
+    assert_same(outs[0], outs[1], "decode into a bf16 bucket")
     assert not (outs[0] == 7.0).any()

@@ -192,25 +192,13 @@ def _overlap(
     import torch
 
     from megatron_ext.optim.diloco import DiLoCoHook
-    from megatron_ext.protocols import OptimizerView, ParamOptimState
+    from tests.helpers.views import ParamsView
 
     me = members.index(torch.distributed.get_rank())
     params = {n: torch.zeros(shape) for n, shape in SHAPES}
     for i, (n, _) in enumerate(SHAPES):
         params[n].add_(0.1 * (i + 1))  # the same start on every site
     clock = {"step": 0}
-
-    class View(OptimizerView):
-        def fqns(self):
-            return [n for n, _ in SHAPES]
-
-        def param_state(self, fqn):
-            p = params[fqn]
-            return ParamOptimState(fqn=fqn, model_param=p, main_param=p, state={})
-
-        @property
-        def step(self):
-            return clock["step"]
 
     opts = types.SimpleNamespace(
         interval=4,
@@ -224,7 +212,7 @@ def _overlap(
         merge_alpha=alpha,
     )
     hook = DiLoCoHook(opts, group)
-    view = View()
+    view = ParamsView(params, clock)
     hook.setup(view)
     start = 0
     if state is not None:

@@ -31,23 +31,12 @@ def _hook(*, compression, delay, scaled, lr=0.7, interval=H):
     import torch
 
     from megatron_ext.optim.diloco import DiLoCoHook
-    from megatron_ext.protocols import OptimizerView, ParamOptimState
+    from tests.helpers.views import ParamsView
 
     params = {n: torch.full(shape, 0.1 * (i + 1)) for i, (n, shape) in enumerate(SHAPES)}
     clock = {"step": 0}
 
-    class View(OptimizerView):
-        def fqns(self):
-            return [n for n, _ in SHAPES]
-
-        def param_state(self, fqn):
-            p = params[fqn]
-            return ParamOptimState(fqn=fqn, model_param=p, main_param=p, state={})
-
-        @property
-        def step(self):
-            return clock["step"]
-
+    class View(ParamsView):
         def loss_scale(self):
             return torch.tensor(1024.0) if scaled else None
 
@@ -63,7 +52,7 @@ def _hook(*, compression, delay, scaled, lr=0.7, interval=H):
         merge_alpha=0.0,
     )
     hook = DiLoCoHook(opts, torch.distributed.group.WORLD)
-    view = View()
+    view = View(params, clock)
     hook.setup(view)
     return hook, view, params, clock
 

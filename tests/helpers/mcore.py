@@ -103,6 +103,24 @@ def optimizer_state(trainer) -> Dict[str, Any]:
     return out
 
 
+def optimizer_pieces(trainer) -> Dict[str, Any]:
+    """This rank's main parameters and Adam moments: (fqn/key) -> (start, end, flat values)
+    of the flattened parameter (the whole parameter without the distributed optimizer)."""
+    from megatron_ext.megatron.optimizer import MegatronOptimizerView
+    from megatron_ext.state import StepClock
+
+    view = MegatronOptimizerView(trainer.optimizer, trainer.model, StepClock())
+    out = {}
+    for fqn in view.fqns():
+        st = view.param_state(fqn)
+        lo, hi = st.param_range or (0, st.model_param.numel())
+        tensors = {"main": st.main_param}
+        tensors.update({k: v for k, v in st.state.items() if k in ("exp_avg", "exp_avg_sq")})
+        for key, value in tensors.items():
+            out[f"{fqn}/{key}"] = (lo, hi, value.detach().reshape(-1).clone())
+    return out
+
+
 def save_checkpoint(trainer, root: str, iteration: int) -> None:
     """Save model, optimizer, scheduler and megatron_ext state after ``iteration`` steps."""
     from megatron_ext.megatron import checkpoint as ckpt

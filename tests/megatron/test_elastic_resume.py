@@ -36,7 +36,7 @@ import random
 import pytest
 
 from tests.helpers.dist import run_ranks
-from tests.helpers.mcore import build, make_trainer, params, teardown, train
+from tests.helpers.mcore import build, make_trainer, optimizer_pieces, params, teardown, train
 
 COMMON = ["--global-batch-size", "8", "--use-distributed-optimizer"]
 SEPARATE = [
@@ -70,30 +70,12 @@ class _Probe:
         self.value = state["value"].clone()
 
 
-def _optimizer_pieces(trainer):
-    """This rank's optimizer state: (fqn/key) -> (start, end, flat values) of the
-    flattened parameter (the whole parameter without the distributed optimizer)."""
-    from megatron_ext.megatron.optimizer import MegatronOptimizerView
-    from megatron_ext.state import StepClock
-
-    view = MegatronOptimizerView(trainer.optimizer, trainer.model, StepClock())
-    out = {}
-    for fqn in view.fqns():
-        st = view.param_state(fqn)
-        lo, hi = st.param_range or (0, st.model_param.numel())
-        tensors = {"main": st.main_param}
-        tensors.update({k: v for k, v in st.state.items() if k in ("exp_avg", "exp_avg_sq")})
-        for key, value in tensors.items():
-            out[f"{fqn}/{key}"] = (lo, hi, value.detach().reshape(-1).clone())
-    return out
-
-
 def _rank_report(trainer):
     import torch
 
     return {
         "params": params(trainer),
-        "optimizer": _optimizer_pieces(trainer),
+        "optimizer": optimizer_pieces(trainer),
         "objects": trainer.runtime.state.state_dict()["objects"],
         "rng": torch.get_rng_state(),
         "py_rng": random.getstate(),

@@ -55,23 +55,6 @@ def _sibling(trainer, flags):
     return other
 
 
-def _pieces(trainer):
-    """(fqn/key) -> (start, end, flat values) of this rank's optimizer state."""
-    from megatron_ext.megatron.optimizer import MegatronOptimizerView
-    from megatron_ext.state import StepClock
-
-    view = MegatronOptimizerView(trainer.optimizer, trainer.model, StepClock())
-    out = {}
-    for fqn in view.fqns():
-        st = view.param_state(fqn)
-        lo, hi = st.param_range or (0, st.model_param.numel())
-        tensors = {"main": st.main_param}
-        tensors.update({k: v for k, v in st.state.items() if k in ("exp_avg", "exp_avg_sq")})
-        for key, value in tensors.items():
-            out[f"{fqn}/{key}"] = (lo, hi, value.detach().reshape(-1).clone())
-    return out
-
-
 def _state_bytes(pieces):
     return sum(v.numel() * v.element_size() for _, _, v in pieces.values())
 
@@ -104,6 +87,7 @@ def _run(rank, world, root):
         build,
         first_difference,
         make_trainer,
+        optimizer_pieces,
         optimizer_state,
         params,
         teardown,
@@ -116,7 +100,7 @@ def _run(rank, world, root):
     build(ref, stock=False)
     out["ref_losses"], out["ref_traffic"] = _steps(ref, 0, STEPS)
     out["ref_params"] = params(ref)
-    ref_pieces = _pieces(ref)
+    ref_pieces = optimizer_pieces(ref)
     out["ref_bytes"] = _state_bytes(ref_pieces)
     out["ref_numel"] = {k: v.numel() for k, (_, _, v) in ref_pieces.items()}
     teardown(ref)
@@ -124,13 +108,13 @@ def _run(rank, world, root):
     build(trainer, stock=False)
     hook = trainer.runtime.components["grad"].optimizer_hooks[0]
     losses, traffic = _steps(trainer, 0, SAVE_AT)
-    out["saved_pieces"] = _pieces(trainer)
+    out["saved_pieces"] = optimizer_pieces(trainer)
     out["saved_ext"] = trainer.runtime.state.state_dict()["objects"][HOOK]
     more, more_traffic = _steps(trainer, SAVE_AT, STEPS, save=SAVE_AT)
     out["losses"], out["traffic"] = losses + more, traffic + more_traffic
     trainer.sync_params()
     out["params"] = params(trainer)
-    pieces = _pieces(trainer)
+    pieces = optimizer_pieces(trainer)
     out["bytes"] = _state_bytes(pieces)
     out["numel"] = {k: v.numel() for k, (_, _, v) in pieces.items()}
     out["buffer_bytes"] = [
@@ -161,16 +145,16 @@ def _run(rank, world, root):
 
 
 def _elastic(rank, world, root):
-    from tests.helpers.mcore import build, make_trainer, teardown
+    from tests.helpers.mcore import build, make_trainer, optimizer_pieces, teardown
 
     trainer = make_trainer(FLAGS + DIST + ["--load", root])
     build(trainer, stock=False)
     iteration, _ = trainer._resume()
     assert iteration == SAVE_AT
-    out = {"pieces": _pieces(trainer)}
+    out = {"pieces": optimizer_pieces(trainer)}
     out["ext"] = trainer.runtime.state.state_dict()["objects"][HOOK]
     out["losses"], out["traffic"] = _steps(trainer, SAVE_AT, SAVE_AT + 1)
-    out["after"] = _pieces(trainer)
+    out["after"] = optimizer_pieces(trainer)
     teardown(trainer)
     return out
 

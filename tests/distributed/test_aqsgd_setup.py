@@ -18,20 +18,12 @@ def _allocate(rank, world):
     from megatron_ext.collectives.aqsgd import AQSGDCodec
     from megatron_ext.config import ConfigError
     from megatron_ext.methods.aqsgd import AQSGDConfig
-    from megatron_ext.methods.registry import SampleSpace
+    from tests.helpers.aqsgd_samples import fixed_samples
 
     torch.distributed.init_process_group("gloo")
     if rank == 1:  # this rank's host has 1 MB available
         psutil.virtual_memory = lambda: SimpleNamespace(available=1_000_000)
-    samples = SampleSpace(
-        fixed=True,
-        num_samples=64,
-        dp_rank=0,
-        dp_size=1,
-        micro_batch_size=1,
-        num_microbatches=1,
-        seq_length=64,
-    )
+    samples = fixed_samples(64, 1, 1, 64)
     codec = AQSGDCodec(AQSGDConfig(), None)
     try:
         codec.allocate(

@@ -365,21 +365,13 @@ def _codec_run(method, device, recorder=None):
     from megatron_ext.collectives.aqsgd import AQSGDCodec, DirectQCodec
     from megatron_ext.collectives.p2p import P2PContext
     from megatron_ext.methods.aqsgd import AQSGDConfig
-    from megatron_ext.methods.registry import SampleSpace
+    from tests.helpers.aqsgd_samples import fixed_samples
 
     cfg = AQSGDConfig(rounding="nearest")
     cls = AQSGDCodec if method == "aqsgd" else DirectQCodec
     sender, receiver = cls(cfg, None), cls(cfg, None)
     if method == "aqsgd":
-        samples = SampleSpace(
-            fixed=True,
-            num_samples=NUM,
-            dp_rank=0,
-            dp_size=1,
-            micro_batch_size=MBS,
-            num_microbatches=NMB,
-            seq_length=SEQ,
-        )
+        samples = fixed_samples(NUM, MBS, NMB, SEQ)
         for codec, stage in ((sender, 0), (receiver, 1)):
             codec.allocate(samples, SEQ, HIDDEN, stage=stage, num_stages=2, device=device)
     outs = []

@@ -352,7 +352,7 @@ class CodecBoundary:
     ):
         from megatron_ext.collectives.aqsgd import AQSGDCodec, DirectQCodec
         from megatron_ext.methods.aqsgd import AQSGDConfig
-        from megatron_ext.methods.registry import SampleSpace
+        from tests.helpers.aqsgd_samples import fixed_samples
 
         self.shape = (seq, micro_batch, hidden)
         self.num_microbatches, self.num_samples = num_microbatches, num_samples
@@ -361,15 +361,7 @@ class CodecBoundary:
         cls = AQSGDCodec if method == "aqsgd" else DirectQCodec
         self.sender, self.receiver = cls(cfg, None), cls(cfg, None)
         if method == "aqsgd":
-            samples = SampleSpace(
-                fixed=True,
-                num_samples=num_samples,
-                dp_rank=0,
-                dp_size=1,
-                micro_batch_size=micro_batch,
-                num_microbatches=num_microbatches,
-                seq_length=seq,
-            )
+            samples = fixed_samples(num_samples, micro_batch, num_microbatches, seq)
             for codec, stage in ((self.sender, 0), (self.receiver, 1)):
                 codec.allocate(
                     samples,

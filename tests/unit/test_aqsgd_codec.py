@@ -34,20 +34,13 @@ from megatron_ext.compressors.quantize import packed_nbytes
 from megatron_ext.config import ConfigError
 from megatron_ext.methods.aqsgd import AQSGDConfig
 from megatron_ext.methods.registry import SampleSpace
+from tests.helpers.aqsgd_samples import fixed_samples
 
 SEQ, HIDDEN, MBS, NMB, NUM = 16, 32, 2, 4, 16
 
 
 def _samples():
-    return SampleSpace(
-        fixed=True,
-        num_samples=NUM,
-        dp_rank=0,
-        dp_size=1,
-        micro_batch_size=MBS,
-        num_microbatches=NMB,
-        seq_length=SEQ,
-    )
+    return fixed_samples(NUM, MBS, NMB, SEQ)
 
 
 def _pair(tmp_path=None, *, device="cpu", activation_dtype=torch.float32, **options):

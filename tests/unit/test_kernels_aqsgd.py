@@ -32,7 +32,7 @@ from megatron_ext.collectives.aqsgd import AQSGDCodec
 from megatron_ext.collectives.p2p import P2PContext
 from megatron_ext.kernels import quant as Q
 from megatron_ext.methods.aqsgd import AQSGDConfig
-from megatron_ext.methods.registry import SampleSpace
+from tests.helpers.aqsgd_samples import fixed_samples
 from tests.helpers.fused_modes import assert_same, fresh_kernel_mode, seeded_randn
 
 
@@ -168,15 +168,7 @@ def test_fused_ops_compiled_equal_eager():
 
 
 def _pair(where="device", num=NUM, tmp=None, **options):
-    samples = SampleSpace(
-        fixed=True,
-        num_samples=num,
-        dp_rank=0,
-        dp_size=1,
-        micro_batch_size=MBS,
-        num_microbatches=NMB,
-        seq_length=SEQ,
-    )
+    samples = fixed_samples(num, MBS, NMB, SEQ)
     cfg = AQSGDConfig(buffer=where, buffer_dir=str(tmp) if tmp else "", **options)
     codecs = AQSGDCodec(cfg, None), AQSGDCodec(cfg, None)
     for codec, stage, tag in zip(codecs, (0, 1), "ab"):

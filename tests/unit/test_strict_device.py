@@ -358,17 +358,9 @@ def test_aqsgd_middle_stage_prepares_both_sides_in_one_copy():
     from megatron_ext.collectives.aqsgd import AQSGDCodec
     from megatron_ext.collectives.p2p import P2PContext
     from megatron_ext.methods.aqsgd import AQSGDConfig
-    from megatron_ext.methods.registry import SampleSpace
+    from tests.helpers.aqsgd_samples import fixed_samples
 
-    samples = SampleSpace(
-        fixed=True,
-        num_samples=NUM,
-        dp_rank=0,
-        dp_size=1,
-        micro_batch_size=MBS,
-        num_microbatches=NMB,
-        seq_length=SEQ,
-    )
+    samples = fixed_samples(NUM, MBS, NMB, SEQ)
     with StrictDeviceMode() as mode:
         first, middle, last = (AQSGDCodec(AQSGDConfig(), None) for _ in range(3))
         for stage, codec in enumerate((first, middle, last)):

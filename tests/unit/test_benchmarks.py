@@ -594,17 +594,11 @@ def _netbench_reason():
 _PSGD_FROM_STEP_2 = "--grad-compression powersgd --powersgd-approx-rank 14 --powersgd-start-step 1"
 
 
-def test_sites_quick_runs_inside_netbench(tmp_path):
-    """none and PowerSGD trained for 3 steps at 1gbit between 2 sites; a config the driver
-    refuses is reported as such and the sweep goes on (about 25 s, needs root)."""
-    reason = _netbench_reason()
-    if reason:
-        pytest.skip(f"netbench cannot run here: {reason}")
+def _quick_sites_run(name, tmp_path, args):
+    """``benchmarks/<name>.py --quick`` with ``args`` into ``tmp_path`` (one thread a process,
+    5 minutes at most): the finished process and its validated ``<name>.json`` report."""
     proc = subprocess.run(
-        [sys.executable, "benchmarks/sites.py", "--quick", "--out", str(tmp_path)]
-        + ["--rates", "1gbit", "--iters", "3", "--check-seconds", "0.3", "--config", "none="]
-        + ["--config", "refused=--no-such-flag"]
-        + ["--config", f"powersgd-r14={_PSGD_FROM_STEP_2}"],
+        [sys.executable, f"benchmarks/{name}.py", "--quick", "--out", str(tmp_path)] + args,
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -612,7 +606,22 @@ def test_sites_quick_runs_inside_netbench(tmp_path):
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = common.validate_report(json.loads((tmp_path / "sites.json").read_text()))
+    return proc, common.validate_report(json.loads((tmp_path / f"{name}.json").read_text()))
+
+
+def test_sites_quick_runs_inside_netbench(tmp_path):
+    """none and PowerSGD trained for 3 steps at 1gbit between 2 sites; a config the driver
+    refuses is reported as such and the sweep goes on (about 25 s, needs root)."""
+    reason = _netbench_reason()
+    if reason:
+        pytest.skip(f"netbench cannot run here: {reason}")
+    proc, report = _quick_sites_run(
+        "sites",
+        tmp_path,
+        ["--rates", "1gbit", "--iters", "3", "--check-seconds", "0.3", "--config", "none="]
+        + ["--config", "refused=--no-such-flag"]
+        + ["--config", f"powersgd-r14={_PSGD_FROM_STEP_2}"],
+    )
     assert report["benchmark"] == "sites"
     runs = {r["label"]: r for r in report["results"]}
     assert [r["label"] for r in report["results"]] == ["none", "refused", "powersgd-r14"]
@@ -668,17 +677,7 @@ def test_sites_ft_quick_runs_site_jobs_inside_netbench(tmp_path):
     if reason:
         pytest.skip(f"netbench cannot run here: {reason}")
     pytest.importorskip("torchft")
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/sites_ft.py", "--quick", "--out", str(tmp_path)]
-        + ["--iters", "3", "--check-seconds", "0.3"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = common.validate_report(json.loads((tmp_path / "sites_ft.json").read_text()))
+    _, report = _quick_sites_run("sites_ft", tmp_path, ["--iters", "3", "--check-seconds", "0.3"])
     (a,) = report["results"]
     assert a["scenario"] == "a" and a["status"] == "ok" and a["final_loss"] > 0
     for site in a["sites"]:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.procs import children, descendants, survivors
+
 REPO = Path(__file__).resolve().parents[2]
 
 BASE = [
@@ -55,24 +57,6 @@ def _torchrun_cmd(args, nproc=2, torchrun_args=()):
         "megatron_ext.train",
         *args,
     ]
-
-
-def _children(pid):
-    """Direct children of ``pid`` (from /proc, no psutil)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # The command name may hold spaces; the fields after its closing parenthesis do not.
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == pid:
-            found.append(int(entry))
-    return found
 
 
 def _wait_for(path, text, proc, timeout=300):
@@ -230,7 +214,7 @@ def test_a_signal_at_any_moment_saves_and_the_run_resumes_exactly(tmp_path):
         ranks = []
         while len(ranks) < 2:
             assert proc.poll() is None, out.read_text()[-4000:]
-            ranks = _children(proc.pid)
+            ranks = children(proc.pid)
             time.sleep(0.1)
         # Both ranks' writers hold the save's data.
         for rank in range(2):
@@ -278,16 +262,13 @@ def test_ranks_die_with_their_killed_launcher(tmp_path):
     left = []
     try:
         _wait_for(out, "saved checkpoint at iteration        4", proc)
-        processes = _descendants(proc.pid)
-        ranks = _children(proc.pid)
+        processes = descendants(proc.pid)
+        ranks = children(proc.pid)
         assert len(ranks) == 2 and len(processes) > 2, processes  # + writer managers
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
         # Generous for a loaded machine; measured 0.2 s on an idle one.
-        deadline = time.time() + 60
-        while time.time() < deadline and any(_alive(p) for p in processes):
-            time.sleep(0.1)
-        left = [p for p in processes if _alive(p)]
+        left = survivors(processes, within=60, poll=0.1)
         assert left == [], [Path(f"/proc/{p}/cmdline").read_text() for p in left]
     finally:
         proc.kill()
@@ -300,23 +281,6 @@ def test_ranks_die_with_their_killed_launcher(tmp_path):
     assert stopped < 400 and _iteration_line(400) not in text
 
 
-def _descendants(pid):
-    found = []
-    for child in _children(pid):
-        found += [child] + _descendants(child)
-    return found
-
-
-def _alive(pid):
-    """Running (not gone, not a zombie left for an init that does not reap)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.slow
 def test_checkpoint_writer_processes_die_with_a_killed_rank(tmp_path):
     # A save every iteration: most of the run is spent saving, so the kill lands in one.
@@ -326,17 +290,14 @@ def test_checkpoint_writer_processes_die_with_a_killed_rank(tmp_path):
     left = []
     try:
         _wait_for(out, "saved checkpoint at iteration        2", proc)
-        rank = min(_children(proc.pid))
+        rank = min(children(proc.pid))
         # megatron-core's writer: a spawned multiprocessing manager (plus its resource
         # tracker), started on the rank's first save and alive since.
-        helpers = _descendants(rank)
+        helpers = descendants(rank)
         assert any("spawn_main" in Path(f"/proc/{p}/cmdline").read_text() for p in helpers)
         os.kill(rank, signal.SIGKILL)
         proc.wait(timeout=120)
-        deadline = time.time() + 15
-        while time.time() < deadline and any(_alive(p) for p in helpers):
-            time.sleep(0.2)
-        left = [p for p in helpers if _alive(p)]
+        left = survivors(helpers, within=15, poll=0.2)
         assert left == [], [Path(f"/proc/{p}/cmdline").read_text() for p in left]
     finally:
         proc.kill()

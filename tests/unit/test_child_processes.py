@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.procs import alive, survivors
+
 REPO = Path(__file__).resolve().parents[2]
 
 _HELPER = """
@@ -53,16 +55,6 @@ if __name__ == "__main__":
 """
 
 
-def _alive(pid):
-    """Running (not gone, not a zombie left for a parent that does not reap)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def _ignored(pid):
     """The signals ``pid`` ignores (its SigIgn mask)."""
     with open(f"/proc/{pid}/status") as f:
@@ -83,7 +75,7 @@ def _orphans_after_kill(tmp_path, mode, wait_s, group_signals=()):
     pids = []
     try:
         pids = [int(p) for p in parent.stdout.readline().split()]
-        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        assert len(pids) == 2 and all(alive(p) for p in pids)
         if group_signals:
             # (The environment may ignore SIGINT already: a background job's does.)
             assert all(set(group_signals) <= _ignored(p) for p in pids)
@@ -91,17 +83,14 @@ def _orphans_after_kill(tmp_path, mode, wait_s, group_signals=()):
                 os.killpg(parent.pid, sig)
                 # The parent handled it: the signal went out to the whole group.
                 assert parent.stdout.readline().split() == ["got", str(int(sig))]
-            assert all(_alive(p) for p in pids), "a shielded child died of a group signal"
+            assert all(alive(p) for p in pids), "a shielded child died of a group signal"
         parent.send_signal(signal.SIGKILL)
         parent.wait()
-        deadline = time.time() + wait_s
-        while time.time() < deadline and any(_alive(p) for p in pids):
-            time.sleep(0.1)
-        return [p for p in pids if _alive(p)]
+        return survivors(pids, within=wait_s, poll=0.1)
     finally:
         parent.kill()
         for pid in pids:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -166,19 +155,19 @@ def _rank_after_launcher_kill(tmp_path, how, torchrun_env, wait_s):
         rank = int(launcher.stdout.readline())
         deadline = time.time() + 120
         while not mode_file.exists() or not mode_file.read_text():
-            assert time.time() < deadline and _alive(rank), "the rank did not start"
+            assert time.time() < deadline and alive(rank), "the rank did not start"
             time.sleep(0.05)
         mode = mode_file.read_text()
-        alive_with_launcher = _alive(rank)
+        alive_with_launcher = alive(rank)
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
         deadline = time.time() + wait_s
-        while time.time() < deadline and _alive(rank):
+        while time.time() < deadline and alive(rank):
             time.sleep(0.05)
-        return alive_with_launcher, _alive(rank), mode
+        return alive_with_launcher, alive(rank), mode
     finally:
         launcher.kill()
-        if rank is not None and _alive(rank):
+        if rank is not None and alive(rank):
             os.kill(rank, signal.SIGKILL)
 
 

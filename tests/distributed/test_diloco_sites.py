@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from tests.helpers.dist import free_port
+from tests.helpers.torchft_sites import commit_events, start_lighthouse
 
 pytestmark = pytest.mark.slow
 
@@ -107,30 +108,9 @@ def test_site_killed_and_restarted(tmp_path, compression, fragments, delay):
     procs = {}
     logs = {}
     try:
-        lighthouse = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "megatron_ext",
-                "lighthouse",
-                "--min-replicas",
-                "2",
-                "--bind",
-                f"127.0.0.1:{free_port()}",
-                "--join-timeout-ms",
-                "30000",
-                "--heartbeat-timeout-ms",
-                "2000",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env=_env(),
+        procs["lighthouse"], address = start_lighthouse(
+            _env(), 2, "--join-timeout-ms", "30000", "--heartbeat-timeout-ms", "2000"
         )
-        procs["lighthouse"] = lighthouse
-        line = lighthouse.stdout.readline()
-        assert line.startswith("lighthouse: http://127.0.0.1:"), line
-        address = line.split()[1]
 
         def start(site, tag):
             log = open(os.path.join(out, f"site{site}{tag}.log"), "w")
@@ -257,16 +237,7 @@ def test_driver_sites_survive_a_killed_site(tmp_path):
     out = str(tmp_path)
     procs, logs = {}, {}
     try:
-        port = free_port()
-        procs["lighthouse"] = lighthouse = subprocess.Popen(
-            [sys.executable, "-m", "megatron_ext", "lighthouse", "--min-replicas", "1"]
-            + ["--bind", f"127.0.0.1:{port}", "--heartbeat-timeout-ms", "2000"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env=_env(),
-        )
-        address = lighthouse.stdout.readline().split()[1]
+        procs["lighthouse"], address = start_lighthouse(_env(), 1, "--heartbeat-timeout-ms", "2000")
         for site in range(2):
             path = os.path.join(out, f"site{site}.log")
             logs[site] = open(path, "w")
@@ -293,14 +264,7 @@ def test_driver_sites_survive_a_killed_site(tmp_path):
             return open(os.path.join(out, f"site{site}.log")).read()
 
         def commits(site):
-            head = f"megatron-ext: torchft site {site}: commit "
-            out = []
-            for line in text(site).splitlines():
-                if line.startswith(head):
-                    fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
-                    fields["at"] = float(line.rsplit(" at ", 1)[1])
-                    out.append(fields)
-            return out
+            return commit_events(text(site), site)
 
         def both(c):  # an outer step both sites contributed to (tokens of two sites)
             return float(c["total_weight"]) == 2 * float(c["weight"]) > 0

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.dist import free_port
+from tests.helpers.torchft_sites import commit_events, start_lighthouse
 from tests.megatron_lm.lm_runs import REPO, iterations, on_cuda, tiny_args
 
 pytestmark = [pytest.mark.megatron_lm, pytest.mark.slow]
@@ -35,17 +36,6 @@ pytestmark = [pytest.mark.megatron_lm, pytest.mark.slow]
 pytest.importorskip("torchft")
 
 TIMEOUT = 300.0
-
-
-def _commits(text, site):
-    head = f"megatron-ext: torchft site {site}: commit "
-    out = []
-    for line in text.splitlines():
-        if line.startswith(head):
-            fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
-            fields["at"] = float(line.rsplit(" at ", 1)[1])
-            out.append(fields)
-    return out
 
 
 def test_pretrain_gpt_sites_in_separate_jobs_over_torchft(tmp_path):
@@ -60,15 +50,7 @@ def test_pretrain_gpt_sites_in_separate_jobs_over_torchft(tmp_path):
         return (tmp_path / f"site{s}.log").read_text()
 
     try:
-        procs["lighthouse"] = lighthouse = subprocess.Popen(
-            [sys.executable, "-m", "megatron_ext", "lighthouse", "--min-replicas", "1"]
-            + ["--bind", f"127.0.0.1:{free_port()}", "--heartbeat-timeout-ms", "2000"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env=env,
-        )
-        address = lighthouse.stdout.readline().split()[1]
+        procs["lighthouse"], address = start_lighthouse(env, 1, "--heartbeat-timeout-ms", "2000")
         # Started together; one may train alone until the other's torchft Manager runs
         # (start-up differs by seconds), then they train together: 90 iterations leave
         # room for both before and after the kill.
@@ -101,7 +83,7 @@ def test_pretrain_gpt_sites_in_separate_jobs_over_torchft(tmp_path):
             return float(c["total_weight"]) == 2 * float(c["weight"]) > 0
 
         deadline = time.monotonic() + TIMEOUT
-        while not any(both(c) for c in _commits(text(1), 1)):
+        while not any(both(c) for c in commit_events(text(1), 1)):
             for s in range(2):
                 assert procs[s].poll() is None, f"site {s} ended early:\n{text(s)[-4000:]}"
             assert time.monotonic() < deadline, "no outer step of both sites"
@@ -132,7 +114,7 @@ def test_pretrain_gpt_sites_in_separate_jobs_over_torchft(tmp_path):
     its = {s: iterations(out[s]) for s in range(2)}
     assert its[0][1]["loss"] != its[1][1]["loss"], (its[0][1], its[1][1])
     assert sorted(its[0]) == list(range(1, 91))
-    done = _commits(out[0], 0)
+    done = commit_events(out[0], 0)
     assert done[-1]["iteration"] == "90", done
     # every outer step's bytes on its iteration's line (the join's on iteration 1's); alone,
     # a site sends nothing

@@ -49,6 +49,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
+from megatron_ext.traffic_categories import CATEGORIES
+
 __all__ = [
     "CATEGORIES",
     "Traffic",
@@ -64,17 +66,6 @@ __all__ = [
     "format_traffic",
     "format_bytes",
 ]
-
-CATEGORIES: Tuple[str, ...] = (
-    "dp-grad",
-    "dp-param",
-    "pp-act",
-    "pp-grad",
-    "subspace",
-    "tp",
-    "outer",
-    "other",
-)
 
 
 @dataclass

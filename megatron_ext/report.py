@@ -61,6 +61,7 @@ from megatron_ext.report_style import (
     smooth,
     smoothing_window,
 )
+from megatron_ext.traffic_categories import CATEGORIES
 
 __all__ = [
     "build_parser",
@@ -84,16 +85,6 @@ _BENCH_FILES = (
     "convergence.json",
     "frontier.json",
     "sites.json",
-)
-_CATEGORY_ORDER = (
-    "dp-grad",
-    "dp-param",
-    "pp-act",
-    "pp-grad",
-    "subspace",
-    "tp",
-    "outer",
-    "other",
 )
 _FAMILY_KEYS = (
     "grad_compression",
@@ -663,7 +654,7 @@ def _plot_bytes(data: RunData, path: str) -> Optional[str]:
         for c, v in b.items()
         if max(v.get("sent", 0.0), v.get("dense_sent", 0.0)) > 1e-3 * largest
     }
-    cats = [c for c in _CATEGORY_ORDER if c in present] + sorted(present - set(_CATEGORY_ORDER))
+    cats = [c for c in CATEGORIES if c in present] + sorted(present - set(CATEGORIES))
     fig, ax = plt.subplots(figsize=(max(6.5, 1.3 * len(rows) + 2.5), 5))
     width = 0.38
     top = 0.0

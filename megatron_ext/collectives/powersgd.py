@@ -86,6 +86,13 @@ class _Bucket:
     dims: List[int]  # (B, rows, cols) of each batch, flattened
     error: Optional[torch.Tensor]  # [total] fp32 with error feedback
 
+    @property
+    def layout(self) -> tuple:
+        """The fused kernels' trailing arguments: the runs' ``table, chunk, starts, offsets,
+        numels`` and ``dims``."""
+        runs = self.runs
+        return (runs.table, runs.chunk, runs.starts, runs.offsets, runs.numels, self.dims)
+
 
 class PowerSGDReducer(GradReducer):
     """PowerSGD gradient reduction (see module docstring).
@@ -162,17 +169,11 @@ class _PowerSGDReduction(CompressedReduction):
                 qs = [self._q(group, step, grad.device) for group in bucket.groups]
                 # One fused kernel for the bucket: M = pack(G) + E (fp32, a fresh buffer that
                 # becomes the new error in place), P = M Q per shape, whether M is finite.
-                runs = bucket.runs
                 m, ps, m_bad = powersgd_compress(
                     grad,
                     bucket.error if bucket.error is not None else grad.new_empty(0),
                     qs,
-                    runs.table,
-                    runs.chunk,
-                    runs.starts,
-                    runs.offsets,
-                    runs.numels,
-                    bucket.dims,
+                    *bucket.layout,
                 )
                 bad.append(m_bad)
             dense_part = self.pack_dense(split)
@@ -232,20 +233,8 @@ class _PowerSGDReduction(CompressedReduction):
         # (SUM) or average (AVG) to the global residual ``reduce(m) - approx``.
         # One fused kernel: M_hat = P Q^T into the bucket and, staged until end_step, the
         # new error in m's own buffer (m -= share * M_hat).
-        runs = bucket.runs
         powersgd_decompress(
-            m,
-            ps,
-            qs,
-            self.spec.share,
-            bucket.error is not None,
-            grad,
-            runs.table,
-            runs.chunk,
-            runs.starts,
-            runs.offsets,
-            runs.numels,
-            bucket.dims,
+            m, ps, qs, self.spec.share, bucket.error is not None, grad, *bucket.layout
         )
         error = m if bucket.error is not None else None
         self._staged.append((bucket, error, [q.clone() for q in qs]))

@@ -7,7 +7,9 @@ be gone (tests/unit/test_child_processes.py, tests/megatron/test_exit_and_failur
 from __future__ import annotations
 
 import os
+import signal
 import time
+from pathlib import Path
 from typing import List, Sequence
 
 
@@ -54,3 +56,14 @@ def survivors(pids: Sequence[int], within: float, poll: float) -> List[int]:
     while time.time() < deadline and any(alive(p) for p in pids):
         time.sleep(poll)
     return [p for p in pids if alive(p)]
+
+
+def assert_all_gone(pids: Sequence[int], within: float, poll: float) -> None:
+    """Assert that every one of ``pids`` is gone within ``within`` seconds (checked every
+    ``poll`` seconds). The failure names each survivor's command line; the survivors are
+    killed (SIGKILL) first, so that a failing test leaves nothing running."""
+    left = survivors(pids, within=within, poll=poll)
+    commands = [Path(f"/proc/{p}/cmdline").read_text() for p in left]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left == [], commands

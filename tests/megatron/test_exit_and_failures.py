@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.procs import children, descendants, survivors
+from tests.helpers.procs import assert_all_gone, children, descendants
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -259,7 +259,6 @@ def test_ranks_die_with_their_killed_launcher(tmp_path):
     args = BASE + ["--train-iters", "400", "--save", str(save), "--save-interval", "2"]
     out = tmp_path / "out.txt"
     proc, f = _start(args, out)
-    left = []
     try:
         _wait_for(out, "saved checkpoint at iteration        4", proc)
         processes = descendants(proc.pid)
@@ -268,13 +267,10 @@ def test_ranks_die_with_their_killed_launcher(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
         # Generous for a loaded machine; measured 0.2 s on an idle one.
-        left = survivors(processes, within=60, poll=0.1)
-        assert left == [], [Path(f"/proc/{p}/cmdline").read_text() for p in left]
+        assert_all_gone(processes, within=60, poll=0.1)
     finally:
         proc.kill()
         f.close()
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
     text = out.read_text()
     assert "megatron-ext: the launcher of rank 0" in text and "is gone" in text, text[-3000:]
     stopped = int((save / "latest_checkpointed_iteration.txt").read_text())
@@ -287,7 +283,6 @@ def test_checkpoint_writer_processes_die_with_a_killed_rank(tmp_path):
     args = BASE + ["--train-iters", "200", "--save", str(tmp_path / "run"), "--save-interval", "1"]
     out = tmp_path / "out.txt"
     proc, f = _start(args, out)
-    left = []
     try:
         _wait_for(out, "saved checkpoint at iteration        2", proc)
         rank = min(children(proc.pid))
@@ -297,13 +292,10 @@ def test_checkpoint_writer_processes_die_with_a_killed_rank(tmp_path):
         assert any("spawn_main" in Path(f"/proc/{p}/cmdline").read_text() for p in helpers)
         os.kill(rank, signal.SIGKILL)
         proc.wait(timeout=120)
-        left = survivors(helpers, within=15, poll=0.2)
-        assert left == [], [Path(f"/proc/{p}/cmdline").read_text() for p in left]
+        assert_all_gone(helpers, within=15, poll=0.2)
     finally:
         proc.kill()
         f.close()
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
 
 
 # Refused after the process groups and the model exist, on 2 ranks: printed once too

@@ -75,33 +75,30 @@ def _resume(rank, world, flags, root):
         trainer.runtime.state.register("test_probe", probe)
         return probe
 
+    def steps(probe, iterations):
+        """Train one iteration at a time, bumping the probe after each; params synced."""
+        losses = []
+        for it in iterations:
+            losses += train(trainer, 1, start=it)
+            probe.bump(rank)
+        trainer.sync_params()
+        return losses
+
     probe = fresh()
-    full_losses = []
-    for it in range(6):
-        full_losses += train(trainer, 1, start=it)
-        probe.bump(rank)
-    trainer.sync_params()
+    full_losses = steps(probe, range(6))
     full_params, full_opt = params(trainer), optimizer_state(trainer)
     full_probe = probe.state_dict()
     teardown(trainer)
 
     probe = fresh()
-    first = []
-    for it in range(3):
-        first += train(trainer, 1, start=it)
-        probe.bump(rank)
-    trainer.sync_params()
+    first = steps(probe, range(3))
     save_checkpoint(trainer, root, 3)
     teardown(trainer)
 
     probe = fresh()
     loaded = load_checkpoint(trainer, root)
     assert loaded["iteration"] == 3 and loaded["consumed_samples"] == 3 * gbs
-    second = []
-    for it in range(3, 6):
-        second += train(trainer, 1, start=it)
-        probe.bump(rank)
-    trainer.sync_params()
+    second = steps(probe, range(3, 6))
     out = {
         "losses_equal": first + second == full_losses,
         "losses": (full_losses, first + second),

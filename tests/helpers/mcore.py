@@ -8,7 +8,7 @@ in whether megatron_ext's seams are installed.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 TINY = [
     "--cpu",
@@ -63,17 +63,25 @@ def build(trainer, *, stock: bool) -> None:
     trainer.install_ext()
 
 
-def train(trainer, steps: int, start: int = 0) -> List[Optional[float]]:
-    """Run ``steps`` iterations from iteration ``start``; returns the losses (last stage)."""
+def train_with_traffic(
+    trainer, steps: int, start: int = 0
+) -> Tuple[List[Optional[float]], List[Dict[str, Any]]]:
+    """Run ``steps`` iterations from iteration ``start``; returns the losses (last stage) and
+    each iteration's traffic (what ``runtime.end_step()`` returned)."""
     gbs = trainer.sizes["gbs"]
     iterator = trainer._iterator(trainer.train_ds, start * gbs)
-    losses = []
+    losses, traffic = [], []
     for it in range(start, start + steps):
         loss, _, ok = trainer.train_step(it, it * gbs, iterator)
         assert ok
-        trainer.runtime.end_step()
+        traffic.append(trainer.runtime.end_step())
         losses.append(None if loss is None else float(loss))
-    return losses
+    return losses, traffic
+
+
+def train(trainer, steps: int, start: int = 0) -> List[Optional[float]]:
+    """Run ``steps`` iterations from iteration ``start``; returns the losses (last stage)."""
+    return train_with_traffic(trainer, steps, start)[0]
 
 
 def params(trainer) -> Dict[str, Any]:

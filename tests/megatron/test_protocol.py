@@ -22,6 +22,7 @@ from tests.helpers.mcore import (
     resume_matches_uninterrupted,
     teardown,
     train,
+    train_with_traffic,
 )
 
 PP2 = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]
@@ -112,14 +113,7 @@ def _train_and_inspect(rank, world, flags, steps):
     hook = runtime.components["subspace"].optimizer_hooks[0]
     sub = hook.subspace
     u0 = sub.u.clone()
-    gbs = trainer.sizes["gbs"]
-    iterator = trainer._iterator(trainer.train_ds, 0)
-    losses, traffic = [], []
-    for it in range(steps):
-        loss, _, ok = trainer.train_step(it, it * gbs, iterator)
-        assert ok
-        traffic.append(runtime.end_step())
-        losses.append(None if loss is None else float(loss))
+    losses, traffic = train_with_traffic(trainer, steps)
     drift = 0.0  # of the parameters the optimizer updates (fp32 main copies under bf16)
     view = runtime.optimizer_handle.view
     for fqn, axis in hook.constrained.items():
@@ -254,16 +248,8 @@ def _defaults_against_the_former_ones(rank, world, flags, variants, steps):
         head = chunk.output_layer.weight if post else None
         head_name = global_param_names(chunk)[head] if head is not None else None
         before = head.detach().clone() if head is not None else None
-        gbs = trainer.sizes["gbs"]
-        iterator = trainer._iterator(trainer.train_ds, 0)
-        losses, act = [], []
-        for it in range(steps):
-            loss, _, ok = trainer.train_step(it, it * gbs, iterator)
-            assert ok
-            traffic = runtime.end_step()
-            losses.append(None if loss is None else float(loss))
-            if "pp-act" in traffic:
-                act.append(traffic["pp-act"].sent)
+        losses, traffic = train_with_traffic(trainer, steps)
+        act = [t["pp-act"].sent for t in traffic if "pp-act" in t]
         change_rank = None
         if head is not None:
             s = torch.linalg.svdvals((head.detach() - before).float())

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers.paths import REPO
+
 os.environ.setdefault("MEGATRON_EXT_CACHE", str(REPO / ".cache" / "tests"))
 
 _REQUIRE = "--require-megatron-lm"

@@ -29,19 +29,19 @@ import pytest
 import torch
 
 from tests.helpers.dist import free_port
+from tests.helpers.paths import REPO
 from tests.helpers.torchft_sites import commit_events, start_lighthouse
 
 pytestmark = pytest.mark.slow
 
 pytest.importorskip("torchft")
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT = 240.0
 
 
 def _env(**extra):
     env = dict(os.environ)
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

@@ -24,9 +24,9 @@ from megatron_ext.netbench.netns import (
     cleanup_stale,
     netns_unavailable_reason,
 )
+from tests.helpers.paths import REPO
 
 _PREFIX = "mxnbtest"
-_REPO = Path(__file__).resolve().parents[2]
 
 
 def _skip_reason():
@@ -170,8 +170,8 @@ def test_cleanup_after_signal_mid_run(signum, tmp_path):
     """SIGINT/SIGTERM: the runner cleans up itself; SIGKILL: cleanup_stale does it."""
     runner = subprocess.Popen(
         [sys.executable, "-c", _BLOCKING_RUNNER, str(tmp_path)],
-        cwd=_REPO,
-        env=dict(os.environ, PYTHONPATH=str(_REPO)),
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -11,13 +11,11 @@ is torchrun's own summary's last line but one (megatron_ext.refusal), not above 
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.helpers.paths import REPO
 from tests.helpers.refusal import assert_cause_last
-
-REPO = Path(__file__).resolve().parents[2]
 
 _SCRIPT = """
 import os, sys, time

@@ -16,7 +16,6 @@ import re
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy
@@ -39,8 +38,8 @@ from megatron_ext.megatron.data import (
     sample_indices,
     write_indexed_dataset,
 )
+from tests.helpers.paths import REPO
 
-_REPO = Path(__file__).resolve().parents[2]
 _SEQ = 32
 
 
@@ -499,7 +498,7 @@ def test_build_gpt_datasets_on_two_gloo_ranks(small, tmp_path):
     }
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
     init_file = tmp_path / "init"
     procs = [

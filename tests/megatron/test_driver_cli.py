@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.paths import REPO
 from tests.helpers.quiet import noise_lines
 from tests.helpers.refusal import assert_cause_last, torchrun_summary
-
-REPO = Path(__file__).resolve().parents[2]
 
 BASE = [
     "--cpu",

@@ -23,9 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.paths import REPO
 from tests.helpers.procs import assert_all_gone, children, descendants
-
-REPO = Path(__file__).resolve().parents[2]
 
 BASE = [
     "--cpu",

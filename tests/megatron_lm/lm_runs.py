@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from tests.helpers.dist import free_port
+from tests.helpers.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 TINY_RUN_FILE = REPO / "configs" / "megatron_lm" / "gpt_tiny_separate_cpu.yaml"
 
 _ADDRESS_IN_USE = ("Address already in use", "EADDRINUSE")

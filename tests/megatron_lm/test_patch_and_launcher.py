@@ -23,8 +23,7 @@ from megatron_ext.megatron.lm.releases import (
     detect_checkout_release,
     file_sha256,
 )
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers.paths import REPO
 
 PACKAGE_INFO = """\
 MAJOR = {major}
@@ -317,7 +316,7 @@ def test_missing_triton_points_at_cpu_execution_not_at_pip(tmp_path, monkeypatch
     assert "pip install six   (or: pip install 'megatron-ext[megatron-lm]')" in message
     assert "pip install six triton" not in message and "--cpu" in message
     # The extra named is the one setup.py declares.
-    setup_py = (Path(__file__).resolve().parents[2] / "setup.py").read_text()
+    setup_py = (REPO / "setup.py").read_text()
     listed = str(list(requirements.EXTRA_PACKAGES)).replace("'", '"')
     assert f"_MEGATRON_LM = {listed}" in setup_py and '"megatron-lm": _MEGATRON_LM' in setup_py
 

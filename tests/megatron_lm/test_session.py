@@ -23,9 +23,8 @@ from megatron_ext.megatron.lm.arguments import check_megatron_lm_args
 from megatron_ext.megatron.lm.releases import RELEASES
 from megatron_ext.megatron.lm.session import MegatronLMSession
 from megatron_ext.state import ExtState, StateMismatch
+from tests.helpers.paths import REPO
 from tests.megatron_lm.lm_runs import hook_module, tiny_args
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _session() -> MegatronLMSession:
@@ -316,7 +315,7 @@ def _run_with_checkout(code: str) -> str:
     prelude = textwrap.dedent(f"""
         import sys
         sys.path.append({os.environ["MEGATRON_LM_DIR"]!r})
-        sys.path.insert(0, {REPO!r})
+        sys.path.insert(0, {str(REPO)!r})
         import importlib
         from megatron_ext.megatron.lm.compat import apply_python_shims
         from megatron_ext.megatron.lm.cpu import register_triton_stand_ins

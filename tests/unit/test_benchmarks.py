@@ -24,9 +24,7 @@ from benchmarks import (
     step_time,
     subspace_overhead,
 )
-
-REPO = Path(__file__).resolve().parents[2]
-
+from tests.helpers.paths import REPO
 
 # -- equal-bytes PowerSGD rank -------------------------------------------------------------
 

@@ -20,13 +20,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
+from tests.helpers.paths import REPO
 from tests.helpers.procs import alive, survivors
-
-REPO = Path(__file__).resolve().parents[2]
 
 _HELPER = """
 import multiprocessing as mp, signal, sys, time

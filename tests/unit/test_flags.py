@@ -24,6 +24,7 @@ from megatron_ext.config import (
     flag_of,
 )
 from megatron_ext.methods.separate import SeparateConfig
+from tests.helpers.paths import REPO
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -130,7 +131,7 @@ def test_no_dest_is_copied_into_megatron_core_configs():
 @pytest.mark.megatron_lm
 def test_no_clash_with_live_megatron_lm_checkout(tmp_path):
     out = tmp_path / "flags.txt"
-    script = Path(__file__).resolve().parents[2] / "scripts" / "dev" / "dump_megatron_lm_flags.py"
+    script = REPO / "scripts" / "dev" / "dump_megatron_lm_flags.py"
     subprocess.run(
         [sys.executable, str(script), os.environ["MEGATRON_LM_DIR"], str(out)], check=True
     )

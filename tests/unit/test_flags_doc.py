@@ -7,9 +7,8 @@ committed. It also checks that the reference has every flag megatron-ext adds to
 
 import argparse
 import importlib.util
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers.paths import REPO
 
 
 def _generator():

@@ -11,9 +11,8 @@ import os
 import subprocess
 import sys
 import tarfile
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers.paths import REPO
 
 
 def _session(tmp_path, *stages, deadline="300"):

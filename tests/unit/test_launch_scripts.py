@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers.paths import REPO
+
 DATA = REPO / "tests" / "data"
 TAGS = ("core_v0.16.1", "core_v0.19.0")
 

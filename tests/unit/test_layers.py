@@ -24,11 +24,12 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.paths import REPO
+
+ROOT = REPO
 PACKAGE = ROOT / "megatron_ext"
 
 PURE = ("compressors", "collectives", "autograd", "optim", "kernels")

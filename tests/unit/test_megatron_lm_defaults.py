@@ -9,14 +9,12 @@ Megatron-LM's parsed arguments; end to end in tests/megatron_lm/test_refusals.py
 
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from megatron_ext.preflight import PreflightError, _megatron_subset, check_megatron_lm_defaults
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers.paths import REPO
 
 # Everything a tiny GPT on mock data needs (configs/megatron_lm/gpt_tiny_separate_cpu.yaml).
 COMPLETE = {

@@ -27,7 +27,8 @@ from typing import List, Tuple
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers.paths import REPO
+
 DOCS = [REPO / "README.md", REPO / "patches" / "README.md"] + sorted((REPO / "docs").rglob("*.md"))
 _BLOCK = re.compile(r"```bash\n(.*?)```", re.S)
 

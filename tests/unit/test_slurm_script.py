@@ -16,9 +16,9 @@ import re
 import signal
 import subprocess
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers.paths import REPO
+
 SCRIPT = REPO / "scripts" / "slurm" / "pretrain_gpt_ext.sbatch"
 
 _FAKE_SRUN = """#!/usr/bin/env bash

@@ -29,7 +29,7 @@ import pytest
 
 from tests.helpers.dist import free_port
 from tests.helpers.torchft_sites import commit_events, start_lighthouse
-from tests.megatron_lm.lm_runs import REPO, iterations, on_cuda, tiny_args
+from tests.megatron_lm.lm_runs import REPO, iterations, tiny_args
 
 pytestmark = [pytest.mark.megatron_lm, pytest.mark.slow]
 
@@ -39,8 +39,6 @@ TIMEOUT = 300.0
 
 
 def test_pretrain_gpt_sites_in_separate_jobs_over_torchft(tmp_path):
-    if on_cuda():
-        pytest.skip("CPU test: each site a torchrun of one rank on gloo")
     lm_dir = Path(os.environ["MEGATRON_LM_DIR"])
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("MEGATRON_EXT_CPU", None)

@@ -93,6 +93,7 @@ from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional
 import torch
 
 from megatron_ext.accounting import ProcessGroupTrafficMeter, collective_wire_bytes
+from megatron_ext.kernels.outer import pseudo_gradient
 from megatron_ext.optim.diloco import (
     DiLoCoHook,
     ExchangeWorker,
@@ -451,13 +452,7 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
             elif self.compressed:
                 committed, total, result = self._compressed_attempt(view, index, weight)
             else:
-                states, current = self._flat(view, fqns)
-                snap = torch.cat([self.snapshot[f].reshape(-1).to(current.device) for f in fqns])
-                buf = torch.empty(current.numel() + 1, dtype=torch.float32, device=current.device)
-                torch.sub(snap, current, out=buf[:-1])
-                sent_finite = torch.isfinite(buf[:-1]).all()
-                buf[:-1].mul_(weight)
-                buf[-1] = weight
+                buf, sent_finite = self._dense_buffer(view, fqns, weight)
                 with ProcessGroupTrafficMeter.tagged("outer", force=True):
                     committed = self.transport.sum_and_commit(buf)
             sites = self.transport.num_participants()
@@ -526,26 +521,13 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
             buf = torch.tensor([weight], dtype=torch.float32, device=self._device)
             flight.update(buf=buf, work=self.transport.start_sum(buf))
         elif self.compressed:
-            _, current = self._flat(view, fqns)
-            snap = torch.cat([self.snapshot[f].reshape(-1).to(current.device) for f in fqns])
-            delta = snap.sub_(current)
-            self._sent_finite[index] = torch.isfinite(delta).all()
-            group = self.transport.group()
-            exchange = self.exchanges[index]
-            if exchange.group is not group:
-                exchange = self.exchanges[index] = exchange.regroup(group)
+            delta, self._sent_finite[index] = self._pseudo_gradient(view, fqns)
             if self.worker is None:
-                self.worker = ExchangeWorker(current.device)
-            share = _WeightedShare(exchange, group, weight)
+                self.worker = ExchangeWorker(delta.device)
+            share = _WeightedShare(self._exchange_for(index), weight)
             flight.update(share=share, handle=self.worker.submit(share, delta))
         else:
-            _, current = self._flat(view, fqns)
-            snap = torch.cat([self.snapshot[f].reshape(-1).to(current.device) for f in fqns])
-            buf = torch.empty(current.numel() + 1, dtype=torch.float32, device=current.device)
-            torch.sub(snap, current, out=buf[:-1])
-            flight["sent_finite"] = torch.isfinite(buf[:-1]).all()
-            buf[:-1].mul_(weight)
-            buf[-1] = weight
+            buf, flight["sent_finite"] = self._dense_buffer(view, fqns, weight)
             with ProcessGroupTrafficMeter.tagged("outer", force=True):
                 flight.update(buf=buf, work=self.transport.start_sum(buf))
         self._inflight = flight
@@ -606,13 +588,16 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
             total_weight=f"{total:g}",
         )
 
+    def _land_in_flight(self) -> None:
+        if self._inflight is not None:
+            self._land(self._view)
+            self._view.sync_params()
+
     def state_dict(self) -> Dict[str, Any]:
         """As the one-world hook's; an outer step in flight lands first (its vote, then its
         update applied at this save instead of ``--outer-delay`` steps after its start: the
         global state is the same, only this site's merge comes earlier)."""
-        if self._inflight is not None:
-            self._land(self._view)
-            self._view.sync_params()
+        self._land_in_flight()
         return super().state_dict()
 
     def _empty_attempt(self, weight: float):
@@ -647,41 +632,53 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
 
     # -- the compressed outer step --------------------------------------------------------------
 
+    def _pseudo_gradient(self, view: OptimizerView, fqns: List[str]):
+        """This site's pseudo-gradient of a fragment, ``snapshot - weights`` (flat fp32), and
+        whether it is finite (the one-world hook's fused pass)."""
+        _, current = self._flat(view, fqns)
+        snap = torch.cat([self.snapshot[f].reshape(-1).to(current.device) for f in fqns])
+        return pseudo_gradient(snap, current)
+
+    def _dense_buffer(self, view: OptimizerView, fqns: List[str], weight: float):
+        """``[w * delta, w]``, what the dense exchange sums, and whether delta is finite."""
+        delta, finite = self._pseudo_gradient(view, fqns)
+        buf = torch.empty(delta.numel() + 1, dtype=torch.float32, device=delta.device)
+        torch.mul(delta, weight, out=buf[:-1])
+        buf[-1] = weight
+        return buf, finite
+
+    def _exchange_for(self, index: int) -> Any:
+        """Fragment ``index``'s compressed exchange over the quorum's group (rebuilt after a
+        new quorum: another size, another position)."""
+        group = self.transport.group()
+        if self.exchanges[index].group is not group:
+            self.exchanges[index] = self.exchanges[index].regroup(group)
+        return self.exchanges[index]
+
     def _compressed_attempt(self, view: OptimizerView, index: int, weight: float):
         """One attempt of a compressed outer step over the quorum's group: the sum of the
         weights (a dense all-reduce of one value), this site's pseudo-gradient scaled by
         ``w / sum(w)``, the compressed exchange (SUM) with the new error feedback staged,
         torchft's vote, then the staged error feedback kept only if the step commits.
         Returns ``(committed, total weight, the sum received or the NonFiniteError)``."""
-        fqns = self.fragments[index]
-        exchange = self.exchanges[index]
+        delta, self._sent_finite[index] = self._pseudo_gradient(view, self.fragments[index])
+        share: Optional[_WeightedShare] = None
         result: Any = None
-        total = 0.0
-        _, current = self._flat(view, fqns)
-        snap = torch.cat([self.snapshot[f].reshape(-1).to(current.device) for f in fqns])
-        delta = snap.sub_(current)
-        self._sent_finite[index] = torch.isfinite(delta).all()
         try:
-            group = self.transport.group()
-            if exchange.group is not group:  # a new quorum: another size, another position
-                exchange = self.exchanges[index] = exchange.regroup(group)
-            weights = torch.tensor([weight], dtype=torch.float64, device=current.device)
+            share = _WeightedShare(self._exchange_for(index), weight)
             with ProcessGroupTrafficMeter.tagged("outer", force=True):
-                torch.distributed.all_reduce(weights, torch.distributed.ReduceOp.SUM, group)
-                total = float(weights)
-                if total > 0:
-                    try:
-                        result = exchange.average(delta.mul_(weight / total), commit=False)
-                    except NonFiniteError as exc:  # on every site alike (the same sum)
-                        result = exc
+                result = share.average(delta)
+        except NonFiniteError as exc:  # on every site alike (the same sum)
+            result = exc
         except Exception as exc:  # a peer gone mid-exchange, a timeout: the vote says no
             self.transport.report_error(exc)
         committed = self.transport.commit()
-        exchange.end(committed and torch.is_tensor(result))
+        total = share.total if share is not None else 0.0
+        self.exchanges[index].end(committed and torch.is_tensor(result) and total > 0)
         # What this site sent and received in the last attempt (read by tests and tools).
         self.last_exchange = {
-            "sent": delta if total > 0 else None,
-            "received": result,
+            "sent": share.sent if share is not None else None,
+            "received": result if total > 0 else None,
             "total_weight": total,
         }
         return committed, total, result
@@ -702,9 +699,7 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
             self._sent_finite.pop(index, None)
 
     def finish(self) -> None:
-        if self._inflight is not None:  # the peers wait for this site's part of it
-            self._land(self._view)
-            self._view.sync_params()
+        self._land_in_flight()  # the peers wait for this site's part of it
         super().finish()
         if self.transport is not None:
             self.transport.shutdown()
@@ -712,20 +707,20 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
 
 
 class _WeightedShare:
-    """One overlapped compressed outer step on the exchange thread: the sum of the sites'
-    weights (a dense all-reduce of one value), then this site's share ``w / sum(w)`` of its
-    pseudo-gradient through the exchange (SUM), its new error feedback staged."""
+    """One compressed outer step (blocking, or overlapped on the exchange thread): the sum of
+    the sites' weights (a dense all-reduce of one value), then this site's share
+    ``w / sum(w)`` of its pseudo-gradient through the exchange (SUM), its new error feedback
+    staged."""
 
-    def __init__(self, exchange: Any, group: Any, weight: float):
+    def __init__(self, exchange: Any, weight: float):
         self.exchange = exchange
-        self.group = group
         self.weight = weight
         self.total = 0.0
         self.sent: Optional[torch.Tensor] = None
 
     def average(self, delta: torch.Tensor) -> torch.Tensor:
         weights = torch.tensor([self.weight], dtype=torch.float64, device=delta.device)
-        torch.distributed.all_reduce(weights, torch.distributed.ReduceOp.SUM, self.group)
+        torch.distributed.all_reduce(weights, torch.distributed.ReduceOp.SUM, self.exchange.group)
         self.total = float(weights)
         if self.total <= 0:
             return delta.new_empty(0)  # nobody contributed (every site joining)

@@ -101,7 +101,7 @@ from megatron_ext.optim.diloco import (
     ThreadedAverage,
     make_outer_exchange,
 )
-from megatron_ext.optim.diloco.fragments import fragment_due
+from megatron_ext.optim.diloco.layout import fragment_due
 from megatron_ext.protocols import NonFiniteError, OptimizerView, SitesTransport
 
 __all__ = ["TorchftTransport", "FaultTolerantDiLoCoHook", "torchft_missing"]

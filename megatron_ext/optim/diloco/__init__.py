@@ -11,9 +11,8 @@ What it does:
       exchange ``--outer-compression`` names.
     * ``overlap.py``: exchanges in flight (``--outer-delay``): :class:`PendingAverage`,
       :class:`ThreadedAverage`, :class:`ExchangeWorker`.
-    * ``sites.py``: :func:`site_groups`, the process groups of the sites.
-    * ``fragments.py``: Streaming DiLoCo's fragments (:func:`split_fragments`,
-      :func:`fragment_due`).
+    * ``layout.py``: the sites as process groups (:func:`site_groups`) and Streaming
+      DiLoCo's fragments (:func:`split_fragments`, :func:`fragment_due`).
     * ``outer_step.py``: :func:`outer_sgd_step`, the eager outer SGD step.
 
 Why a package:
@@ -26,11 +25,10 @@ Constraints:
 """
 
 from megatron_ext.optim.diloco.exchange import DenseOuterExchange, make_outer_exchange
-from megatron_ext.optim.diloco.fragments import fragment_due, split_fragments
 from megatron_ext.optim.diloco.hook import DiLoCoHook
+from megatron_ext.optim.diloco.layout import fragment_due, site_groups, split_fragments
 from megatron_ext.optim.diloco.outer_step import outer_sgd_step
 from megatron_ext.optim.diloco.overlap import ExchangeWorker, PendingAverage, ThreadedAverage
-from megatron_ext.optim.diloco.sites import site_groups
 
 # The names --outer-compression takes (each but "none" is an OuterExchange with that
 # data-parallel method's compression); defined with the options, which need no torch.

@@ -2,7 +2,9 @@
 
 Each module in :data:`BUILTIN` defines its options dataclass and factory and registers a
 :class:`~megatron_ext.methods.registry.Method`; the registry imports them on first use.
-Adding a method is a new module plus one line here.
+Adding a method is a new module plus one line here. The options that other layers read too
+(DiLoCo's outer exchange compresses like the quantized, Radius, SEPARATE and PowerSGD
+methods) live instead in the leaf package ``megatron_ext.options``.
 """
 
 BUILTIN = (

@@ -18,11 +18,11 @@ a resumed run is in the phase an uninterrupted one would be.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from dataclasses import field
+from typing import Optional
 
 from megatron_ext.methods.registry import Components, Method, MethodContext, register
-from megatron_ext.options.base import ConfigError, arg, check_positive, flag_of
+from megatron_ext.options.base import ConfigError, arg, check_positive, flag_of, options_dataclass
 
 __all__ = ["AQSGDConfig", "METHOD", "DIRECTQ"]
 
@@ -31,12 +31,11 @@ _BITS = (2, 3, 4, 5, 6, 7, 8)
 the sign)."""
 
 
-@dataclass(frozen=True, kw_only=True)
+@options_dataclass(
+    group="megatron-ext: AQ-SGD / DirectQ (--p2p-compression aqsgd|directq)", prefix="aqsgd"
+)
 class AQSGDConfig:
     """AQ-SGD: pipeline activations as quantized deltas against per-sample buffers."""
-
-    ARG_GROUP: ClassVar[str] = "megatron-ext: AQ-SGD / DirectQ (--p2p-compression aqsgd|directq)"
-    ARG_PREFIX: ClassVar[str] = "aqsgd"
 
     fw_bits: int = field(default=4, metadata=arg(choices=_BITS))
     """Bits per value of the forward activations (AQ-SGD: of their change since the

@@ -10,11 +10,19 @@ the other methods' :attr:`~megatron_ext.methods.registry.Components.outer_view` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from dataclasses import field
+from typing import Optional
 
 from megatron_ext.methods.registry import Components, Method, MethodContext, register
-from megatron_ext.options.base import RUN_ONLY, ConfigError, check_positive, flag_of
+from megatron_ext.options.base import (
+    RUN_ONLY,
+    ConfigError,
+    arg,
+    check_choice,
+    check_positive,
+    flag_of,
+    options_dataclass,
+)
 from megatron_ext.options.outer import OUTER_EXCHANGES
 
 __all__ = ["OuterConfig", "METHOD"]
@@ -23,12 +31,9 @@ _STATE_DEVICES = ("device", "cpu")
 _TRANSPORTS = ("world", "torchft")
 
 
-@dataclass(frozen=True, kw_only=True)
+@options_dataclass(group="megatron-ext: outer synchronization (DiLoCo)", prefix="outer")
 class OuterConfig:
     """DiLoCo: sites train apart for H steps, then average their pseudo-gradients."""
-
-    ARG_GROUP: ClassVar[str] = "megatron-ext: outer synchronization (DiLoCo)"
-    ARG_PREFIX: ClassVar[str] = "outer"
 
     interval: int = 100
     """H: inner steps between two outer synchronizations of a fragment (DiLoCo paper: 500;
@@ -64,7 +69,7 @@ class OuterConfig:
     * global (Streaming DiLoCo's alpha, torchft's fragment_update_alpha); 0: the global
     weights (the sites agree after every sync)."""
 
-    state_device: str = field(default="device", metadata={"argparse": {"choices": _STATE_DEVICES}})
+    state_device: str = field(default="device", metadata=arg(choices=_STATE_DEVICES))
     """Where the fp32 outer state (last synchronized parameters, outer momentum) lives:
     'device' (the parameters' device) or 'cpu' (host memory)."""
 
@@ -76,7 +81,7 @@ class OuterConfig:
     --quantized-* / --radius-* / --separate-* / --powersgd-* flags (those configure
     --grad-compression inside a site)."""
 
-    transport: str = field(default="world", metadata={"argparse": {"choices": _TRANSPORTS}})
+    transport: str = field(default="world", metadata=arg(choices=_TRANSPORTS))
     """How the sites talk at an outer step: 'world' (every site is a run of data-parallel
     ranks of one torch.distributed world, --outer-groups; a failure anywhere stops every
     site) or 'torchft' (each site is its own job, this one; the outer step goes through
@@ -136,23 +141,14 @@ class OuterConfig:
             raise ConfigError(
                 flag_of(cls, "merge_alpha"), f"must be in [0, 1], got {self.merge_alpha}"
             )
-        if self.state_device not in _STATE_DEVICES:
-            raise ConfigError(
-                flag_of(cls, "state_device"),
-                f"invalid value {self.state_device!r} (choose from {', '.join(_STATE_DEVICES)})",
-            )
+        check_choice(cls, "state_device", self.state_device)
         if self.compression not in OUTER_EXCHANGES:
             raise ConfigError(
                 flag_of(cls, "compression"),
                 f"unknown exchange {self.compression!r} (choose from "
                 f"{', '.join(OUTER_EXCHANGES)})",
             )
-
-        if self.transport not in _TRANSPORTS:
-            raise ConfigError(
-                flag_of(cls, "transport"),
-                f"invalid value {self.transport!r} (choose from {', '.join(_TRANSPORTS)})",
-            )
+        check_choice(cls, "transport", self.transport)
         check_positive(cls, "min_sites", self.min_sites)
         check_positive(cls, "quorum_timeout", self.quorum_timeout)
         check_positive(cls, "timeout", self.timeout)

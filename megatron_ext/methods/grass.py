@@ -8,8 +8,7 @@ hooks the linear layers. One options class serves every selection rule.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar, Dict
+from typing import Any, Dict
 
 from megatron_ext.methods.registry import (
     BenchContext,
@@ -18,17 +17,14 @@ from megatron_ext.methods.registry import (
     MethodContext,
     register,
 )
-from megatron_ext.options.base import ConfigError, check_positive, flag_of
+from megatron_ext.options.base import ConfigError, check_positive, flag_of, options_dataclass
 
 __all__ = ["GrassConfig", "METHODS"]
 
 
-@dataclass(frozen=True, kw_only=True)
+@options_dataclass(group="megatron-ext: row-sparse linear backward (Grass)", prefix="grass")
 class GrassConfig:
     """Grass: row-sparse weight gradients, r x n optimizer state and data-parallel traffic."""
-
-    ARG_GROUP: ClassVar[str] = "megatron-ext: row-sparse linear backward (Grass)"
-    ARG_PREFIX: ClassVar[str] = "grass"
 
     rank: int = 128
     """Rows r of each projected matrix trained at a time, of its smaller dimension in the

@@ -3,8 +3,7 @@
 The algorithm is ``megatron_ext.collectives.powersgd`` (two all-reduces per bucket) on
 ``megatron_ext.compressors.lowrank``.
 
-Its options, :class:`~megatron_ext.options.powersgd.PowerSGDConfig`, live in the leaf package
-``megatron_ext.options``: other layers read them too (DiLoCo's outer exchange).
+Its options: :class:`~megatron_ext.options.powersgd.PowerSGDConfig`.
 """
 
 from __future__ import annotations

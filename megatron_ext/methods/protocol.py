@@ -11,8 +11,8 @@ and exchanges the new ``U``. The method implies its own pipeline codec, so
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict
+from dataclasses import field
+from typing import Any, Dict
 
 from megatron_ext.methods.registry import (
     Components,
@@ -20,7 +20,7 @@ from megatron_ext.methods.registry import (
     MethodContext,
     register,
 )
-from megatron_ext.options.base import ConfigError, arg, check_positive, flag_of
+from megatron_ext.options.base import ConfigError, arg, check_positive, flag_of, options_dataclass
 
 __all__ = ["SubspaceConfig", "METHOD"]
 
@@ -28,12 +28,11 @@ _FLAG = "--subspace-method"
 HEADS = ("untied", "tied")
 
 
-@dataclass(frozen=True, kw_only=True)
+@options_dataclass(
+    group="megatron-ext: Protocol Models (--subspace-method protocol)", prefix="subspace"
+)
 class SubspaceConfig:
     """Protocol Models: a subspace-confined residual stream, k of d numbers per token."""
-
-    ARG_GROUP: ClassVar[str] = "megatron-ext: Protocol Models (--subspace-method protocol)"
-    ARG_PREFIX: ClassVar[str] = "subspace"
 
     rank: int = 0
     """k, the dimension of the shared subspace S (0: hidden size / compression rate, but at

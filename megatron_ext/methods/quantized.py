@@ -8,8 +8,7 @@ variance, the momentum exchanged: ``--grad-compression quantized-adam``,
 ``megatron_ext.methods.quantized_adam``), since error compensation on the gradient does not
 carry through Adam's variance.
 
-Its options, :class:`~megatron_ext.options.quantized.QuantizedConfig`, live in the leaf package
-``megatron_ext.options``: other layers read them too (DiLoCo's outer exchange).
+Its options: :class:`~megatron_ext.options.quantized.QuantizedConfig`.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ data-parallel method can be combined with it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict
+from dataclasses import field
+from typing import Any, Dict
 
 from megatron_ext.methods.registry import (
     BenchContext,
@@ -27,21 +27,21 @@ from megatron_ext.methods.registry import (
     MethodContext,
     register,
 )
-from megatron_ext.options.base import ConfigError, arg, check_positive, flag_of
+from megatron_ext.options.base import ConfigError, arg, check_positive, options_dataclass
+from megatron_ext.options.quantized import BITS, check_wire
 
 __all__ = ["QuantizedAdamConfig", "METHOD"]
 
 _FLAG = "--grad-compression"
 
 
-@dataclass(frozen=True, kw_only=True)
+@options_dataclass(
+    group="megatron-ext: QuantizedAdam (--grad-compression quantized-adam)", prefix="quantized-adam"
+)
 class QuantizedAdamConfig:
     """QuantizedAdam: frozen Adam variance, k-bit momentum exchange with error compensation."""
 
-    ARG_GROUP: ClassVar[str] = "megatron-ext: QuantizedAdam (--grad-compression quantized-adam)"
-    ARG_PREFIX: ClassVar[str] = "quantized-adam"
-
-    bits: int = field(default=4, metadata=arg(choices=(2, 3, 4, 8)))
+    bits: int = field(default=4, metadata=arg(choices=BITS))
     """Bits per momentum value on the wire (the AQ-SGD paper's end-to-end runs: 4)."""
 
     block_size: int = 512
@@ -55,11 +55,8 @@ class QuantizedAdamConfig:
     --train-iters."""
 
     def __post_init__(self):
-        cls = type(self)
-        if self.bits not in (2, 3, 4, 8):
-            raise ConfigError(flag_of(cls, "bits"), f"invalid choice {self.bits!r} (2, 3, 4, 8)")
-        check_positive(cls, "block_size", self.block_size)
-        check_positive(cls, "warmup_steps", self.warmup_steps)
+        check_wire(type(self), self.bits, self.block_size)
+        check_positive(type(self), "warmup_steps", self.warmup_steps)
 
 
 def check_adam(optimizer: Any) -> None:

@@ -3,8 +3,7 @@
 The algorithm is ``megatron_ext.collectives.radius`` (a gradient reducer and the optimizer
 hook that selects its entries from AdamW's moments) on ``megatron_ext.compressors.topk``.
 
-Its options, :class:`~megatron_ext.options.radius.RadiusConfig`, live in the leaf package
-``megatron_ext.options``: other layers read them too (DiLoCo's outer exchange).
+Its options: :class:`~megatron_ext.options.radius.RadiusConfig`.
 """
 
 from __future__ import annotations

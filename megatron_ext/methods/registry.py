@@ -315,8 +315,8 @@ class Method:
     """Factory of the run's components."""
 
     options: Optional[type] = None
-    """Options dataclass (``ARG_PREFIX`` and ``ARG_GROUP`` class attributes; frozen,
-    keyword-only, a docstring per field)."""
+    """Options dataclass, declared with :func:`megatron_ext.options.base.options_dataclass`
+    (its ``ARG_GROUP`` and ``ARG_PREFIX``; frozen, keyword-only), a docstring per field."""
 
     summary: str = ""
     """One line for ``--help`` and reports."""

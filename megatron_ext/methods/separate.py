@@ -4,8 +4,7 @@ The algorithm is ``megatron_ext.collectives.separate`` (the collective choreogra
 ``megatron_ext.compressors.separate`` (the projection math); this module declares the method:
 its options (``--separate-*``), what it builds (a gradient reducer) and its benchmark label.
 
-Its options, :class:`~megatron_ext.options.separate.SeparateConfig`, live in the leaf package
-``megatron_ext.options``: other layers read them too (DiLoCo's outer exchange).
+Its options: :class:`~megatron_ext.options.separate.SeparateConfig`.
 """
 
 from __future__ import annotations

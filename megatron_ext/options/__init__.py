@@ -8,7 +8,10 @@ compression of DiLoCo's outer exchange) and the outer exchanges' table
 
 Why: the methods (``megatron_ext.methods``), the pure-torch collectives and the flag parser
 (``megatron_ext.config``) all read these; here none of them has to import another, and flags
-parse without torch.
+parse without torch. The collectives of DiLoCo's outer exchange
+(``megatron_ext.collectives.outer_exchange``) and QuantizedAdam's momentum exchange
+(``megatron_ext.collectives.quantized_adam``) read a data-parallel method's options without
+importing the method registry.
 
 Constraints:
     Standard library only, and only this package: no torch, no Megatron, no other

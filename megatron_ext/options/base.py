@@ -1,11 +1,13 @@
 """The machinery that turns option dataclasses into command-line flags, and its error type.
 
 What it does:
-    :func:`arg` is the field metadata of a flag (its name, choices, aliases);
+    :func:`options_dataclass` declares an options class (frozen, keyword-only, its ``--help``
+    group and flag prefix); :func:`arg` is the field metadata of a flag (its name, choices, aliases);
     :func:`add_config_args` adds one argparse group per options dataclass, a flag per field
     with the field's attribute docstring as help; :func:`config_from_args` goes back from
     parsed arguments to the dataclass; :func:`flag_of` names a field's flag, and
-    :class:`ConfigError` (a ``ValueError``) is the one-line refusal that starts with it.
+    :class:`ConfigError` (a ``ValueError``) is the one-line refusal that starts with it;
+    :func:`check_positive` and :func:`check_choice` raise it.
 
 Why here:
     The option dataclasses (the methods' own, ``megatron_ext.options.*``, and the run-wide
@@ -27,15 +29,17 @@ import math
 import textwrap
 import typing
 from functools import lru_cache
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, TypeVar
 
 __all__ = [
     "ConfigError",
+    "options_dataclass",
     "arg",
     "RUN_ONLY",
     "shapes_state",
     "flag_of",
     "check_positive",
+    "check_choice",
     "add_config_args",
     "config_from_args",
 ]
@@ -53,6 +57,30 @@ class ConfigError(ValueError):
             flags = [flags]
         self.flags = tuple(flags)
         super().__init__(f"{', '.join(self.flags)}: {message}")
+
+
+_C = TypeVar("_C", bound=type)
+
+
+def options_dataclass(*, group: str, prefix: str) -> Callable[[_C], _C]:
+    """Class decorator of an options dataclass: frozen, keyword-only, flags ``--<prefix>-*``.
+
+    Sets the class attributes the flag machinery reads, ``ARG_GROUP`` (the title of the
+    class's argument group in ``--help``) and ``ARG_PREFIX`` (``""``: flags ``--<field>``),
+    then makes the class a ``dataclass(frozen=True, kw_only=True)``. Each field's attribute
+    docstring becomes its flag's help.
+
+    Args:
+        group: the argument group's title.
+        prefix: the flags' prefix.
+    """
+
+    def declare(cls: _C) -> _C:
+        cls.ARG_GROUP = group
+        cls.ARG_PREFIX = prefix
+        return dataclasses.dataclass(frozen=True, kw_only=True)(cls)
+
+    return declare
 
 
 def arg(
@@ -226,13 +254,18 @@ def config_from_args(cls: type, args: argparse.Namespace) -> Any:
     return cls(**kwargs)
 
 
-def _check_choice(cls: type, name: str, value: Any) -> None:
+def check_choice(cls: type, name: str, value: Any) -> None:
+    """Raise :class:`ConfigError` naming the flag unless ``value`` is one of the field's
+    ``arg(choices=...)`` (strings)."""
     f = {f.name: f for f in dataclasses.fields(cls)}[name]
     choices = f.metadata.get("argparse", {}).get("choices")
     if choices and value not in choices:
         raise ConfigError(
             flag_of(cls, name), f"invalid value {value!r} (choose from {', '.join(choices)})"
         )
+
+
+_check_choice = check_choice  # the name megatron_ext.config imports
 
 
 def check_positive(cls: type, name: str, value: Any, *, allow_zero: bool = False) -> None:

@@ -3,27 +3,20 @@
 The family options of ``--grass-method`` (``megatron_ext.methods.registry`` declares the
 family with them); here, in the leaf package, so that the registry need not import
 ``megatron_ext.config``, which imports the registry.
-
-Constraints:
-    No torch, no Megatron, no method registry.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from megatron_ext.options.base import options_dataclass
 
 __all__ = ["DEFAULT_LINEAR_LAYERS", "LinearLayersConfig"]
 
 DEFAULT_LINEAR_LAYERS = r"decoder\.layers\.\d+\.(self_attention\.(linear_qkv|linear_proj)|mlp\.(linear_fc1|linear_fc2))$"
 
 
-@dataclass(frozen=True, kw_only=True)
+@options_dataclass(group="megatron-ext: row-sparse linear backward (Grass)", prefix="grass")
 class LinearLayersConfig:
     """Which linear layers the linear seam (``--grass-method``) wraps."""
-
-    ARG_GROUP: ClassVar[str] = "megatron-ext: row-sparse linear backward (Grass)"
-    ARG_PREFIX: ClassVar[str] = "grass"
 
     layers: str = DEFAULT_LINEAR_LAYERS
     """Regular expression matched (re.search) against the module names of the linear layers

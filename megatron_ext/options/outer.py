@@ -7,9 +7,6 @@ gradient, with that method's options dataclass (:data:`OUTER_EXCHANGE_OPTIONS`).
 Why a leaf module: the option check of ``--outer-compression`` (``megatron_ext.methods.diloco``)
 runs while flags are parsed, before torch is imported, and the exchange itself
 (``megatron_ext.collectives.outer_exchange``) must not import the method registry.
-
-Constraints:
-    No torch, no Megatron, no method registry.
 """
 
 from __future__ import annotations

@@ -1,29 +1,16 @@
-"""Options of PowerSGD (``--powersgd-*``).
-
-Read by the method (``megatron_ext.methods.powersgd``) and by DiLoCo's PowerSGD outer
-exchange (``megatron_ext.collectives.outer_exchange``); a leaf module, so that the collective
-need not import the method registry.
-
-Constraints:
-    No torch, no Megatron, no method registry: parsing flags must not need them.
-"""
+"""Options of PowerSGD (``--powersgd-*``): the method's (``megatron_ext.methods.powersgd``)
+and DiLoCo's PowerSGD outer exchange's."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
-from megatron_ext.options.base import ConfigError, check_positive, flag_of
+from megatron_ext.options.base import ConfigError, check_positive, flag_of, options_dataclass
 
 __all__ = ["PowerSGDConfig"]
 
 
-@dataclass(frozen=True, kw_only=True)
+@options_dataclass(group="megatron-ext: PowerSGD (--grad-compression powersgd)", prefix="powersgd")
 class PowerSGDConfig:
     """PowerSGD (PyTorch's powerSGD_hook algorithm), the standard peer baseline."""
-
-    ARG_GROUP: ClassVar[str] = "megatron-ext: PowerSGD (--grad-compression powersgd)"
-    ARG_PREFIX: ClassVar[str] = "powersgd"
 
     approx_rank: int = 4
     """Rank of the low-rank approximation of each weight gradient (PyTorch's

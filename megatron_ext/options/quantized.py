@@ -1,32 +1,41 @@
-"""Options of the quantized gradient exchange (``--quantized-*``).
+"""Options of the quantized gradient exchange (``--quantized-*``): the method's
+(``megatron_ext.methods.quantized``), QuantizedAdam's momentum exchange's (through
+``megatron_ext.collectives.quantized_adam``) and DiLoCo's quantized outer exchange's.
 
-Read by the method (``megatron_ext.methods.quantized``), by QuantizedAdam's momentum exchange
-(``megatron_ext.collectives.quantized_adam``) and by DiLoCo's quantized outer exchange
-(``megatron_ext.collectives.outer_exchange``); a leaf module, so that those collectives need
-not import the method registry.
-
-Constraints:
-    No torch, no Megatron, no method registry: parsing flags must not need them.
+:data:`BITS` and :func:`check_wire` serve every options class whose values travel through
+the quantized collective (``megatron_ext.collectives.quantized``): this one and
+``megatron_ext.methods.quantized_adam.QuantizedAdamConfig``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar
+from dataclasses import field
 
-from megatron_ext.options.base import ConfigError, arg, check_positive, flag_of
+from megatron_ext.options.base import ConfigError, arg, check_positive, flag_of, options_dataclass
 
-__all__ = ["QuantizedConfig"]
+__all__ = ["BITS", "QuantizedConfig", "check_wire"]
+
+BITS = (2, 3, 4, 8)
+"""Bit widths the quantized collective packs."""
 
 
-@dataclass(frozen=True, kw_only=True)
+def check_wire(cls: type, bits: int, block_size: int) -> None:
+    """Refuse, naming the flag of ``cls``'s field, ``bits`` not in :data:`BITS` or a
+    ``block_size`` below 1."""
+    if bits not in BITS:
+        raise ConfigError(
+            flag_of(cls, "bits"), f"invalid choice {bits!r} ({', '.join(map(str, BITS))})"
+        )
+    check_positive(cls, "block_size", block_size)
+
+
+@options_dataclass(
+    group="megatron-ext: quantized gradients (--grad-compression quantized)", prefix="quantized"
+)
 class QuantizedConfig:
     """k-bit quantized gradient exchange with worker and server error compensation."""
 
-    ARG_GROUP: ClassVar[str] = "megatron-ext: quantized gradients (--grad-compression quantized)"
-    ARG_PREFIX: ClassVar[str] = "quantized"
-
-    bits: int = field(default=4, metadata=arg(choices=(2, 3, 4, 8)))
+    bits: int = field(default=4, metadata=arg(choices=BITS))
     """Bits per gradient value on the wire (the AQ-SGD paper's end-to-end runs: 4)."""
 
     block_size: int = 256
@@ -40,7 +49,4 @@ class QuantizedConfig:
     """Rounding to the quantization grid."""
 
     def __post_init__(self):
-        cls = type(self)
-        if self.bits not in (2, 3, 4, 8):
-            raise ConfigError(flag_of(cls, "bits"), f"invalid choice {self.bits!r} (2, 3, 4, 8)")
-        check_positive(cls, "block_size", self.block_size)
+        check_wire(type(self), self.bits, self.block_size)

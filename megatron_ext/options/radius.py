@@ -1,29 +1,16 @@
-"""Options of Radius (``--radius-*``).
-
-Read by the method (``megatron_ext.methods.radius``) and by DiLoCo's top-k outer exchange
-(``megatron_ext.collectives.outer_exchange``); a leaf module, so that the collective need not
-import the method registry.
-
-Constraints:
-    No torch, no Megatron, no method registry: parsing flags must not need them.
-"""
+"""Options of Radius (``--radius-*``): the method's (``megatron_ext.methods.radius``) and
+DiLoCo's top-k outer exchange's."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
-from megatron_ext.options.base import ConfigError, check_positive, flag_of
+from megatron_ext.options.base import ConfigError, check_positive, flag_of, options_dataclass
 
 __all__ = ["RadiusConfig"]
 
 
-@dataclass(frozen=True, kw_only=True)
+@options_dataclass(group="megatron-ext: Radius (--grad-compression radius)", prefix="radius")
 class RadiusConfig:
     """Radius: top-k gradient sparsity with indices reused for T steps, all-reduced densely."""
-
-    ARG_GROUP: ClassVar[str] = "megatron-ext: Radius (--grad-compression radius)"
-    ARG_PREFIX: ClassVar[str] = "radius"
 
     density: float = 0.4
     """Fraction of each weight's entries kept (paper: 0.4-0.5); biases and other 1-D

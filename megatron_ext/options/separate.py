@@ -1,29 +1,19 @@
-"""Options of SEPARATE (``--separate-*``).
-
-Read by the method (``megatron_ext.methods.separate``) and by DiLoCo's separate outer
-exchange (``megatron_ext.collectives.outer_exchange``); a leaf module, so that the collective
-need not import the method registry.
-
-Constraints:
-    No torch, no Megatron, no method registry: parsing flags must not need them.
-"""
+"""Options of SEPARATE (``--separate-*``): the method's (``megatron_ext.methods.separate``)
+and DiLoCo's separate outer exchange's."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from dataclasses import field
+from typing import Optional
 
-from megatron_ext.options.base import ConfigError, arg, check_positive, flag_of
+from megatron_ext.options.base import ConfigError, arg, check_positive, flag_of, options_dataclass
 
 __all__ = ["SeparateConfig"]
 
 
-@dataclass(frozen=True, kw_only=True)
+@options_dataclass(group="megatron-ext: SEPARATE (--grad-compression separate)", prefix="separate")
 class SeparateConfig:
     """SEPARATE: common random projection of gradients with moving-average error feedback."""
-
-    ARG_GROUP: ClassVar[str] = "megatron-ext: SEPARATE (--grad-compression separate)"
-    ARG_PREFIX: ClassVar[str] = "separate"
 
     ratio: int = 16
     """Compression ratio: each block of --separate-block-size gradient entries is sent as

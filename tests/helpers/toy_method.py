@@ -8,21 +8,18 @@ the runtime's factory path, and benchmarkable.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, Optional
 
 import torch
 
 from megatron_ext.collectives.grad_reducer import CompressedReduction, GradReducer
 from megatron_ext.methods.registry import BenchContext, Components, Method, MethodContext
+from megatron_ext.options.base import options_dataclass
 
 
-@dataclass(frozen=True, kw_only=True)
+@options_dataclass(group="toy: halfprec", prefix="toy-halfprec")
 class HalfPrecConfig:
     """Toy: bfloat16 gradient reduction."""
-
-    ARG_GROUP: ClassVar[str] = "toy: halfprec"
-    ARG_PREFIX: ClassVar[str] = "toy-halfprec"
 
     scale: float = 1.0
     """Factor applied to the reduced gradient."""

@@ -15,6 +15,7 @@ from megatron_ext.methods.registry import (
     Components,
     Method,
     MethodContext,
+    refuse_families,
     register,
 )
 from megatron_ext.options.base import ConfigError, check_positive, flag_of, options_dataclass
@@ -82,13 +83,17 @@ def _validate(cfg: Any, layout: Any) -> None:
             "of a V) and gathers only V, not the frozen weights. Use the regular optimizer "
             "(Grass's optimizer state per projected weight is already r x n)",
         )
-    if cfg.enabled("grad"):
-        raise ConfigError(
-            ["--grass-method", "--grad-compression"],
-            "Grass already reduces only the selected rows of the projected weights; a "
-            "gradient compressor on top would keep error-feedback state across reselections "
-            "of different rows. Use one or the other",
-        )
+    refuse_families(
+        cfg,
+        "--grass-method",
+        {
+            "grad": (
+                "Grass already reduces only the selected rows of the projected weights; a "
+                "gradient compressor on top would keep error-feedback state across "
+                "reselections of different rows. Use one or the other"
+            ),
+        },
+    )
 
 
 def _build(ctx: MethodContext) -> Components:

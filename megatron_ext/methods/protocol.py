@@ -18,6 +18,7 @@ from megatron_ext.methods.registry import (
     Components,
     Method,
     MethodContext,
+    refuse_families,
     register,
 )
 from megatron_ext.options.base import ConfigError, arg, check_positive, flag_of, options_dataclass
@@ -126,17 +127,17 @@ def _validate(cfg: Any, layout: Any) -> None:
             "token ids travel with the microbatches in schedule order, which the interleaved "
             "schedule does not determine; use the non-interleaved 1F1B schedule",
         )
-    if cfg.enabled("p2p"):
-        raise ConfigError(
-            [_FLAG, "--p2p-compression"],
-            "Protocol Models already compresses the pipeline transfers with its own codec",
-        )
-    if cfg.enabled("linear"):
-        raise ConfigError(
-            [_FLAG, "--grass-method"],
-            "Grass freezes the projected weights and trains rows of them outside the "
-            "subspace; use one or the other",
-        )
+    refuse_families(
+        cfg,
+        _FLAG,
+        {
+            "p2p": "Protocol Models already compresses the pipeline transfers with its own codec",
+            "linear": (
+                "Grass freezes the projected weights and trains rows of them outside the "
+                "subspace; use one or the other"
+            ),
+        },
+    )
     if opts.update_interval and layout.pipeline_model_parallel_size == 1:
         raise ConfigError(
             ["--subspace-update-interval", "--pipeline-model-parallel-size"],

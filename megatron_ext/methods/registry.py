@@ -46,6 +46,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from megatron_ext.options.base import ConfigError
+
 __all__ = [
     "Family",
     "Method",
@@ -65,6 +67,7 @@ __all__ = [
     "find",
     "option_classes",
     "build_components",
+    "refuse_families",
 ]
 
 
@@ -463,6 +466,19 @@ def get(family_name: str, name: str) -> Method:
 def find(name: str) -> List[Method]:
     """Every registered method called ``name`` (across families)."""
     return [m for fam in families() for m in methods(fam.name).values() if m.name == name]
+
+
+def refuse_families(config: Any, flag: str, reasons: Mapping[str, str]) -> None:
+    """Refuse the first family of ``reasons`` that ``config`` (an ExtConfig) enables.
+
+    For a method's ``validate``: the families it cannot run beside, in order, each with why.
+
+    Raises:
+        ConfigError: naming ``flag`` (the method's selector) and that family's selector.
+    """
+    for name, reason in reasons.items():
+        if config.enabled(name):
+            raise ConfigError([flag, family(name).flag], reason)
 
 
 def option_classes() -> Tuple[type, ...]:

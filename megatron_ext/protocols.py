@@ -342,7 +342,7 @@ class SitesTransport(Protocol):
         """The commit vote of this outer step."""
         ...
 
-    def group(self) -> Any:
+    def group(self) -> "torch.distributed.ProcessGroup":
         """The quorum's process group, for a compressed exchange's collectives."""
         ...
 

@@ -217,7 +217,7 @@ def _torchft_site(cfg: DriverConfig) -> Optional[tuple]:
     """``(site id, number of sites)`` with --outer-transport torchft, else None."""
     if cfg.ext.methods["outer"] == "none":
         return None
-    from megatron_ext.methods.diloco import OuterConfig
+    from megatron_ext.options.outer import OuterConfig
 
     o = cfg.ext.options_for(OuterConfig)
     return (o.site_id, o.sites) if o.transport == "torchft" else None

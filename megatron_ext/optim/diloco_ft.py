@@ -91,8 +91,9 @@ from datetime import timedelta
 from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional
 
 import torch
+from torch.distributed import ProcessGroup
 
-from megatron_ext.accounting import ProcessGroupTrafficMeter, collective_wire_bytes
+from megatron_ext.accounting import CommMeter, ProcessGroupTrafficMeter, collective_wire_bytes
 from megatron_ext.kernels.outer import pseudo_gradient
 from megatron_ext.optim.diloco import (
     DiLoCoHook,
@@ -101,8 +102,14 @@ from megatron_ext.optim.diloco import (
     ThreadedAverage,
     make_outer_exchange,
 )
-from megatron_ext.optim.diloco.layout import fragment_due
-from megatron_ext.protocols import NonFiniteError, OptimizerView, SitesTransport
+from megatron_ext.optim.diloco.exchange import fragment_due
+from megatron_ext.options.outer import OuterConfig
+from megatron_ext.protocols import (
+    NonFiniteError,
+    OptimizerView,
+    PseudoGradientExchange,
+    SitesTransport,
+)
 
 __all__ = ["TorchftTransport", "FaultTolerantDiLoCoHook", "torchft_missing"]
 
@@ -139,7 +146,7 @@ class TorchftTransport:
         min_sites: int,
         quorum_timeout: float,
         timeout: float,
-        device: Any,
+        device: torch.device,
         rank: int,
         world_size: int,
         store_addr: str,
@@ -190,7 +197,7 @@ class TorchftTransport:
         ``wait()`` never raises (an error goes to the Manager, whose vote then says no)."""
         return self.manager.allreduce(buf, reduce_op=torch.distributed.ReduceOp.SUM)
 
-    def group(self) -> Any:
+    def group(self) -> ProcessGroup:
         """The quorum's process group as torch.distributed's collectives take it: torchft's
         current ``ProcessGroup`` (a new one after every reconfiguration; its rank and size
         are the site's position and the number of sites in the quorum). Collectives on it
@@ -237,14 +244,14 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
 
     def __init__(
         self,
-        options: Any,
+        options: OuterConfig,
         *,
-        make_transport: Optional[Callable[..., Any]] = None,
+        make_transport: Optional[Callable[..., SitesTransport]] = None,
         weight: float = 1.0,
-        meter: Any = None,
+        meter: Optional[CommMeter] = None,
         rank: int = 0,
     ):
-        self.compressed = getattr(options, "compression", "none") != "none"
+        self.compressed = options.compression != "none"
         factory = _local_exchange if self.compressed else None
         super().__init__(options, None, meter=meter, exchange_factory=factory)
         self.make_transport = make_transport or self._default_transport
@@ -647,7 +654,7 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         buf[-1] = weight
         return buf, finite
 
-    def _exchange_for(self, index: int) -> Any:
+    def _exchange_for(self, index: int) -> PseudoGradientExchange:
         """Fragment ``index``'s compressed exchange over the quorum's group (rebuilt after a
         new quorum: another size, another position)."""
         group = self.transport.group()
@@ -712,7 +719,7 @@ class _WeightedShare:
     ``w / sum(w)`` of its pseudo-gradient through the exchange (SUM), its new error feedback
     staged."""
 
-    def __init__(self, exchange: Any, weight: float):
+    def __init__(self, exchange: PseudoGradientExchange, weight: float):
         self.exchange = exchange
         self.weight = weight
         self.total = 0.0
@@ -731,7 +738,7 @@ class _WeightedShare:
         return self.exchange.wire_bytes()
 
 
-def _local_group() -> Any:
+def _local_group() -> ProcessGroup:
     """A gloo process group of this rank alone (no peer, no store server): what a compressed
     exchange is built over before the first quorum gives the sites' group."""
     from torch.distributed.distributed_c10d import ProcessGroup

@@ -41,7 +41,7 @@ def main() -> int:
     inner = torch.optim.AdamW(model.parameters(), lr=0.02)
     clock = {"step": 0}
 
-    from megatron_ext.methods.diloco import OuterConfig
+    from megatron_ext.options.outer import OuterConfig
 
     opts = OuterConfig(
         interval=3,

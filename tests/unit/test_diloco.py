@@ -117,7 +117,7 @@ def test_outer_state_starts_from_the_loaded_weights_unless_it_was_loaded():
     DiLoCo's state (--finetune, reset, an elastic resume's fresh state) must not leave the
     initial weights as the snapshot, or the first outer step pulls the model back to them."""
     from megatron_ext.elastic import remap_objects
-    from megatron_ext.methods.diloco import OuterConfig
+    from megatron_ext.options.outer import OuterConfig
     from megatron_ext.optim.diloco import DiLoCoHook
 
     opts = OuterConfig(interval=2)  # the paper's outer optimizer: lr 0.7, Nesterov 0.9
@@ -365,7 +365,7 @@ def test_torchft_transport_refusals_name_the_flags(monkeypatch):
     with pytest.raises(ConfigError, match="^--outer-transport, --outer-lighthouse: "):
         validate_ext_config(cfg, layout)
     cfg = ext_config_from_flags(ok + ["--outer-lighthouse", "http://127.0.0.1:29510"])
-    from megatron_ext.methods.diloco import OuterConfig
+    from megatron_ext.options.outer import OuterConfig
     from megatron_ext.train import parse_args
     from megatron_ext.train_config import driver_layout, layout_sizes
 
@@ -442,7 +442,7 @@ def _ft_site(seed, **options):
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 4))
     params = dict(model.named_parameters())
     clock = {"step": 0}
-    from megatron_ext.methods.diloco import OuterConfig
+    from megatron_ext.options.outer import OuterConfig
 
     settings = dict(interval=4, fragments=2, transport="torchft", site_id=0, sites=2)
     opts = OuterConfig(**{**settings, **options})

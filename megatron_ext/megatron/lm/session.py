@@ -400,7 +400,7 @@ class MegatronLMSession:
     def _site_of_sites(self) -> Optional[Tuple[int, int]]:
         """``(site, sites)`` of ``--outer-transport torchft`` (each site its own job), else
         None."""
-        from megatron_ext.methods.diloco import OuterConfig
+        from megatron_ext.options.outer import OuterConfig
 
         if self.cfg is None or not self.cfg.enabled("outer"):
             return None

@@ -7,12 +7,12 @@ What it does:
 
     * ``hook.py``: :class:`DiLoCoHook`, the outer step after the inner optimizer's step
       (schedule, non-finite rule, state and checkpoints; the algorithm in full).
-    * ``exchange.py``: :class:`DenseOuterExchange` and :func:`make_outer_exchange`, the
-      exchange ``--outer-compression`` names.
+    * ``exchange.py``: the exchange across sites: the sites as process groups
+      (:func:`site_groups`), Streaming DiLoCo's fragments (:func:`split_fragments`,
+      :func:`fragment_due`), :class:`DenseOuterExchange` and :func:`make_outer_exchange`,
+      the exchange ``--outer-compression`` names.
     * ``overlap.py``: exchanges in flight (``--outer-delay``): :class:`PendingAverage`,
       :class:`ThreadedAverage`, :class:`ExchangeWorker`.
-    * ``layout.py``: the sites as process groups (:func:`site_groups`) and Streaming
-      DiLoCo's fragments (:func:`split_fragments`, :func:`fragment_due`).
     * ``outer_step.py``: :func:`outer_sgd_step`, the eager outer SGD step.
 
 Why a package:
@@ -24,9 +24,14 @@ Constraints:
     Pure torch; never imports Megatron or ``megatron_ext.methods``.
 """
 
-from megatron_ext.optim.diloco.exchange import DenseOuterExchange, make_outer_exchange
+from megatron_ext.optim.diloco.exchange import (
+    DenseOuterExchange,
+    fragment_due,
+    make_outer_exchange,
+    site_groups,
+    split_fragments,
+)
 from megatron_ext.optim.diloco.hook import DiLoCoHook
-from megatron_ext.optim.diloco.layout import fragment_due, site_groups, split_fragments
 from megatron_ext.optim.diloco.outer_step import outer_sgd_step
 from megatron_ext.optim.diloco.overlap import ExchangeWorker, PendingAverage, ThreadedAverage
 

@@ -3,7 +3,7 @@
 What it does:
     The data-parallel ranks form G *sites* of consecutive ranks. Inside a site training is
     ordinary data parallelism every step (the gradient seam reduces over the site's ranks,
-    :func:`~megatron_ext.optim.diloco.layout.site_groups` builds those groups); the inner
+    :func:`~megatron_ext.optim.diloco.exchange.site_groups` builds those groups); the inner
     optimizer (megatron's AdamW) and its state stay local to the site. Every H steps the
     sites synchronize through an *outer* step (Douillard et al., 2023, "DiLoCo"): with
     ``snapshot`` the fp32 parameters of the last synchronization and ``current`` the fp32
@@ -17,14 +17,13 @@ What it does:
 
     (``torch.optim.SGD`` semantics, no dampening, no weight decay; the first step's
     ``buf`` is ``delta``, as torch's). The mean is taken by an *outer exchange* over the
-    group of the ranks holding the same position in each site (``layout.py``); the exchange
-    is built by :func:`~megatron_ext.optim.diloco.exchange.make_outer_exchange`
-    (``exchange.py``): the dense all-reduce (``none``) or a compressed exchange behind the
-    same interface.
+    group of the ranks holding the same position in each site; the exchange is built by
+    :func:`~megatron_ext.optim.diloco.exchange.make_outer_exchange`: the dense all-reduce
+    (``none``) or a compressed exchange behind the same interface.
 
     Streaming DiLoCo (Douillard et al., 2025): the parameters are split into F *fragments*
     (contiguous runs of parameters in FQN order, balanced by element count; every parameter
-    in exactly one; ``layout.py``); fragment i is synchronized after the steps ``t``
+    in exactly one; ``exchange.py``); fragment i is synchronized after the steps ``t``
     (1-based count of steps taken) with ``t % H == (i * H) // F``. Each fragment has its
     own snapshot, momentum and exchange. With a delay ``tau`` > 0 (Streaming DiLoCo's
     overlap, torchft's ``fragment_sync_delay``) the fragment's pseudo-gradient is computed
@@ -57,8 +56,8 @@ What it does:
 
 Why:
     This module is the outer step itself (what is written, when, and what a checkpoint
-    keeps); the exchanges (``exchange.py``), their overlap (``overlap.py``), the sites'
-    groups and the fragment schedule (``layout.py``) and the eager outer SGD step
+    keeps); the exchange across sites (its groups, the fragment schedule and the exchanges:
+    ``exchange.py``), the exchanges' overlap (``overlap.py``) and the eager outer SGD step
     (``outer_step.py``) live beside it.
 
 Non-finite values:
@@ -93,9 +92,10 @@ Constraints:
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+from torch.distributed import ProcessGroup
 
 from megatron_ext.accounting import (
     CommMeter,
@@ -105,14 +105,19 @@ from megatron_ext.accounting import (
 )
 from megatron_ext.kernels.finite import nonfinite
 from megatron_ext.kernels.outer import outer_sgd_step_, pseudo_gradient
-from megatron_ext.optim.diloco.exchange import make_outer_exchange
-from megatron_ext.optim.diloco.layout import fragment_due, split_fragments
+from megatron_ext.optim.diloco.exchange import (
+    ExchangeFactory,
+    fragment_due,
+    make_outer_exchange,
+    split_fragments,
+)
 from megatron_ext.optim.diloco.overlap import (
     ExchangeWorker,
     PendingAverage,
     ThreadedAverage,
     _blocking_average,
 )
+from megatron_ext.options.outer import OuterConfig
 from megatron_ext.protocols import (
     RESET,
     NonFiniteError,
@@ -164,12 +169,12 @@ class DiLoCoHook(OptimizerHook):
 
     def __init__(
         self,
-        options: Any,
-        outer_group: Any,
+        options: OuterConfig,
+        outer_group: Optional[ProcessGroup],
         *,
         meter: Optional[CommMeter] = None,
-        exchange_factory: Any = None,
-        view_wrappers: Sequence[Any] = (),
+        exchange_factory: Optional[ExchangeFactory] = None,
+        view_wrappers: Sequence[Callable[[OptimizerView], OptimizerView]] = (),
     ):
         self.options = options
         self.view_wrappers = list(view_wrappers)

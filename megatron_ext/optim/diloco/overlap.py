@@ -24,14 +24,16 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
 
 from megatron_ext.accounting import ProcessGroupTrafficMeter
-from megatron_ext.protocols import NonFiniteError
+from megatron_ext.protocols import NonFiniteError, PseudoGradientExchange
 
 __all__ = ["PendingAverage", "ThreadedAverage", "ExchangeWorker"]
+
+T = TypeVar("T")
 
 
 class PendingAverage:
@@ -68,7 +70,7 @@ class ThreadedAverage:
     ``exchange`` is kept so the bytes it sent can be read once it has finished
     (``wire_bytes()`` is only known then)."""
 
-    def __init__(self, exchange: Any):
+    def __init__(self, exchange: Optional[PseudoGradientExchange]):
         self.exchange = exchange
         self._done = threading.Event()
         self._result: Optional[torch.Tensor] = None
@@ -124,13 +126,13 @@ class ExchangeWorker:
             except BaseException as exc:  # raised to the main thread by wait()
                 handle._finish(None, exc)
 
-    def submit(self, exchange: Any, flat: torch.Tensor) -> ThreadedAverage:
+    def submit(self, exchange: PseudoGradientExchange, flat: torch.Tensor) -> ThreadedAverage:
         """Queue ``exchange.average(flat)``; ``flat`` must not be modified until it lands."""
         handle = ThreadedAverage(exchange)
         self._queue.put((exchange, flat, handle))
         return handle
 
-    def call(self, fn: Any) -> Any:
+    def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn()`` on the thread after the queued exchanges (another collective on the
         outer group, in the same order on every rank) and return its result."""
         handle = ThreadedAverage(None)
@@ -146,14 +148,16 @@ class ExchangeWorker:
 class _Call:
     """A function queued on :class:`ExchangeWorker` (its ``average`` ignores the input)."""
 
-    def __init__(self, fn: Any):
+    def __init__(self, fn: Callable[[], Any]):
         self.fn = fn
 
-    def average(self, _flat: Any) -> Any:
+    def average(self, _flat: None) -> Any:
         return self.fn()
 
 
-def _blocking_average(exchange: Any, flat: torch.Tensor) -> Any:
+def _blocking_average(
+    exchange: PseudoGradientExchange, flat: torch.Tensor
+) -> Union[PendingAverage, ThreadedAverage]:
     """``exchange.average(flat)`` as a finished handle; a compressed exchange that finds a
     non-finite input (on any rank) gives a handle whose ``wait()`` raises it, as a threaded
     one does."""

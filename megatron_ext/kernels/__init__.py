@@ -44,8 +44,10 @@ Constraints:
 How to add a kernel:
     1. Write the chain as a pure function ``_name(...)`` in ``megatron_ext/kernels/<topic>.py``
        (tensors and Python scalars in, tensors out or mutated in place).
-    2. Define the op with ``@torch.library.custom_op("megatron_ext::name", mutates_args=...)``
-       whose body is ``run(_name, *args)``, and its ``register_fake``.
+    2. Give it full type hints and the op's docstring, make it the op with
+       ``name = define_op("megatron_ext::name", _name, mutates_args=...)`` (the schema is
+       ``_name``'s signature, the device implementation ``run(_name, *args)``), and
+       register its fake with ``@name.register_fake``.
     3. Call the op from the method's code; test compiled against eager
        (``tests/unit/test_kernels_*.py``) and the step's traffic in the cost model.
     4. A kernel that reads only some rows of a table argument (a gather inside it; or
@@ -58,7 +60,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
@@ -71,6 +73,7 @@ __all__ = [
     "use_fused",
     "fused_unavailable",
     "run",
+    "define_op",
 ]
 
 MODES = ("auto", "on", "off")
@@ -168,3 +171,36 @@ def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if use_fused(first):
         return _compiled(fn)(*args, **kwargs)
     return fn(*args, **kwargs)
+
+
+def define_op(
+    name: str,
+    fn: Callable[..., Any],
+    *,
+    mutates_args: Iterable[str] = (),
+    check: Optional[Callable[..., None]] = None,
+) -> torch.library.CustomOpDef:
+    """The custom op ``name`` (``"megatron_ext::<name>"``) of pure function ``fn``.
+
+    Its schema is inferred from ``fn``'s signature and type hints (the parameter names are
+    the op's), its docstring is ``fn``'s, and its implementation on every device is
+    ``run(fn, *args)``. The caller registers the fake (``@op.register_fake``).
+
+    Args:
+        name: the qualified op name.
+        fn: the pure function (module docstring, "How to add a kernel").
+        mutates_args: the names of the arguments ``fn`` writes in place.
+        check: called with the op's arguments before ``fn`` runs, outside the compiled
+            code (validation that raises); None: no check.
+    """
+    mutates_args = tuple(mutates_args)
+
+    def implementation(*args: Any, **kwargs: Any) -> Any:
+        if check is not None:
+            check(*args, **kwargs)
+        return run(fn, *args, **kwargs)
+
+    schema = torch.library.infer_schema(fn, mutates_args=mutates_args)
+    op = torch.library.custom_op(name, implementation, mutates_args=mutates_args, schema=schema)
+    op.__doc__ = fn.__doc__
+    return op

@@ -38,7 +38,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from megatron_ext.kernels import run
+from megatron_ext.kernels import define_op
 from megatron_ext.kernels.finite import nonfinite
 
 __all__ = ["pseudo_gradient", "outer_sgd_step_"]
@@ -55,6 +55,8 @@ def _finite(*tensors: torch.Tensor) -> torch.Tensor:
 def _pseudo_gradient(
     snap: torch.Tensor, current: torch.Tensor
 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``snap - current`` (a site's pseudo-gradient, flat) and whether it is finite (0-d
+    bool)."""
     g = snap - current
     return g, _finite(g)
 
@@ -68,6 +70,10 @@ def _outer_sgd_step(
     nesterov: bool,
     first: bool,
 ) -> torch.Tensor:
+    """One outer SGD step in place on ``snap`` and, with ``momentum``, on the momentum buffer
+    ``buf`` (``first``: the first step, ``buf`` is written with ``delta``, not read; None
+    when ``momentum`` is 0); returns whether the new ``snap`` and ``buf`` are finite (0-d
+    bool). The arithmetic of :func:`megatron_ext.optim.diloco.outer_sgd_step`."""
     if momentum == 0:
         snap.add_(delta, alpha=-lr)
         return _finite(snap)
@@ -80,11 +86,13 @@ def _outer_sgd_step(
     return _finite(snap, buf)
 
 
-@torch.library.custom_op("megatron_ext::pseudo_gradient", mutates_args=())
-def pseudo_gradient(snap: torch.Tensor, current: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``snap - current`` (a site's pseudo-gradient, flat) and whether it is finite (0-d
-    bool)."""
-    return run(_pseudo_gradient, snap, current)
+def _check_buffer(snap, buf, delta, lr, momentum, *_) -> None:
+    """:func:`outer_sgd_step_`'s arguments: a buffer exactly when there is a momentum."""
+    if (buf is None) != (momentum == 0):
+        raise ValueError("outer_sgd_step_: a momentum buffer goes with a momentum, and only then")
+
+
+pseudo_gradient = define_op("megatron_ext::pseudo_gradient", _pseudo_gradient)
 
 
 @pseudo_gradient.register_fake
@@ -93,23 +101,12 @@ def _(snap, current):
     return snap.new_empty(snap.shape, dtype=dtype), snap.new_empty((), dtype=torch.bool)
 
 
-@torch.library.custom_op("megatron_ext::outer_sgd_step_", mutates_args=("snap", "buf"))
-def outer_sgd_step_(
-    snap: torch.Tensor,
-    buf: Optional[torch.Tensor],
-    delta: torch.Tensor,
-    lr: float,
-    momentum: float,
-    nesterov: bool,
-    first: bool,
-) -> torch.Tensor:
-    """One outer SGD step in place on ``snap`` and, with ``momentum``, on the momentum buffer
-    ``buf`` (``first``: the first step, ``buf`` is written with ``delta``, not read; None
-    when ``momentum`` is 0); returns whether the new ``snap`` and ``buf`` are finite (0-d
-    bool). The arithmetic of :func:`megatron_ext.optim.diloco.outer_sgd_step`."""
-    if (buf is None) != (momentum == 0):
-        raise ValueError("outer_sgd_step_: a momentum buffer goes with a momentum, and only then")
-    return run(_outer_sgd_step, snap, buf, delta, lr, momentum, nesterov, first)
+outer_sgd_step_ = define_op(
+    "megatron_ext::outer_sgd_step_",
+    _outer_sgd_step,
+    mutates_args=("snap", "buf"),
+    check=_check_buffer,
+)
 
 
 @outer_sgd_step_.register_fake

@@ -36,11 +36,16 @@ from typing import List, Tuple
 
 import torch
 
-from megatron_ext.kernels import run
+from megatron_ext.kernels import define_op
 from megatron_ext.kernels.finite import nonfinite
 from megatron_ext.kernels.packing import gather, scatter_
 
 __all__ = ["powersgd_compress", "powersgd_decompress"]
+
+
+def _total(dims: List[int]) -> int:
+    """Elements of a bucket's packed matrices: the sum of ``B * rows * cols`` over batches."""
+    return sum(dims[i] * dims[i + 1] * dims[i + 2] for i in range(0, len(dims), 3))
 
 
 def _views(flat: torch.Tensor, dims: List[int]) -> List[torch.Tensor]:
@@ -64,26 +69,6 @@ def _compress(
     numels: List[int],
     dims: List[int],
 ) -> Tuple[torch.Tensor, List[torch.Tensor], torch.Tensor]:
-    total = sum(dims[i] * dims[i + 1] * dims[i + 2] for i in range(0, len(dims), 3))
-    m = gather(grad, total, total, table, chunk, starts, offsets, numels)
-    if error.numel():
-        m.add_(error)
-    ps = [torch.bmm(mv, q) for mv, q in zip(_views(m, dims), qs)]
-    return m, ps, nonfinite(m)
-
-
-@torch.library.custom_op("megatron_ext::powersgd_compress", mutates_args=())
-def powersgd_compress(
-    grad: torch.Tensor,
-    error: torch.Tensor,
-    qs: List[torch.Tensor],
-    table: torch.Tensor,
-    chunk: int,
-    starts: List[int],
-    offsets: List[int],
-    numels: List[int],
-    dims: List[int],
-) -> Tuple[torch.Tensor, List[torch.Tensor], torch.Tensor]:
     """``(M, [P per batch], non-finite)`` of a bucket's matrices (module docstring).
 
     Args:
@@ -95,41 +80,25 @@ def powersgd_compress(
             :class:`~megatron_ext.kernels.packing.Runs`, batch after batch.
         dims: ``(B, rows, cols)`` of each batch, flattened.
     """
-    return run(_compress, grad, error, qs, table, chunk, starts, offsets, numels, dims)
+    total = _total(dims)
+    m = gather(grad, total, total, table, chunk, starts, offsets, numels)
+    if error.numel():
+        m.add_(error)
+    ps = [torch.bmm(mv, q) for mv, q in zip(_views(m, dims), qs)]
+    return m, ps, nonfinite(m)
+
+
+powersgd_compress = define_op("megatron_ext::powersgd_compress", _compress)
 
 
 @powersgd_compress.register_fake
 def _(grad, error, qs, table, chunk, starts, offsets, numels, dims):
-    total = sum(dims[i] * dims[i + 1] * dims[i + 2] for i in range(0, len(dims), 3))
-    m = grad.new_empty(total, dtype=torch.float32)
+    m = grad.new_empty(_total(dims), dtype=torch.float32)
     ps = [q.new_empty(dims[3 * i], dims[3 * i + 1], q.shape[2]) for i, q in enumerate(qs)]
     return m, ps, grad.new_empty((), dtype=torch.bool)
 
 
 def _decompress(
-    m: torch.Tensor,
-    ps: List[torch.Tensor],
-    qs: List[torch.Tensor],
-    share: float,
-    error_feedback: bool,
-    grad: torch.Tensor,
-    table: torch.Tensor,
-    chunk: int,
-    starts: List[int],
-    offsets: List[int],
-    numels: List[int],
-    dims: List[int],
-) -> None:
-    approx = torch.empty_like(m)
-    for out, p, q in zip(_views(approx, dims), ps, qs):
-        torch.bmm(p, q.transpose(1, 2), out=out)
-    if error_feedback:
-        m.sub_(share * approx)
-    scatter_(grad, approx, 0, 0, m.numel(), table, chunk, (starts, offsets, numels))
-
-
-@torch.library.custom_op("megatron_ext::powersgd_decompress", mutates_args=("m", "grad"))
-def powersgd_decompress(
     m: torch.Tensor,
     ps: List[torch.Tensor],
     qs: List[torch.Tensor],
@@ -154,21 +123,17 @@ def powersgd_decompress(
         grad: the flat bucket, written in place.
         table, chunk, starts, offsets, numels, dims: as :func:`powersgd_compress`'s.
     """
-    run(
-        _decompress,
-        m,
-        ps,
-        qs,
-        share,
-        error_feedback,
-        grad,
-        table,
-        chunk,
-        starts,
-        offsets,
-        numels,
-        dims,
-    )
+    approx = torch.empty_like(m)
+    for out, p, q in zip(_views(approx, dims), ps, qs):
+        torch.bmm(p, q.transpose(1, 2), out=out)
+    if error_feedback:
+        m.sub_(share * approx)
+    scatter_(grad, approx, 0, 0, m.numel(), table, chunk, (starts, offsets, numels))
+
+
+powersgd_decompress = define_op(
+    "megatron_ext::powersgd_decompress", _decompress, mutates_args=("m", "grad")
+)
 
 
 @powersgd_decompress.register_fake

@@ -32,29 +32,13 @@ from typing import Tuple
 
 import torch
 
-from megatron_ext.kernels import run
+from megatron_ext.kernels import define_op
 from megatron_ext.kernels.finite import nonfinite
 
 __all__ = ["radius_compress", "radius_decompress"]
 
 
 def _compress(
-    grad: torch.Tensor,
-    residual: torch.Tensor,
-    unselected: torch.Tensor,
-    index: torch.Tensor,
-    valid: torch.Tensor,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    new_residual = residual + grad.float() * unselected
-    bad = nonfinite(grad, new_residual)
-    values = grad.index_select(0, index).float()
-    if valid.numel():
-        values.mul_(valid)
-    return values, new_residual, bad
-
-
-@torch.library.custom_op("megatron_ext::radius_compress", mutates_args=())
-def radius_compress(
     grad: torch.Tensor,
     residual: torch.Tensor,
     unselected: torch.Tensor,
@@ -71,7 +55,15 @@ def radius_compress(
         valid: bool, ``index``'s shape (padding of the distributed optimizer's groups is
             False), or empty.
     """
-    return run(_compress, grad, residual, unselected, index, valid)
+    new_residual = residual + grad.float() * unselected
+    bad = nonfinite(grad, new_residual)
+    values = grad.index_select(0, index).float()
+    if valid.numel():
+        values.mul_(valid)
+    return values, new_residual, bad
+
+
+radius_compress = define_op("megatron_ext::radius_compress", _compress)
 
 
 @radius_compress.register_fake
@@ -83,16 +75,14 @@ def _(grad, residual, unselected, index, valid):
 def _decompress(
     grad: torch.Tensor, unselected: torch.Tensor, index: torch.Tensor, values: torch.Tensor
 ) -> None:
+    """``grad[unselected] = 0; grad[index] = values`` (cast to ``grad``'s dtype)."""
     grad.masked_fill_(unselected, 0.0)
     grad.index_copy_(0, index, values.to(grad.dtype))
 
 
-@torch.library.custom_op("megatron_ext::radius_decompress", mutates_args=("grad",))
-def radius_decompress(
-    grad: torch.Tensor, unselected: torch.Tensor, index: torch.Tensor, values: torch.Tensor
-) -> None:
-    """``grad[unselected] = 0; grad[index] = values`` (cast to ``grad``'s dtype)."""
-    run(_decompress, grad, unselected, index, values)
+radius_decompress = define_op(
+    "megatron_ext::radius_decompress", _decompress, mutates_args=("grad",)
+)
 
 
 @radius_decompress.register_fake

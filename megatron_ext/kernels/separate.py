@@ -53,7 +53,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from megatron_ext.kernels import run
+from megatron_ext.kernels import define_op
 from megatron_ext.kernels.finite import nonfinite
 from megatron_ext.kernels.packing import gather, scatter_
 
@@ -82,6 +82,17 @@ def _compress(
     beta: float,
     stage: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(P, non-finite, staged error)`` of one segment (module docstring).
+
+    Args:
+        grad: the flat bucket (any float dtype).
+        error: ``[rows, block]`` fp32, zero past ``total``.
+        omega: ``[block, k]`` fp32 projection.
+        table, chunk, starts, offsets, numels: the segment's
+            :class:`~megatron_ext.kernels.packing.Runs`; ``total`` its packed elements.
+        beta: error-feedback moving-average factor.
+        stage: compute the new error (False: an error reset or beta 0; an empty tensor).
+    """
     rows, block = error.shape
     h = gather(grad, rows * block, total, table, chunk, starts, offsets, numels).view(rows, block)
     h.add_(error)
@@ -97,34 +108,7 @@ def _compress(
     return p, bad, new_error
 
 
-@torch.library.custom_op("megatron_ext::separate_compress", mutates_args=())
-def separate_compress(
-    grad: torch.Tensor,
-    error: torch.Tensor,
-    omega: torch.Tensor,
-    table: torch.Tensor,
-    chunk: int,
-    total: int,
-    starts: List[int],
-    offsets: List[int],
-    numels: List[int],
-    beta: float,
-    stage: bool,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(P, non-finite, staged error)`` of one segment (module docstring).
-
-    Args:
-        grad: the flat bucket (any float dtype).
-        error: ``[rows, block]`` fp32, zero past ``total``.
-        omega: ``[block, k]`` fp32 projection.
-        table, chunk, starts, offsets, numels: the segment's
-            :class:`~megatron_ext.kernels.packing.Runs`; ``total`` its packed elements.
-        beta: error-feedback moving-average factor.
-        stage: compute the new error (False: an error reset or beta 0; an empty tensor).
-    """
-    return run(
-        _compress, grad, error, omega, table, chunk, total, starts, offsets, numels, beta, stage
-    )
+separate_compress = define_op("megatron_ext::separate_compress", _compress)
 
 
 @separate_compress.register_fake
@@ -148,24 +132,6 @@ def _decompress(
     src: List[int],
     lengths: List[int],
 ) -> None:
-    recon = reconstruct(p, omega).view(-1)
-    scatter_(grad, recon, base, first, last, table, chunk, (dst, src, lengths))
-
-
-@torch.library.custom_op("megatron_ext::separate_decompress", mutates_args=("grad",))
-def separate_decompress(
-    p: torch.Tensor,
-    omega: torch.Tensor,
-    grad: torch.Tensor,
-    table: torch.Tensor,
-    chunk: int,
-    base: int,
-    first: int,
-    last: int,
-    dst: List[int],
-    src: List[int],
-    lengths: List[int],
-) -> None:
     """Write ``P Omega^T / k`` into ``grad``'s packed positions ``[first, last)``.
 
     Args:
@@ -177,7 +143,13 @@ def separate_decompress(
         first, last, dst, src, lengths: the :class:`~megatron_ext.kernels.packing.Region`
             to write.
     """
-    run(_decompress, p, omega, grad, table, chunk, base, first, last, dst, src, lengths)
+    recon = reconstruct(p, omega).view(-1)
+    scatter_(grad, recon, base, first, last, table, chunk, (dst, src, lengths))
+
+
+separate_decompress = define_op(
+    "megatron_ext::separate_decompress", _decompress, mutates_args=("grad",)
+)
 
 
 @separate_decompress.register_fake

@@ -61,7 +61,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from megatron_ext.kernels import ROW_GATHERS, run
+from megatron_ext.kernels import ROW_GATHERS, define_op, run
 
 __all__ = [
     "EPS",
@@ -306,6 +306,9 @@ def _quant_pack(
     bits: int,
     granularity: str,
 ) -> torch.Tensor:
+    """Payload (uint8, see above) of ``k`` samples ``x - sub`` (``[k, rows, cols]``, any
+    float dtype and strides; ``sub`` None: ``x``), quantized to ``bits`` with scales per
+    ``granularity``, stochastic rounding when ``seed`` (:func:`draw_seed`) is given."""
     (bits,) = _static(bits)
     k = x.shape[0]
     rows, cols = _static(x.shape[1], x.shape[2])
@@ -338,6 +341,7 @@ def _unpack_dequant(
     cols: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
+    """``[k, rows, cols]`` values of ``dtype`` of a :func:`quant_pack` payload."""
     return _unpack_samples(payload, bits, granularity, k, rows, cols).to(dtype)
 
 
@@ -376,6 +380,14 @@ def _aqsgd_decode_stage(
     granularity: str,
     out_dtype: Optional[torch.dtype],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AQ-SGD's buffer update of ``k`` revisited samples: ``v = m + dequantize(payload)``
+    (fp32; ``m`` the buffer rows ``[k, rows, cols]``), returned as
+
+    * the rows to store (``m``'s dtype; clamped to its range; ``m`` where ``v`` is not
+      finite),
+    * per sample: finite, clamped (bool ``[k]``),
+    * ``v`` in ``out_dtype`` (what the receiver computes with), or an empty tensor when
+      ``out_dtype`` is None (the sender)."""
     v = _rows_plus_deltas(payload, m, bits, granularity)
     staged, finite, clamped = _stage_values(v, m.dtype, m)
     out = v.to(out_dtype) if out_dtype is not None else v.new_empty(0)
@@ -385,22 +397,13 @@ def _aqsgd_decode_stage(
 def _aqsgd_stage(
     v: torch.Tensor, dtype: torch.dtype
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Full-precision samples ``v`` (``[k, rows, cols]``) as buffer rows of ``dtype`` with
+    their finite and clamped flags (the rows of non-finite samples are not to be stored)."""
     # A copy: an op's outputs must not alias its inputs (fp32 rows of fp32 values).
     return _stage_values(v.to(torch.float32, copy=True), dtype, None)
 
 
-@torch.library.custom_op("megatron_ext::quant_pack", mutates_args=())
-def quant_pack(
-    x: torch.Tensor,
-    sub: Optional[torch.Tensor],
-    seed: Optional[torch.Tensor],
-    bits: int,
-    granularity: str,
-) -> torch.Tensor:
-    """Payload (uint8, see above) of ``k`` samples ``x - sub`` (``[k, rows, cols]``, any
-    float dtype and strides; ``sub`` None: ``x``), quantized to ``bits`` with scales per
-    ``granularity``, stochastic rounding when ``seed`` (:func:`draw_seed`) is given."""
-    return run(_quant_pack, x, sub, seed, bits, granularity)
+quant_pack = define_op("megatron_ext::quant_pack", _quant_pack)
 
 
 def _payload_nbytes(k: int, rows: int, cols: int, bits: int, granularity: str) -> int:
@@ -413,18 +416,7 @@ def _(x, sub, seed, bits, granularity):
     return x.new_empty(_payload_nbytes(*x.shape, bits, granularity), dtype=torch.uint8)
 
 
-@torch.library.custom_op("megatron_ext::unpack_dequant", mutates_args=())
-def unpack_dequant(
-    payload: torch.Tensor,
-    bits: int,
-    granularity: str,
-    k: int,
-    rows: int,
-    cols: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """``[k, rows, cols]`` values of ``dtype`` of a :func:`quant_pack` payload."""
-    return run(_unpack_dequant, payload, bits, granularity, k, rows, cols, dtype)
+unpack_dequant = define_op("megatron_ext::unpack_dequant", _unpack_dequant)
 
 
 @unpack_dequant.register_fake
@@ -432,23 +424,7 @@ def _(payload, bits, granularity, k, rows, cols, dtype):
     return payload.new_empty((k, rows, cols), dtype=dtype)
 
 
-@torch.library.custom_op("megatron_ext::aqsgd_decode_stage", mutates_args=())
-def aqsgd_decode_stage(
-    payload: torch.Tensor,
-    m: torch.Tensor,
-    bits: int,
-    granularity: str,
-    out_dtype: Optional[torch.dtype],
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """AQ-SGD's buffer update of ``k`` revisited samples: ``v = m + dequantize(payload)``
-    (fp32; ``m`` the buffer rows ``[k, rows, cols]``), returned as
-
-    * the rows to store (``m``'s dtype; clamped to its range; ``m`` where ``v`` is not
-      finite),
-    * per sample: finite, clamped (bool ``[k]``),
-    * ``v`` in ``out_dtype`` (what the receiver computes with), or an empty tensor when
-      ``out_dtype`` is None (the sender)."""
-    return run(_aqsgd_decode_stage, payload, m, bits, granularity, out_dtype)
+aqsgd_decode_stage = define_op("megatron_ext::aqsgd_decode_stage", _aqsgd_decode_stage)
 
 
 @aqsgd_decode_stage.register_fake
@@ -459,13 +435,7 @@ def _(payload, m, bits, granularity, out_dtype):
     return torch.empty_like(m), flags, torch.empty_like(flags), out
 
 
-@torch.library.custom_op("megatron_ext::aqsgd_stage", mutates_args=())
-def aqsgd_stage(
-    v: torch.Tensor, dtype: torch.dtype
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Full-precision samples ``v`` (``[k, rows, cols]``) as buffer rows of ``dtype`` with
-    their finite and clamped flags (the rows of non-finite samples are not to be stored)."""
-    return run(_aqsgd_stage, v, dtype)
+aqsgd_stage = define_op("megatron_ext::aqsgd_stage", _aqsgd_stage)
 
 
 @aqsgd_stage.register_fake
@@ -490,9 +460,10 @@ def _(v, dtype):
 # reading the rows again at the commit; no staged copy of the rows is kept (the payload is).
 
 
-def _check_index(table: torch.Tensor, index: torch.Tensor) -> None:
-    """An index on another device than the buffer would be copied per access (a host
-    synchronization on a GPU): refused."""
+def _check_index(_: torch.Tensor, table: torch.Tensor, index: torch.Tensor, *__: object) -> None:
+    """The arguments of an op below (a tensor, the buffer ``table``, its slots ``index``,
+    the rest): an index on another device than the buffer would be copied per access (a
+    host synchronization on a GPU): refused."""
     if index.device != table.device or index.dtype != torch.int64:
         raise ValueError(
             f"AQ-SGD buffer slots must be int64 on the buffer's device ({table.device}), got "
@@ -508,6 +479,9 @@ def _aqsgd_encode_rows(
     bits: int,
     granularity: str,
 ) -> torch.Tensor:
+    """The sender's payload of ``k`` revisited samples: :func:`quant_pack` of ``x -
+    table[index]`` (``x`` ``[k, rows, cols]``; ``index`` int64 ``[k]`` on ``table``'s
+    device), the rows read inside the kernel."""
     return _quant_pack(x, table.index_select(0, index), seed, bits, granularity)
 
 
@@ -519,6 +493,9 @@ def _aqsgd_decode_rows(
     granularity: str,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
+    """The receiver's activations of ``k`` revisited samples: ``table[index] +
+    dequantize(payload)`` (fp32 arithmetic) in ``out_dtype``, ``[k, rows, cols]``; the
+    buffer is not written (:func:`aqsgd_commit_rows` does, at the end of the step)."""
     m = table.index_select(0, index)
     return _rows_plus_deltas(payload, m, bits, granularity).to(out_dtype)
 
@@ -530,6 +507,11 @@ def _aqsgd_commit_rows(
     bits: int,
     granularity: str,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """AQ-SGD's buffer update of ``k`` revisited samples in place: rows ``table[index]``
+    (distinct slots) become ``table[index] + dequantize(payload)`` clamped to the table
+    dtype's range, except the rows of samples whose new value is not finite, which keep
+    their value; returns the per-sample finite and clamped flags (bool ``[k]``). The same
+    rows and flags as :func:`aqsgd_decode_stage` of the gathered rows."""
     m = table.index_select(0, index)
     v = _rows_plus_deltas(payload, m, bits, granularity)
     staged, finite, clamped = _stage_values(v, table.dtype, m)
@@ -537,70 +519,39 @@ def _aqsgd_commit_rows(
     return finite, clamped
 
 
-@torch.library.custom_op("megatron_ext::aqsgd_encode_rows", mutates_args=())
-def aqsgd_encode_rows(
-    x: torch.Tensor,
-    table: torch.Tensor,
-    index: torch.Tensor,
-    seed: Optional[torch.Tensor],
-    bits: int,
-    granularity: str,
-) -> torch.Tensor:
-    """The sender's payload of ``k`` revisited samples: :func:`quant_pack` of ``x -
-    table[index]`` (``x`` ``[k, rows, cols]``; ``index`` int64 ``[k]`` on ``table``'s
-    device), the rows read inside the kernel."""
-    _check_index(table, index)
-    return run(_aqsgd_encode_rows, x, table, index, seed, bits, granularity)
+aqsgd_encode_rows = define_op(
+    "megatron_ext::aqsgd_encode_rows", _aqsgd_encode_rows, check=_check_index
+)
 
 
 @aqsgd_encode_rows.register_fake
 def _(x, table, index, seed, bits, granularity):
-    _check_index(table, index)
+    _check_index(x, table, index)
     return x.new_empty(_payload_nbytes(*x.shape, bits, granularity), dtype=torch.uint8)
 
 
-@torch.library.custom_op("megatron_ext::aqsgd_decode_rows", mutates_args=())
-def aqsgd_decode_rows(
-    payload: torch.Tensor,
-    table: torch.Tensor,
-    index: torch.Tensor,
-    bits: int,
-    granularity: str,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """The receiver's activations of ``k`` revisited samples: ``table[index] +
-    dequantize(payload)`` (fp32 arithmetic) in ``out_dtype``, ``[k, rows, cols]``; the
-    buffer is not written (:func:`aqsgd_commit_rows` does, at the end of the step)."""
-    _check_index(table, index)
-    return run(_aqsgd_decode_rows, payload, table, index, bits, granularity, out_dtype)
+aqsgd_decode_rows = define_op(
+    "megatron_ext::aqsgd_decode_rows", _aqsgd_decode_rows, check=_check_index
+)
 
 
 @aqsgd_decode_rows.register_fake
 def _(payload, table, index, bits, granularity, out_dtype):
-    _check_index(table, index)
+    _check_index(payload, table, index)
     return table.new_empty((index.shape[0],) + tuple(table.shape[1:]), dtype=out_dtype)
 
 
-@torch.library.custom_op("megatron_ext::aqsgd_commit_rows", mutates_args=("table",))
-def aqsgd_commit_rows(
-    payload: torch.Tensor,
-    table: torch.Tensor,
-    index: torch.Tensor,
-    bits: int,
-    granularity: str,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """AQ-SGD's buffer update of ``k`` revisited samples in place: rows ``table[index]``
-    (distinct slots) become ``table[index] + dequantize(payload)`` clamped to the table
-    dtype's range, except the rows of samples whose new value is not finite, which keep
-    their value; returns the per-sample finite and clamped flags (bool ``[k]``). The same
-    rows and flags as :func:`aqsgd_decode_stage` of the gathered rows."""
-    _check_index(table, index)
-    return run(_aqsgd_commit_rows, payload, table, index, bits, granularity)
+aqsgd_commit_rows = define_op(
+    "megatron_ext::aqsgd_commit_rows",
+    _aqsgd_commit_rows,
+    mutates_args=("table",),
+    check=_check_index,
+)
 
 
 @aqsgd_commit_rows.register_fake
 def _(payload, table, index, bits, granularity):
-    _check_index(table, index)
+    _check_index(payload, table, index)
     flags = table.new_empty(index.shape[0], dtype=torch.bool)
     return flags, torch.empty_like(flags)
 
@@ -668,6 +619,11 @@ def _quantized_encode_rows(
     size: int,
     part: int,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The exchange's worker side of one bucket ``grad`` (flat, any float dtype):
+    ``h = spread(grad) + error`` (``[size, padded]`` fp32; ``error`` None: no error
+    feedback), quantized in rows of ``block``; returns the ``[size, nbytes + 4]`` bytes to
+    send (partition ``j`` in row ``j``, its flag bytes last) and the new worker error
+    ``h - dequantize`` (empty without error feedback)."""
     bits, block, size = _static(bits, block, size)
     _, padded, width, _ = rows_layout(part, block, bits)
     h = _spread(grad, size, part, padded)
@@ -691,6 +647,12 @@ def _quantized_reduce_rows(
     mean: bool,
     requantize: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The exchange's server side: the ``W`` received partitions (``[W, nbytes + 4]``)
+    unpacked, dequantized and summed (``mean``: divided by ``W``) into ``r``; returns
+    ``(flag, r, wire, new_error)``: the summed flags (``[1]``), then either ``r``
+    (``[padded]`` fp32; ``requantize`` False) or ``s = r + error`` quantized again (its
+    ``[nbytes]`` wire bytes and the new server error ``s - dequantize``; empty tensors in
+    the unused places)."""
     bits, block, size = _static(bits, block, recv.shape[0])
     _, padded, width, nbytes = rows_layout(part, block, bits)
     flag = _from_bytes(recv[:, nbytes:], torch.float32).sum().reshape(1)
@@ -714,22 +676,7 @@ def _quantized_decode_rows_into(
     out.copy_(values[:, :part].reshape(-1)[: out.shape[0]].to(out.dtype))
 
 
-@torch.library.custom_op("megatron_ext::quantized_encode_rows", mutates_args=())
-def quantized_encode_rows(
-    grad: torch.Tensor,
-    error: Optional[torch.Tensor],
-    seed: Optional[torch.Tensor],
-    bits: int,
-    block: int,
-    size: int,
-    part: int,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The exchange's worker side of one bucket ``grad`` (flat, any float dtype):
-    ``h = spread(grad) + error`` (``[size, padded]`` fp32; ``error`` None: no error
-    feedback), quantized in rows of ``block``; returns the ``[size, nbytes + 4]`` bytes to
-    send (partition ``j`` in row ``j``, its flag bytes last) and the new worker error
-    ``h - dequantize`` (empty without error feedback)."""
-    return run(_quantized_encode_rows, grad, error, seed, bits, block, size, part)
+quantized_encode_rows = define_op("megatron_ext::quantized_encode_rows", _quantized_encode_rows)
 
 
 @quantized_encode_rows.register_fake
@@ -740,24 +687,7 @@ def _(grad, error, seed, bits, block, size, part):
     return send, new_error
 
 
-@torch.library.custom_op("megatron_ext::quantized_reduce_rows", mutates_args=())
-def quantized_reduce_rows(
-    recv: torch.Tensor,
-    error: Optional[torch.Tensor],
-    seed: Optional[torch.Tensor],
-    bits: int,
-    block: int,
-    part: int,
-    mean: bool,
-    requantize: bool,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The exchange's server side: the ``W`` received partitions (``[W, nbytes + 4]``)
-    unpacked, dequantized and summed (``mean``: divided by ``W``) into ``r``; returns
-    ``(flag, r, wire, new_error)``: the summed flags (``[1]``), then either ``r``
-    (``[padded]`` fp32; ``requantize`` False) or ``s = r + error`` quantized again (its
-    ``[nbytes]`` wire bytes and the new server error ``s - dequantize``; empty tensors in
-    the unused places)."""
-    return run(_quantized_reduce_rows, recv, error, seed, bits, block, part, mean, requantize)
+quantized_reduce_rows = define_op("megatron_ext::quantized_reduce_rows", _quantized_reduce_rows)
 
 
 @quantized_reduce_rows.register_fake

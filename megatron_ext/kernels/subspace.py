@@ -54,7 +54,7 @@ from typing import List, Tuple
 
 import torch
 
-from megatron_ext.kernels import ROW_GATHERS, run
+from megatron_ext.kernels import ROW_GATHERS, define_op
 
 __all__ = ["id_elems", "encode", "decode", "coords", "lift"]
 
@@ -70,14 +70,29 @@ def id_elems(dtype: torch.dtype) -> int:
 # -- the pure functions (the eager chains) ---------------------------------------------------
 
 
-def _encode(x: torch.Tensor, ids: torch.Tensor, fixed: torch.Tensor, u: torch.Tensor):
+def _encode(
+    x: torch.Tensor, ids: torch.Tensor, fixed: torch.Tensor, u: torch.Tensor
+) -> torch.Tensor:
+    """Payload ``[tokens * (k + id_elems)]`` in ``x``'s dtype: ``C = (X - T_fixed[ids]) U``
+    (fp32 in between) followed by the int32 ids reinterpreted as that dtype.
+
+    Args:
+        x: activation ``[..., d]``.
+        ids: token ids ``x.shape[:-1]``.
+        fixed: ``T_fixed`` (``vocab x d``).
+        u: the basis (``d x k``, fp32).
+    """
     v = x.float() - fixed[ids].float()
     c = v @ u
     packed = ids.to(torch.int32).contiguous().view(x.dtype).reshape(-1)
     return torch.cat([c.to(x.dtype).reshape(-1), packed])
 
 
-def _decode(payload: torch.Tensor, fixed: torch.Tensor, u: torch.Tensor, lead, dtype):
+def _decode(
+    payload: torch.Tensor, fixed: torch.Tensor, u: torch.Tensor, lead: List[int], dtype: torch.dtype
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(X, ids)`` from :func:`encode`'s payload: ``X = C U^T + T_fixed[ids]`` (``[*lead,
+    d]``, ``dtype``; fp32 in between) and the ids (int64 ``lead``)."""
     k = u.shape[1]
     tokens = math.prod(lead)
     c = payload[: tokens * k].float().reshape(*lead, k)
@@ -102,11 +117,17 @@ def _unpack_ids(tail: torch.Tensor) -> torch.Tensor:
     return ids
 
 
-def _coords(g: torch.Tensor, u: torch.Tensor):
+def _coords(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``G U`` flattened (``[tokens * k]``) in ``g``'s dtype, fp32 in between (``g``:
+    ``[..., d]``)."""
     return (g.reshape(-1, u.shape[0]).float() @ u).to(g.dtype).reshape(-1)
 
 
-def _lift(payload: torch.Tensor, u: torch.Tensor, lead, dtype):
+def _lift(
+    payload: torch.Tensor, u: torch.Tensor, lead: List[int], dtype: torch.dtype
+) -> torch.Tensor:
+    """``C U^T`` (``[*lead, d]``, ``dtype``) from :func:`coords`'s payload, fp32 in
+    between."""
     k = u.shape[1]
     c = payload[: math.prod(lead) * k].float().reshape(*lead, k)
     return (c @ u.t()).to(dtype)
@@ -115,20 +136,7 @@ def _lift(payload: torch.Tensor, u: torch.Tensor, lead, dtype):
 # -- the ops -----------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("megatron_ext::subspace_encode", mutates_args=())
-def encode(
-    x: torch.Tensor, ids: torch.Tensor, fixed: torch.Tensor, u: torch.Tensor
-) -> torch.Tensor:
-    """Payload ``[tokens * (k + id_elems)]`` in ``x``'s dtype: ``C = (X - T_fixed[ids]) U``
-    (fp32 in between) followed by the int32 ids reinterpreted as that dtype.
-
-    Args:
-        x: activation ``[..., d]``.
-        ids: token ids ``x.shape[:-1]``.
-        fixed: ``T_fixed`` (``vocab x d``).
-        u: the basis (``d x k``, fp32).
-    """
-    return run(_encode, x, ids, fixed, u)
+encode = define_op("megatron_ext::subspace_encode", _encode)
 
 
 @encode.register_fake
@@ -137,13 +145,7 @@ def _(x, ids, fixed, u):
     return x.new_empty(tokens * (u.shape[1] + id_elems(x.dtype)))
 
 
-@torch.library.custom_op("megatron_ext::subspace_decode", mutates_args=())
-def decode(
-    payload: torch.Tensor, fixed: torch.Tensor, u: torch.Tensor, lead: List[int], dtype: torch.dtype
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(X, ids)`` from :func:`encode`'s payload: ``X = C U^T + T_fixed[ids]`` (``[*lead,
-    d]``, ``dtype``; fp32 in between) and the ids (int64 ``lead``)."""
-    return run(_decode, payload, fixed, u, lead, dtype)
+decode = define_op("megatron_ext::subspace_decode", _decode)
 
 
 @decode.register_fake
@@ -152,11 +154,7 @@ def _(payload, fixed, u, lead, dtype):
     return x, payload.new_empty(tuple(lead), dtype=torch.int64)
 
 
-@torch.library.custom_op("megatron_ext::subspace_coords", mutates_args=())
-def coords(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``G U`` flattened (``[tokens * k]``) in ``g``'s dtype, fp32 in between (``g``:
-    ``[..., d]``)."""
-    return run(_coords, g, u)
+coords = define_op("megatron_ext::subspace_coords", _coords)
 
 
 @coords.register_fake
@@ -164,13 +162,7 @@ def _(g, u):
     return g.new_empty(g.numel() // u.shape[0] * u.shape[1])
 
 
-@torch.library.custom_op("megatron_ext::subspace_lift", mutates_args=())
-def lift(
-    payload: torch.Tensor, u: torch.Tensor, lead: List[int], dtype: torch.dtype
-) -> torch.Tensor:
-    """``C U^T`` (``[*lead, d]``, ``dtype``) from :func:`coords`'s payload, fp32 in
-    between."""
-    return run(_lift, payload, u, lead, dtype)
+lift = define_op("megatron_ext::subspace_lift", _lift)
 
 
 @lift.register_fake

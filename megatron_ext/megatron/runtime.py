@@ -467,16 +467,23 @@ def install(
     model_chunks: Sequence[torch.nn.Module],
     optimizer: Any,
     model_config: Any,
-    scheduler: Any = None,
     transformer_impl: str = "local",
-    optimizer_hooks: Sequence[Any] = (),
-    samples: Any = None,
+    **install_kwargs: Any,
 ) -> ExtRuntime:
     """Create the runtime and install it on an already wrapped model in one call.
 
     For methods without a model transform (every DP, P2P and pass-through method); a method
     that transforms the model needs :meth:`ExtRuntime.create` and
     :meth:`ExtRuntime.transform_model` before DDP wraps it, and is refused here.
+
+    Args:
+        cfg: the feature configs.
+        model_chunks: DDP-wrapped model chunks.
+        optimizer: megatron-core optimizer.
+        model_config: the model's TransformerConfig (for the P2P communicator).
+        transformer_impl: 'local' or 'transformer_engine' (which layer spec was built).
+        **install_kwargs: the other keyword arguments of :meth:`ExtRuntime.install`
+            (``scheduler``, ``optimizer_hooks``, ``samples``).
     """
     ddp_config = getattr(model_chunks[0], "ddp_config", None)
     runtime = ExtRuntime.create(cfg, parallel_layout(ddp_config, transformer_impl))
@@ -484,8 +491,6 @@ def install(
         model_chunks,
         optimizer,
         model_config=model_config,
-        scheduler=scheduler,
         transformer_impl=transformer_impl,
-        optimizer_hooks=optimizer_hooks,
-        samples=samples,
+        **install_kwargs,
     )

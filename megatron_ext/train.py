@@ -448,6 +448,18 @@ class Trainer:
             for line in self.runtime.descriptions():
                 print_rank_0(f"> megatron-ext: {line}")
 
+    def checkpoint_parts(self) -> Dict[str, Any]:
+        """What a checkpoint holds of this trainer: the ``model_chunks``, ``optimizer``,
+        ``scheduler`` and ``runtime`` keyword arguments of
+        :func:`~megatron_ext.megatron.checkpoint.save_checkpoint` and
+        :func:`~megatron_ext.megatron.checkpoint.load_checkpoint`."""
+        return dict(
+            model_chunks=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            runtime=self.runtime,
+        )
+
     def sync_params(self) -> None:
         """Make every rank's model parameters current (the distributed optimizer with
         overlapped parameter gather leaves them one gather behind after a step)."""
@@ -559,10 +571,7 @@ class Trainer:
         with ProcessGroupTrafficMeter.untracked():
             loaded = ckpt.load_checkpoint(
                 cfg.checkpoint.load,
-                model_chunks=self.model,
-                optimizer=self.optimizer,
-                scheduler=self.scheduler,
-                runtime=self.runtime,
+                **self.checkpoint_parts(),
                 on_mismatch=cfg.ext.checkpoint.on_mismatch,
                 model_only=cfg.checkpoint.finetune,
                 save=cfg.checkpoint.save,
@@ -701,10 +710,7 @@ class Trainer:
             ckpt.save_checkpoint(
                 self.cfg.checkpoint.save,
                 iteration,
-                model_chunks=self.model,
-                optimizer=self.optimizer,
-                scheduler=self.scheduler,
-                runtime=self.runtime,
+                **self.checkpoint_parts(),
                 consumed_samples=consumed,
                 extra_common={
                     "eval_consumed_samples": self._eval_consumed,

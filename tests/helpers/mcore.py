@@ -136,10 +136,7 @@ def save_checkpoint(trainer, root: str, iteration: int) -> None:
     ckpt.save_checkpoint(
         root,
         iteration,
-        model_chunks=trainer.model,
-        optimizer=trainer.optimizer,
-        scheduler=trainer.scheduler,
-        runtime=trainer.runtime,
+        **trainer.checkpoint_parts(),
         consumed_samples=iteration * trainer.sizes["gbs"],
     )
 
@@ -154,10 +151,7 @@ def load_checkpoint(
 
     loaded = ckpt.load_checkpoint(
         root,
-        model_chunks=trainer.model,
-        optimizer=trainer.optimizer,
-        scheduler=trainer.scheduler,
-        runtime=trainer.runtime,
+        **trainer.checkpoint_parts(),
         model_only=model_only,
         verify_checksums=verify_checksums,
     )

@@ -40,12 +40,18 @@ __all__ = [
 ]
 
 
+class _DriverArgs:
+    """Base of the driver's flag dataclasses: their flags carry Megatron-LM's names, with no
+    prefix (each subclass sets its argparse group, ``ARG_GROUP``)."""
+
+    ARG_PREFIX: ClassVar[str] = ""
+
+
 @dataclass(frozen=True, kw_only=True)
-class ModelArgs:
+class ModelArgs(_DriverArgs):
     """GPT / LLaMA-style model shape (megatron-core GPTModel, local or TE layer spec)."""
 
     ARG_GROUP: ClassVar[str] = "model"
-    ARG_PREFIX: ClassVar[str] = ""
 
     num_layers: int = 4
     """Number of transformer layers."""
@@ -141,11 +147,10 @@ class ModelArgs:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParallelArgs:
+class ParallelArgs(_DriverArgs):
     """Parallel layout and DDP options."""
 
     ARG_GROUP: ClassVar[str] = "distributed"
-    ARG_PREFIX: ClassVar[str] = ""
 
     tensor_model_parallel_size: int = 1
     """Tensor-parallel size."""
@@ -204,11 +209,10 @@ decay of 10 iterations or fewer)."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainingArgs:
+class TrainingArgs(_DriverArgs):
     """Batch, optimizer, schedule and precision."""
 
     ARG_GROUP: ClassVar[str] = "training"
-    ARG_PREFIX: ClassVar[str] = ""
 
     micro_batch_size: int = 2
     """Samples per microbatch per data-parallel rank."""
@@ -343,11 +347,10 @@ class TrainingArgs:
 
 
 @dataclass(frozen=True, kw_only=True)
-class CheckpointArgs:
+class CheckpointArgs(_DriverArgs):
     """Checkpoints (megatron-core dist_checkpointing, torch_dist format)."""
 
     ARG_GROUP: ClassVar[str] = "checkpointing"
-    ARG_PREFIX: ClassVar[str] = ""
 
     save: Optional[str] = None
     """Directory to save checkpoints to (also the default place of the reports)."""
@@ -376,11 +379,10 @@ class CheckpointArgs:
 
 
 @dataclass(frozen=True, kw_only=True)
-class LoggingArgs:
+class LoggingArgs(_DriverArgs):
     """Log line, TensorBoard, progress."""
 
     ARG_GROUP: ClassVar[str] = "logging"
-    ARG_PREFIX: ClassVar[str] = ""
 
     log_interval: int = 10
     """Print the iteration log line every N iterations."""

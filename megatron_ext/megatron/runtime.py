@@ -178,7 +178,6 @@ class ExtRuntime(Runtime):
         *,
         clock: StepClock,
         meter: CommMeter,
-        pg_meter: Optional[ProcessGroupTrafficMeter],
         handles: TrainingHandles,
         components: Dict[str, Components],
     ):
@@ -186,7 +185,8 @@ class ExtRuntime(Runtime):
         self.layout = layout
         self.clock = clock
         self.meter = meter
-        self.pg_meter = pg_meter
+        # Process-group traffic is metered from install() on (with comm accounting).
+        self.pg_meter: Optional[ProcessGroupTrafficMeter] = None
         self.handles = handles
         self.components = components
         self.state: Optional[ExtState] = None
@@ -221,15 +221,7 @@ class ExtRuntime(Runtime):
         components = build_components(
             cfg, layout, clock=clock, meter=meter, groups=_process_groups(), handles=handles
         )
-        return cls(
-            cfg,
-            layout,
-            clock=clock,
-            meter=meter,
-            pg_meter=None,
-            handles=handles,
-            components=components,
-        )
+        return cls(cfg, layout, clock=clock, meter=meter, handles=handles, components=components)
 
     @property
     def reducer(self) -> Any:

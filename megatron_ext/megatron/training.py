@@ -172,16 +172,25 @@ def transformer_config(model: Any, training: Any, *, tp: int, pp: int) -> Any:
     )
 
 
+def _same_named(flags: Any, *names: str) -> Dict[str, Any]:
+    """``{name: flags.name}`` for driver flags that carry the name of the megatron-core config
+    field they set (as Megatron-LM copies its arguments into its config dataclasses)."""
+    return {name: getattr(flags, name) for name in names}
+
+
 def ddp_config(parallel: Any, training: Any) -> Any:
     """megatron-core's ``DistributedDataParallelConfig`` from the driver's flags."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=parallel.accumulate_allreduce_grads_in_fp32 or training.bf16,
-        overlap_grad_reduce=parallel.overlap_grad_reduce,
-        overlap_param_gather=parallel.overlap_param_gather,
-        use_distributed_optimizer=parallel.use_distributed_optimizer,
-        num_distributed_optimizer_instances=parallel.num_distributed_optimizer_instances,
+        **_same_named(
+            parallel,
+            "overlap_grad_reduce",
+            "overlap_param_gather",
+            "use_distributed_optimizer",
+            "num_distributed_optimizer_instances",
+        ),
         bucket_size=parallel.ddp_bucket_size,
         check_for_nan_in_grad=True,
     )
@@ -260,17 +269,19 @@ def build_optimizer(
     t = training
     opt_config = OptimizerConfig(
         optimizer="adam",
-        lr=t.lr,
-        min_lr=t.min_lr,
-        weight_decay=t.weight_decay,
-        adam_beta1=t.adam_beta1,
-        adam_beta2=t.adam_beta2,
-        adam_eps=t.adam_eps,
-        clip_grad=t.clip_grad,
-        bf16=t.bf16,
+        **_same_named(
+            t,
+            "lr",
+            "min_lr",
+            "weight_decay",
+            "adam_beta1",
+            "adam_beta2",
+            "adam_eps",
+            "clip_grad",
+            "bf16",
+        ),
         params_dtype=config.params_dtype,
-        use_distributed_optimizer=parallel.use_distributed_optimizer,
-        overlap_param_gather=parallel.overlap_param_gather,
+        **_same_named(parallel, "use_distributed_optimizer", "overlap_param_gather"),
         log_num_zeros_in_grad=False,
     )
     optimizer = get_megatron_optimizer(opt_config, list(model_chunks))

@@ -33,36 +33,31 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from megatron_ext.megatron.state_tree import leaves_with_paths
+
 __all__ = ["check_finite_for_save", "tensors_to_write"]
 
 
 def tensors_to_write(tree: Any, path: Tuple[Any, ...] = ()) -> Iterator[Tuple[Tuple, str, Any]]:
     """``(state path, key, tensor)`` of every floating tensor of ``tree`` this rank writes."""
     from megatron.core.dist_checkpointing.mapping import (
-        LocalNonpersistentObject,
         ShardedObject,
         ShardedTensor,
         ShardedTensorFactory,
         is_main_replica,
     )
 
-    if isinstance(tree, (ShardedTensor, ShardedTensorFactory)):
-        if is_main_replica(tree.replica_id):
-            yield from _leaf(tree.data, path, tree.key)
-    elif isinstance(tree, ShardedObject):
-        if is_main_replica(tree.replica_id):
-            for sub, key, value in tensors_to_write(tree.data, path):
-                yield sub, f"{tree.key}/{'.'.join(map(str, sub[len(path):]))}", value
-    elif isinstance(tree, LocalNonpersistentObject):
-        return
-    elif isinstance(tree, torch.Tensor):
-        yield from _leaf(tree, path, ".".join(map(str, path)))
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from tensors_to_write(v, path + (k,))
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            yield from tensors_to_write(v, path + (i,))
+    # Anything else (a LocalNonpersistentObject, a Python value) is not written as a tensor.
+    for sub, leaf in leaves_with_paths(tree, path):
+        if isinstance(leaf, (ShardedTensor, ShardedTensorFactory)):
+            if is_main_replica(leaf.replica_id):
+                yield from _leaf(leaf.data, sub, leaf.key)
+        elif isinstance(leaf, ShardedObject):
+            if is_main_replica(leaf.replica_id):
+                for inner, _, value in tensors_to_write(leaf.data, sub):
+                    yield inner, f"{leaf.key}/{'.'.join(map(str, inner[len(sub):]))}", value
+        elif isinstance(leaf, torch.Tensor):
+            yield from _leaf(leaf, sub, ".".join(map(str, sub)))
 
 
 def _leaf(value: Any, path: Tuple[Any, ...], key: str) -> Iterator[Tuple[Tuple, str, Any]]:

@@ -27,6 +27,7 @@ import torch
 
 from megatron_ext.megatron.checkpoint.errors import CheckpointError
 from megatron_ext.megatron.checkpoint.reading import _read_metadata
+from megatron_ext.megatron.state_tree import leaves_with_paths
 
 
 def sharded_leaves(tree: Any, path: Tuple[Any, ...] = ()) -> Iterator[Tuple[Tuple, Any]]:
@@ -35,28 +36,18 @@ def sharded_leaves(tree: Any, path: Tuple[Any, ...] = ()) -> Iterator[Tuple[Tupl
     :func:`check_finite`)."""
     from megatron.core.dist_checkpointing.mapping import ShardedBase
 
-    if isinstance(tree, ShardedBase):
-        yield path, tree
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from sharded_leaves(v, path + (k,))
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            yield from sharded_leaves(v, path + (i,))
+    for sub, leaf in leaves_with_paths(tree, path):
+        if isinstance(leaf, ShardedBase):
+            yield sub, leaf
 
 
 def _non_finite_values(tree: Any, path: Tuple[Any, ...] = ()) -> Iterator[Tuple[Tuple, Any]]:
     """``(path, tensor)`` of every floating tensor in ``tree`` with a value that is not finite
     (Python floats are not checked: some legitimately hold inf)."""
-    if isinstance(tree, torch.Tensor):
-        if (tree.is_floating_point() or tree.is_complex()) and not bool(torch.isfinite(tree).all()):
-            yield path, tree
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _non_finite_values(v, path + (k,))
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            yield from _non_finite_values(v, path + (i,))
+    for sub, value in leaves_with_paths(tree, path):
+        if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+            if not bool(torch.isfinite(value).all()):
+                yield sub, value
 
 
 def _stored_file(directory: str, sharded: Any, value: Any) -> str:

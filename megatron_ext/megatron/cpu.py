@@ -54,7 +54,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_ext.megatron.patching import AttributePatches
+from megatron_ext.megatron.patching import ActiveInstall, AttributePatches
 
 __all__ = [
     "enable_cpu_execution",
@@ -288,12 +288,12 @@ class _CpuExecution:
         self._patches.restore()
 
 
-_ACTIVE: Optional[_CpuExecution] = None
+_ACTIVE: ActiveInstall[_CpuExecution] = ActiveInstall()
 
 
 def is_cpu_execution_enabled() -> bool:
     """Whether ``enable_cpu_execution()`` has installed the CPU redirections."""
-    return _ACTIVE is not None
+    return _ACTIVE.handle is not None
 
 
 _BATCH_INVARIANT = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
@@ -375,8 +375,7 @@ def enable_cpu_execution(force: bool = False) -> bool:
         True if the redirections are active after the call, False if CUDA is present and
         nothing was changed.
     """
-    global _ACTIVE
-    if _ACTIVE is not None:
+    if _ACTIVE.handle is not None:
         return True
     if torch.cuda.is_available() and not force:
         logger.info("megatron_ext: CUDA is available; CPU execution is not enabled.")
@@ -385,14 +384,11 @@ def enable_cpu_execution(force: bool = False) -> bool:
     # is neither needed nor reliable under the device mode.
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    _ACTIVE = _CpuExecution()
-    _ACTIVE.install()
+    _ACTIVE.handle = _CpuExecution()
+    _ACTIVE.handle.install()
     return True
 
 
 def disable_cpu_execution() -> None:
     """Undo ``enable_cpu_execution()``."""
-    global _ACTIVE
-    if _ACTIVE is not None:
-        _ACTIVE.remove()
-        _ACTIVE = None
+    _ACTIVE.remove()

@@ -2,14 +2,17 @@
 
 The CPU execution (``cpu.py``), Megatron-LM's CPU redirections (``lm/cpu.py``) and the
 Megatron-LM hooks (``lm/core_v0_16.py``) replace module attributes and must put back
-exactly what was there, including deleting attributes that did not exist before.
+exactly what was there, including deleting attributes that did not exist before. The two
+CPU switches are process-wide: each keeps its one installation in an :class:`ActiveInstall`.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, Generic, List, Optional, Tuple, TypeVar
 
-__all__ = ["AttributePatches"]
+__all__ = ["AttributePatches", "ActiveInstall"]
+
+_Handle = TypeVar("_Handle")
 
 _MISSING = object()
 
@@ -38,3 +41,18 @@ class AttributePatches:
             else:
                 setattr(owner, name, previous)
         self._saved.clear()
+
+
+class ActiveInstall(Generic[_Handle]):
+    """The one installation of a process-wide switch: ``enable_*`` keeps its handle in
+    :attr:`handle`, ``disable_*`` calls :meth:`remove`."""
+
+    def __init__(self) -> None:
+        self.handle: Optional[_Handle] = None
+        """The installed handle (it has a ``remove()``), or None when the switch is off."""
+
+    def remove(self) -> None:
+        """Remove the installed handle and forget it; nothing when none is installed."""
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None

@@ -61,7 +61,7 @@ from typing import Any, List, Optional, Tuple
 
 from megatron_ext.config import ConfigError
 from megatron_ext.megatron.cpu import register_triton_stand_ins
-from megatron_ext.megatron.patching import AttributePatches
+from megatron_ext.megatron.patching import ActiveInstall, AttributePatches
 
 __all__ = [
     "CPU_ENV_VAR",
@@ -172,7 +172,7 @@ class MegatronLMCpuHandle:
         self._stubbed_modules.clear()
 
 
-_ACTIVE: Optional[MegatronLMCpuHandle] = None
+_ACTIVE: ActiveInstall[MegatronLMCpuHandle] = ActiveInstall()
 
 
 def _module_exists(name: str) -> bool:
@@ -191,9 +191,8 @@ def enable_megatron_lm_cpu() -> Optional[MegatronLMCpuHandle]:
     Returns:
         The handle (CPU execution is forced: the caller asked for it).
     """
-    global _ACTIVE
-    if _ACTIVE is not None:
-        return _ACTIVE
+    if _ACTIVE.handle is not None:
+        return _ACTIVE.handle
     import torch
 
     from megatron_ext.megatron.cpu import enable_cpu_execution
@@ -217,16 +216,13 @@ def enable_megatron_lm_cpu() -> Optional[MegatronLMCpuHandle]:
         handle.replace(fused_kernels, "load", lambda args: None)
     dataset_utils = importlib.import_module("megatron.core.datasets.utils")
     handle.replace(dataset_utils, "compile_helpers", _compile_helpers)
-    _ACTIVE = handle
+    _ACTIVE.handle = handle
     return handle
 
 
 def disable_megatron_lm_cpu() -> None:
     """Undo :func:`enable_megatron_lm_cpu` (megatron-core's CPU execution stays on)."""
-    global _ACTIVE
-    if _ACTIVE is not None:
-        _ACTIVE.remove()
-        _ACTIVE = None
+    _ACTIVE.remove()
 
 
 def check_cpu_args(args: Any) -> List[str]:

@@ -38,11 +38,10 @@ from typing import Any, ClassVar, Dict, List, Mapping, Optional
 
 import torch
 
+from megatron_ext.collectives.configured import ConfiguredReducer
 from megatron_ext.collectives.grad_reducer import (
-    BoundReduction,
     BucketGroupSpec,
     CompressedReduction,
-    GradReducer,
     ParamSlice,
     _DenseReduction,
     scale_state,
@@ -92,25 +91,6 @@ class _Bucket:
         numels`` and ``dims``."""
         runs = self.runs
         return (runs.table, runs.chunk, runs.starts, runs.offsets, runs.numels, self.dims)
-
-
-class PowerSGDReducer(GradReducer):
-    """PowerSGD gradient reduction (see module docstring).
-
-    Args:
-        cfg: a :class:`~megatron_ext.options.powersgd.PowerSGDConfig`.
-    """
-
-    name = "powersgd"
-    elastic_rules: ClassVar[Mapping[str, str]] = {"error": SUM, "q": SAME}
-    supports = ("all_reduce", "reduce_scatter")
-
-    def __init__(self, cfg: Any):
-        super().__init__()
-        self.cfg = cfg
-
-    def _bind(self, spec: BucketGroupSpec) -> BoundReduction:
-        return _PowerSGDReduction(self.cfg, spec)
 
 
 class _PowerSGDReduction(CompressedReduction):
@@ -277,3 +257,13 @@ class _PowerSGDReduction(CompressedReduction):
                     error = group.view(bucket.error)
                     for i, s in enumerate(group.slices):
                         error[i].copy_(state[f"error/{s.fqn}"])
+
+
+class PowerSGDReducer(ConfiguredReducer):
+    """PowerSGD gradient reduction (see module docstring); ``cfg`` is a
+    :class:`~megatron_ext.options.powersgd.PowerSGDConfig`."""
+
+    name = "powersgd"
+    elastic_rules: ClassVar[Mapping[str, str]] = {"error": SUM, "q": SAME}
+    supports = ("all_reduce", "reduce_scatter")
+    reduction = _PowerSGDReduction

@@ -46,12 +46,11 @@ from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from megatron_ext.accounting import ProcessGroupTrafficMeter
+from megatron_ext.collectives.configured import ConfiguredReducer
 from megatron_ext.collectives.grad_reducer import (
-    BoundReduction,
     BucketGroupSpec,
     BucketView,
     CompressedReduction,
-    GradReducer,
     ParamSlice,
     all_gather_flat,
     scale_state,
@@ -67,25 +66,6 @@ from megatron_ext.kernels.quant import (
 from megatron_ext.protocols import PARTITION, SUM
 
 __all__ = ["QuantizedReducer"]
-
-
-class QuantizedReducer(GradReducer):
-    """k-bit quantized gradient exchange (see module docstring).
-
-    Args:
-        cfg: a :class:`~megatron_ext.options.quantized.QuantizedConfig`.
-    """
-
-    name = "quantized"
-    elastic_rules: ClassVar[Mapping[str, str]] = {"worker_error": SUM, "server_error": PARTITION}
-    supports = ("all_reduce", "reduce_scatter")
-
-    def __init__(self, cfg: Any):
-        super().__init__()
-        self.cfg = cfg
-
-    def _bind(self, spec: BucketGroupSpec) -> BoundReduction:
-        return _QuantizedReduction(self.cfg, spec)
 
 
 class _Partitioned:
@@ -276,3 +256,13 @@ class _QuantizedReduction(CompressedReduction):
                 flat_s[s.start : s.end] = state[f"server_error/{s.fqn}"]
             self.worker_error[i] = layout.spread(flat_w)
             self.server_error[i] = layout.spread(flat_s)[self.spec.group_rank].clone()
+
+
+class QuantizedReducer(ConfiguredReducer):
+    """k-bit quantized gradient exchange (see module docstring); ``cfg`` is a
+    :class:`~megatron_ext.options.quantized.QuantizedConfig`."""
+
+    name = "quantized"
+    elastic_rules: ClassVar[Mapping[str, str]] = {"worker_error": SUM, "server_error": PARTITION}
+    supports = ("all_reduce", "reduce_scatter")
+    reduction = _QuantizedReduction

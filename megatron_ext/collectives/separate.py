@@ -50,11 +50,10 @@ from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from megatron_ext.accounting import ProcessGroupTrafficMeter
+from megatron_ext.collectives.configured import ConfiguredReducer
 from megatron_ext.collectives.grad_reducer import (
-    BoundReduction,
     BucketGroupSpec,
     CompressedReduction,
-    GradReducer,
     ParamSlice,
     scale_state,
 )
@@ -95,29 +94,6 @@ def projection_peak_bytes(block: int, num_projections: int) -> int:
     (8 c k) before the fp32 result: ``24 c k + 8 k^2``."""
     c, k = int(block), int(num_projections)
     return 24 * c * k + 8 * k * k
-
-
-class SeparateReducer(GradReducer):
-    """SEPARATE gradient reduction (see module docstring).
-
-    Args:
-        cfg: a :class:`~megatron_ext.options.separate.SeparateConfig`.
-    """
-
-    name = "separate"
-    elastic_rules: ClassVar[Mapping[str, str]] = {
-        "residual": SUM,
-        "ratio": SAME,
-        "beta_scale": SAME,
-    }
-    supports = ("all_reduce", "reduce_scatter")
-
-    def __init__(self, cfg: Any):
-        super().__init__()
-        self.cfg = cfg
-
-    def _bind(self, spec: BucketGroupSpec) -> BoundReduction:
-        return _SeparateReduction(self.cfg, spec)
 
 
 class _SeparateReduction(CompressedReduction):
@@ -456,3 +432,17 @@ class _SeparateReduction(CompressedReduction):
             elif role == "beta_scale":
                 self.beta_scale[fqn] = float(value)
         self.segments = [self._build_segments(split, residuals) for split in self.splits]
+
+
+class SeparateReducer(ConfiguredReducer):
+    """SEPARATE gradient reduction (see module docstring); ``cfg`` is a
+    :class:`~megatron_ext.options.separate.SeparateConfig`."""
+
+    name = "separate"
+    elastic_rules: ClassVar[Mapping[str, str]] = {
+        "residual": SUM,
+        "ratio": SAME,
+        "beta_scale": SAME,
+    }
+    supports = ("all_reduce", "reduce_scatter")
+    reduction = _SeparateReduction

@@ -124,24 +124,23 @@ def model_params(shape: ModelShape) -> List[Tuple[str, Tuple[int, ...]]]:
     fc1 = 2 * f if shape.swiglu else f
     norm = ("weight", "bias") if bias else ("weight",)
     out: List[Tuple[str, Tuple[int, ...]]] = [("embedding.word_embeddings.weight", (v, h))]
+
+    def linear(name: str, rows: int, cols: int) -> None:
+        """A linear layer's ``weight`` (``rows x cols``) and, with biases, its ``bias``."""
+        out.append((name + ".weight", (rows, cols)))
+        if bias:
+            out.append((name + ".bias", (rows,)))
+
     if shape.learned_positions:
         out.append(("embedding.position_embeddings.weight", (shape.seq, h)))
     for i in range(shape.num_layers):
         p = f"decoder.layers.{i}."
         out += [(p + f"self_attention.linear_qkv.layer_norm_{n}", (h,)) for n in norm]
-        out.append((p + "self_attention.linear_qkv.weight", (qkv, h)))
-        if bias:
-            out.append((p + "self_attention.linear_qkv.bias", (qkv,)))
-        out.append((p + "self_attention.linear_proj.weight", (h, proj_in)))
-        if bias:
-            out.append((p + "self_attention.linear_proj.bias", (h,)))
+        linear(p + "self_attention.linear_qkv", qkv, h)
+        linear(p + "self_attention.linear_proj", h, proj_in)
         out += [(p + f"mlp.linear_fc1.layer_norm_{n}", (h,)) for n in norm]
-        out.append((p + "mlp.linear_fc1.weight", (fc1, h)))
-        if bias:
-            out.append((p + "mlp.linear_fc1.bias", (fc1,)))
-        out.append((p + "mlp.linear_fc2.weight", (h, f)))
-        if bias:
-            out.append((p + "mlp.linear_fc2.bias", (h,)))
+        linear(p + "mlp.linear_fc1", fc1, h)
+        linear(p + "mlp.linear_fc2", h, f)
     out += [(f"decoder.final_layernorm.{n}", (h,)) for n in norm]
     if shape.untied:
         out.append(("output_layer.weight", (v, h)))

@@ -35,18 +35,11 @@ shift
 python=${PYTHON:-python3}
 torch_spec=${TORCH_SPEC:-torch==2.13.0}
 venv=".venv-mcore-${version}"
-DRY_RUN=${DRY_RUN:-0}
-# run CMD...: run it, or print it (DRY_RUN=1).
-run() {
-    if [[ "$DRY_RUN" == 1 ]]; then
-        printf '%q ' "$@"
-        printf '\n'
-    else
-        "$@"
-    fi
-}
+# DRY_RUN and run_cmd (run a command, or print it with DRY_RUN=1).
+# shellcheck source=scripts/reproduce/common.sh
+. scripts/reproduce/common.sh
 if [ ! -x "$venv/bin/python" ]; then
-    run "$python" -m venv "$venv"
+    run_cmd "$python" -m venv "$venv"
 fi
 if [[ "$DRY_RUN" == 1 ]]; then
     echo ". $venv/bin/activate"
@@ -54,22 +47,22 @@ else
     # shellcheck disable=SC1091
     . "$venv/bin/activate"
 fi
-run pip install -q "$torch_spec"
-run pip install -q --no-deps --ignore-requires-python "megatron-core==${version}"
-run pip install -q numpy packaging
-run pip install -q --no-deps -e .
+run_cmd pip install -q "$torch_spec"
+run_cmd pip install -q --no-deps --ignore-requires-python "megatron-core==${version}"
+run_cmd pip install -q numpy packaging
+run_cmd pip install -q --no-deps -e .
 # megatron-ext's own dependencies and the test extra (Megatron-LM's imports included), without
 # letting pip touch megatron-core.
-run pip install -q einops sentencepiece datasets pyyaml psutil pytest tensorboard matplotlib \
-    six regex pydantic pybind11
+run_cmd pip install -q einops sentencepiece datasets pyyaml psutil pytest tensorboard \
+    matplotlib six regex pydantic pybind11
 # torchft (the test extra's pin) for pretrain_gpt.py's sites in separate jobs; its other
 # dependencies are not torch.
-run pip install -q --no-deps torchft==0.2.0
-run pip install -q opentelemetry-api opentelemetry-exporter-otlp-proto-http opentelemetry-sdk
+run_cmd pip install -q --no-deps torchft==0.2.0
+run_cmd pip install -q opentelemetry-api opentelemetry-exporter-otlp-proto-http opentelemetry-sdk
 if [[ "$DRY_RUN" != 1 ]]; then
     installed=$(python -c "from megatron_ext.megatron.version import mcore_version; print(mcore_version())")
     echo "megatron-ext tests against megatron-core ${installed} (Python $(python -c 'import sys; print(sys.version.split()[0])'))"
 fi
-run python -m pytest -q -p no:cacheprovider -m "not release_independent and not release_covered" tests/megatron \
+run_cmd python -m pytest -q -p no:cacheprovider -m "not release_independent and not release_covered" tests/megatron \
     tests/megatron_lm tests/unit/test_flags.py tests/unit/test_cpu_execution.py \
     tests/unit/test_mcore_releases.py "$@"

@@ -51,13 +51,10 @@ PYTHON=${PYTHON:-python}
 RUNS=${RUNS:-"none fw3bw6 fw4bw8"}
 RUNS_DIR=${RUNS_DIR:-$ROOT/runs/aqsgd_gpt2_1.5b_$DATA}
 EPOCHS=${EPOCHS:-10}
-NODES=${NODES:-${NNODES:-1}}
 export GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-32}
 export SPLIT=${SPLIT:-98,2,0}
-export CONFIG=${CONFIG:-$ROOT/configs/megatron_lm/gpt2_1.5b_aqsgd_8gpu.yaml}
-export GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 export PRETRAINED VOCAB_FILE MERGE_FILE
-launch_init
+launch_init gpt2_1.5b_aqsgd_8gpu.yaml 8 1
 
 if [[ -z "${DATA_PREFIX:-}" ]]; then
     : "${INPUT:?set DATA_PREFIX (an indexed dataset) or INPUT (the corpus files to tokenize)}"

@@ -1,10 +1,13 @@
 # Sourced by scripts/reproduce/*.sh (not run by itself) right after 'set -euo pipefail': the
 # bash version check, ROOT (the megatron-ext checkout), and what starts the commands of a
 # reproduction or prints them (DRY_RUN=1): run_cmd for a plain command; launch_init, then
-# launch_run once per run, for a training run on this node or as a Slurm job.
+# launch_run once per run, for a training run on this node or as a Slurm job; pick_run and
+# sweep_run for the flags of a run named in RUNS. scripts/test_megatron_core_release.sh
+# sources it for run_cmd.
 #
-# A training reproduction sets CONFIG, GPUS_PER_NODE, NODES and its run file's variables,
-# calls launch_init, and then launch_run NAME RUN_DIR [flags...] once per run.
+# A training reproduction sets its run file's variables, calls launch_init RUN_FILE GPUS NODES
+# (the defaults of CONFIG, GPUS_PER_NODE and NODES), and then launch_run NAME RUN_DIR
+# [flags...] once per run.
 #
 # Environment:
 #   SUBMIT   local: run on this node now (scripts/pretrain_gpt_ext.sh, its output also in
@@ -37,9 +40,14 @@ run_cmd() {
     fi
 }
 
-# launch_init: check SUBMIT (default local) and hand DRY_RUN to scripts/pretrain_gpt_ext.sh;
-# called once, after the script's own arguments and variables are checked.
+# launch_init RUN_FILE GPUS NODES: CONFIG (default configs/megatron_lm/RUN_FILE),
+# GPUS_PER_NODE (default GPUS) and NODES (default NNODES, else NODES) for every run; check
+# SUBMIT (default local) and hand DRY_RUN to scripts/pretrain_gpt_ext.sh. Called once, after
+# the script's own arguments and variables are checked.
 launch_init() {
+    export CONFIG=${CONFIG:-$ROOT/configs/megatron_lm/$1}
+    export GPUS_PER_NODE=${GPUS_PER_NODE:-$2}
+    NODES=${NODES:-${NNODES:-$3}}
     SUBMIT=${SUBMIT:-local}
     case "$SUBMIT" in
         local|slurm) ;;
@@ -73,5 +81,29 @@ launch_run() {
         "$ROOT/scripts/pretrain_gpt_ext.sh" "$@"
     else
         "$ROOT/scripts/pretrain_gpt_ext.sh" "$@" 2>&1 | tee "$run_dir/train.log"
+    fi
+}
+
+# pick_run RUN WORD1 FLAGS1 WORD2 FLAGS2: RUN_FLAGS of RUN, one of the two words RUNS may hold
+# (a method and its baseline), each given with its flags (one string split at spaces; empty:
+# the run file as it is); another RUN exits 2 naming both words.
+pick_run() {
+    case "$1" in
+        "$2") read -ra RUN_FLAGS <<< "$3" ;;
+        "$4") read -ra RUN_FLAGS <<< "$5" ;;
+        *) echo "$(basename "$0"): RUNS holds '$2' and/or '$4', got '$1'" >&2; exit 2 ;;
+    esac
+}
+
+# sweep_run RUN NAME FLAG: run_dir and RUN_FLAGS of one run of a sweep over FLAG's values with
+# a dense baseline: 'dense' is --grad-compression none in RUNS_DIR/dense, another RUN is
+# FLAG RUN in RUNS_DIR/NAME_RUN.
+sweep_run() {
+    if [[ "$1" == dense ]]; then
+        run_dir="$RUNS_DIR/dense"
+        RUN_FLAGS=(--grad-compression none)
+    else
+        run_dir="$RUNS_DIR/$2_$1"
+        RUN_FLAGS=("$3" "$1")
     fi
 }

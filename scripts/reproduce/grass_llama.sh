@@ -30,18 +30,11 @@ esac
 : "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to the T5 SentencePiece model (spiece.model)}"
 RUNS=${RUNS:-$DEFAULT_RUNS}
 RUNS_DIR=${RUNS_DIR:-$ROOT/runs/grass_llama_$SIZE}
-export CONFIG=${CONFIG:-$ROOT/configs/megatron_lm/$CONFIG_FILE}
-export GPUS_PER_NODE=${GPUS_PER_NODE:-$GPUS}
-NODES=${NODES:-${NNODES:-1}}
 export DATA_PREFIX TOKENIZER_MODEL
-launch_init
+launch_init "$CONFIG_FILE" "$GPUS" 1
 
 for run in $RUNS; do
-    case "$run" in
-        full) RUN_FLAGS=(--grass-method none) ;;
-        grass) RUN_FLAGS=() ;;
-        *) echo "grass_llama.sh: RUNS holds 'full' and/or 'grass', got '$run'" >&2; exit 2 ;;
-    esac
+    pick_run "$run" full "--grass-method none" grass ""
     echo "== Grass LLaMA $SIZE: $run -> $RUNS_DIR/$run ($SUBMIT)"
     launch_run "grass-$SIZE-$run" "$RUNS_DIR/$run" "${RUN_FLAGS[@]}" "$@"
 done

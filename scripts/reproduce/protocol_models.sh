@@ -47,18 +47,11 @@ else
 fi
 RUNS=${RUNS:-$DEFAULT_RUNS}
 RUNS_DIR=${RUNS_DIR:-$ROOT/runs/protocol_$SIZE}
-export CONFIG=${CONFIG:-$ROOT/configs/megatron_lm/$CONFIG_FILE}
-export GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-NODES=${NODES:-${NNODES:-$DEFAULT_NODES}}
 export DATA_PREFIX
-launch_init
+launch_init "$CONFIG_FILE" 8 "$DEFAULT_NODES"
 
 for run in $RUNS; do
-    case "$run" in
-        none) RUN_FLAGS=(--subspace-method none) ;;
-        protocol) RUN_FLAGS=() ;;
-        *) echo "protocol_models.sh: RUNS holds 'protocol' and/or 'none', got '$run'" >&2; exit 2 ;;
-    esac
+    pick_run "$run" protocol "" none "--subspace-method none"
     echo "== Protocol Models $SIZE: $run -> $RUNS_DIR/$run ($SUBMIT, $NODES nodes)"
     launch_run "protocol-$SIZE-$run" "$RUNS_DIR/$run" "${RUN_FLAGS[@]}" "$@"
 done

@@ -30,11 +30,8 @@ DENSITIES=${DENSITIES:-$DEFAULT_DENSITIES}
 BASELINE=${BASELINE:-1}
 RUNS_DIR=${RUNS_DIR:-$ROOT/runs/radius_gpt_$SIZE}
 SUBMIT=${SUBMIT:-slurm}
-NODES=${NODES:-${NNODES:-16}}
-export CONFIG=${CONFIG:-$ROOT/configs/megatron_lm/gpt_${SIZE}_radius_64gpu.yaml}
-export GPUS_PER_NODE=${GPUS_PER_NODE:-4}
 export DATA_PREFIX VOCAB_FILE MERGE_FILE
-launch_init
+launch_init "gpt_${SIZE}_radius_64gpu.yaml" 4 16
 
 RUNS=()
 if [[ "$BASELINE" == 1 ]]; then
@@ -45,13 +42,7 @@ for density in $DENSITIES; do
 done
 
 for run in "${RUNS[@]}"; do
-    if [[ "$run" == dense ]]; then
-        run_dir="$RUNS_DIR/dense"
-        RUN_FLAGS=(--grad-compression none)
-    else
-        run_dir="$RUNS_DIR/density_$run"
-        RUN_FLAGS=(--radius-density "$run")
-    fi
+    sweep_run "$run" density --radius-density
     echo "== Radius GPT-$SIZE: $run -> $run_dir ($SUBMIT)"
     launch_run "radius-$SIZE-$run" "$run_dir" "${RUN_FLAGS[@]}" "$@"
 done

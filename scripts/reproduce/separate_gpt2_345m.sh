@@ -21,20 +21,11 @@ set -euo pipefail
 : "${MERGE_FILE:?set MERGE_FILE to the GPT-2 merges (gpt2-merges.txt)}"
 RUNS=${RUNS:-"dense 8 16 64 128"}
 RUNS_DIR=${RUNS_DIR:-$ROOT/runs/separate_gpt2_345m}
-NODES=${NODES:-${NNODES:-1}}
-export CONFIG=${CONFIG:-$ROOT/configs/megatron_lm/gpt2_345m_separate_8gpu.yaml}
-export GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 export DATA_PREFIX VOCAB_FILE MERGE_FILE
-launch_init
+launch_init gpt2_345m_separate_8gpu.yaml 8 1
 
 for run in $RUNS; do
-    if [[ "$run" == dense ]]; then
-        run_dir="$RUNS_DIR/dense"
-        RUN_FLAGS=(--grad-compression none)
-    else
-        run_dir="$RUNS_DIR/ratio_$run"
-        RUN_FLAGS=(--separate-ratio "$run")
-    fi
+    sweep_run "$run" ratio --separate-ratio
     echo "== SEPARATE GPT-2 345M: $run -> $run_dir ($SUBMIT)"
     launch_run "separate-345m-$run" "$run_dir" "${RUN_FLAGS[@]}" "$@"
 done

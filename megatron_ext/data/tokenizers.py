@@ -74,6 +74,8 @@ from typing import (
 
 import sentencepiece
 
+from megatron_ext.digests import file_digest
+
 __all__ = [
     "NO_PAD_ID",
     "Tokenizer",
@@ -110,14 +112,6 @@ class ``[^\\s\\w]|_`` is everything that is neither whitespace, letter nor digit
 _SP_MAX_LINE_CHARS = 4096
 _SP_MAX_SENTENCE_BYTES = 4 * _SP_MAX_LINE_CHARS
 _SP_SPECIAL_IDS = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
-
-
-def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class Tokenizer(ABC):
@@ -421,8 +415,8 @@ class GPT2BPETokenizer(Tokenizer):
         self._vocab_size = max(encoder.values()) + 1
         self._identifiers = {
             "class": type(self).__name__,
-            "vocab_sha256": _sha256_file(self.vocab_file),
-            "merges_sha256": _sha256_file(self.merges_file),
+            "vocab_sha256": file_digest(self.vocab_file, "sha256"),
+            "merges_sha256": file_digest(self.merges_file, "sha256"),
         }
         self._bpe_cached = lru_cache(maxsize=cache_size)(self._bpe)
 

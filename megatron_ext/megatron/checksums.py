@@ -62,10 +62,11 @@ import json
 import os
 import re
 import time
-import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from megatron_ext import digests
 
 __all__ = [
     "MANIFEST",
@@ -87,23 +88,13 @@ SKIP_FLAG = "--no-verify-checkpoint-checksums"
 """The flag that skips :func:`verify_checkpoint` (``ExtCheckpointConfig.verify_checksums``)."""
 
 _FORMAT = 1
-_CHUNK = 16 * 2**20
 # Files a rank wrote itself: torch_dist's __R_N.distcp and the torch format's rank files.
 _OWNER = re.compile(r"(?:^|/)(?:__(\d+)_\d+\.distcp|rank_(\d+)\.pt)$")
 
 
 def file_digest(path: str, algorithm: str = ALGORITHM) -> str:
     """The hex digest of the file ``path`` (``crc32`` or any ``hashlib`` algorithm)."""
-    with open(path, "rb") as f:
-        if algorithm == "crc32":
-            value = 0
-            while chunk := f.read(_CHUNK):
-                value = zlib.crc32(chunk, value)
-            return f"{value:08x}"
-        h = hashlib.new(algorithm)
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-        return h.hexdigest()
+    return digests.file_digest(path, algorithm)
 
 
 def _list_files(directory: str) -> List[Tuple[str, int]]:

@@ -26,10 +26,11 @@ Constraints:
 from __future__ import annotations
 
 import ast
-import hashlib
 import os
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
+
+from megatron_ext.digests import file_digest
 
 __all__ = [
     "MegatronLMRelease",
@@ -145,11 +146,7 @@ def read_checkout_version(checkout: str) -> Optional[str]:
 
 def file_sha256(path: str) -> str:
     """Hex SHA-256 of a file's bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 16), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return file_digest(path, "sha256")
 
 
 def _unsupported(where: str, version: str) -> UnsupportedReleaseError:

@@ -45,21 +45,7 @@ from typing import Any, Dict, List, Optional
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (
-    MethodSettings,
-    SweepReport,
-    add_machine_args,
-    add_method_args,
-    driver_command,
-    format_table,
-    fresh_run_dir,
-    lr_schedule_flags,
-    method_choices,
-    parse_list,
-    read_jsonl,
-    run_measured,
-    shell_join,
-)
+from benchmarks import common
 from megatron_ext.report import final_loss, summarize_curve  # noqa: E402,F401
 
 __all__ = ["build_parser", "main", "final_loss", "summarize_curve", "method_flags", "label"]
@@ -76,10 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("grad", "p2p", "linear", "subspace"),
         default="grad",
         help="Which methods --methods names: data-parallel gradient compression (grad; "
-        f"{method_choices('grad')}) or pipeline activation compression (p2p; "
-        f"{method_choices('p2p')}) or the row-sparse linear backward (linear; "
-        f"{method_choices('linear')}) or the subspace-confined residual stream (subspace; "
-        f"{method_choices('subspace')}; needs pipeline stages). Default grad.",
+        f"{common.method_choices('grad')}) or pipeline activation compression (p2p; "
+        f"{common.method_choices('p2p')}) or the row-sparse linear backward (linear; "
+        f"{common.method_choices('linear')}) or the subspace-confined residual stream (subspace; "
+        f"{common.method_choices('subspace')}; needs pipeline stages). Default grad.",
     )
     p.add_argument(
         "--methods",
@@ -91,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="With a family other than grad: run each method of --methods other than none "
         "once per gradient method of this comma-separated list (none runs with dense "
-        f"gradients only). Choices: {method_choices('grad')}.",
+        f"gradients only). Choices: {common.method_choices('grad')}.",
     )
     p.add_argument(
         "--pipeline-model-parallel-size",
@@ -134,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Extra driver flags (one string; write --extra-train-args='--flag ...' with '=').",
     )
     p.add_argument("--run-timeout", type=float, default=3600.0, help="Seconds per run.")
-    add_machine_args(p, quiet_wait=120.0, what="run")
+    common.add_machine_args(p, quiet_wait=120.0, what="run")
     p.add_argument(
         "--quick", action="store_true", help="Smoke run: 20 iterations, none and separate."
     )
@@ -142,10 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     # --aqsgd-fw-bits, ...); unset ones take the method's benchmark defaults (Radius: dense
     # for 20%% of the iterations, reselection every 50; PowerSGD: the rank sending
     # SEPARATE's bytes, start step 30), then its own defaults.
-    add_method_args(p, "grad")
-    add_method_args(p, "p2p")
-    add_method_args(p, "linear")
-    add_method_args(p, "subspace")
+    common.add_method_args(p, "grad")
+    common.add_method_args(p, "p2p")
+    common.add_method_args(p, "linear")
+    common.add_method_args(p, "subspace")
     p.add_argument(
         "--out", default=None, help="Run directory (default runs/bench-convergence-<time>)."
     )
@@ -168,9 +154,9 @@ def method_flags(method: str, args: argparse.Namespace) -> List[str]:
     """Driver flags of ``method`` (``method+grad`` with a gradient method, see
     ``--grad-methods``) with this benchmark's options."""
     name, grad = _split(method)
-    out = MethodSettings(args, args.family).flags(name)
+    out = common.MethodSettings(args, args.family).flags(name)
     if grad is not None:
-        out += MethodSettings(args, "grad").flags(grad)
+        out += common.MethodSettings(args, "grad").flags(grad)
     return out
 
 
@@ -180,9 +166,9 @@ def label(method: str, args: argparse.Namespace) -> str:
     ``aqsgd-fw4bw8+quantized-adam-4bit``."""
     name, grad = _split(method)
     extra = args.extra_train_args.split()
-    out = MethodSettings(args, args.family).label(name, extra)
+    out = common.MethodSettings(args, args.family).label(name, extra)
     if grad is not None:
-        out += "+" + MethodSettings(args, "grad").label(grad, extra)
+        out += "+" + common.MethodSettings(args, "grad").label(grad, extra)
     return out
 
 
@@ -202,8 +188,8 @@ def run_names(methods: List[str], grad_methods: Optional[List[str]]) -> List[str
 
 def train_command(args: argparse.Namespace, method: str, run_dir: str) -> List[str]:
     """``torchrun ... -m megatron_ext.train ...`` of one run."""
-    schedule = lr_schedule_flags(args, args.lr_warmup_iters, args.lr_decay_style)
-    train = driver_command(
+    schedule = common.lr_schedule_flags(args, args.lr_warmup_iters, args.lr_decay_style)
+    train = common.driver_command(
         args,
         run_dir,
         args.micro_batch_size,
@@ -228,10 +214,10 @@ def train_command(args: argparse.Namespace, method: str, run_dir: str) -> List[s
 def run_one(args: argparse.Namespace, method: str, out_dir: str) -> Dict[str, Any]:
     """Train one method; returns its result record."""
     name = label(method, args)
-    run_dir = fresh_run_dir(out_dir, name)
+    run_dir = common.fresh_run_dir(out_dir, name)
     cmd = train_command(args, method, run_dir)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.num_threads))
-    code, wall, contention = run_measured(args, cmd, run_dir, args.run_timeout, env)
+    code, wall, contention = common.run_measured(args, cmd, run_dir, args.run_timeout, env)
     shown = ["torchrun"] + [
         "python" if c == sys.executable else c for c in cmd[3:] if c != "torch.distributed.run"
     ]
@@ -244,13 +230,13 @@ def run_one(args: argparse.Namespace, method: str, out_dir: str) -> Dict[str, An
         "exit_code": code,
         "ok": code == 0,
         "wall_s": wall,
-        "command": shell_join(shown),
+        "command": common.shell_join(shown),
         "run_dir": os.path.relpath(run_dir, out_dir),
         "contention": contention,
     }
     log_path = os.path.join(run_dir, "log.jsonl")
     if os.path.exists(log_path):
-        result.update(summarize_curve(read_jsonl(log_path), args.final_fraction))
+        result.update(summarize_curve(common.read_jsonl(log_path), args.final_fraction))
     rep_path = os.path.join(run_dir, "comm_report.json")
     if os.path.exists(rep_path):
         with open(rep_path) as f:
@@ -310,7 +296,7 @@ def print_table(results: List[Dict[str, Any]], iters: int, fraction: float) -> N
     n = max(1, int(round(fraction * iters)))
     print(f"final loss = mean training loss of iterations {iters - n + 1}-{iters}; gap vs none")
     print(
-        format_table(
+        common.format_table(
             [
                 "method",
                 "status",
@@ -347,35 +333,35 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.quiet_wait == defaults.quiet_wait:
             args.quiet_wait = 0.0
     if args.methods is None:
-        args.methods = ",".join(method_choices(args.family))
-    methods = parse_list(args.methods)
+        args.methods = ",".join(common.method_choices(args.family))
+    methods = common.parse_list(args.methods)
     for m in methods:
-        if m not in method_choices(args.family):
+        if m not in common.method_choices(args.family):
             print(
                 f"convergence.py: error: unknown {args.family} method {m!r} (choose from "
-                f"{method_choices(args.family)})"
+                f"{common.method_choices(args.family)})"
             )
             return 2
-    grad_methods = parse_list(args.grad_methods) if args.grad_methods else None
+    grad_methods = common.parse_list(args.grad_methods) if args.grad_methods else None
     if grad_methods:
         if args.family == "grad":
             print("convergence.py: error: --grad-methods needs --family p2p, linear or subspace")
             return 2
         for g in grad_methods:
-            if g not in method_choices("grad"):
+            if g not in common.method_choices("grad"):
                 print(
                     f"convergence.py: error: unknown grad method {g!r} (choose from "
-                    f"{method_choices('grad')})"
+                    f"{common.method_choices('grad')})"
                 )
                 return 2
     if "none" not in methods:
         print("convergence.py: note: without 'none' there is no baseline for the gap")
-    report = SweepReport("convergence", args)
+    report = common.SweepReport("convergence", args)
     out, settings = report.out, report.settings
-    chosen = MethodSettings(args, args.family)
+    chosen = common.MethodSettings(args, args.family)
     settings["method_options"] = {m: chosen.options(m) for m in methods}
     if grad_methods:
-        grad_chosen = MethodSettings(args, "grad")
+        grad_chosen = common.MethodSettings(args, "grad")
         settings["grad_method_options"] = {g: grad_chosen.options(g) for g in grad_methods}
     methods = run_names(methods, grad_methods)
     settings["final_loss_definition"] = (

@@ -56,19 +56,7 @@ from typing import Any, Dict, List, Optional, Tuple
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (  # noqa: E402
-    MethodSettings,
-    SweepReport,
-    add_machine_args,
-    driver_command,
-    format_table,
-    fresh_run_dir,
-    lr_schedule_flags,
-    parse_list,
-    read_jsonl,
-    run_measured,
-    shell_join,
-)
+from benchmarks import common  # noqa: E402
 from megatron_ext.report import summarize_curve  # noqa: E402
 
 __all__ = ["Point", "parse_points", "point_label", "point_flags", "build_parser", "main"]
@@ -193,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--extra-train-args", default="", help="Extra driver flags for every run (one string)."
     )
     p.add_argument("--run-timeout", type=float, default=7200.0)
-    add_machine_args(p, quiet_wait=0.0, what="run")
+    common.add_machine_args(p, quiet_wait=0.0, what="run")
     p.add_argument("--quick", action="store_true", help="Smoke run: 6 steps, 2 points.")
     p.add_argument("--out", default=None, help="Run directory (runs/bench-frontier-<time>).")
     return p
@@ -221,13 +209,13 @@ def point_flags(args: argparse.Namespace, point: Point, iters: int) -> List[str]
     """Driver flags selecting the point's method and options."""
     ns = _settings_args(args, point)
     ns.iters = iters
-    return MethodSettings(ns, point.family).flags(point.method)
+    return common.MethodSettings(ns, point.family).flags(point.method)
 
 
 def _method_label(args: argparse.Namespace, point: Point, iters: int) -> str:
     ns = _settings_args(args, point)
     ns.iters = iters
-    base = MethodSettings(ns, point.family).label(point.method)
+    base = common.MethodSettings(ns, point.family).label(point.method)
     if point.family == "linear" and point.method != "none" and not base.startswith("grass"):
         base = f"grass-{base}"
     return base
@@ -252,7 +240,7 @@ def point_label(args: argparse.Namespace, point: Point, iters: int) -> str:
 
 def _per(spec: str, kind=int) -> Dict[str, Any]:
     out = {}
-    for part in parse_list(spec):
+    for part in common.parse_list(spec):
         key, _, value = part.partition("=")
         if not value:
             raise ValueError(f"expected KEY=VALUE, got {part!r}")
@@ -265,9 +253,9 @@ def train_command(
 ) -> List[str]:
     """The per-rank driver command of one run."""
     mbs = args.micro_batch_size or max(1, min(8, gbs // args.nproc))
-    schedule = lr_schedule_flags(args, max(1, iters // 10))
+    schedule = common.lr_schedule_flags(args, max(1, iters // 10))
     schedule += ["--eval-iters", str(args.eval_iters), "--log-interval", "1"]
-    train = driver_command(args, run_dir, mbs, gbs, iters, schedule)
+    train = common.driver_command(args, run_dir, mbs, gbs, iters, schedule)
     return train + point_flags(args, point, iters) + args.extra_train_args.split()
 
 
@@ -288,7 +276,7 @@ def run_one(
     label = point_label(args, point, iters)
     run_gbs = gbs // point.batch_div
     name = f"b{gbs}-{label}" + (f"-{bandwidth}" if bandwidth else "")
-    run_dir = fresh_run_dir(out_dir, name.replace("/", "_"))
+    run_dir = common.fresh_run_dir(out_dir, name.replace("/", "_"))
     train = train_command(args, point, run_gbs, iters, run_dir)
     limit = _per(args.time_limit, float).get(bandwidth or "", args.run_timeout)
     if bandwidth:
@@ -301,7 +289,7 @@ def run_one(
         cmd += [str(args.nproc), "--master-port", str(_free_port())] + train[1:]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.num_threads))
     timeout = limit + 120 if bandwidth else limit
-    code, wall, contention = run_measured(args, cmd, run_dir, timeout, env)
+    code, wall, contention = common.run_measured(args, cmd, run_dir, timeout, env)
     result: Dict[str, Any] = {
         "label": label,
         "family": point.family,
@@ -319,12 +307,12 @@ def run_one(
         "ok": code == 0,
         "wall_s": wall,
         "flags": point_flags(args, point, iters),
-        "command": shell_join(["python" if c == sys.executable else c for c in cmd]),
+        "command": common.shell_join(["python" if c == sys.executable else c for c in cmd]),
         "run_dir": os.path.relpath(run_dir, out_dir),
         "contention": contention,
     }
     log_path = os.path.join(run_dir, "log.jsonl")
-    records = read_jsonl(log_path) if os.path.exists(log_path) else []
+    records = common.read_jsonl(log_path) if os.path.exists(log_path) else []
     if records:
         result.update(summarize_curve(records))
         complete = len(records) >= iters
@@ -385,7 +373,7 @@ def print_table(results: List[Dict[str, Any]]) -> None:
             ]
         )
     print(
-        format_table(
+        common.format_table(
             [
                 "tokens/step",
                 "link",
@@ -412,7 +400,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.batch_sizes, args.iters, args.eval_iters = "4", "4=6", 1
     try:
         points = parse_points(args.points)
-        batches = parse_list(args.batch_sizes, int)
+        batches = common.parse_list(args.batch_sizes, int)
         iters = {int(k): v for k, v in _per(args.iters).items()}
         _per(args.time_limit, float)
     except ValueError as exc:
@@ -422,7 +410,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if missing:
         print(f"frontier.py: error: --iters gives no step count for batch size(s) {missing}")
         return 2
-    bandwidths = parse_list(args.bandwidths) if args.bandwidths else [None]
+    bandwidths = common.parse_list(args.bandwidths) if args.bandwidths else [None]
     if args.bandwidths:
         from megatron_ext.netbench.netns import netns_unavailable_reason
 
@@ -430,10 +418,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if reason:
             print(f"frontier.py: error: --bandwidths needs megatron-ext netbench: {reason}")
             return 2
-    from benchmarks.common import load_model_preset
-
-    seq = int(load_model_preset(args.model)["seq_length"])
-    report = SweepReport("frontier", args)
+    seq = int(common.load_model_preset(args.model)["seq_length"])
+    report = common.SweepReport("frontier", args)
     out, settings = report.out, report.settings
     settings["seq_length"] = seq
     settings["final_loss_definition"] = "mean of the logged training losses of the last 10%"

@@ -109,21 +109,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (  # noqa: E402
-    CpuMonitor,
-    add_machine_args,
-    default_out_dir,
-    environment,
-    equal_bytes_rank,
-    format_table,
-    make_report,
-    median,
-    parse_list,
-    set_priority,
-    squareish_shape,
-    wait_for_quiet,
-    write_report,
-)
+from benchmarks import common  # noqa: E402
 
 __all__ = [
     "build_parser",
@@ -235,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
         "on CUDA; compiled during the untimed warm-up). Same rows, so two runs compare them.",
     )
     # Each result records the CPU share other processes used while it was measured.
-    add_machine_args(p, quiet_wait=60.0, what="size")
+    common.add_machine_args(p, quiet_wait=60.0, what="size")
     p.add_argument(
         "--quick",
         action="store_true",
@@ -329,10 +315,10 @@ def _phase_stats(walls: List[List[float]], cpus: List[List[float]]) -> Dict[str,
     t_c, t_d = walls if len(walls) == 2 else (walls[0], [0.0] * len(walls[0]))
     c_c, c_d = cpus if len(cpus) == 2 else (cpus[0], [0.0] * len(cpus[0]))
     return {
-        "compress_s": median(t_c),
-        "decompress_s": median(t_d),
-        "total_s": median([a + b for a, b in zip(t_c, t_d)]),
-        "cpu_total_s": median([a + b for a, b in zip(c_c, c_d)]),
+        "compress_s": common.median(t_c),
+        "decompress_s": common.median(t_d),
+        "total_s": common.median([a + b for a, b in zip(t_c, t_d)]),
+        "cpu_total_s": common.median([a + b for a, b in zip(c_c, c_d)]),
         "compress_samples_s": t_c,
         "decompress_samples_s": t_d,
         "repeats": len(t_c),
@@ -451,7 +437,7 @@ def time_separate(
         "num_projections": k,
         "rows": rows,
         "payload_elements": rows * k,
-        "omega_ms": 1e3 * median(omega_times),
+        "omega_ms": 1e3 * common.median(omega_times),
         **stats,
     }
 
@@ -464,8 +450,8 @@ def time_powersgd(
 
     from megatron_ext.compressors.lowrank import orthogonalize
 
-    n, m = squareish_shape(numel)
-    r = equal_bytes_rank(n, m, ratio)
+    n, m = common.squareish_shape(numel)
+    r = common.equal_bytes_rank(n, m, ratio)
     grad = _randn(numel, device, dtype, 0)
     out = torch.empty_like(grad)
     state = {
@@ -768,7 +754,7 @@ def _devices(spec: str) -> List[str]:
 
     if spec == "auto":
         return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    out = parse_list(spec)
+    out = common.parse_list(spec)
     for d in out:
         if d not in ("cpu", "cuda"):
             raise SystemExit(f"kernels.py: error: unknown device {d!r} (cpu, cuda, auto)")
@@ -802,10 +788,10 @@ def _check_args(args: argparse.Namespace) -> Dict[str, Any]:
 
     out: Dict[str, Any] = {}
     try:
-        out["sizes"] = parse_list(args.sizes, int) if args.sizes else None
-        out["blocks"] = parse_list(args.block_sizes, int)
-        out["threads"] = parse_list(args.threads, int)
-        out["bits"] = list(dict.fromkeys(parse_list(args.quant_bits, int)))
+        out["sizes"] = common.parse_list(args.sizes, int) if args.sizes else None
+        out["blocks"] = common.parse_list(args.block_sizes, int)
+        out["threads"] = common.parse_list(args.threads, int)
+        out["bits"] = list(dict.fromkeys(common.parse_list(args.quant_bits, int)))
     except ValueError as err:
         fail("--sizes/--block-sizes/--threads/--quant-bits", str(err))
     if out["sizes"] is not None and any(s < 1 for s in out["sizes"]):
@@ -820,7 +806,7 @@ def _check_args(args: argparse.Namespace) -> Dict[str, Any]:
     out["dtypes"], out["methods"] = {}, {}
     known = ("copy", "separate", "powersgd") + CODECS
     for dev in ("cpu", "cuda"):
-        dtypes = parse_list(args.dtypes or DEFAULT_DTYPES[dev])
+        dtypes = common.parse_list(args.dtypes or DEFAULT_DTYPES[dev])
         for d in dtypes:
             if d not in DTYPES:
                 fail("--dtypes", f"unknown dtype {d!r} (fp32, bf16)")
@@ -828,7 +814,7 @@ def _check_args(args: argparse.Namespace) -> Dict[str, Any]:
             fail("--dtypes", "no dtype given")
         out["dtypes"][dev] = dtypes
         spec = args.methods or DEFAULT_METHODS[dev]
-        methods = list(known) if spec == "all" else parse_list(spec)
+        methods = list(known) if spec == "all" else common.parse_list(spec)
         for m in methods:
             if m not in known:
                 fail("--methods", f"unknown method {m!r} ({', '.join(known)}, all)")
@@ -995,7 +981,7 @@ def run(args: argparse.Namespace, out_dir: Optional[str] = None) -> Dict[str, An
             itemsize = torch.empty((), dtype=_dtype(dtype)).element_size()
             quiet = None
             if args.quiet_wait > 0 and not cuda:
-                quiet = wait_for_quiet(args.quiet_wait)
+                quiet = common.wait_for_quiet(args.quiet_wait)
             base = {
                 "device": dev_label,
                 "threads": nthreads,
@@ -1026,7 +1012,7 @@ def run(args: argparse.Namespace, out_dir: Optional[str] = None) -> Dict[str, An
                     torch.cuda.reset_peak_memory_stats(device)
                 oom = None
                 try:
-                    with CpuMonitor() as mon:
+                    with common.CpuMonitor() as mon:
                         res = case(budget)
                 except torch.cuda.OutOfMemoryError as err:
                     # The message only: the traceback's frames still hold the row's tensors.
@@ -1048,7 +1034,9 @@ def run(args: argparse.Namespace, out_dir: Optional[str] = None) -> Dict[str, An
                 results.append(res)
                 del res
                 if out_dir:  # what is measured so far survives a kill (a stage time limit)
-                    write_report(_report(settings, results, skipped, threads, False), out_dir)
+                    common.write_report(
+                        _report(settings, results, skipped, threads, False), out_dir
+                    )
                 _free(device)
                 last = results[-1]
                 print(
@@ -1063,11 +1051,11 @@ def run(args: argparse.Namespace, out_dir: Optional[str] = None) -> Dict[str, An
 def _report(settings, results, skipped, threads, final: bool) -> Dict[str, Any]:
     """The report of ``results`` so far (targets filled in); ``complete`` says if final."""
     _add_targets(results)
-    return make_report(
+    return common.make_report(
         "kernels",
         settings,
         results,
-        environment(num_threads=threads),
+        common.environment(num_threads=threads),
         skipped=skipped,
         summary=summarize(results),
         complete=final,
@@ -1180,7 +1168,7 @@ def print_tables(report: Dict[str, Any]) -> None:
         )
     print("compress + decompress per row (median; lower is better; x copy = ns/el over the")
     print("copy's ns/el at the same device, threads, dtype and size)")
-    print(format_table(headers, rows, digits=4))
+    print(common.format_table(headers, rows, digits=4))
     if report.get("skipped"):
         for s in report["skipped"]:
             what = s.get("method", "")
@@ -1209,11 +1197,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             args.quiet_wait = 0.0
     if args.priority is not None:
         # Before torch starts its threads, which inherit the value.
-        set_priority(os.getpid(), args.priority)
-    out = args.out or default_out_dir("kernels")
+        common.set_priority(os.getpid(), args.priority)
+    out = args.out or common.default_out_dir("kernels")
     os.makedirs(out, exist_ok=True)
     report = run(args, out)
-    path = write_report(report, out)
+    path = common.write_report(report, out)
     print_tables(report)
     print(f"\nreport: {path}")
     return 0

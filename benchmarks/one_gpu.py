@@ -56,18 +56,7 @@ from typing import Any, Dict, List, Optional
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (  # noqa: E402
-    default_out_dir,
-    environment,
-    equal_bytes_rank_for_shapes,
-    format_table,
-    gpt_matrix_shapes,
-    load_model_preset,
-    make_report,
-    median,
-    parse_list,
-    write_report,
-)
+from benchmarks import common  # noqa: E402
 
 __all__ = ["build_parser", "main", "method_flags"]
 
@@ -92,9 +81,9 @@ def method_flags(method: str, args: Any) -> List[str]:
     if method == "separate":
         return ["--grad-compression", "separate", "--separate-ratio", "16"]
     if method == "powersgd":
-        preset = dict(load_model_preset(args.model))
+        preset = dict(common.load_model_preset(args.model))
         preset.setdefault("vocab_size", 8192)  # the driver's default (--vocab-size)
-        rank = equal_bytes_rank_for_shapes(gpt_matrix_shapes(preset), 16)
+        rank = common.equal_bytes_rank_for_shapes(common.gpt_matrix_shapes(preset), 16)
         return [
             "--grad-compression",
             "powersgd",
@@ -214,12 +203,12 @@ def run_one(args: Any, method: str, out_dir: str) -> Dict[str, Any]:
         # The outer step lands in the iterations that are multiples of the interval: report
         # their median apart, the median of the others is the inner step.
         at = [r["iteration"] > args.skip and r["iteration"] % DILOCO_INTERVAL == 0 for r in records]
-        outer = median([r["step_time_s"] for r, a in zip(records, at) if a])
+        outer = common.median([r["step_time_s"] for r, a in zip(records, at) if a])
         steady = [
             r["step_time_s"] for r, a in zip(records, at) if r["iteration"] > args.skip and not a
         ]
-    step = median(steady)
-    tokens = summary["layout"]["gbs"] * load_model_preset(args.model)["seq_length"]
+    step = common.median(steady)
+    tokens = summary["layout"]["gbs"] * common.load_model_preset(args.model)["seq_length"]
     row.update(
         step_ms=None if step is None else step * 1000,
         steady_steps=len(steady),
@@ -236,7 +225,7 @@ def run_one(args: Any, method: str, out_dir: str) -> Dict[str, Any]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    methods = parse_list(args.methods)
+    methods = common.parse_list(args.methods)
     for m in methods:
         method_flags(m, args)  # unknown names fail before any run
     if not args.cpu:
@@ -245,7 +234,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not torch.cuda.is_available():
             print("one_gpu.py: no CUDA device (use --cpu for a smoke run)", file=sys.stderr)
             return 2
-    out_dir = args.out or default_out_dir("bench-one-gpu")
+    out_dir = args.out or common.default_out_dir("bench-one-gpu")
     os.makedirs(out_dir, exist_ok=True)
     rows = []
     for m in methods:
@@ -260,14 +249,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     for r in rows:
         if base and r.get("step_ms"):
             r["overhead_pct"] = 100.0 * (r["step_ms"] - base["step_ms"]) / base["step_ms"]
-    report = make_report("one_gpu", vars(args), rows, environment())
-    path = write_report(report, out_dir)
+    report = common.make_report("one_gpu", vars(args), rows, common.environment())
+    path = common.write_report(report, out_dir)
     keys = ("method", "step_ms", "overhead_pct", "tokens_per_s", "peak_gib", "final_loss", "rc")
     heads = ("method", "step ms", "overhead %", "tokens/s", "peak GiB", "loss", "rc")
     if any("outer_step_ms" in r for r in rows):
         keys, heads = keys + ("outer_step_ms",), heads + ("outer step ms",)
     print(f"{args.model}, {'CPU (smoke)' if args.cpu else 'one GPU'}, {args.iters} iterations:")
-    print(format_table(heads, [[r.get(k) for k in keys] for r in rows], digits=2))
+    print(common.format_table(heads, [[r.get(k) for k in keys] for r in rows], digits=2))
     print(f"report: {path}")
     return 0 if all(r["rc"] == 0 for r in rows) else 1
 

@@ -74,18 +74,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (  # noqa: E402
-    SweepReport,
-    add_machine_args,
-    driver_command,
-    format_table,
-    fresh_run_dir,
-    lr_schedule_flags,
-    parse_list,
-    read_jsonl,
-    run_measured,
-    shell_join,
-)
+from benchmarks import common  # noqa: E402
 
 __all__ = [
     "DEFAULT_CONFIGS",
@@ -210,9 +199,9 @@ def train_command(
     linear warm-up over 10% of them, then cosine decay to ``--min-lr`` at the last."""
     iters = iters or args.iters
     mbs = args.micro_batch_size or max(1, min(8, args.global_batch_size // layout.dp))
-    schedule = lr_schedule_flags(args, max(1, iters // 10))
+    schedule = common.lr_schedule_flags(args, max(1, iters // 10))
     schedule += ["--eval-iters", "0", "--log-interval", "1"]
-    cmd = driver_command(args, run_dir, mbs, args.global_batch_size, iters, schedule)
+    cmd = common.driver_command(args, run_dir, mbs, args.global_batch_size, iters, schedule)
     if layout.pp > 1:
         cmd += ["--pipeline-model-parallel-size", str(layout.pp)]
     return cmd + list(flags) + shlex.split(args.extra_train_args)
@@ -449,7 +438,7 @@ def add_half_milestone(results: List[Dict[str, Any]]) -> None:
 
 def _per(spec: str) -> Dict[str, float]:
     out = {}
-    for part in parse_list(spec):
+    for part in common.parse_list(spec):
         key, _, value = part.partition("=")
         if not value:
             raise ValueError(f"--time-limit: expected RATE=SECONDS, got {part!r}")
@@ -468,7 +457,7 @@ def run_one(
     """Check, then (if the driver accepts it) train one configuration; returns its record."""
     import json
 
-    run_dir = fresh_run_dir(out_dir, f"{layout.name}-{rate}-{label}")
+    run_dir = common.fresh_run_dir(out_dir, f"{layout.name}-{rate}-{label}")
     iters, flags = config_iters(config_flags(flags, layout), args.iters)
     train = train_command(args, layout, flags, run_dir, iters)
     limit = _per(args.time_limit).get(rate, args.run_timeout)
@@ -486,7 +475,7 @@ def run_one(
         "iters": iters,
         "sweep_iters": args.iters,
         "flags": list(flags),
-        "command": shell_join(["python" if c == sys.executable else c for c in cmd]),
+        "command": common.shell_join(["python" if c == sys.executable else c for c in cmd]),
         "run_dir": os.path.relpath(run_dir, out_dir),
         "time_limit_s": limit if limit != args.run_timeout else None,
     }
@@ -494,10 +483,10 @@ def run_one(
     if refusal is not None:
         result.update(status="refused", refusal=refusal, exit_code=None, wall_s=0.0)
         return result
-    code, wall, contention = run_measured(args, cmd, run_dir, limit + 120)
+    code, wall, contention = common.run_measured(args, cmd, run_dir, limit + 120)
     result.update(exit_code=code, wall_s=wall, contention=contention)
     log_path = os.path.join(run_dir, "log.jsonl")
-    records = read_jsonl(log_path) if os.path.exists(log_path) else []
+    records = common.read_jsonl(log_path) if os.path.exists(log_path) else []
     if records:
         result.update(summarize_run(records, iters, args.iters))
     done = len(records) >= iters
@@ -548,7 +537,7 @@ def print_table(results: List[Dict[str, Any]]) -> None:
     header += [f"{c} MB/step" for c in cats]
     header += ["step s", "train s", "s to dense loss", "speed-up"]
     header += ["s to dense loss at 50%", "speed-up at 50%"]
-    print(format_table(header, rows))
+    print(common.format_table(header, rows))
     for r in results:
         if r["status"] == "refused":
             print(f"refused: {r['layout']} {r['rate']} {r['label']}: {r['refusal']}")
@@ -602,7 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="netbench's link measurement per link before each run (1.0 s).",
     )
-    add_machine_args(p, quiet_wait=0.0, what="run")
+    common.add_machine_args(p, quiet_wait=0.0, what="run")
     p.add_argument(
         "--quick",
         action="store_true",
@@ -694,8 +683,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         iters_of = {label: config_iters(flags, args.iters)[0] for label, flags in configs}
         if iters_of.get("none", args.iters) != args.iters:
             raise ValueError("--config: the 'none' reference trains --iters iterations")
-        layouts = [parse_layout(t, args.pp) for t in parse_list(args.layouts)]
-        rates = parse_list(args.rates)
+        layouts = [parse_layout(t, args.pp) for t in common.parse_list(args.layouts)]
+        rates = common.parse_list(args.rates)
         _per(args.time_limit)
         if args.pp < 1 or args.iters < 1:
             raise ValueError("--pp and --iters must be positive")
@@ -708,7 +697,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for rate in rates:
             if rate != "unshaped":
                 parse_rate(rate)
-        skip = set(parse_list(args.skip))
+        skip = set(common.parse_list(args.skip))
         unknown = skip - {label for label, _ in configs}
         if unknown:
             raise ValueError(f"--skip: no configuration labelled {sorted(unknown)}")
@@ -733,7 +722,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if reason:
         print(f"sites.py: error: this benchmark runs inside megatron-ext netbench: {reason}")
         return 2
-    report = SweepReport("sites", args)
+    report = common.SweepReport("sites", args)
     out, settings = report.out, report.settings
     settings["configs"] = {label: flags for label, flags in configs}
     settings["final_loss_definition"] = "mean of the logged training losses of the last 10%"

@@ -77,13 +77,7 @@ from typing import Any, Dict, List, Optional, Sequence
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (  # noqa: E402
-    SweepReport,
-    format_table,
-    lr_schedule_flags,
-    parse_list,
-    shell_join,
-)
+from benchmarks import common  # noqa: E402
 
 __all__ = ["parse_iterations", "parse_commits", "site_curve", "time_lost", "build_parser", "main"]
 
@@ -238,7 +232,7 @@ def train_command(args: argparse.Namespace, run_dir: str, tag: str, ranks: int =
     cmd += ["--micro-batch-size", str(args.batch)]
     cmd += ["--global-batch-size", str(args.batch * ranks)]
     cmd += ["--train-iters", str(args.iters)]
-    cmd += lr_schedule_flags(args, max(1, args.iters // 10)) + ["--eval-iters", "0"]
+    cmd += common.lr_schedule_flags(args, max(1, args.iters // 10)) + ["--eval-iters", "0"]
     cmd += ["--log-interval", "1", "--no-progress"]
     cmd += ["--outer-method", "diloco", "--outer-interval", str(args.interval)]
     if args.save_interval:
@@ -330,7 +324,7 @@ def run_torchft(args: argparse.Namespace, out: str, scenario: str) -> Dict[str, 
         logs["lighthouse"] = os.path.join(run_dir, "lighthouse.txt")
         f = open(logs["lighthouse"], "w")
         files.append(f)
-        result["commands"]["lighthouse"] = shell_join(lh_cmd)
+        result["commands"]["lighthouse"] = common.shell_join(lh_cmd)
 
         def start(site: int, extra: Sequence[str] = ()) -> None:
             k = len(launches[site])
@@ -344,7 +338,7 @@ def run_torchft(args: argparse.Namespace, out: str, scenario: str) -> Dict[str, 
             files.append(fh)
             procs[name] = net.start_site(site, cmd, stdout=fh, stderr=subprocess.STDOUT)
             launches[site].append({"stdout": logs[name], "log_json": log_json, "name": name})
-            result["commands"][name] = shell_join(cmd)
+            result["commands"][name] = common.shell_join(cmd)
 
         t0 = time.time()
         try:
@@ -475,7 +469,7 @@ def run_world(args: argparse.Namespace, out: str, scenario: str = "c") -> Dict[s
                 )
             last = os.path.join(run_dir, f"world-launch{k}-rank{n - 1}.txt")
             launches.append({"stdout": last, "log_json": log_json, "procs": procs})
-            result["commands"][f"launch{k}"] = shell_join(cmd)
+            result["commands"][f"launch{k}"] = common.shell_join(cmd)
             return procs
 
         t0 = time.time()
@@ -609,7 +603,7 @@ def print_table(results: List[Dict[str, Any]], file=None) -> None:
     header = ["scenario", "transport", "status", "final loss", "wall s", "extra s"]
     header += ["survivors' extra s", "outer step after kill s", "outer step before s"]
     header += ["kill->regained iter s", "iters redone"]
-    print(format_table(header, rows), file=file)
+    print(common.format_table(header, rows), file=file)
     for r in results:
         if r["status"] != "ok":
             print(f"{r['scenario']} failed: {r.get('error')}", file=file)
@@ -649,7 +643,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.quick:
         parser.set_defaults(**QUICK_DEFAULTS)
         args = parser.parse_args(argv)
-    scenarios = parse_list(args.scenarios)
+    scenarios = common.parse_list(args.scenarios)
     bad = [s for s in scenarios if s not in ("a", "b", "c", "w")]
     problems = []
     if bad or not scenarios:
@@ -668,7 +662,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if reason:
         print(f"sites_ft.py: error: this benchmark needs netbench and torchft: {reason}")
         return 2
-    report = SweepReport("sites_ft", args)
+    report = common.SweepReport("sites_ft", args)
     out, settings = report.out, report.settings
     settings["final_loss_definition"] = (
         "mean over the sites of the mean of the last 10% of each site's logged losses"
@@ -692,7 +686,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print_table(results)
     with open(os.path.join(out, "sites_ft.md"), "w") as f:
         given = list(argv) if argv is not None else sys.argv[1:]
-        f.write(f"`{shell_join(['python', 'benchmarks/sites_ft.py'] + given)}`\n\n")
+        f.write(f"`{common.shell_join(['python', 'benchmarks/sites_ft.py'] + given)}`\n\n")
         print_table(results, file=f)
     print(f"\nreport: {report.path} (table: sites_ft.md)")
     return 0 if all(r["status"] == "ok" for r in results) else 1

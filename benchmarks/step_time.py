@@ -49,21 +49,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (
-    MethodSettings,
-    SweepReport,
-    add_machine_args,
-    add_method_args,
-    driver_command,
-    format_table,
-    fresh_run_dir,
-    median,
-    method_choices,
-    parse_list,
-    read_jsonl,
-    run_measured,
-    shell_join,
-)
+from benchmarks import common
 from megatron_ext.report import is_compressed, mean_bytes  # noqa: E402
 
 __all__ = [
@@ -88,7 +74,7 @@ LAYOUTS = {
 
 def _layout_methods(layout: str, family: str = "grad") -> Tuple[str, ...]:
     """Methods of ``family`` a layout measures (only ``none`` where it has no such link)."""
-    return method_choices(family) if family in LAYOUTS[layout][2] else ("none",)
+    return common.method_choices(family) if family in LAYOUTS[layout][2] else ("none",)
 
 
 DEFAULT_BANDWIDTHS = "unshaped,1gbit,100mbit,10mbit"
@@ -106,10 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("grad", "p2p", "linear", "subspace"),
         default="grad",
         help="Which methods --methods names: data-parallel gradient compression (grad; "
-        f"{method_choices('grad')}) or pipeline activation compression (p2p; "
-        f"{method_choices('p2p')}; runs in fixed-sample mode, see --fixed-samples) or "
-        f"the row-sparse linear backward (linear; {method_choices('linear')}) or the "
-        f"subspace-confined residual stream (subspace; {method_choices('subspace')}; "
+        f"{common.method_choices('grad')}) or pipeline activation compression (p2p; "
+        f"{common.method_choices('p2p')}; runs in fixed-sample mode, see --fixed-samples) or "
+        f"the row-sparse linear backward (linear; {common.method_choices('linear')}) or the "
+        f"subspace-confined residual stream (subspace; {common.method_choices('subspace')}; "
         "pipeline layouts). Default grad.",
     )
     p.add_argument(
@@ -174,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--run-timeout", type=float, default=1800.0, help="Seconds per run before it is stopped."
     )
-    add_machine_args(p, quiet_wait=120.0, what="run")
+    common.add_machine_args(p, quiet_wait=120.0, what="run")
     p.add_argument(
         "--quick",
         action="store_true",
@@ -182,10 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # Every method's options under the driver's names; step time wants the compressed
     # steps early: Radius's dense warm-up and PowerSGD's start after 2 steps.
-    add_method_args(p, "grad")
-    add_method_args(p, "p2p")
-    add_method_args(p, "linear")
-    add_method_args(p, "subspace")
+    common.add_method_args(p, "grad")
+    common.add_method_args(p, "p2p")
+    common.add_method_args(p, "linear")
+    common.add_method_args(p, "subspace")
     p.set_defaults(radius_dense_steps=2, powersgd_start_step=2)
     p.add_argument(
         "--out", default=None, help="Run directory (default runs/bench-step_time-<time>)."
@@ -195,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _per_bandwidth(spec: str, bandwidth: str, default: int) -> int:
     overrides = {}
-    for item in parse_list(spec):
+    for item in common.parse_list(spec):
         key, _, value = item.partition("=")
         overrides[key.strip()] = int(value)
     return overrides.get(bandwidth, default)
@@ -211,7 +197,7 @@ def _rounds_for(args: argparse.Namespace, bandwidth: str) -> int:
 
 def method_flags(method: str, args: argparse.Namespace) -> List[str]:
     """Driver flags selecting ``method`` (of ``--family``) with the benchmark's settings."""
-    flags = MethodSettings(args, args.family).flags(method)
+    flags = common.MethodSettings(args, args.family).flags(method)
     if args.family == "p2p":
         fixed = args.fixed_samples or 2 * args.global_batch_size
         flags += ["--fixed-samples", str(fixed)]
@@ -225,7 +211,7 @@ def train_command(
     # Step time does not depend on the learning rate; a short warm-up keeps the schedule
     # valid for a handful of iterations.
     schedule = ["--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0"]
-    cmd = driver_command(
+    cmd = common.driver_command(
         args, run_dir, args.micro_batch_size, args.global_batch_size, iters, schedule
     )
     if pp > 1:
@@ -277,12 +263,12 @@ def _step_stats(times: Sequence[float], kinds: Sequence[str]) -> Dict[str, Any]:
     times = list(times)
     return {
         "num_steady": len(times),
-        "step_s": median(comp or times),
+        "step_s": common.median(comp or times),
         "step_kind": "compressed" if comp else "dense",
-        "median_all_s": median(times),
+        "median_all_s": common.median(times),
         "mean_all_s": sum(times) / len(times) if times else None,
-        "median_compressed_s": median(comp),
-        "median_dense_s": median(dense),
+        "median_compressed_s": common.median(comp),
+        "median_dense_s": common.median(dense),
         "num_compressed": len(comp),
         "num_dense": len(dense),
         "min_s": min(times) if times else None,
@@ -376,8 +362,8 @@ def _link_summary(netbench: Dict[str, Any], bandwidth: str) -> Dict[str, Any]:
     unshaped = [m["mb_per_s"] for m in links if not m.get("shaped")]
     out: Dict[str, Any] = {
         "links": links,
-        "shaped_mb_per_s": median(shaped),
-        "unshaped_mb_per_s": median(unshaped),
+        "shaped_mb_per_s": common.median(shaped),
+        "unshaped_mb_per_s": common.median(unshaped),
     }
     if bandwidth != "unshaped":
         from megatron_ext.netbench.shaping import parse_rate
@@ -385,9 +371,9 @@ def _link_summary(netbench: Dict[str, Any], bandwidth: str) -> Dict[str, Any]:
         expected = parse_rate(bandwidth) / 8e6
         out["expected_mb_per_s"] = expected
         if shaped:
-            out["shaped_over_expected"] = median(shaped) / expected
+            out["shaped_over_expected"] = common.median(shaped) / expected
             # TCP payload over a tc-shaped link reaches ~96% of the rate (headers).
-            out["ok"] = 0.85 <= median(shaped) / expected <= 1.05
+            out["ok"] = 0.85 <= common.median(shaped) / expected <= 1.05
     return out
 
 
@@ -431,7 +417,7 @@ def run_one(
     nproc, pp, _ = LAYOUTS[layout]
     iters = _iters_for(args, bandwidth)
     name = f"{layout}-{method}-{bandwidth}-r{round_index + 1}"
-    run_dir = fresh_run_dir(out_dir, name)
+    run_dir = common.fresh_run_dir(out_dir, name)
     train = train_command(args, method, pp, iters, run_dir)
     cmd = netbench_command(
         nproc,
@@ -442,7 +428,7 @@ def run_one(
         train,
         shape=args.shape,
     )
-    code, wall, contention = run_measured(args, cmd, run_dir, args.run_timeout + 120)
+    code, wall, contention = common.run_measured(args, cmd, run_dir, args.run_timeout + 120)
     result: Dict[str, Any] = {
         "layout": layout,
         "nproc": nproc,
@@ -456,18 +442,18 @@ def run_one(
         "exit_code": code,
         "ok": code == 0,
         "wall_s": wall,
-        "command": shell_join(
+        "command": common.shell_join(
             ["megatron-ext"] + ["python" if c == sys.executable else c for c in cmd[3:]]
         ),
         "run_dir": os.path.relpath(run_dir, out_dir),
         "contention": contention,
     }
     result["family"] = args.family
-    result["method_options"] = MethodSettings(args, args.family).options(method)
+    result["method_options"] = common.MethodSettings(args, args.family).options(method)
     log_path = os.path.join(run_dir, "log.jsonl")
     if os.path.exists(log_path):
         category = "pp-act" if args.family in ("p2p", "subspace") else "dp-grad"
-        result.update(summarize_run(read_jsonl(log_path), args.skip, category))
+        result.update(summarize_run(common.read_jsonl(log_path), args.skip, category))
     nb_path = os.path.join(run_dir, "netbench.json")
     if os.path.exists(nb_path):
         with open(nb_path) as f:
@@ -533,7 +519,7 @@ def print_table(results: List[Dict[str, Any]]) -> None:
         "link MB/s",
         "other CPU",
     ]
-    print(format_table(headers, rows))
+    print(common.format_table(headers, rows))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -553,15 +539,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.quiet_wait == defaults.quiet_wait:
             args.quiet_wait = 0.0
     if args.methods is None:
-        args.methods = ",".join(method_choices(args.family))
-    methods = parse_list(args.methods)
-    layouts = parse_list(args.layouts)
-    bandwidths = parse_list(args.bandwidths)
+        args.methods = ",".join(common.method_choices(args.family))
+    methods = common.parse_list(args.methods)
+    layouts = common.parse_list(args.layouts)
+    bandwidths = common.parse_list(args.bandwidths)
     for m in methods:
-        if m not in method_choices(args.family):
+        if m not in common.method_choices(args.family):
             print(
                 f"step_time.py: error: unknown {args.family} method {m!r} (choose from "
-                f"{method_choices(args.family)})"
+                f"{common.method_choices(args.family)})"
             )
             return 2
     for lay in layouts:
@@ -590,7 +576,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             file=sys.stderr,
         )
         return 2
-    report = SweepReport("step_time", args)
+    report = common.SweepReport("step_time", args)
     out, settings = report.out, report.settings
     cells = [
         (lay, m, bw)
@@ -614,7 +600,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for m in methods
         if m not in _layout_methods(lay, args.family)
     ]
-    chosen = MethodSettings(args, args.family)
+    chosen = common.MethodSettings(args, args.family)
     settings["method_options"] = {m: chosen.options(m) for m in methods}
     settings["plan"] = [[k + 1, lay, m, bw] for k, lay, m, bw in plan]
     settings["statistic"] = (

@@ -239,26 +239,15 @@ def check_config(train: Sequence[str], layout: Layout) -> Optional[str]:
     Returns:
         ``None`` when the driver accepts it, else the driver's error message.
     """
-    from megatron_ext.config import ParallelLayout, validate_ext_config
+    from megatron_ext.config import validate_ext_config
     from megatron_ext.train import parse_args
-    from megatron_ext.train_config import layout_sizes
+    from megatron_ext.train_config import driver_layout, layout_sizes
 
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
             cfg = parse_args(list(train[3:]))
-            sizes = layout_sizes(cfg, layout.nproc)
-            validate_ext_config(
-                cfg.ext,
-                ParallelLayout(
-                    tensor_model_parallel_size=sizes["tp"],
-                    pipeline_model_parallel_size=sizes["pp"],
-                    data_parallel_size=sizes["dp"],
-                    use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-                    overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
-                    transformer_impl=cfg.model.transformer_impl,
-                ),
-            )
+            validate_ext_config(cfg.ext, driver_layout(cfg, layout_sizes(cfg, layout.nproc)))
     except SystemExit:
         lines = [line for line in err.getvalue().splitlines() if "error" in line]
         return (lines[-1] if lines else err.getvalue().strip()[-500:]) or "refused"

@@ -153,27 +153,16 @@ _DRIVER = [(n, t, w) for n, t, w in ALL if "megatron_ext.train" in w]
     "name, text, words", _DRIVER, ids=[f"{n}:{' '.join(w[5:9])}" for n, _, w in _DRIVER]
 )
 def test_driver_commands_parse_and_validate_for_their_layout(name, text, words, monkeypatch):
-    from megatron_ext.config import ParallelLayout, validate_ext_config
+    from megatron_ext.config import validate_ext_config
     from megatron_ext.train import parse_args
-    from megatron_ext.train_config import layout_sizes
+    from megatron_ext.train_config import driver_layout, layout_sizes
 
     monkeypatch.chdir(REPO)
     nproc, rest = _torchrun(_env_and_rest(words)[1])
     assert rest[:2] == ["-m", "megatron_ext.train"], text
     cfg = parse_args(rest[2:])
-    sizes = layout_sizes(cfg, nproc)
-    validate_ext_config(
-        cfg.ext,
-        ParallelLayout(
-            tensor_model_parallel_size=sizes["tp"],
-            pipeline_model_parallel_size=sizes["pp"],
-            data_parallel_size=sizes["dp"],
-            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-            overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
-            num_distributed_optimizer_instances=cfg.parallel.num_distributed_optimizer_instances,
-            transformer_impl=cfg.model.transformer_impl,
-        ),
-    )
+    # The layout the driver itself validates against before training.
+    validate_ext_config(cfg.ext, driver_layout(cfg, layout_sizes(cfg, nproc)))
     if text not in _gpu_commands():
         assert cfg.training.cpu, f"{name}: a laptop command without --cpu: {text}"
     env, rest = _env_and_rest(words)

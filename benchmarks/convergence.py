@@ -57,21 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="benchmarks/convergence.py",
         description="Loss curves per gradient-compression method vs dense, DP=2 gpt-tiny.",
     )
-    p.add_argument(
-        "--family",
-        choices=("grad", "p2p", "linear", "subspace"),
-        default="grad",
-        help="Which methods --methods names: data-parallel gradient compression (grad; "
-        f"{common.method_choices('grad')}) or pipeline activation compression (p2p; "
-        f"{common.method_choices('p2p')}) or the row-sparse linear backward (linear; "
-        f"{common.method_choices('linear')}) or the subspace-confined residual stream (subspace; "
-        f"{common.method_choices('subspace')}; needs pipeline stages). Default grad.",
-    )
-    p.add_argument(
-        "--methods",
-        default=None,
-        help="Comma-separated subset of the family's registered methods (default: all).",
-    )
+    common.add_family_args(p, {"subspace": "needs pipeline stages"})
     p.add_argument(
         "--grad-methods",
         default=None,
@@ -103,9 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per rank (1).")
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--global-batch-size", type=int, default=8)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--min-lr", type=float, default=1e-4)
+    common.add_lr_schedule_args(p)
     p.add_argument("--lr-decay-style", default="cosine")
     p.add_argument("--lr-warmup-iters", type=int, default=30)
     p.add_argument(
@@ -332,28 +316,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             args.powersgd_start_step = 2
         if args.quiet_wait == defaults.quiet_wait:
             args.quiet_wait = 0.0
-    if args.methods is None:
-        args.methods = ",".join(common.method_choices(args.family))
-    methods = common.parse_list(args.methods)
-    for m in methods:
-        if m not in common.method_choices(args.family):
-            print(
-                f"convergence.py: error: unknown {args.family} method {m!r} (choose from "
-                f"{common.method_choices(args.family)})"
-            )
-            return 2
+    methods = common.family_methods(args, "convergence.py")
+    if methods is None:
+        return 2
     grad_methods = common.parse_list(args.grad_methods) if args.grad_methods else None
     if grad_methods:
         if args.family == "grad":
             print("convergence.py: error: --grad-methods needs --family p2p, linear or subspace")
             return 2
-        for g in grad_methods:
-            if g not in common.method_choices("grad"):
-                print(
-                    f"convergence.py: error: unknown grad method {g!r} (choose from "
-                    f"{common.method_choices('grad')})"
-                )
-                return 2
+        if not common.check_methods(grad_methods, "grad", "convergence.py"):
+            return 2
     if "none" not in methods:
         print("convergence.py: note: without 'none' there is no baseline for the gap")
     report = common.SweepReport("convergence", args)

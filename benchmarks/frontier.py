@@ -173,9 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Micro-batch size (default: min(8, GBS / nproc)).",
     )
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--min-lr", type=float, default=1e-4)
+    common.add_lr_schedule_args(p)
     p.add_argument("--eval-iters", type=int, default=4, help="Held-out batches at the end (4).")
     p.add_argument(
         "--extra-train-args", default="", help="Extra driver flags for every run (one string)."

@@ -35,7 +35,7 @@ from typing import Any, Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import environment, format_table, make_report, write_report  # noqa: E402
+from benchmarks.common import format_table, write_results  # noqa: E402
 
 
 def _bytes(t: Any) -> int:
@@ -180,8 +180,7 @@ def main(argv=None) -> int:
             ]
         )
     print(format_table(header, rows))
-    report = make_report("grass_memory", vars(args), results, environment())
-    path = write_report(report, args.out)
+    path = write_results("grass_memory", args, results, args.out)
     print(f"report: {path}")
     return 0
 

@@ -39,12 +39,10 @@ from typing import Any, Callable, Dict, List, Tuple
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (  # noqa: E402
-    environment,
     format_table,
     load_model_preset,
-    make_report,
     parse_list,
-    write_report,
+    write_results,
 )
 
 
@@ -199,10 +197,7 @@ def main(argv=None) -> int:
          "total_speedup": sum(dense.values()) / sum(total.values())}
         for rank, total in totals.items()
     ]  # fmt: skip
-    report = make_report(
-        "grass_throughput", vars(args), results, environment(), model_totals=summary
-    )
-    path = write_report(report, args.out)
+    path = write_results("grass_throughput", args, results, args.out, model_totals=summary)
     print(f"\nreport: {path}")
     return 0
 

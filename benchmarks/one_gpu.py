@@ -249,8 +249,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for r in rows:
         if base and r.get("step_ms"):
             r["overhead_pct"] = 100.0 * (r["step_ms"] - base["step_ms"]) / base["step_ms"]
-    report = common.make_report("one_gpu", vars(args), rows, common.environment())
-    path = common.write_report(report, out_dir)
+    path = common.write_results("one_gpu", args, rows, out_dir)
     keys = ("method", "step_ms", "overhead_pct", "tokens_per_s", "peak_gib", "final_loss", "rc")
     heads = ("method", "step ms", "overhead %", "tokens/s", "peak GiB", "loss", "rc")
     if any("outer_step_ms" in r for r in rows):

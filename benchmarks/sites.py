@@ -567,9 +567,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default="gpt-tiny")
     p.add_argument("--num-threads", type=int, default=1)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--min-lr", type=float, default=1e-4)
+    common.add_lr_schedule_args(p)
     p.add_argument(
         "--extra-train-args", default="", help="Extra driver flags for every run (one string)."
     )

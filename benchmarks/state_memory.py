@@ -85,7 +85,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import environment, format_table, make_report, write_report  # noqa: E402
+from benchmarks.common import format_table, write_results  # noqa: E402
 
 METHODS = ("separate", "radius", "powersgd", "quantized", "grass", "aqsgd", "protocol")
 
@@ -846,8 +846,7 @@ def main(argv=None) -> int:
             ]
         )
     print(format_table(header, rows))
-    report = make_report("state_memory", vars(args), results, environment())
-    path = write_report(report, args.out)
+    path = write_results("state_memory", args, results, args.out)
     print(f"report: {path}")
     return 0
 

@@ -87,21 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Step time of the tiny GPT against bandwidth, per compression method, "
         "through megatron-ext netbench (needs root).",
     )
-    p.add_argument(
-        "--family",
-        choices=("grad", "p2p", "linear", "subspace"),
-        default="grad",
-        help="Which methods --methods names: data-parallel gradient compression (grad; "
-        f"{common.method_choices('grad')}) or pipeline activation compression (p2p; "
-        f"{common.method_choices('p2p')}; runs in fixed-sample mode, see --fixed-samples) or "
-        f"the row-sparse linear backward (linear; {common.method_choices('linear')}) or the "
-        f"subspace-confined residual stream (subspace; {common.method_choices('subspace')}; "
-        "pipeline layouts). Default grad.",
-    )
-    p.add_argument(
-        "--methods",
-        default=None,
-        help="Comma-separated subset of the family's registered methods (default: all).",
+    common.add_family_args(
+        p,
+        {
+            "p2p": "runs in fixed-sample mode, see --fixed-samples",
+            "subspace": "pipeline layouts",
+        },
     )
     p.add_argument(
         "--fixed-samples",
@@ -538,18 +529,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                 setattr(args, name, value)
         if args.quiet_wait == defaults.quiet_wait:
             args.quiet_wait = 0.0
-    if args.methods is None:
-        args.methods = ",".join(common.method_choices(args.family))
-    methods = common.parse_list(args.methods)
+    methods = common.family_methods(args, "step_time.py")
+    if methods is None:
+        return 2
     layouts = common.parse_list(args.layouts)
     bandwidths = common.parse_list(args.bandwidths)
-    for m in methods:
-        if m not in common.method_choices(args.family):
-            print(
-                f"step_time.py: error: unknown {args.family} method {m!r} (choose from "
-                f"{common.method_choices(args.family)})"
-            )
-            return 2
     for lay in layouts:
         if lay not in LAYOUTS:
             print(f"step_time.py: error: unknown layout {lay!r} (choose from {list(LAYOUTS)})")

@@ -35,13 +35,7 @@ from typing import Any, Callable, Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (  # noqa: E402
-    default_out_dir,
-    environment,
-    format_table,
-    make_report,
-    write_report,
-)
+from benchmarks.common import default_out_dir, format_table, write_results  # noqa: E402
 
 
 def _time(fn: Callable[[], Any], repeats: int, device: str) -> float:
@@ -169,8 +163,9 @@ def main(argv=None) -> int:
     )
     rows = [[r["operation"], r["per"], f"{r['s'] * 1e3:.2f}"] for r in results]
     print(format_table(["operation", "per", "ms"], rows))
-    report = make_report("subspace_overhead", vars(args), results, environment())
-    path = write_report(report, args.out or default_out_dir("subspace_overhead"))
+    path = write_results(
+        "subspace_overhead", args, results, args.out or default_out_dir("subspace_overhead")
+    )
     print(f"\nreport: {path}")
     return 0
 

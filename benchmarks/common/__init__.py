@@ -7,11 +7,12 @@ make_report``):
 * :mod:`.machine`: the shared machine (idle waits, contention, priority; ``--quiet-wait``,
   ``--priority``);
 * :mod:`.reports`: the common JSON report (:func:`make_report`, :func:`write_report`,
-  :func:`validate_report`; :class:`SweepReport` for a sweep of runs) and markdown tables
-  (:func:`format_table`); :func:`read_jsonl` (the driver's ``log.jsonl``) comes from
-  :mod:`megatron_ext.report`;
+  :func:`validate_report`; :func:`write_results` at a benchmark's end, :class:`SweepReport`
+  for a sweep of runs) and markdown tables (:func:`format_table`); :func:`read_jsonl` (the
+  driver's ``log.jsonl``) comes from :mod:`megatron_ext.report`;
 * :mod:`.models`: GPT presets' shapes and PowerSGD's rank at equal bytes;
-* :mod:`.methods`: the registry's methods as benchmark flags and settings;
+* :mod:`.methods`: the registry's methods as benchmark flags (``--family``, ``--methods`` and
+  each method's options) and settings;
 * :mod:`.runs`: the CPU driver's command, its run folder, logged and measured command runs,
   list flags, the median.
 
@@ -34,7 +35,14 @@ from benchmarks.common.machine import (
     set_priority,
     wait_for_quiet,
 )
-from benchmarks.common.methods import MethodSettings, add_method_args, method_choices
+from benchmarks.common.methods import (
+    MethodSettings,
+    add_family_args,
+    add_method_args,
+    check_methods,
+    family_methods,
+    method_choices,
+)
 from benchmarks.common.models import (
     equal_bytes_rank,
     equal_bytes_rank_for_shapes,
@@ -51,8 +59,10 @@ from benchmarks.common.reports import (
     make_report,
     validate_report,
     write_report,
+    write_results,
 )
 from benchmarks.common.runs import (
+    add_lr_schedule_args,
     driver_command,
     fresh_run_dir,
     lr_schedule_flags,
@@ -76,8 +86,12 @@ __all__ = [
     "add_method_args",
     "method_choices",
     "MethodSettings",
+    "add_family_args",
+    "check_methods",
+    "family_methods",
     "add_machine_args",
     "write_report",
+    "write_results",
     "SweepReport",
     "validate_report",
     "format_table",
@@ -89,6 +103,7 @@ __all__ = [
     "load_model_preset",
     "driver_command",
     "lr_schedule_flags",
+    "add_lr_schedule_args",
     "median",
     "read_jsonl",
     "run_logged",

@@ -1,21 +1,78 @@
 """The methods a benchmark runs, from the registry: their flags, choices and settings.
 
-:func:`add_method_args` adds every registered method's options to a benchmark's parser,
-:func:`method_choices` lists a family's methods, :class:`MethodSettings` resolves the options
-each method runs with (given flags, then the method's benchmark defaults, then its own).
+:func:`add_family_args` adds ``--family`` and ``--methods`` to a benchmark's parser and
+:func:`family_methods` reads them back, :func:`add_method_args` adds every registered method's
+options, :func:`method_choices` lists a family's methods, :class:`MethodSettings` resolves the
+options each method runs with (given flags, then the method's benchmark defaults, then its own).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from benchmarks.common.models import gpt_matrix_shapes, load_model_preset
+from benchmarks.common.runs import parse_list
 
 __all__ = [
+    "add_family_args",
+    "check_methods",
+    "family_methods",
     "add_method_args",
     "method_choices",
     "MethodSettings",
 ]
+
+_FAMILIES = {
+    "grad": "data-parallel gradient compression",
+    "p2p": "pipeline activation compression",
+    "linear": "the row-sparse linear backward",
+    "subspace": "the subspace-confined residual stream",
+}
+"""The method families a training benchmark runs (``--family``), with their ``--help`` words."""
+
+
+def add_family_args(p: Any, notes: Optional[Mapping[str, str]] = None) -> None:
+    """``--family`` (default grad) and ``--methods`` (a comma-separated subset of the family's
+    registered methods, default all); ``--family``'s help lists each family's methods, then
+    the benchmark's note on it from ``notes`` (family -> text)."""
+    notes = notes or {}
+    families = []
+    for name, what in _FAMILIES.items():
+        note = f"; {notes[name]}" if name in notes else ""
+        families.append(f"{what} ({name}; {method_choices(name)}{note})")
+    p.add_argument(
+        "--family",
+        choices=tuple(_FAMILIES),
+        default="grad",
+        help=f"Which methods --methods names: {' or '.join(families)}. Default grad.",
+    )
+    p.add_argument(
+        "--methods",
+        default=None,
+        help="Comma-separated subset of the family's registered methods (default: all).",
+    )
+
+
+def check_methods(names: Sequence[str], family: str, prog: str) -> bool:
+    """Whether every one of ``names`` is a registered ``family`` method; else prints
+    ``<prog>: error: unknown <family> method ...`` for the first that is not."""
+    for name in names:
+        if name not in method_choices(family):
+            print(
+                f"{prog}: error: unknown {family} method {name!r} (choose from "
+                f"{method_choices(family)})"
+            )
+            return False
+    return True
+
+
+def family_methods(args: Any, prog: str) -> Optional[List[str]]:
+    """The methods of ``--methods`` (unset: every registered method of ``--family``, written
+    back into ``args.methods``), or ``None`` after :func:`check_methods` printed the error."""
+    if args.methods is None:
+        args.methods = ",".join(method_choices(args.family))
+    methods = parse_list(args.methods)
+    return methods if check_methods(methods, args.family, prog) else None
 
 
 def add_method_args(p: Any, family: str = "grad") -> None:

@@ -2,9 +2,9 @@
 
 :func:`make_report` / :func:`write_report` / :func:`validate_report` give every benchmark the
 same JSON layout (``benchmark``, ``schema_version``, ``environment``, ``settings``,
-``results``), which :mod:`megatron_ext.report` reads; :class:`SweepReport` rewrites it after
-every run of a sweep; :func:`format_table` prints GitHub-markdown tables (readable in a
-terminal, pasteable into docs).
+``results``), which :mod:`megatron_ext.report` reads; :func:`write_results` writes it once at
+the end of a benchmark, :class:`SweepReport` after every run of a sweep; :func:`format_table`
+prints GitHub-markdown tables (readable in a terminal, pasteable into docs).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ __all__ = [
     "make_report",
     "validate_report",
     "write_report",
+    "write_results",
     "SweepReport",
     "format_table",
 ]
@@ -105,6 +106,20 @@ def write_report(report: Dict[str, Any], out_dir: str) -> str:
         f.write("\n")
     os.replace(tmp, path)
     return path
+
+
+def write_results(
+    benchmark: str,
+    args: argparse.Namespace,
+    results: List[Dict[str, Any]],
+    out_dir: str,
+    **extra: Any,
+) -> str:
+    """Write the report of a benchmark that writes it once, at its end: :func:`make_report`
+    with every option as its settings and this machine's :func:`environment`, to
+    ``<out_dir>/<benchmark>.json`` (:func:`write_report`); returns the path."""
+    report = make_report(benchmark, vars(args), results, environment(), **extra)
+    return write_report(report, out_dir)
 
 
 class SweepReport:

@@ -1,14 +1,16 @@
 """Running a benchmark's commands and summarizing them: logged runs, lists, the median.
 
 :func:`driver_command` and :func:`lr_schedule_flags` build the CPU driver runs the training
-benchmarks make, :func:`fresh_run_dir` and :func:`run_measured` run one of them,
-:func:`run_logged` runs a command with its output in a log file (optionally at raised
-priority), :func:`parse_list` reads comma-separated flag values,
-:func:`shell_join` prints a copy-pasteable command, :func:`median` is the statistic.
+benchmarks make (:func:`add_lr_schedule_args` declares the options the latter reads),
+:func:`fresh_run_dir` and :func:`run_measured` run one of them, :func:`run_logged` runs a
+command with its output in a log file (optionally at raised priority), :func:`parse_list`
+reads comma-separated flag values, :func:`shell_join` prints a copy-pasteable command,
+:func:`median` is the statistic.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -20,6 +22,7 @@ from benchmarks.common.machine import CpuMonitor, PriorityBooster, wait_for_quie
 __all__ = [
     "driver_command",
     "lr_schedule_flags",
+    "add_lr_schedule_args",
     "fresh_run_dir",
     "run_measured",
     "median",
@@ -73,6 +76,14 @@ def driver_command(
     cmd += list(schedule)
     cmd += ["--no-progress", "--log-json", os.path.join(run_dir, "log.jsonl")]
     return cmd + ["--comm-report", os.path.join(run_dir, "comm_report.json")]
+
+
+def add_lr_schedule_args(parser: argparse.ArgumentParser) -> None:
+    """The options :func:`lr_schedule_flags` reads: ``--seed`` (1234), ``--lr`` (1e-3) and
+    ``--min-lr`` (1e-4)."""
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--min-lr", type=float, default=1e-4)
 
 
 def lr_schedule_flags(args: Any, warmup_iters: int, decay_style: str = "cosine") -> List[str]:

@@ -26,6 +26,7 @@ Constraints:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import sys
@@ -83,7 +84,8 @@ def _cases(grad: torch.Tensor, starts: List[int], n: int, args) -> Dict[str, Cal
     omega = torch.linalg.qr(torch.randn(block, k, generator=gen, device=device))[0] * 16.0
     sep = (runs.table, runs.chunk, runs.total, runs.starts, runs.offsets, runs.numels)
     p = torch.randn(rows, k, generator=gen, device=device)
-    region = runs.region(0, grad.numel())
+    # The write-back region's (first, last, dst, src, lengths), separate_decompress's last five.
+    region = dataclasses.astuple(runs.region(0, grad.numel()))
     # PowerSGD: every matrix one batch, rank 32 (SEPARATE-16's bytes at this shape)
     hidden = int(math.isqrt(n))
     batch, rank = len(starts), 32
@@ -104,17 +106,7 @@ def _cases(grad: torch.Tensor, starts: List[int], n: int, args) -> Dict[str, Cal
     return {
         "separate compress": lambda: separate_compress(grad, error, omega, *sep, 1 / 16, True),
         "separate decompress": lambda: separate_decompress(
-            p,
-            omega,
-            out,
-            runs.table,
-            runs.chunk,
-            0,
-            region.first,
-            region.last,
-            region.dst,
-            region.src,
-            region.lengths,
+            p, omega, out, runs.table, runs.chunk, 0, *region
         ),
         "powersgd compress": lambda: powersgd_compress(grad, perr, qs, *pgs),
         "powersgd decompress": lambda: powersgd_decompress(m, ps, qs, 0.125, True, out, *pgs),

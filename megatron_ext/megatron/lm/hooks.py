@@ -270,9 +270,9 @@ def _wrap(session: MegatronLMSession, target: HookTarget, original: Callable, si
                 loader = session.train_data_loader(
                     arguments["dataset"], arguments["consumed_samples"], _args()
                 )
+                if loader is not None:
+                    return loader
                 dataset = session.site_dataset(arguments["dataset"], _args())
-            if loader is not None:
-                return loader
             if dataset is arguments["dataset"]:
                 return original(*args, **kwargs)
             return original(dataset, arguments["consumed_samples"])

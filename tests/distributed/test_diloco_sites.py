@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from tests.helpers.dist import free_port
+from tests.helpers.driver import base_flags, start_driver
 from tests.helpers.paths import REPO
 from tests.helpers.torchft_sites import commit_events, start_lighthouse
 
@@ -239,25 +240,20 @@ def test_driver_sites_survive_a_killed_site(tmp_path):
     try:
         procs["lighthouse"], address = start_lighthouse(_env(), 1, "--heartbeat-timeout-ms", "2000")
         for site in range(2):
-            path = os.path.join(out, f"site{site}.log")
-            logs[site] = open(path, "w")
-            procs[f"site{site}"] = subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-                + ["--master-port", str(free_port()), "-m", "megatron_ext.train"]
-                + ["--cpu", "--model", "gpt-tiny", "--num-threads", "1"]
-                + ["--no-progress", "--log-interval", "1", "--eval-iters", "0"]
+            procs[f"site{site}"], logs[site] = start_driver(
+                base_flags(log_interval=1, eval_iters=0)
+                + ["--num-threads", "1"]
                 + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]
                 + ["--subspace-method", "protocol", "--subspace-rank", "32"]
                 + ["--hidden-dropout", "0"]
-                + ["--train-iters", "24", "--lr-warmup-iters", "2", "--outer-method", "diloco"]
+                + ["--train-iters", "24", "--outer-method", "diloco"]
                 + ["--outer-interval", "4", "--outer-fragments", "2", "--outer-delay", "1"]
                 + ["--outer-transport", "torchft"]
                 + ["--outer-site-id", str(site), "--outer-sites", "2"]
                 + ["--outer-lighthouse", address, "--outer-timeout", "20"],
-                stdout=logs[site],
-                stderr=subprocess.STDOUT,
+                tmp_path / f"site{site}.log",
+                ["--master-port", str(free_port())],
                 env=_env(),
-                cwd=out,
             )
 
         def text(site):

@@ -8,13 +8,9 @@ before it prints. A rank with a different message prints its own. Under torchrun
 is torchrun's own summary's last line but one (megatron_ext.refusal), not above it.
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.helpers.paths import REPO
+from tests.helpers.driver import run_command, torchrun_command
 from tests.helpers.refusal import assert_cause_last
 
 _SCRIPT = """
@@ -34,24 +30,12 @@ sys.exit(2)
 def _launch(tmp_path, nproc, mode="same"):
     script = tmp_path / "refuse.py"
     script.write_text(_SCRIPT)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(nproc),
-            "--standalone",
-            str(script),
-            mode,
-        ],
-        # One stream, in the order a terminal shows it.
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    proc = run_command(
+        torchrun_command([str(script), mode], nproc, ["--standalone"]),
+        tmp_path,
         timeout=300,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        env={"OMP_NUM_THREADS": "1"},
+        merge_output=True,  # one stream, in the order a terminal shows it
     )
     assert proc.returncode != 0
     return proc.stdout

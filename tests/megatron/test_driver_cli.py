@@ -10,29 +10,16 @@ stopping before training with exit code 2 and the flag named.
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.paths import REPO
+from tests.helpers.driver import base_flags, run_command, run_driver
 from tests.helpers.quiet import noise_lines
 from tests.helpers.refusal import assert_cause_last, torchrun_summary
 
-BASE = [
-    "--cpu",
-    "--model",
-    "gpt-tiny",
-    "--lr-warmup-iters",
-    "2",
-    "--log-interval",
-    "4",
-    "--eval-iters",
-    "1",
-    "--no-progress",
-]
+BASE = base_flags()
 
 
 # The driver's own resume, fine-tuning and refusal logic on top of megatron-core's
@@ -42,27 +29,6 @@ BASE = [
 # (the model's layers Grass selects from) and tests/megatron_lm/test_pretrain_gpt.py (the
 # schedule check and Megatron-LM's fine-tuning).
 release_covered = pytest.mark.release_covered
-
-
-def _torchrun(args, cwd, nproc=2, timeout=420, env=None):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "-m",
-        "megatron_ext.train",
-    ] + list(args)
-    proc = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd,
-        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
-    )
-    return proc
 
 
 def _log_lines(stdout):
@@ -76,7 +42,7 @@ def _losses(path):
 @pytest.mark.slow
 def test_readme_job_dp2_trains_and_reports_bytes(tmp_path):
     save = tmp_path / "run"
-    proc = _torchrun(
+    proc = run_driver(
         BASE
         + ["--train-iters", "12", "--save", str(save), "--tensorboard-dir", str(tmp_path / "tb")],
         tmp_path,
@@ -100,7 +66,7 @@ def test_readme_job_dp2_trains_and_reports_bytes(tmp_path):
 
 @pytest.mark.slow
 def test_pp2_variant(tmp_path):
-    proc = _torchrun(
+    proc = run_driver(
         BASE
         + [
             "--train-iters",
@@ -146,7 +112,7 @@ def full_run(tmp_path_factory):
     """One uninterrupted run of ``_EXACT`` saved under ``a/`` (its ``log.jsonl`` there): the
     reference of the resume test and the pretrained model of the fine-tuning test."""
     root = tmp_path_factory.mktemp("full_run")
-    proc = _torchrun(_EXACT + ["--save", str(root / "a")], root)
+    proc = run_driver(_EXACT + ["--save", str(root / "a")], root)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return root, proc
 
@@ -156,7 +122,7 @@ def test_command_line_resume_is_exact(full_run, tmp_path):
     args = _EXACT
     root, full = full_run
     # --load equal to --save with nothing there yet: a first run (auto-resume convention).
-    first = _torchrun(
+    first = run_driver(
         args
         + ["--save", str(tmp_path / "b"), "--load", str(tmp_path / "b")]
         + ["--save-interval", "4", "--exit-interval", "4"],
@@ -164,7 +130,7 @@ def test_command_line_resume_is_exact(full_run, tmp_path):
     )
     assert first.returncode == 0, first.stderr[-4000:]
     assert "(the --save directory) yet; starting from scratch" in first.stdout
-    second = _torchrun(
+    second = run_driver(
         args + ["--save", str(tmp_path / "b"), "--load", str(tmp_path / "b")], tmp_path
     )
     assert second.returncode == 0, second.stderr[-4000:]
@@ -185,15 +151,13 @@ def test_a_refusal_ends_the_process_with_code_2(tmp_path):
     """The process-level contract of every refusal of ``_EARLY_REFUSALS`` below (checked
     there in this process, one launch for all): exit code 2, the flag on stderr, nothing
     trained. One real launch of the command line shows it holds outside the test's call."""
-    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
     args, flag = ["--grad-compression", "topk"], "--grad-compression"
-    proc = subprocess.run(
+    proc = run_command(
         [sys.executable, "-m", "megatron_ext", "train", "--cpu", "--model", "gpt-tiny"] + args,
-        capture_output=True,
-        text=True,
+        tmp_path,
         timeout=120,
-        cwd=tmp_path,
-        env={**env, "PYTHONPATH": str(REPO)},
+        env=env,
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert flag in proc.stderr
@@ -222,7 +186,7 @@ def test_bad_values_end_in_one_line_naming_the_flag(args, line, tmp_path):
     (tmp_path / "FILE").write_text("not a directory")
     args = [str(tmp_path / a) if a.startswith("FILE") else a for a in args]
     line = line.replace("FILE", str(tmp_path / "FILE"))
-    proc = _torchrun(BASE + ["--train-iters", "4"] + args, cwd=tmp_path)
+    proc = run_driver(BASE + ["--train-iters", "4"] + args, cwd=tmp_path)
     assert proc.returncode != 0
     errors = [l for l in proc.stderr.splitlines() if "megatron-ext train: error:" in l]
     assert len(errors) == 1, proc.stderr[-3000:]
@@ -251,7 +215,7 @@ def test_bad_values_end_in_one_line_naming_the_flag(args, line, tmp_path):
 def test_aqsgd_refusals_name_the_flag_before_training(args, flag, tmp_path):
     (tmp_path / "FILE").write_text("not a directory")
     args = [str(tmp_path / a) if a == "FILE" else a for a in args]
-    proc = _torchrun(
+    proc = run_driver(
         BASE
         + ["--train-iters", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
         + ["--p2p-compression", "aqsgd"]
@@ -315,7 +279,7 @@ _EARLY_REFUSALS = {
 
 
 @pytest.mark.release_independent
-def test_early_refusals_are_the_last_lines_under_torchrun(tmp_path, monkeypatch, capsys):
+def test_early_refusals_are_the_last_lines_underrun_driver(tmp_path, monkeypatch, capsys):
     """Each refusal of the lists above that stops before the ranks talk, through the
     driver's main() as a torchrun worker runs it: nothing on stderr (the line would sit
     above torchrun's summary), the line in the worker's error file, and so in the last
@@ -352,7 +316,7 @@ def test_early_refusals_are_the_last_lines_under_torchrun(tmp_path, monkeypatch,
 @release_covered
 def test_finetune_loads_the_model_only_and_starts_at_iteration_zero(full_run, tmp_path):
     pre = full_run[0] / "a"  # 8 iterations
-    tuned = _torchrun(
+    tuned = run_driver(
         BASE
         + [
             "--train-iters",
@@ -387,7 +351,7 @@ def test_finetune_loads_the_model_only_and_starts_at_iteration_zero(full_run, tm
 )
 @release_covered
 def test_grass_refusals_name_the_flag_before_training(args, flag, tmp_path):
-    proc = _torchrun(BASE + ["--train-iters", "4", "--grass-method", "topr"] + args, cwd=tmp_path)
+    proc = run_driver(BASE + ["--train-iters", "4", "--grass-method", "topr"] + args, cwd=tmp_path)
     assert proc.returncode != 0
     assert "megatron-ext train: error:" in proc.stderr and flag in proc.stderr, proc.stderr[-3000:]
     assert_cause_last(proc.stdout + proc.stderr, flag)
@@ -411,7 +375,7 @@ def _tiny(*extra):
 def distopt_run(tmp_path_factory):
     """4 iterations with the distributed optimizer; checkpoints at 2 and 4."""
     root = tmp_path_factory.mktemp("distopt_run")
-    proc = _torchrun(
+    proc = run_driver(
         _tiny("--use-distributed-optimizer", "--save", str(root / "ckpt"))
         + ["--save-interval", "2", "--log-json", str(root / "full.jsonl")],
         root,
@@ -425,7 +389,7 @@ def test_load_of_an_iteration_directory_continues_the_saved_schedule(distopt_run
     """--load DIR/iter_0000002 loads iteration 2 (not the latest, 4); with
     --use-checkpoint-opt-param-scheduler a new --lr is ignored; the distributed optimizer
     resumes exactly (losses and learning rates of iterations 3 and 4 as uninterrupted)."""
-    proc = _torchrun(
+    proc = run_driver(
         _tiny("--use-distributed-optimizer", "--load", str(distopt_run / "ckpt" / "iter_0000002"))
         + ["--lr", "5e-4", "--use-checkpoint-opt_param-scheduler"]
         + ["--log-json", str(tmp_path / "resumed.jsonl")],
@@ -441,7 +405,7 @@ def test_load_of_an_iteration_directory_continues_the_saved_schedule(distopt_run
 
 @release_covered
 def test_override_opt_param_scheduler_takes_this_runs_schedule(distopt_run, tmp_path):
-    proc = _torchrun(
+    proc = run_driver(
         _tiny("--use-distributed-optimizer", "--load", str(distopt_run / "ckpt" / "iter_0000002"))
         + ["--lr", "5e-4", "--min-lr", "5e-5", "--train-iters", "6"]
         + ["--override-opt-param-scheduler", "--log-json", str(tmp_path / "resumed.jsonl")],
@@ -481,7 +445,7 @@ def test_resume_with_other_settings_is_refused_naming_the_flag(
     in a KeyError."""
     # Iteration 2: --load of the finished run (iteration 4) is refused before the load.
     load = str(distopt_run / "ckpt" / "iter_0000002")
-    proc = _torchrun(_tiny("--load", load, *flags), tmp_path)
+    proc = run_driver(_tiny("--load", load, *flags), tmp_path)
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert "megatron-ext train: error:" in proc.stderr
     for needle in needles:

@@ -16,46 +16,16 @@ Each test launches the driver as users do (torchrun, 2 CPU ranks, gloo, tiny GPT
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.driver import base_flags, run_driver, start_driver
 from tests.helpers.paths import REPO
 from tests.helpers.procs import assert_all_gone, children, descendants
 
-BASE = [
-    "--cpu",
-    "--model",
-    "gpt-tiny",
-    "--lr-warmup-iters",
-    "2",
-    "--log-interval",
-    "1",
-    "--eval-iters",
-    "1",
-    "--no-progress",
-]
-
-
-def _env(extra=None):
-    return {**os.environ, "PYTHONPATH": str(REPO), **(extra or {})}
-
-
-def _torchrun_cmd(args, nproc=2, torchrun_args=()):
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        *torchrun_args,
-        "-m",
-        "megatron_ext.train",
-        *args,
-    ]
+BASE = base_flags(log_interval=1)
 
 
 def _wait_for(path, text, proc, timeout=300):
@@ -68,19 +38,6 @@ def _wait_for(path, text, proc, timeout=300):
             raise AssertionError(f"run ended before {text!r}:\n{Path(path).read_text()[-4000:]}")
         time.sleep(0.2)
     raise AssertionError(f"no {text!r} after {timeout} s:\n{Path(path).read_text()[-4000:]}")
-
-
-def _start(args, out, torchrun_args=(), env=None):
-    f = open(out, "w")
-    proc = subprocess.Popen(
-        _torchrun_cmd(args, torchrun_args=torchrun_args),
-        stdout=f,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=out.parent,
-        env=_env(env),
-    )
-    return proc, f
 
 
 def _iteration_line(n):
@@ -162,7 +119,7 @@ def test_a_signal_at_any_moment_saves_and_the_run_resumes_exactly(tmp_path):
     torchrun_args = ["--shutdown-timeout", "180"]
     ref, save = tmp_path / "ref", tmp_path / "run"
     out = tmp_path / "ref.txt"
-    proc, f = _start(args + ["--save", str(ref), "--save-interval", "4"], out)
+    proc, f = start_driver(args + ["--save", str(ref), "--save-interval", "4"], out)
     try:
         assert proc.wait(timeout=600) == 0, out.read_text()[-4000:]
     finally:
@@ -172,7 +129,7 @@ def test_a_signal_at_any_moment_saves_and_the_run_resumes_exactly(tmp_path):
 
     # 1. Ctrl-C before any save (none due before the end): SIGINT to torchrun.
     out = tmp_path / "1.txt"
-    proc, f = _start(args + resume + ["--save-interval", "1000"], out, torchrun_args)
+    proc, f = start_driver(args + resume + ["--save-interval", "1000"], out, torchrun_args)
     try:
         _wait_for(out, _iteration_line(2), proc)
         proc.send_signal(signal.SIGINT)
@@ -185,7 +142,7 @@ def test_a_signal_at_any_moment_saves_and_the_run_resumes_exactly(tmp_path):
 
     # 2. SIGTERM to torchrun once this run has saved (its writer manager is alive).
     out = tmp_path / "2.txt"
-    proc, f = _start(args + resume + ["--save-interval", "4"], out, torchrun_args)
+    proc, f = start_driver(args + resume + ["--save-interval", "4"], out, torchrun_args)
     saved = (first // 4 + 1) * 4
     try:
         _wait_for(out, f"saved checkpoint at iteration {saved:8d}", proc)
@@ -208,7 +165,7 @@ def test_a_signal_at_any_moment_saves_and_the_run_resumes_exactly(tmp_path):
         "SAVE_GATE_DIR": str(gate),
         "SAVE_GATE_MATCH": f"iter_{gated:07d}/",
     }
-    proc, f = _start(args + resume + ["--save-interval", "4"], out, torchrun_args, env=env)
+    proc, f = start_driver(args + resume + ["--save-interval", "4"], out, torchrun_args, env=env)
     try:
         ranks = []
         while len(ranks) < 2:
@@ -230,7 +187,7 @@ def test_a_signal_at_any_moment_saves_and_the_run_resumes_exactly(tmp_path):
 
     # 4. To the end; everything equals the uninterrupted run.
     out = tmp_path / "4.txt"
-    proc, f = _start(args + resume + ["--save-interval", "4"], out)
+    proc, f = start_driver(args + resume + ["--save-interval", "4"], out)
     try:
         assert proc.wait(timeout=600) == 0, out.read_text()[-4000:]
     finally:
@@ -257,7 +214,7 @@ def test_ranks_die_with_their_killed_launcher(tmp_path):
     save = tmp_path / "run"
     args = BASE + ["--train-iters", "400", "--save", str(save), "--save-interval", "2"]
     out = tmp_path / "out.txt"
-    proc, f = _start(args, out)
+    proc, f = start_driver(args, out)
     try:
         _wait_for(out, "saved checkpoint at iteration        4", proc)
         processes = descendants(proc.pid)
@@ -281,7 +238,7 @@ def test_checkpoint_writer_processes_die_with_a_killed_rank(tmp_path):
     # A save every iteration: most of the run is spent saving, so the kill lands in one.
     args = BASE + ["--train-iters", "200", "--save", str(tmp_path / "run"), "--save-interval", "1"]
     out = tmp_path / "out.txt"
-    proc, f = _start(args, out)
+    proc, f = start_driver(args, out)
     try:
         _wait_for(out, "saved checkpoint at iteration        2", proc)
         rank = min(children(proc.pid))
@@ -312,13 +269,12 @@ def test_checkpoint_writer_processes_die_with_a_killed_rank(tmp_path):
     ],
 )
 def test_driver_refusal_reaches_the_terminal_once(nproc, args, line, tmp_path):
-    proc = subprocess.run(
-        _torchrun_cmd(BASE + ["--train-iters", "4"] + args, nproc=nproc),
-        capture_output=True,
-        text=True,
+    proc = run_driver(
+        BASE + ["--train-iters", "4"] + args,
+        tmp_path,
+        nproc=nproc,
         timeout=600,
-        cwd=tmp_path,
-        env=_env({"OMP_NUM_THREADS": "1"}),
+        env={"OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode != 0
     assert proc.stderr.count(line) == 1, proc.stderr[-4000:]

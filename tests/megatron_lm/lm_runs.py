@@ -1,9 +1,10 @@
 """Helpers of the Megatron-LM tests: launch pretrain_gpt.py under torchrun, read its log.
 
-``pretrain(...)`` starts ``python -m torch.distributed.run`` on a free port (retried once if
-the port was taken meanwhile) with either megatron-ext's zero-touch launcher (``-m
-megatron_ext pretrain --cpu PATH/pretrain_gpt.py``) or a patched ``pretrain_gpt.py`` itself
-(``MEGATRON_EXT_CPU=1``). ``iterations(output)`` parses Megatron-LM's iteration lines.
+``pretrain(...)`` starts ``python -m torch.distributed.run`` (``torchrun_command`` of
+tests/helpers/driver.py) on a free port (retried once if the port was taken meanwhile) with
+either megatron-ext's zero-touch launcher (``-m megatron_ext pretrain --cpu
+PATH/pretrain_gpt.py``) or a patched ``pretrain_gpt.py`` itself (``MEGATRON_EXT_CPU=1``).
+``iterations(output)`` parses Megatron-LM's iteration lines.
 
 With ``MEGATRON_EXT_LM_DEVICE=cuda`` (the GPU session, ``benchmarks/gpu_session.sh``) the same
 tests launch on CUDA instead: no ``--cpu``, the unfused softmax (no Apex there), and gloo
@@ -18,13 +19,13 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from tests.helpers.dist import free_port
+from tests.helpers.driver import launch_env, torchrun_command
 from tests.helpers.paths import REPO
 
 TINY_RUN_FILE = REPO / "configs" / "megatron_lm" / "gpt_tiny_separate_cpu.yaml"
@@ -100,7 +101,7 @@ def pretrain(
 ) -> Run:
     """Run ``script`` (a pretrain_gpt.py) under torchrun (on CPU, or CUDA: see the module
     docstring) and return its output."""
-    run_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+    run_env = launch_env({"OMP_NUM_THREADS": "1", **(env or {})})
     cuda = on_cuda()
     cpu_flag = [] if cuda else ["--cpu"]
     if zero_touch:
@@ -124,12 +125,14 @@ def pretrain(
         port = str(free_port())
         procs, logs = [], []
         for node in range(agents):
-            layout = ["--nproc-per-node", str(nproc)]
+            layout = []
             if agents > 1:
-                layout = ["--nproc-per-node", "1", "--nnodes", str(agents)]
-                layout += ["--node-rank", str(node)]
-            command = [sys.executable, "-m", "torch.distributed.run", *layout]
-            command += ["--master-addr", "127.0.0.1", "--master-port", port, *launch, *args]
+                layout = ["--nnodes", str(agents), "--node-rank", str(node)]
+            command = torchrun_command(
+                [*launch, *args],
+                nproc if agents == 1 else 1,
+                [*layout, "--master-addr", "127.0.0.1", "--master-port", port],
+            )
             # Files, not pipes: an agent blocked on a full pipe would stall the other's ranks.
             logs.append((tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")))
             procs.append(

@@ -21,15 +21,15 @@ what pretrain_gpt.py adds is its data, its loop and its end of training, checked
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.dist import free_port
+from tests.helpers.driver import launch_env, torchrun_command
 from tests.helpers.torchft_sites import commit_events, start_lighthouse
-from tests.megatron_lm.lm_runs import REPO, iterations, tiny_args
+from tests.megatron_lm.lm_runs import iterations, tiny_args
 
 pytestmark = [pytest.mark.megatron_lm, pytest.mark.slow]
 
@@ -40,7 +40,7 @@ TIMEOUT = 300.0
 
 def test_pretrain_gpt_sites_in_separate_jobs_over_torchft(tmp_path):
     lm_dir = Path(os.environ["MEGATRON_LM_DIR"])
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = launch_env({"OMP_NUM_THREADS": "1"})
     env.pop("MEGATRON_EXT_CPU", None)
     procs, logs = {}, {}
 
@@ -67,10 +67,12 @@ def test_pretrain_gpt_sites_in_separate_jobs_over_torchft(tmp_path):
             (tmp_path / str(s)).mkdir()
             logs[s] = open(tmp_path / f"site{s}.log", "w")
             procs[s] = subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"]
-                + ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-                + ["-m", "megatron_ext", "pretrain", "--cpu", str(lm_dir / "pretrain_gpt.py")]
-                + flags,
+                torchrun_command(
+                    ["-m", "megatron_ext", "pretrain", "--cpu", str(lm_dir / "pretrain_gpt.py")]
+                    + flags,
+                    1,
+                    ["--master-addr", "127.0.0.1", "--master-port", str(free_port())],
+                ),
                 stdout=logs[s],
                 stderr=subprocess.STDOUT,
                 cwd=tmp_path / str(s),

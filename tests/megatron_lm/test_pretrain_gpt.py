@@ -73,6 +73,20 @@ def _assert_dp_grad_bytes(iters, expected):
         assert field.startswith("dp-grad ") and "(dense " in field and ", x" in field, field
 
 
+def _assert_resumed_at_2(full, resumed):
+    """``resumed`` (loaded from iteration 2) printed iterations 3 and 4 as the uninterrupted
+    ``full`` did: iteration 3's loss and grad norm exactly; iteration 4's grad norm exactly
+    and, as Megatron prints the mean of iterations 3 and 4 there (see module docstring), its
+    loss that mean. Returns both runs' :func:`iterations`."""
+    a, b = iterations(full.stdout), iterations(resumed.stdout)
+    assert sorted(b) == [3, 4], b
+    assert (b[3]["loss"], b[3]["grad_norm"]) == (a[3]["loss"], a[3]["grad_norm"])
+    assert b[4]["grad_norm"] == a[4]["grad_norm"]
+    mean = (float(a[3]["loss"]) + float(a[4]["loss"])) / 2
+    assert abs(float(b[4]["loss"]) - mean) <= 1e-6 * mean
+    return a, b
+
+
 # -- DP=2, SEPARATE, torch_dist checkpoint and resume ------------------------------------------
 
 
@@ -147,14 +161,8 @@ def test_torch_dist_resume_continues_exactly(dp2_torch_dist, lm_dir, tmp_path):
     # rerun state machine line, in a first run and a resumed one.
     for run in (full, resumed):
         assert not noise_lines(run.output), noise_lines(run.output)
-    a, b = iterations(full.stdout), iterations(resumed.stdout)
+    _, b = _assert_resumed_at_2(full, resumed)
     _assert_dp_grad_bytes(b, [3, 4])
-    # Iteration 3: loss and grad norm exactly as printed by the uninterrupted run.
-    assert (b[3]["loss"], b[3]["grad_norm"]) == (a[3]["loss"], a[3]["grad_norm"])
-    # Iteration 4: Megatron prints the mean of iterations 3 and 4 here (see module docstring).
-    assert b[4]["grad_norm"] == a[4]["grad_norm"]
-    mean = (float(a[3]["loss"]) + float(a[4]["loss"])) / 2
-    assert abs(float(b[4]["loss"]) - mean) <= 1e-6 * mean
 
 
 def test_resume_with_other_settings_stops_naming_the_flag(dp2_torch_dist, lm_dir, tmp_path):
@@ -174,39 +182,31 @@ def test_resume_with_other_settings_stops_naming_the_flag(dp2_torch_dist, lm_dir
 # -- DP=2, distributed optimizer: resume and a corrupted checkpoint ---------------------------
 
 
+def _distopt(cwd: Path, **flags: str):
+    """pretrain_gpt.py on DP=2 with the distributed optimizer, no gradient compression."""
+    script = Path(os.environ["MEGATRON_LM_DIR"]) / "pretrain_gpt.py"
+    args = tiny_args(**flags, grad_compression="none") + ["--use-distributed-optimizer"]
+    return pretrain(script, args, cwd=cwd)
+
+
 @pytest.fixture(scope="module")
-def dp2_distopt(lm_dir, tmp_path_factory):
+def dp2_distopt(tmp_path_factory):
     """Uninterrupted 4 iterations with the distributed optimizer, checkpoints at 2 and 4."""
     root = tmp_path_factory.mktemp("dp2_distopt")
-    run = pretrain(
-        lm_dir / "pretrain_gpt.py",
-        tiny_args(save=str(root / "ckpt"), save_interval="2", grad_compression="none")
-        + ["--use-distributed-optimizer"],
-        cwd=root,
-    ).check()
+    run = _distopt(root, save=str(root / "ckpt"), save_interval="2").check()
     return root, run
 
 
-def test_distributed_optimizer_resume_continues_exactly(dp2_distopt, lm_dir, tmp_path):
+def test_distributed_optimizer_resume_continues_exactly(dp2_distopt, tmp_path):
     """On CPU (torch Adam) the resume used to fail in the load template
     (``distrib_optimizer.state_dict: assert len(steps) == 1``); once loading, megatron-core's
     shared dummy Adam step made iteration 4 differ (grad norm 0.904 vs 0.902)."""
     root, full = dp2_distopt
-    resumed = pretrain(
-        lm_dir / "pretrain_gpt.py",
-        tiny_args(load=str(root / "ckpt"), ckpt_step="2", grad_compression="none")
-        + ["--use-distributed-optimizer"],
-        cwd=tmp_path,
-    ).check()
+    resumed = _distopt(tmp_path, load=str(root / "ckpt"), ckpt_step="2").check()
     # Its checksums (written before Megatron-LM moved its marker) checked before the load.
     assert "> verified the crc32 checksums of " in resumed.stdout
     assert f" in {root / 'ckpt' / 'iter_0000002'} (" in resumed.stdout
-    a, b = iterations(full.stdout), iterations(resumed.stdout)
-    assert sorted(b) == [3, 4]
-    assert (b[3]["loss"], b[3]["grad_norm"]) == (a[3]["loss"], a[3]["grad_norm"])
-    assert b[4]["grad_norm"] == a[4]["grad_norm"]
-    mean = (float(a[3]["loss"]) + float(a[4]["loss"])) / 2  # see module docstring
-    assert abs(float(b[4]["loss"]) - mean) <= 1e-6 * mean
+    _assert_resumed_at_2(full, resumed)
 
 
 def test_non_finite_checkpoint_values_stop_the_load_naming_tensor_and_file(dp2_distopt, tmp_path):
@@ -226,12 +226,7 @@ def test_non_finite_checkpoint_values_stop_the_load_naming_tensor_and_file(dp2_d
     with open(directory / item.relative_path, "r+b") as f:
         f.seek(item.offset + 8192)
         f.write(b"\xff" * 4096)
-    run = pretrain(
-        Path(os.environ["MEGATRON_LM_DIR"]) / "pretrain_gpt.py",
-        tiny_args(load=str(tmp_path / "ckpt"), ckpt_step="2", grad_compression="none")
-        + ["--use-distributed-optimizer"],
-        cwd=tmp_path,
-    )
+    run = _distopt(tmp_path, load=str(tmp_path / "ckpt"), ckpt_step="2")
     assert run.returncode != 0
     stored = directory / item.relative_path
     assert f"megatron-ext: error: --load: non-finite values in {stored}" in run.stderr, run.stderr
@@ -248,12 +243,7 @@ def test_truncated_checkpoint_file_stops_the_load_naming_it(dp2_distopt, tmp_pat
     stored = tmp_path / "ckpt" / "iter_0000002" / "__1_0.distcp"
     with open(stored, "r+b") as f:
         f.truncate(stored.stat().st_size // 2)
-    run = pretrain(
-        Path(os.environ["MEGATRON_LM_DIR"]) / "pretrain_gpt.py",
-        tiny_args(load=str(tmp_path / "ckpt"), ckpt_step="2", grad_compression="none")
-        + ["--use-distributed-optimizer"],
-        cwd=tmp_path,
-    )
+    run = _distopt(tmp_path, load=str(tmp_path / "ckpt"), ckpt_step="2")
     assert run.returncode != 0
     assert (
         f"megatron-ext: error: --load: checksum check of {stored.parent} failed: {stored} has "
@@ -677,17 +667,19 @@ PROTOCOL = dict(grad_compression="none", subspace_method="protocol", subspace_ra
                 subspace_update_interval="2", subspace_lr="0.5")  # fmt: skip
 
 
+def _protocol_pp2(cwd: Path, **flags: str):
+    """pretrain_gpt.py with Protocol Models (``PROTOCOL``) in a pipeline of 2 stages."""
+    script = Path(os.environ["MEGATRON_LM_DIR"]) / "pretrain_gpt.py"
+    args = tiny_args(**PROTOCOL, **flags) + ["--pipeline-model-parallel-size", "2"]
+    return pretrain(script, args, cwd=cwd)
+
+
 @pytest.fixture(scope="module")
-def protocol_pp2(lm_dir, tmp_path_factory):
+def protocol_pp2(tmp_path_factory):
     """PP=2 Protocol Models, 4 iterations with subspace updates after iterations 2 and 4,
     saving a torch_dist checkpoint at iteration 2."""
     root = tmp_path_factory.mktemp("protocol_pp2")
-    run = pretrain(
-        lm_dir / "pretrain_gpt.py",
-        tiny_args(**PROTOCOL, save=str(root / "ckpt"), save_interval="2")
-        + ["--pipeline-model-parallel-size", "2"],
-        cwd=root,
-    ).check()
+    run = _protocol_pp2(root, save=str(root / "ckpt"), save_interval="2").check()
     return root, run
 
 
@@ -711,35 +703,20 @@ def test_zero_touch_protocol_pp2_sends_k_of_d_and_moves_the_subspace(protocol_pp
     assert all(0 < loss < 7.0 for loss in losses), iters
 
 
-def test_zero_touch_protocol_resumes_exactly_across_an_update(protocol_pp2, lm_dir, tmp_path):
+def test_zero_touch_protocol_resumes_exactly_across_an_update(protocol_pp2, tmp_path):
     root, run = protocol_pp2
-    resumed = pretrain(
-        lm_dir / "pretrain_gpt.py",
-        tiny_args(**PROTOCOL, load=str(root / "ckpt"), ckpt_step="2")
-        + ["--pipeline-model-parallel-size", "2"],
-        cwd=tmp_path,
-    ).check()
+    resumed = _protocol_pp2(tmp_path, load=str(root / "ckpt"), ckpt_step="2").check()
     assert "loaded the state of 2 ranks" in resumed.stdout
-    full, again = iterations(run.stdout), iterations(resumed.stdout)
-    assert sorted(again) == [3, 4]
     # Iteration 3 starts from the basis, weights and moments the update after iteration 2
     # re-projected, all restored from the checkpoint.
-    assert (again[3]["loss"], again[3]["grad_norm"]) == (full[3]["loss"], full[3]["grad_norm"])
-    # Iteration 4: Megatron prints the mean of iterations 3 and 4 here (see module docstring).
-    assert again[4]["grad_norm"] == full[4]["grad_norm"]
-    mean = (float(full[3]["loss"]) + float(full[4]["loss"])) / 2
-    assert abs(float(again[4]["loss"]) - mean) <= 1e-6 * mean
+    full, again = _assert_resumed_at_2(run, resumed)
     assert [_kb(again[i]["bytes"], "subspace") for i in (4,)] == [
         _kb(full[i]["bytes"], "subspace") for i in (4,)
     ]
 
 
-def test_protocol_with_hidden_dropout_stops_naming_the_flag(lm_dir, tmp_path):
-    run = pretrain(
-        lm_dir / "pretrain_gpt.py",
-        tiny_args(**PROTOCOL, hidden_dropout="0.1") + ["--pipeline-model-parallel-size", "2"],
-        cwd=tmp_path,
-    )
+def test_protocol_with_hidden_dropout_stops_naming_the_flag(tmp_path):
+    run = _protocol_pp2(tmp_path, hidden_dropout="0.1")
     assert run.returncode != 0
     # Once: printed by the first refusing rank, not lost when the other exits first, not
     # repeated per rank (megatron_ext.refusal).

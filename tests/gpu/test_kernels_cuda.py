@@ -179,15 +179,24 @@ def _dp_run(method, device, dtype, recorder=None):
     return outs, state
 
 
+def dp_run_against(method, dev, dtype, reference, tag=""):
+    """Run ``method``'s reducer on ``dev`` (recorded as ``reducer METHOD DTYPE{tag}``) and
+    compare each step's reduced bucket with ``reference`` (:func:`_dp_run`'s result); returns
+    the final state, the reference's (the same keys) and the recorder."""
+    ref_out, ref_state = reference
+    recorder = SyncRecorder(f"reducer {method} {str(dtype)[6:]}{tag}", dev)
+    out, state = _dp_run(method, dev, dtype, recorder)
+    for step, (o, r) in enumerate(zip(out, ref_out)):
+        assert_close(o, r, dtype, f"{method}{tag} step {step} reduced bucket")
+    assert set(state) == set(ref_state)
+    return state, ref_state, recorder
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("method", list(DP_METHODS))
 def test_dp_reducer_on_device_equals_cpu(method, dtype, dev, pg, cpu_draws):
-    ref_out, ref_state = _dp_run(method, torch.device("cpu"), dtype)
-    recorder = SyncRecorder(f"reducer {method} {str(dtype)[6:]}", dev)
-    out, state = _dp_run(method, dev, dtype, recorder)
-    for step, (o, r) in enumerate(zip(out, ref_out)):
-        assert_close(o, r, dtype, f"{method} step {step} reduced bucket")
-    assert set(state) == set(ref_state)
+    reference = _dp_run(method, torch.device("cpu"), dtype)
+    state, ref_state, recorder = dp_run_against(method, dev, dtype, reference)
     for key, value in state.items():
         ref = ref_state[key]
         if ref.dtype == torch.bool or not ref.is_floating_point():

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from megatron_ext import kernels
-from tests.gpu.syncs import SyncRecorder
 from tests.gpu.test_kernels_cuda import (  # noqa: F401 (cpu_draws is a fixture)
     _dp_run,
     assert_close,
     check_syncs,
     cpu_draws,
+    dp_run_against,
 )
 
 pytestmark = pytest.mark.gpu
@@ -47,13 +47,9 @@ def _to(dev, value):
 @pytest.mark.parametrize("method", ["separate", "powersgd", "radius"])
 def test_dp_reducer_fused_equals_eager_on_device(method, dtype, dev, pg, cpu_draws, mode):
     mode("off")
-    ref_out, ref_state = _dp_run(method, dev, dtype)
+    reference = _dp_run(method, dev, dtype)
     mode("on")
-    recorder = SyncRecorder(f"reducer {method} {str(dtype)[6:]} fused", dev)
-    out, state = _dp_run(method, dev, dtype, recorder)
-    for step, (o, r) in enumerate(zip(out, ref_out)):
-        assert_close(o, r, dtype, f"{method} fused step {step} reduced bucket")
-    assert set(state) == set(ref_state)
+    state, ref_state, recorder = dp_run_against(method, dev, dtype, reference, " fused")
     for key, value in state.items():
         ref = ref_state[key]
         if ref.is_floating_point():
@@ -66,7 +62,7 @@ def test_dp_reducer_fused_equals_eager_on_device(method, dtype, dev, pg, cpu_dra
 def test_each_kernel_compiled_equals_eager_on_device(dev, mode):
     from megatron_ext.kernels.powersgd import powersgd_compress, powersgd_decompress
     from megatron_ext.kernels.radius import radius_compress, radius_decompress
-    from megatron_ext.kernels.separate import separate_compress, separate_decompress
+    from megatron_ext.kernels.separate import separate_compress
     from tests.unit import test_kernels_dp as unit
 
     def both(fn):
@@ -89,24 +85,9 @@ def test_each_kernel_compiled_equals_eager_on_device(dev, mode):
         region = runs.region(0, grad.numel())
         block = args[1].shape[1]
 
-        def decompress():
-            out = grad.clone()
-            separate_decompress(
-                p0,
-                args[2],
-                out,
-                table,
-                runs.chunk,
-                0,
-                region.first,
-                region.last,
-                region.dst,
-                region.src,
-                region.lengths,
-            )
-            return out
-
-        eager, fused = both(decompress)
+        eager, fused = both(
+            lambda: unit._separate_decompressed(grad, p0, args[2], table, runs.chunk, 0, region)
+        )
         assert_close(fused, eager, dtype, f"separate write-back {dtype}")
         assert region.last <= p0.shape[0] * block
         # PowerSGD

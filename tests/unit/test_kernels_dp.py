@@ -187,6 +187,27 @@ def _separate_args(dtype, block=8, ratio=2, beta=0.25, stage=True):
     return args, runs, mats
 
 
+def _separate_decompressed(grad, p, omega, table, chunk, offset, region):
+    """A copy of ``grad`` with ``region`` (a ``Runs.region``) written back from ``p``, rows of
+    P whose first starts at bucket element ``offset`` (decompression of the whole bucket:
+    all of P, offset 0)."""
+    out = grad.clone()
+    separate_decompress(
+        p,
+        omega,
+        out,
+        table,
+        chunk,
+        offset,
+        region.first,
+        region.last,
+        region.dst,
+        region.src,
+        region.lengths,
+    )
+    return out
+
+
 # Compiled: fp32 (with and without the staged error) and bf16; fp16 goes through the same
 # casts as bf16 (checked eagerly, to keep the compiles few).
 @pytest.mark.parametrize(
@@ -225,24 +246,12 @@ def test_separate_kernels_compiled_match_eager(modes, dtype, stage, compiled):
         block = error.shape[1]
         r0, r1 = region.first // block, math.ceil(region.last / block)
 
-        def decompress():
-            out = grad.clone()
-            separate_decompress(
-                p0[r0:r1],
-                omega,
-                out,
-                runs.table,
-                runs.chunk,
-                r0 * block,
-                region.first,
-                region.last,
-                region.dst,
-                region.src,
-                region.lengths,
-            )
-            return out
-
-        eager, fused = modes(decompress, compiled and stage)
+        eager, fused = modes(
+            lambda: _separate_decompressed(
+                grad, p0[r0:r1], omega, runs.table, runs.chunk, r0 * block, region
+            ),
+            compiled and stage,
+        )
         _untouched(grad, eager, mats, lo, hi)
         _untouched(grad, fused, mats, lo, hi)
         if dtype == torch.float32:

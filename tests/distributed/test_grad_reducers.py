@@ -269,32 +269,21 @@ def _fake_optimizer_view(step_of_selection):
     import torch
 
     from megatron_ext.compressors.seeding import stable_seed
-    from megatron_ext.protocols import OptimizerView, ParamOptimState
+    from megatron_ext.protocols import ParamOptimState
+    from tests.helpers.views import SlicesView
 
-    slices, _ = _layout()
+    def state(i, fqn, n):
+        gen = torch.Generator().manual_seed(stable_seed(fqn) % 1000)
+        m = torch.randn(n, generator=gen)
+        return ParamOptimState(
+            fqn=fqn,
+            model_param=torch.zeros(n),
+            main_param=torch.zeros(n),
+            state={"exp_avg": m, "exp_avg_sq": torch.ones(n), "step": torch.tensor(1.0)},
+            group={"lr": 0.0, "betas": (0.9, 0.95), "eps": 0.0, "weight_decay": 0.0},
+        )
 
-    class View(OptimizerView):
-        def fqns(self):
-            return [s.fqn for s in slices]
-
-        def param_state(self, fqn):
-            s = next(x for x in slices if x.fqn == fqn)
-            n = s.end - s.start
-            gen = torch.Generator().manual_seed(stable_seed(fqn) % 1000)
-            m = torch.randn(n, generator=gen)
-            return ParamOptimState(
-                fqn=fqn,
-                model_param=torch.zeros(n),
-                main_param=torch.zeros(n),
-                state={"exp_avg": m, "exp_avg_sq": torch.ones(n), "step": torch.tensor(1.0)},
-                group={"lr": 0.0, "betas": (0.9, 0.95), "eps": 0.0, "weight_decay": 0.0},
-            )
-
-        @property
-        def step(self):
-            return step_of_selection
-
-    return View()
+    return SlicesView(_layout()[0], step_of_selection, state)
 
 
 def _radius_run(rank, world, kw, reduce_scatter):

@@ -120,32 +120,23 @@ DP_METHODS = {
 
 def _radius_view(slices, step, device):
     """AdamW moments of every parameter (Radius's selection input), seeded, on ``device``."""
-    from megatron_ext.protocols import OptimizerView, ParamOptimState
+    from megatron_ext.protocols import ParamOptimState
+    from tests.helpers.views import SlicesView
 
-    class View(OptimizerView):
-        def fqns(self):
-            return [s.fqn for s in slices]
+    def state(i, fqn, n):
+        return ParamOptimState(
+            fqn=fqn,
+            model_param=torch.zeros(n, device=device),
+            main_param=randn(n, seed=1000 + 10 * step + i, device=device),
+            state={
+                "exp_avg": randn(n, seed=2000 + 10 * step + i, device=device),
+                "exp_avg_sq": randn(n, seed=3000 + 10 * step + i, device=device).abs(),
+                "step": torch.tensor(float(step + 1)),
+            },
+            group={"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1},
+        )
 
-        def param_state(self, fqn):
-            i, s = next((i, x) for i, x in enumerate(slices) if x.fqn == fqn)
-            n = s.end - s.start
-            return ParamOptimState(
-                fqn=fqn,
-                model_param=torch.zeros(n, device=device),
-                main_param=randn(n, seed=1000 + 10 * step + i, device=device),
-                state={
-                    "exp_avg": randn(n, seed=2000 + 10 * step + i, device=device),
-                    "exp_avg_sq": randn(n, seed=3000 + 10 * step + i, device=device).abs(),
-                    "step": torch.tensor(float(step + 1)),
-                },
-                group={"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1},
-            )
-
-        @property
-        def step(self):
-            return step
-
-    return View()
+    return SlicesView(slices, step, state)
 
 
 def _dp_run(method, device, dtype, recorder=None):

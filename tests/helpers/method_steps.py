@@ -190,31 +190,22 @@ def dp_phase(method: str, options: Dict[str, Any], step: int) -> str:
 def radius_view(slices, step: int, device: Any = DEVICE):
     """An OptimizerView over device AdamW moments of every parameter (Radius's selection)."""
     from megatron_ext.protocols import ParamOptimState
+    from tests.helpers.views import SlicesView
 
-    class View(OptimizerView):
-        def fqns(self):
-            return [s.fqn for s in slices]
+    def state(i, fqn, n):
+        return ParamOptimState(
+            fqn=fqn,
+            model_param=torch.zeros(n, device=device),
+            main_param=torch.zeros(n, device=device),
+            state={
+                "exp_avg": torch.randn(n, device=device),
+                "exp_avg_sq": torch.ones(n, device=device),
+                "step": torch.tensor(float(step + 1)),  # torch AdamW keeps a CPU step
+            },
+            group=dict(_ADAMW),
+        )
 
-        def param_state(self, fqn):
-            s = next(x for x in slices if x.fqn == fqn)
-            n = s.end - s.start
-            return ParamOptimState(
-                fqn=fqn,
-                model_param=torch.zeros(n, device=device),
-                main_param=torch.zeros(n, device=device),
-                state={
-                    "exp_avg": torch.randn(n, device=device),
-                    "exp_avg_sq": torch.ones(n, device=device),
-                    "step": torch.tensor(float(step + 1)),  # torch AdamW keeps a CPU step
-                },
-                group=dict(_ADAMW),
-            )
-
-        @property
-        def step(self):
-            return step
-
-    return View()
+    return SlicesView(slices, step, state)
 
 
 class DPReduction:

@@ -67,9 +67,8 @@ def _inner(model):
 
 
 def _ours(member, group, setting):
-    import types
-
     from megatron_ext.optim.diloco import DiLoCoHook
+    from tests.helpers.outer_options import outer_options
     from tests.helpers.views import ParamsView
 
     interval, fragments, lr, momentum, nesterov = SETTINGS[setting]
@@ -78,16 +77,8 @@ def _ours(member, group, setting):
     inner = _inner(model)
     clock = {"step": 0}
 
-    opts = types.SimpleNamespace(
-        interval=interval,
-        lr=lr,
-        momentum=momentum,
-        nesterov=nesterov,
-        fragments=fragments,
-        state_device="device",
-        compression="none",
-        delay=0,
-        merge_alpha=0.0,
+    opts = outer_options(
+        interval=interval, lr=lr, momentum=momentum, nesterov=nesterov, fragments=fragments
     )
     hook = DiLoCoHook(opts, group)
     view = ParamsView(params, clock)

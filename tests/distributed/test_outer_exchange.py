@@ -187,11 +187,10 @@ def _overlap(
     :class:`DiLoCoHook` on a plain view: H = 4, F = 2 fragments, the paper's outer SGD; each
     site's inner step adds a fixed random vector. Returns the weights after every step, the
     steps at which each fragment's exchange was in flight, and the state at ``save_at``."""
-    import types
-
     import torch
 
     from megatron_ext.optim.diloco import DiLoCoHook
+    from tests.helpers.outer_options import outer_options
     from tests.helpers.views import ParamsView
 
     me = members.index(torch.distributed.get_rank())
@@ -200,16 +199,8 @@ def _overlap(
         params[n].add_(0.1 * (i + 1))  # the same start on every site
     clock = {"step": 0}
 
-    opts = types.SimpleNamespace(
-        interval=4,
-        lr=0.7,
-        momentum=0.9,
-        nesterov=True,
-        fragments=2,
-        state_device="device",
-        compression=compression,
-        delay=delay,
-        merge_alpha=alpha,
+    opts = outer_options(
+        interval=4, lr=0.7, fragments=2, compression=compression, delay=delay, merge_alpha=alpha
     )
     hook = DiLoCoHook(opts, group)
     view = ParamsView(params, clock)

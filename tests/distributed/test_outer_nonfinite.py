@@ -26,11 +26,10 @@ H = 4
 
 
 def _hook(*, compression, delay, scaled, lr=0.7, interval=H):
-    import types
-
     import torch
 
     from megatron_ext.optim.diloco import DiLoCoHook
+    from tests.helpers.outer_options import outer_options
     from tests.helpers.views import ParamsView
 
     params = {n: torch.full(shape, 0.1 * (i + 1)) for i, (n, shape) in enumerate(SHAPES)}
@@ -40,17 +39,7 @@ def _hook(*, compression, delay, scaled, lr=0.7, interval=H):
         def loss_scale(self):
             return torch.tensor(1024.0) if scaled else None
 
-    opts = types.SimpleNamespace(
-        interval=interval,
-        lr=lr,
-        momentum=0.9,
-        nesterov=True,
-        fragments=1,
-        state_device="device",
-        compression=compression,
-        delay=delay,
-        merge_alpha=0.0,
-    )
+    opts = outer_options(interval=interval, lr=lr, compression=compression, delay=delay)
     hook = DiLoCoHook(opts, torch.distributed.group.WORLD)
     view = View(params, clock)
     hook.setup(view)

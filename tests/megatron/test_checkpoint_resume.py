@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.dist import run_ranks
+from tests.helpers.flag_sets import DISTOPT_OVERLAP
 from tests.helpers.mcore import (
     build,
     first_difference,
@@ -115,13 +116,7 @@ def _resume(rank, world, flags, root):
 CASES = {
     "dp2": [],
     "pp2": ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"],
-    "dp2-distopt-overlap": [
-        "--use-distributed-optimizer",
-        "--overlap-grad-reduce",
-        "--overlap-param-gather",
-        "--ddp-bucket-size",
-        "20000",
-    ],
+    "dp2-distopt-overlap": DISTOPT_OVERLAP,
 }
 
 

@@ -36,20 +36,12 @@ import random
 import pytest
 
 from tests.helpers.dist import run_ranks
+from tests.helpers.flag_sets import SEPARATE as _SEPARATE
 from tests.helpers.mcore import build, make_trainer, optimizer_pieces, params, teardown, train
 
 COMMON = ["--global-batch-size", "8", "--use-distributed-optimizer"]
-SEPARATE = [
-    "--grad-compression",
-    "separate",
-    "--separate-ratio",
-    "16",
-    "--separate-block-size",
-    "256",
-    "--separate-adaptive",
-    "--separate-adapt-interval",
-    "2",
-]
+# G-SEPARATE: SEPARATE, adaptive.
+SEPARATE = _SEPARATE + ["--separate-adaptive", "--separate-adapt-interval", "2"]
 SAVE_AT = 3
 
 

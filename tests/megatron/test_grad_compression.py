@@ -11,6 +11,7 @@ compressor state (residuals, masks, warm starts) is bit-exact.
 import pytest
 
 from tests.helpers.dist import run_ranks
+from tests.helpers.flag_sets import SEPARATE
 from tests.helpers.mcore import build, first_difference, make_trainer, params, teardown, train
 
 STEPS = 8
@@ -53,14 +54,6 @@ def _train_compressed(rank, world, flags):
     return out
 
 
-SEPARATE = [
-    "--grad-compression",
-    "separate",
-    "--separate-ratio",
-    "16",
-    "--separate-block-size",
-    "256",
-]
 RADIUS = [
     "--grad-compression",
     "radius",

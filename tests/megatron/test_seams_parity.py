@@ -14,6 +14,7 @@ process-group meter saw.
 import pytest
 
 from tests.helpers.dist import run_ranks
+from tests.helpers.flag_sets import DISTOPT_OVERLAP
 from tests.helpers.mcore import build, first_difference, make_trainer, params, teardown, train
 
 STEPS = 10
@@ -136,13 +137,7 @@ PP2 = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
 CASES = {
     "dp2": [],
     "dp2-overlap-small-buckets": ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"],
-    "dp2-distopt-overlap": [
-        "--use-distributed-optimizer",
-        "--overlap-grad-reduce",
-        "--overlap-param-gather",
-        "--ddp-bucket-size",
-        "20000",
-    ],
+    "dp2-distopt-overlap": DISTOPT_OVERLAP,
     "dp2-bf16": ["--bf16"],
     "pp2": PP2,
     "tp2": ["--tensor-model-parallel-size", "2"],

@@ -25,14 +25,11 @@ from megatron_ext.autograd.grass import (
 )
 
 
-def _layer(m, n, rank, method, sketch_size=0, dtype=torch.float64, seed=0):
-    torch.manual_seed(seed)
-    weight = torch.randn(m, n, dtype=dtype)
-    mode, _ = projected_dim((m, n))
-    shape = (rank, n) if mode == "row" else (m, rank)
-    param = torch.zeros(shape, dtype=dtype, requires_grad=True)
+def _grass_layer(fqn, weight, shape, mode, rank, method, sketch_size, seed, **kw):
+    """A GrassLayer over ``weight`` whose trainable parameter (``shape``) starts at zero."""
+    param = torch.zeros(shape, dtype=weight.dtype, requires_grad=True)
     return GrassLayer(
-        fqn="decoder.layers.0.mlp.linear_fc1",
+        fqn=fqn,
         weight=weight,
         param=param,
         mode=mode,
@@ -40,7 +37,17 @@ def _layer(m, n, rank, method, sketch_size=0, dtype=torch.float64, seed=0):
         method=method,
         sketch_size=sketch_size,
         seed=seed,
+        **kw,
     )
+
+
+def _layer(m, n, rank, method, sketch_size=0, dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    weight = torch.randn(m, n, dtype=dtype)
+    mode, _ = projected_dim((m, n))
+    shape = (rank, n) if mode == "row" else (m, rank)
+    fqn = "decoder.layers.0.mlp.linear_fc1"
+    return _grass_layer(fqn, weight, shape, mode, rank, method, sketch_size, seed)
 
 
 def _projection(layer):
@@ -503,18 +510,8 @@ def _parts_layer(weight, mode, r, method, **kw):
     m, n = weight.shape
     parts = len(kw["part_rows"]) if "part_rows" in kw else kw.get("num_col_parts", 1)
     shape = (parts * r, n) if mode == "row" else (m // parts, parts * r)
-    param = torch.zeros(shape, dtype=weight.dtype, requires_grad=True)
-    return GrassLayer(
-        fqn="decoder.layers.0.self_attention.linear_qkv",
-        weight=weight,
-        param=param,
-        mode=mode,
-        rank=r,
-        method=method,
-        sketch_size=0,
-        seed=5,
-        **kw,
-    )
+    fqn = "decoder.layers.0.self_attention.linear_qkv"
+    return _grass_layer(fqn, weight, shape, mode, r, method, 0, 5, **kw)
 
 
 def _select_from_gradient(layer, x, dy):

@@ -21,7 +21,8 @@ What it does:
     parameter all-gather), ``pp-act`` / ``pp-grad`` (pipeline activations / activation
     gradients), ``subspace`` (Protocol Models' subspace updates: the boundary-gradient
     accumulator reduced over data parallelism and the new basis sent to every stage),
-    ``tp`` (tensor parallelism) and ``other``.
+    ``tp`` (tensor parallelism), ``outer`` (DiLoCo's exchange across sites) and ``other``
+    (:data:`~megatron_ext.traffic_categories.CATEGORIES`).
 
 Convention for collectives (why a formula at all):
     A point-to-point transfer of N bytes sends N bytes and receives N bytes, exactly. For a

@@ -668,8 +668,8 @@ class DiLoCoView(OptimizerView):
 
 def diloco_hook(view: Any, *, interval: int, fragments: int = 1, **options: Any):
     """DiLoCo's hook over ``view`` on WORLD (the sites), set up in the caller's step."""
-    from megatron_ext.options.outer import OuterConfig
     from megatron_ext.optim.diloco import DiLoCoHook
+    from megatron_ext.options.outer import OuterConfig
 
     o = OuterConfig(interval=interval, fragments=fragments, **options)
     hook = DiLoCoHook(o, dist.group.WORLD)

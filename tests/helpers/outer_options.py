@@ -12,7 +12,7 @@ import types
 
 def outer_options(**overrides) -> types.SimpleNamespace:
     """OuterConfig's defaults with ``overrides`` (field names), unvalidated."""
-    from megatron_ext.methods.diloco import OuterConfig
+    from megatron_ext.options.outer import OuterConfig
 
     unknown = set(overrides) - {f.name for f in dataclasses.fields(OuterConfig)}
     if unknown:

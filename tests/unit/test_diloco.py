@@ -117,8 +117,8 @@ def test_outer_state_starts_from_the_loaded_weights_unless_it_was_loaded():
     DiLoCo's state (--finetune, reset, an elastic resume's fresh state) must not leave the
     initial weights as the snapshot, or the first outer step pulls the model back to them."""
     from megatron_ext.elastic import remap_objects
-    from megatron_ext.options.outer import OuterConfig
     from megatron_ext.optim.diloco import DiLoCoHook
+    from megatron_ext.options.outer import OuterConfig
 
     opts = OuterConfig(interval=2)  # the paper's outer optimizer: lr 0.7, Nesterov 0.9
 

@@ -679,9 +679,9 @@ def test_diloco_with_grass_steps_stay_on_device():
     projected weight written, rebased, V zeroed) stays on the device; Grass's selection
     steps are declared. The same collectives on every site."""
     from megatron_ext.autograd.grass import grass_linear
-    from megatron_ext.options.outer import OuterConfig
     from megatron_ext.optim.diloco import DiLoCoHook, fragment_due
     from megatron_ext.optim.grass import GrassOuterView
+    from megatron_ext.options.outer import OuterConfig
 
     bf16 = torch.bfloat16
 

@@ -117,6 +117,7 @@ def full_run(tmp_path_factory):
     return root, proc
 
 
+@release_covered
 @pytest.mark.slow
 def test_command_line_resume_is_exact(full_run, tmp_path):
     args = _EXACT

@@ -64,11 +64,11 @@ __all__ = [
 # packages import it); re-exported here, where callers have always found it.
 from megatron_ext.options.base import (  # noqa: F401 (re-exported)
     ConfigError,
-    _check_choice,
     _dest_of,
     _field_docstrings,
     add_config_args,
     arg,
+    check_choice,
     check_positive,
     config_from_args,
     flag_of,
@@ -123,7 +123,7 @@ class ExtCheckpointConfig:
     wrote checksums, or by another program) loads unverified, saying so."""
 
     def __post_init__(self):
-        _check_choice(type(self), "on_mismatch", self.on_mismatch)
+        check_choice(type(self), "on_mismatch", self.on_mismatch)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,7 +143,7 @@ class KernelsConfig:
     states (integer codes bit for bit)."""
 
     def __post_init__(self):
-        _check_choice(type(self), "fused", self.fused)
+        check_choice(type(self), "fused", self.fused)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,7 +2,8 @@
 
 What it does:
     :func:`options_dataclass` declares an options class (frozen, keyword-only, its ``--help``
-    group and flag prefix); :func:`arg` is the field metadata of a flag (its name, choices, aliases);
+    group and flag prefix); :func:`arg` is the field metadata of a flag (its name, choices,
+    aliases);
     :func:`add_config_args` adds one argparse group per options dataclass, a flag per field
     with the field's attribute docstring as help; :func:`config_from_args` goes back from
     parsed arguments to the dataclass; :func:`flag_of` names a field's flag, and
@@ -263,9 +264,6 @@ def check_choice(cls: type, name: str, value: Any) -> None:
         raise ConfigError(
             flag_of(cls, name), f"invalid value {value!r} (choose from {', '.join(choices)})"
         )
-
-
-_check_choice = check_choice  # the name megatron_ext.config imports
 
 
 def check_positive(cls: type, name: str, value: Any, *, allow_zero: bool = False) -> None:

@@ -41,7 +41,9 @@ It holds who built the directory, when, and what the build function returned."""
 
 
 @contextlib.contextmanager
-def _exclusive_lock(path: str) -> Iterator[None]:
+def exclusive_lock(path: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the file ``path`` (created if missing) for the block:
+    other processes, of this job or another, wait for it."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -81,7 +83,7 @@ def build_once(target_dir: str, build: Callable[[str], Optional[Dict[str, Any]]]
         return {**read_marker(target_dir), "built_here": False}
     parent, name = os.path.split(target_dir)
     os.makedirs(parent, exist_ok=True)
-    with _exclusive_lock(os.path.join(parent, f".{name}.lock")):
+    with exclusive_lock(os.path.join(parent, f".{name}.lock")):
         if is_built(target_dir):
             return {**read_marker(target_dir), "built_here": False}
         # Under the lock nobody else builds this name, so leftovers are from killed builds.

@@ -29,9 +29,10 @@ Constraints:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy
 import torch
@@ -48,7 +49,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path,
 from megatron.core.datasets.utils import Split
 
 from megatron_ext.config import ConfigError
-from megatron_ext.data.cache import build_once
+from megatron_ext.data.cache import build_once, exclusive_lock
 from megatron_ext.data.config import DataConfig, TokenizerConfig
 from megatron_ext.data.tokenizers import (
     GPT2BPETokenizer,
@@ -414,5 +415,23 @@ def build_gpt_datasets(
     )
     config.split_matrix = split_matrix
     sizes = [int(n) for n in num_samples]
-    train, valid, test = _DatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    with _index_build_lock(config.path_to_cache):
+        train, valid, test = _DatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
     return train, valid, test
+
+
+@contextlib.contextmanager
+def _index_build_lock(path_to_cache: str) -> Iterator[None]:
+    """Rank 0 (or a process without a process group) builds the dataset indices holding an
+    exclusive lock on the cache directory; the job's other ranks load them after
+    megatron-core's barrier. Separate jobs sharing the cache (DiLoCo's sites over torchft,
+    runs started together) so never read another job's half-written index files: megatron-core
+    writes them in place, and a job whose rank 0 finds them present lets its other ranks
+    load them at once."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        yield
+        return
+    os.makedirs(path_to_cache, exist_ok=True)
+    with exclusive_lock(os.path.join(path_to_cache, ".build.lock")):
+        yield

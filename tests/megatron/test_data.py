@@ -8,6 +8,7 @@ ranks as subprocesses.
 """
 
 import dataclasses
+import fcntl
 import itertools
 import json
 import multiprocessing
@@ -23,6 +24,7 @@ import pytest
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+import megatron_ext.megatron.data.datasets as datasets_module
 from megatron_ext.config import ConfigError
 from megatron_ext.data.cache import read_marker
 from megatron_ext.data.config import DataConfig
@@ -462,6 +464,40 @@ def test_prepare_default_data_builds_once_under_concurrency(tmp_path):
     assert os.stat(model).st_mtime_ns == mtime
     num_documents, num_tokens = indexed_dataset_stats(prefix)
     assert num_documents > 1000 and num_tokens > num_documents
+
+
+def _locked_elsewhere(path):
+    """Whether another open file description holds an exclusive flock on ``path``."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def test_index_build_holds_the_cache_lock(small, tmp_path, monkeypatch):
+    # Jobs sharing a cache (DiLoCo's sites over torchft) must never see another job's index
+    # files half-written: megatron-core writes them in place, so the build runs under an
+    # exclusive flock on <cache>/indices/.build.lock that a second job waits for.
+    cfg = dataclasses.replace(small.cfg, data_cache_path=str(tmp_path / "cache"))
+    lock = str(tmp_path / "cache" / "indices" / ".build.lock")
+    held = []
+    build = datasets_module._DatasetBuilder.build
+
+    def probing_build(self):
+        held.append(_locked_elsewhere(lock))
+        return build(self)
+
+    monkeypatch.setattr(datasets_module._DatasetBuilder, "build", probing_build)
+    train, _, _ = build_gpt_datasets(
+        cfg, tokenizer=small.tokenizer, seq_length=_SEQ, seed=5, num_samples=(16, 0, 0)
+    )
+    assert held == [True], "the index build ran without the cache lock"
+    assert not _locked_elsewhere(lock), "the cache lock outlived the build"
+    assert len(train) >= 16
 
 
 _RANK_SCRIPT = textwrap.dedent("""

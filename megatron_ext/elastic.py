@@ -60,12 +60,6 @@ import torch
 from megatron_ext.protocols import MEAN, PARTITION, RESET, SAME, SUM, TOTAL, elastic_rules_of
 
 __all__ = [
-    "SUM",
-    "MEAN",
-    "TOTAL",
-    "PARTITION",
-    "SAME",
-    "RESET",
     "role_of",
     "rule_for",
     "rules_of",
@@ -204,6 +198,7 @@ def remap_objects(
                 value = first[name][key] if key in saved_keys else fresh[name][key]
                 out[name][key] = value.clone() if isinstance(value, torch.Tensor) else value
             else:
+                assert rule == RESET, rule
                 if key in fresh_keys:
                     out[name][key] = fresh[name][key]
                 if key in saved_keys:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_ext import elastic
+from megatron_ext.protocols import RESET, SUM
 
 
 def _pending(residuals, op):
@@ -23,7 +24,7 @@ def test_spread_preserves_pending_mass(old_dp, new_dp, old_op, new_op):
     gen = torch.Generator().manual_seed(old_dp * 10 + new_dp)
     old = [torch.randn(5, generator=gen, dtype=torch.float64) for _ in range(old_dp)]
     scale = elastic.spread_scale(
-        elastic.SUM, old_dp=old_dp, new_dp=new_dp, old_op=old_op, new_op=new_op
+        SUM, old_dp=old_dp, new_dp=new_dp, old_op=old_op, new_op=new_op
     )
     new = [torch.stack(old).sum(0) * scale for _ in range(new_dp)]
     # float64 throughout: only the rounding of a handful of additions and one product.
@@ -103,7 +104,7 @@ def test_an_object_without_rules_cannot_be_registered_or_remapped():
 
 
 class _Probe:
-    elastic_rules = {"value": elastic.RESET}
+    elastic_rules = {"value": RESET}
 
 
 def _objects(residual, ratio, probe, server=None):

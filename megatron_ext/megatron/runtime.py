@@ -460,7 +460,9 @@ def install(
     optimizer: Any,
     model_config: Any,
     transformer_impl: str = "local",
-    **install_kwargs: Any,
+    scheduler: Any = None,
+    optimizer_hooks: Sequence[Any] = (),
+    samples: Any = None,
 ) -> ExtRuntime:
     """Create the runtime and install it on an already wrapped model in one call.
 
@@ -474,8 +476,10 @@ def install(
         optimizer: megatron-core optimizer.
         model_config: the model's TransformerConfig (for the P2P communicator).
         transformer_impl: 'local' or 'transformer_engine' (which layer spec was built).
-        **install_kwargs: the other keyword arguments of :meth:`ExtRuntime.install`
-            (``scheduler``, ``optimizer_hooks``, ``samples``).
+        scheduler: the LR scheduler, handed to methods that need it.
+        optimizer_hooks: extra optimizer hooks (the methods add their own).
+        samples: the :class:`~megatron_ext.methods.registry.SampleSpace` of training
+            (methods with per-sample state need it).
     """
     ddp_config = getattr(model_chunks[0], "ddp_config", None)
     runtime = ExtRuntime.create(cfg, parallel_layout(ddp_config, transformer_impl))
@@ -483,6 +487,8 @@ def install(
         model_chunks,
         optimizer,
         model_config=model_config,
+        scheduler=scheduler,
         transformer_impl=transformer_impl,
-        **install_kwargs,
+        optimizer_hooks=optimizer_hooks,
+        samples=samples,
     )

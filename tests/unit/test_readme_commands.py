@@ -319,7 +319,7 @@ def test_pip_extras_megatron_ext_subcommands_and_named_files_exist():
             assert rest[1] in SUBCOMMANDS, (name, text)
         for word in words:
             value = word.split("=", 1)[-1]
-            if re.match(r"(scripts|configs|benchmarks|patches)/", value):
+            if re.match(r"(scripts|configs|benchmarks|examples|patches)/", value):
                 assert (REPO / value.split(":")[0]).exists(), (name, text, value)
         if rest and rest[0].endswith("pretrain_gpt_ext.sh"):
             for key in env:
@@ -383,6 +383,7 @@ def test_doc_paths_cited_by_the_code_exist():
         ("configs", ("*.yaml", "*.sh")),
         ("scripts", ("*.py", "*.sh")),
         ("benchmarks", ("*.py", "*.sh")),
+        ("examples", ("*.py",)),
         ("tests", ("*.py",)),
     ):
         for pattern in patterns:

@@ -186,6 +186,8 @@ def _build(ctx: MethodContext) -> Components:
                 "DiLoCo's sites are runs of data-parallel ranks; context parallelism is not "
                 "supported with them",
             )
+    if dp is None:
+        raise RuntimeError("megatron-ext: DiLoCo's sites split the data-parallel process group")
     inner, outer, site = site_groups(dp, g)
     hook = DiLoCoHook(o, outer, meter=ctx.meter)
 

@@ -44,9 +44,21 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from megatron_ext.options.base import ConfigError
+
+if TYPE_CHECKING:  # the contracts' types; importing them at run time would pull in torch.
+    # (ExtConfig and ParallelLayout stay Any here: megatron_ext.config imports this module.)
+    import torch
+    from torch.distributed import ProcessGroup
+
+    from megatron_ext.accounting import CommMeter
+    from megatron_ext.autograd.linear import LinearHook
+    from megatron_ext.collectives.grad_reducer import GradReducer
+    from megatron_ext.collectives.p2p import P2PCodec
+    from megatron_ext.protocols import ElasticStateful, OptimizerHook, OptimizerView
+    from megatron_ext.state import StepClock
 
 __all__ = [
     "Family",
@@ -142,7 +154,7 @@ class SampleSpace:
         """Fixed samples this rank owns (ids ``dp_rank + dp_size * slot``)."""
         return self.num_samples // self.dp_size if self.fixed else 0
 
-    def slots(self, sample_ids: Any) -> Any:
+    def slots(self, sample_ids: torch.Tensor) -> torch.Tensor:
         """This rank's slot of each fixed sample id (an int64 tensor)."""
         return sample_ids // self.dp_size
 
@@ -151,7 +163,7 @@ class SampleSpace:
 class TrainingHandles:
     """What exists only once the model is wrapped and the optimizer built (filled at install)."""
 
-    model_chunks: Sequence[Any] = ()
+    model_chunks: Sequence[torch.nn.Module] = ()
     """The DDP-wrapped model chunks."""
 
     optimizer: Any = None
@@ -166,12 +178,12 @@ class TrainingHandles:
     samples: Optional[SampleSpace] = None
     """The training samples (None where the caller does not describe them)."""
 
-    optimizer_view: Optional[Callable[[], Any]] = None
+    optimizer_view: Optional[Callable[[], OptimizerView]] = None
     """Builds a new ``megatron_ext.protocols.OptimizerView`` of ``optimizer`` over
     ``model_chunks``: the host adapter's (``megatron_ext.megatron.optimizer``), set by the
     runtime at install, so that methods reach the optimizer without importing Megatron."""
 
-    def new_optimizer_view(self) -> Any:
+    def new_optimizer_view(self) -> OptimizerView:
         """A new view from :attr:`optimizer_view`; raises where the runtime set none."""
         if self.optimizer_view is None:
             raise RuntimeError(
@@ -185,19 +197,19 @@ class TrainingHandles:
 class ProcessGroups:
     """The process groups of the run (torch ``ProcessGroup`` objects, None when absent)."""
 
-    dp: Any = None
+    dp: Optional[ProcessGroup] = None
     """Data-parallel group (without context parallelism)."""
 
-    dp_cp: Any = None
+    dp_cp: Optional[ProcessGroup] = None
     """Data-parallel group with context parallelism."""
 
-    tp: Any = None
+    tp: Optional[ProcessGroup] = None
     """Tensor-parallel group."""
 
-    pp: Any = None
+    pp: Optional[ProcessGroup] = None
     """Pipeline-parallel group."""
 
-    embd: Any = None
+    embd: Optional[ProcessGroup] = None
     """Embedding group (first and last pipeline stage)."""
 
 
@@ -220,10 +232,10 @@ class MethodContext:
     layout: Any
     """The :class:`~megatron_ext.config.ParallelLayout` of the run."""
 
-    clock: Any
+    clock: StepClock
     """The :class:`~megatron_ext.state.StepClock` (current 0-based iteration)."""
 
-    meter: Any = None
+    meter: Optional[CommMeter] = None
     """The :class:`~megatron_ext.accounting.CommMeter` of the seams."""
 
     groups: ProcessGroups = field(default_factory=ProcessGroups)
@@ -242,25 +254,25 @@ class MethodContext:
 class Components:
     """What a method contributes to a run (any subset)."""
 
-    reducer: Any = None
+    reducer: Optional[GradReducer] = None
     """A :class:`~megatron_ext.collectives.grad_reducer.GradReducer` (family ``grad``)."""
 
-    codec: Any = None
+    codec: Optional[P2PCodec] = None
     """A :class:`~megatron_ext.collectives.p2p.P2PCodec` for pipeline transfers."""
 
-    linear_hook: Any = None
+    linear_hook: Optional[LinearHook] = None
     """A :class:`~megatron_ext.autograd.linear.LinearHook` for the hooked linear layers."""
 
     linear_layers: Optional[str] = None
     """Regular expression of the layers ``linear_hook`` applies to."""
 
-    optimizer_hooks: Sequence[Any] = ()
+    optimizer_hooks: Sequence[OptimizerHook] = ()
     """:class:`~megatron_ext.protocols.OptimizerHook` objects run around the step."""
 
-    model_transform: Optional[Callable[[Sequence[Any]], None]] = None
+    model_transform: Optional[Callable[[Sequence[torch.nn.Module]], None]] = None
     """Called with the unwrapped model chunks before DDP wraps them."""
 
-    state: Mapping[str, Any] = field(default_factory=dict)
+    state: Mapping[str, ElasticStateful] = field(default_factory=dict)
     """Further stateful objects to checkpoint, by name (reducer, codec and hooks are
     registered automatically). Each, like those, is a
     :class:`~megatron_ext.protocols.ElasticStateful`: its class declares ``elastic_rules``."""
@@ -273,7 +285,7 @@ class Components:
     """Called with the 0-based iteration before each training step's forward and backward
     (not before evaluation)."""
 
-    grad_group: Any = None
+    grad_group: Optional[ProcessGroup] = None
     """The process group the data-parallel gradient seam reduces over instead of
     megatron-core's data-parallel group (family ``outer``: this rank's site); None keeps
     megatron's."""
@@ -282,7 +294,7 @@ class Components:
     """One line for the log once installed: what the method changed on this rank (e.g.
     Grass's parameter counts)."""
 
-    outer_view: Optional[Callable[[Any], Any]] = None
+    outer_view: Optional[Callable[[OptimizerView], OptimizerView]] = None
     """How the outer synchronization (family ``outer``) sees the weights this method trains
     outside the optimizer's parameters: wraps an
     :class:`~megatron_ext.protocols.OptimizerView` into one whose parameters are the
@@ -498,8 +510,8 @@ def build_components(
     config: Any,
     layout: Any,
     *,
-    clock: Any,
-    meter: Any = None,
+    clock: StepClock,
+    meter: Optional[CommMeter] = None,
     groups: Optional[ProcessGroups] = None,
     handles: Optional[TrainingHandles] = None,
 ) -> Dict[str, Components]:

@@ -171,13 +171,16 @@ _LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*")
 _FIELDS = {
     "loss": re.compile(r" lm loss: ([0-9.E+-]+) \|"),
     "grad_norm": re.compile(r" grad norm: ([0-9.]+) \|"),
+    "loss_scale": re.compile(r" loss scale: ([0-9.E+-]+) \|"),  # with --fp16
+    "skipped": re.compile(r" number of skipped iterations: +(\d+) \|"),
     # Non-greedy: another rank's output can follow on the same line.
     "bytes": re.compile(r" bytes sent/step \(all ranks\): (.*?) \|"),
 }
 
 
 def iterations(output: str) -> Dict[int, Dict[str, str]]:
-    """Megatron-LM's iteration lines: ``{iteration: {"loss", "grad_norm", "bytes", "line"}}``.
+    """Megatron-LM's iteration lines: ``{iteration: {"loss", "grad_norm", "loss_scale",
+    "skipped", "bytes", "line"}}`` (the fields the line has).
 
     Values stay strings, exactly as printed (comparisons between runs are then exact).
     """

@@ -1,15 +1,19 @@
 """DiLoCo sites as separate jobs (``--outer-transport torchft``) in Megatron-LM's pretrain_gpt.py.
 
 Two sites, each its own ``torchrun`` of one rank running Megatron-LM's own pretrain_gpt.py
-(zero-touch launcher, the tiny GPT on mock data), H = 3, 90 iterations, a lighthouse of
-``megatron-ext lighthouse`` (heartbeat timeout 2 s):
+(zero-touch launcher, the tiny GPT on mock data) with ``--fp16``, H = 3, 90 iterations, a
+lighthouse of ``megatron-ext lighthouse`` (heartbeat timeout 2 s):
 
 * Megatron-LM builds the training split for both sites (twice one job's samples) and each
   site reads its own block through Megatron-LM's sampler: their first losses differ (same
   initial weights, other samples);
-* once both sites have completed an outer step together (each weighing one site's tokens),
-  site 1's torchrun is SIGKILLed; site 0 completes its next outer steps alone (its own
-  tokens) and finishes training, exit code 0;
+* fp16's loss scaler starts at 2^32, so the first iterations overflow and are skipped on
+  both sites while outer steps go on over torchft; the sites come out of it as one-world
+  training does (tests/megatron_lm/test_fp16.py): a loss scale far above 1, at most two
+  skipped iterations among the last 20;
+* once both sites have completed an outer step together after that phase (each weighing one
+  site's tokens), site 1's torchrun is SIGKILLed; site 0 completes its next outer steps alone
+  (its own tokens) and finishes training, exit code 0;
 * ``outer`` bytes are on the lines of the iterations whose outer step site 0 took with the
   other site (its join's on iteration 1's line); alone it sends none.
 
@@ -63,7 +67,7 @@ def test_pretrain_gpt_sites_in_separate_jobs_over_torchft(tmp_path):
                 outer_sites="2",
                 outer_lighthouse=address,
                 outer_timeout="20",
-            )
+            ) + ["--fp16"]
             (tmp_path / str(s)).mkdir()
             logs[s] = open(tmp_path / f"site{s}.log", "w")
             procs[s] = subprocess.Popen(
@@ -79,8 +83,11 @@ def test_pretrain_gpt_sites_in_separate_jobs_over_torchft(tmp_path):
                 env=env,
             )
 
-        def both(c):  # an outer step both sites contributed to (tokens of two sites)
-            return float(c["total_weight"]) == 2 * float(c["weight"]) > 0
+        def both(c):  # an outer step both sites contributed to (tokens of two sites), after
+            # the overflowing start (site 1 has logged a loss: it is out of it)
+            return float(c["total_weight"]) == 2 * float(c["weight"]) > 0 and any(
+                "loss" in r for r in iterations(text(1)).values()
+            )
 
         deadline = time.monotonic() + TIMEOUT
         while not any(both(c) for c in commit_events(text(1), 1)):
@@ -112,8 +119,14 @@ def test_pretrain_gpt_sites_in_separate_jobs_over_torchft(tmp_path):
         assert (int(lo), int(hi)) == (s * (total // 2), (s + 1) * (total // 2)), blocks
         assert total >= 1440
     its = {s: iterations(out[s]) for s in range(2)}
-    assert its[0][1]["loss"] != its[1][1]["loss"], (its[0][1], its[1][1])
+    first = min(i for i in its[1] if "loss" in its[1][i])
+    assert first > 1, "the fp16 start did not overflow"  # the skipped phase was met
+    assert "loss" in its[0][first], its[0][first]
+    assert its[0][first]["loss"] != its[1][first]["loss"], (its[0][first], its[1][first])
     assert sorted(its[0]) == list(range(1, 91))
+    scales = [float(r["loss_scale"]) for r in its[0].values()]
+    skipped = [int(r["skipped"]) for r in its[0].values()]
+    assert scales[-1] > 1e3 and sum(skipped[-20:]) <= 2, (scales[-20:], skipped[-20:])
     done = commit_events(out[0], 0)
     assert done[-1]["iteration"] == "90", done
     # every outer step's bytes on its iteration's line (the join's on iteration 1's); alone,

@@ -34,8 +34,6 @@ from tests.megatron_lm.lm_runs import iterations, pretrain, tiny_args
 
 pytestmark = [pytest.mark.megatron_lm, pytest.mark.slow]
 
-_SCALE = re.compile(r" loss scale: ([0-9.E+-]+) \|")
-_SKIPPED = re.compile(r" number of skipped iterations: +(\d+) \|")
 
 METHODS = {
     "none": {},
@@ -91,8 +89,8 @@ def test_fp16_trains_through_the_overflowing_start(method, tmp_path):
         assert lines == [f">>> Weight hashes match after {i} iterations..." for i in (0, 20, 40)]
     iters = iterations(run.output)
     assert sorted(iters) == list(range(1, 41)), sorted(iters)
-    skipped = {it: int(_SKIPPED.search(iters[it]["line"]).group(1)) for it in iters}
-    scale = {it: float(_SCALE.search(iters[it]["line"]).group(1)) for it in iters}
+    skipped = {it: int(iters[it]["skipped"]) for it in iters}
+    scale = {it: float(iters[it]["loss_scale"]) for it in iters}
     # The start overflows by design (scale 2^32) ...
     assert skipped[1] == 1, iters[1]["line"]
     # ... and training then takes its steps as uncompressed training does: an occasional

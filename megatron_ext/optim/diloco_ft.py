@@ -49,7 +49,12 @@ What it does:
     A site joins at its first step: before that step's forward pass (the runtime's
     ``on_step``; else before its first optimizer step) it takes part in one outer step with
     weight 0 (step 1 above heals it if the others are ahead; if every site starts together
-    nothing is averaged and training starts from the common initial weights). A healed
+    nothing is averaged and training starts from the common initial weights). Until an outer
+    step has committed among the sites of a quorum (torchft's step is then 0 on every one of
+    them after the quorum: the same answer on each), the dense exchange sums the weights
+    first, one value, and sends the pseudo-gradients only when someone contributed: sites
+    that start together send no model-sized all-reduce of zeros at their join (the
+    compressed exchange always sums the weights first). A healed
     site takes its peer's step count and the fragment the peer synchronizes (the sites
     follow one schedule) and sets every parameter to the received global weights. With
     fragments a site weighs a fragment by the share of the cycle it trained it since the
@@ -454,8 +459,11 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
                 index = self._at[1]
             fqns = self.fragments[index]
             weight = self._weight(index) if contribute and not healed else 0.0
+            exchanged = bool(fqns)
             if not fqns:  # this rank holds none of the fragment: the weights' sum, the vote
                 committed, total = self._empty_attempt(weight)
+            elif not self.compressed and self._nobody_contributed(weight):
+                committed, total, exchanged = self.transport.commit(), 0.0, False
             elif self.compressed:
                 committed, total, result = self._compressed_attempt(view, index, weight)
             else:
@@ -471,8 +479,8 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
                 "retry", attempt=attempt, sites=sites, iteration=self._iteration, fragment=index
             )
             self._check_deadline(first, attempt)
-        if not fqns:
-            pass  # nothing of the fragment here to write
+        if not exchanged:
+            pass  # nothing of the fragment here to write, or nobody contributed
         elif self.compressed:
             self._apply_compressed(view, index, total, result)
         else:
@@ -527,6 +535,8 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         if not fqns:
             buf = torch.tensor([weight], dtype=torch.float32, device=self._device)
             flight.update(buf=buf, work=self.transport.start_sum(buf))
+        elif not self.compressed and self._nobody_contributed(weight):
+            flight.update(buf=torch.zeros(1), work=None)  # the vote only, at the landing
         elif self.compressed:
             delta, self._sent_finite[index] = self._pseudo_gradient(view, fqns)
             if self.worker is None:
@@ -555,7 +565,7 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
                 result = exc
             except Exception as exc:  # a peer gone mid-exchange: the vote says no
                 self.transport.report_error(exc)
-        else:
+        elif flight["work"] is not None:
             try:
                 flight["work"].wait()
             except Exception as exc:
@@ -577,7 +587,7 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
                 "skipped", fragment=index, sites=sites, iteration=self._iteration, overlapped=1
             )
             return
-        if not fqns:
+        if not fqns or ("handle" not in flight and flight["work"] is None):
             total = float(flight["buf"][0])
         elif share is not None:
             total = share.total
@@ -613,6 +623,23 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         buf = torch.tensor([weight], dtype=torch.float32, device=self._device)
         committed = self.transport.sum_and_commit(buf)
         return committed, float(buf[0])
+
+    def _nobody_contributed(self, weight: float) -> bool:
+        """Before any outer step has committed among this quorum's sites (torchft's step is
+        0 on all of them after the quorum), the sum of the weights first, one value: True
+        when it is 0 (every site joining), and the pseudo-gradients are then not sent. From
+        the first commit on, False at once: the weights travel inside the dense exchange.
+        A failed sum is reported to the Manager, whose vote then says no on every site."""
+        if self.transport.step() != 0:
+            return False
+        buf = torch.tensor([weight], dtype=torch.float32, device=self._device)
+        with ProcessGroupTrafficMeter.tagged("outer", force=True):
+            self.transport.start_sum(buf).wait()
+        if self.meter is not None:
+            sites = max(self.transport.num_participants(), 1)
+            wire = collective_wire_bytes("all_reduce", 4, sites)
+            self.meter.record("outer", sent=wire, recv=wire, dense_sent=wire, dense_recv=wire)
+        return float(buf[0]) <= 0
 
     def _check_deadline(self, first: float, attempt: int) -> None:
         o = self.options

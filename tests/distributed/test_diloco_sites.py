@@ -187,6 +187,15 @@ def test_site_killed_and_restarted(tmp_path, compression, fragments, delay):
         log2 = open(os.path.join(out, "site2-restarted.log")).read()
         assert "healed" in log2, log2
         recs = {s: _records(out, s) for s in range(3)}
+        # The sites' first outer step (torchft step 1) is the joins of the first quorum's
+        # sites (at least two, none has trained yet): nobody contributed, and the dense
+        # exchange sent the weights' sum alone, no model-sized buffer.
+        firsts = [recs[s][1] for s in range(3) if 1 in recs[s]]
+        assert len(firsts) >= 2, {s: sorted(recs[s]) for s in range(3)}
+        for first in firsts:
+            assert float(first["event"]["total_weight"]) == 0.0, first["event"]
+            if compression == "none":
+                assert first["sent"].numel() == 1, first["sent"].shape
         final = max(recs[2])
         join = min(s for s in recs[2] if s > step)
         assert float(recs[2][join]["event"]["weight"]) == 0.0  # joined without a contribution

@@ -434,7 +434,7 @@ class _OneSiteTransport:
         pass
 
 
-def _ft_site(seed, **options):
+def _ft_site(seed, transport=None, **options):
     from megatron_ext.optim.diloco_ft import FaultTolerantDiLoCoHook
     from tests.helpers.views import ParamsView
 
@@ -446,7 +446,7 @@ def _ft_site(seed, **options):
 
     settings = dict(interval=4, fragments=2, transport="torchft", site_id=0, sites=2)
     opts = OuterConfig(**{**settings, **options})
-    hook = FaultTolerantDiLoCoHook(opts, make_transport=_OneSiteTransport)
+    hook = FaultTolerantDiLoCoHook(opts, make_transport=transport or _OneSiteTransport)
     view = ParamsView(params, clock)
     hook.setup(view)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -499,6 +499,49 @@ def test_torchft_site_heals_into_the_sites_schedule(delay):
     other.transport.heal_from = state
     with pytest.raises(ValueError, match="--outer-interval, --outer-fragments, --outer-delay"):
         other_step()
+
+
+class _SummingSite(_OneSiteTransport):
+    """The one-site stand-in that records the size of every buffer it sums; ``peers``: the
+    weight the other sites add to the sum (0: every other site joining too)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.sizes = []
+        self.peers = 0.0
+
+    def start_sum(self, buf):
+        self.sizes.append(buf.numel())
+        buf[-1] += self.peers
+        return super().start_sum(buf)
+
+    def sum_and_commit(self, buf):
+        self.start_sum(buf).wait()
+        return self.commit()
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_sites_starting_together_send_no_pseudo_gradient_at_their_join(delay):
+    """At a join of sites that start together nobody contributes: before the first commit
+    (torchft's step 0) the dense exchange sums the weights alone (one value) and sends no
+    model-sized buffer; from the first commit on, one all-reduce of the whole buffer with the
+    weight inside (no extra round trip). When a peer did contribute to a step-0 outer step,
+    the whole buffer follows the weights' sum."""
+    site, params, step = _ft_site(0, _SummingSite, delay=delay, fragments=1)
+    numel = sum(p.numel() for p in params.values())
+    step()  # the join (overlapped: started before the step, landed after it)
+    assert site.transport.sizes == [1], site.transport.sizes
+    assert site.transport.step() == 1 and site._inflight is None
+    for _ in range(3):  # to the first outer step of the cycle (H = 4): started
+        step()
+    assert site.transport.sizes == [1, numel + 1], site.transport.sizes
+    # a step-0 outer step that a peer contributed to: the weights' sum, then the buffer
+    other, _, _ = _ft_site(0, _SummingSite, fragments=1)
+    other.transport.peers = 1.0
+    other.pre_step(other.outer_view(other._raw))
+    assert other.transport.sizes == [1, numel + 1], other.transport.sizes
+    commit = [e for e in other.events if e["event"] == "commit"][0]
+    assert commit["total_weight"] == "1" and commit["weight"] == "0", commit
 
 
 def test_exchanges_and_transports_implement_their_contracts():

@@ -29,7 +29,7 @@ Why one object:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -48,6 +48,13 @@ from megatron_ext.methods.registry import (
     build_components,
 )
 from megatron_ext.state import ExtState, StepClock
+
+if TYPE_CHECKING:  # megatron.core's p2p module is imported at install, not with this one
+    from megatron_ext.collectives.grad_reducer import GradReducer
+    from megatron_ext.collectives.p2p import P2PCodec
+    from megatron_ext.megatron.p2p import ExtP2PCommunicator
+    from megatron_ext.methods.registry import SampleSpace
+    from megatron_ext.protocols import OptimizerHook
 
 __all__ = ["Runtime", "ExtRuntime", "StockRuntime", "install", "parallel_layout"]
 
@@ -137,7 +144,7 @@ class Runtime:
     """What the training loop talks to (see module docstring)."""
 
     meter: CommMeter
-    communicator: Optional[Any] = None
+    communicator: Optional[ExtP2PCommunicator] = None
 
     def begin_step(
         self,
@@ -190,7 +197,7 @@ class ExtRuntime(Runtime):
         self.handles = handles
         self.components = components
         self.state: Optional[ExtState] = None
-        self.communicator: Optional[Any] = None
+        self.communicator: Optional[ExtP2PCommunicator] = None
         self.grad_handle = None
         self.linear_handle = None
         self.optimizer_handle = None
@@ -224,12 +231,15 @@ class ExtRuntime(Runtime):
         return cls(cfg, layout, clock=clock, meter=meter, handles=handles, components=components)
 
     @property
-    def reducer(self) -> Any:
-        """The gradient reducer of the ``grad`` family."""
-        return self.components["grad"].reducer
+    def reducer(self) -> GradReducer:
+        """The gradient reducer of the ``grad`` family (``none``'s is the dense one)."""
+        reducer = self.components["grad"].reducer
+        if reducer is None:
+            raise RuntimeError("megatron-ext: the grad family's method built no reducer")
+        return reducer
 
     @property
-    def pipeline_codec(self) -> Any:
+    def pipeline_codec(self) -> Optional[P2PCodec]:
         """The codec of pipeline transfers: Protocol Models' when selected (it implies its
         own), else the ``p2p`` family's."""
         sub = self.components.get("subspace")
@@ -237,7 +247,7 @@ class ExtRuntime(Runtime):
             return sub.codec
         return self.components["p2p"].codec
 
-    def _optimizer_hooks(self) -> List[Any]:
+    def _optimizer_hooks(self) -> List[OptimizerHook]:
         # The outer synchronization (DiLoCo) wraps everything the inner step does: its hooks
         # come first, so that their post_step runs last (post_step runs in reverse order),
         # after every other hook has written the weights (Protocol Models' constrained AdamW
@@ -268,8 +278,8 @@ class ExtRuntime(Runtime):
         model_config: Any,
         scheduler: Any = None,
         transformer_impl: str = "local",
-        optimizer_hooks: Sequence[Any] = (),
-        samples: Any = None,
+        optimizer_hooks: Sequence[OptimizerHook] = (),
+        samples: Optional[SampleSpace] = None,
     ) -> "ExtRuntime":
         """Install every seam on the DDP-wrapped chunks and the optimizer (see module doc).
 
@@ -461,8 +471,8 @@ def install(
     model_config: Any,
     transformer_impl: str = "local",
     scheduler: Any = None,
-    optimizer_hooks: Sequence[Any] = (),
-    samples: Any = None,
+    optimizer_hooks: Sequence[OptimizerHook] = (),
+    samples: Optional[SampleSpace] = None,
 ) -> ExtRuntime:
     """Create the runtime and install it on an already wrapped model in one call.
 

@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+from torch.distributed import ProcessGroup
 from torch.distributed.distributed_c10d import _coalescing_manager
 
 from megatron_ext.accounting import (
@@ -150,7 +151,9 @@ REDUCE_SCATTER = getattr(torch.distributed, "reduce_scatter_single", None) or (
 FutureWarning at every call site), else ``reduce_scatter_tensor``; same arguments."""
 
 
-def all_gather_flat(output: torch.Tensor, local: torch.Tensor, group: Any) -> None:
+def all_gather_flat(
+    output: torch.Tensor, local: torch.Tensor, group: Optional[ProcessGroup]
+) -> None:
     """``output = cat(local of every rank)`` (torch >= 2.13 names it ``all_gather_single``
     and deprecates ``all_gather_into_tensor``, which older releases only have)."""
     gather = getattr(torch.distributed, "all_gather_single", None)
@@ -159,7 +162,7 @@ def all_gather_flat(output: torch.Tensor, local: torch.Tensor, group: Any) -> No
     gather(output, local, group=group)
 
 
-def _known_to_torch(group: Any) -> bool:
+def _known_to_torch(group: Optional[ProcessGroup]) -> bool:
     """``group`` is None, the world, a group torch.distributed registered, or the marker of a
     group this rank is not in (torch.distributed answers for all of these)."""
     from torch.distributed.distributed_c10d import GroupMember, _world
@@ -167,7 +170,7 @@ def _known_to_torch(group: Any) -> bool:
     return group is None or group is GroupMember.NON_GROUP_MEMBER or group in _world.pg_group_ranks
 
 
-def group_size(group: Any) -> int:
+def group_size(group: Optional[ProcessGroup]) -> int:
     """Ranks in ``group``: torch.distributed's count for a group it knows; the group's own
     ``size()`` for a ``ProcessGroup`` it does not (a reconfigurable one built outside
     ``new_group``, e.g. torchft's current group of the sites: torch.distributed's collectives
@@ -177,7 +180,7 @@ def group_size(group: Any) -> int:
     return int(group.size())
 
 
-def group_rank(group: Any) -> int:
+def group_rank(group: Optional[ProcessGroup]) -> int:
     """This rank's index in ``group`` (see :func:`group_size`)."""
     if _known_to_torch(group):
         return torch.distributed.get_rank(group)
@@ -197,8 +200,8 @@ class BucketGroupSpec:
     buckets: Tuple[BucketView, ...]
     """The group's buckets (usually one), with their shards when reduce-scattering."""
 
-    group: Any
-    """Process group the bucket group reduces over."""
+    group: Optional[ProcessGroup]
+    """Process group the bucket group reduces over (None: the world)."""
 
     group_size: int
     """Ranks in ``group``."""
@@ -229,7 +232,7 @@ class BucketGroupSpec:
     def create(
         cls,
         grads_and_params: Sequence[Tuple[torch.Tensor, Sequence[ParamSlice], str]],
-        group: Any,
+        group: Optional[ProcessGroup],
         *,
         op: Any = torch.distributed.ReduceOp.SUM,
         distributed_optimizer: bool = False,

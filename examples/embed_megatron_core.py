@@ -13,7 +13,8 @@ What it shows:
 Run (megatron-ext's flags go on the same command line)::
 
     torchrun --nproc-per-node 2 examples/embed_megatron_core.py --grad-compression separate
-    torchrun --nproc-per-node 2 examples/embed_megatron_core.py --cpu --grass-method topr
+    torchrun --nproc-per-node 2 examples/embed_megatron_core.py --cpu \\
+        --grass-method topr --grass-rank 16
     torchrun --nproc-per-node 2 examples/embed_megatron_core.py --cpu \\
         --pipeline-model-parallel-size 2 --subspace-method protocol
 

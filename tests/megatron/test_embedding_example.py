@@ -5,17 +5,22 @@ The embedding API of docs/architecture.md (``ExtRuntime.create``, ``transform_mo
 ``runtime.install``) as a script of megatron-core's own style uses it, on CPU/gloo, on every
 supported megatron-core release:
 
-* the script's documented command (torchrun, two data-parallel ranks, SEPARATE): it trains
-  (the loss falls), the replicas end with the same weights, and SEPARATE sends a fraction of
-  the dense bytes;
-* at PP=2 with Protocol Models (a model transform before DDP, and the pipeline codec through
-  the schedule's ``p2p_communicator``): it trains, and the pipeline traffic is compressed;
+* every command of the script's docstring, as written (``--cpu`` added where it is not):
+  the first under torchrun (two data-parallel ranks, SEPARATE: the replicas end with the same
+  weights, SEPARATE sends a fraction of the dense bytes), the others on two ranks of the
+  tests' launcher (Grass: a model transform before DDP; Protocol Models at PP=2: a model
+  transform and the pipeline codec through the schedule's ``p2p_communicator``, the pipeline
+  traffic compressed); each trains (the loss falls on the last stage);
 * the one-call ``install`` on an already wrapped model: installs a method without a model
   transform, and refuses one that has a transform, naming its flag.
 """
 
+import ast
 import importlib.util
 import json
+import shlex
+
+import pytest
 
 from tests.helpers.dist import run_ranks
 from tests.helpers.driver import run_command, torchrun_command
@@ -29,6 +34,21 @@ def _example():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _documented_commands():
+    """The argument lists of the docstring's ``torchrun ... embed_megatron_core.py ARGS``."""
+    text = ast.get_docstring(ast.parse(EXAMPLE.read_text())).replace("\\\n", " ")
+    commands = []
+    for line in text.splitlines():
+        if line.strip().startswith("torchrun "):
+            words = shlex.split(line)
+            args = words[words.index("examples/embed_megatron_core.py") + 1 :]
+            commands.append(args if "--cpu" in args else ["--cpu", *args])
+    return commands
+
+
+COMMANDS = _documented_commands()
 
 
 def _summaries(output):
@@ -46,9 +66,16 @@ def _assert_trains(losses):
     assert losses[0] - sum(losses[-2:]) / 2 > 0.05, f"the loss did not fall: {losses}"
 
 
+def test_the_documented_commands_are_the_tested_ones():
+    assert COMMANDS[0] == ["--cpu", "--grad-compression", "separate"], COMMANDS
+    assert [c[1:3] for c in COMMANDS[1:]] == [
+        ["--grass-method", "topr"],
+        ["--pipeline-model-parallel-size", "2"],
+    ], COMMANDS
+
+
 def test_documented_command_trains_with_separate(tmp_path):
-    # The docstring's first command, with --cpu.
-    command = torchrun_command([str(EXAMPLE), "--cpu", "--grad-compression", "separate"])
+    command = torchrun_command([str(EXAMPLE), *COMMANDS[0]])
     proc = run_command(command, tmp_path, timeout=600, merge_output=True)
     assert proc.returncode == 0, proc.stdout[-4000:]
     summaries = _summaries(proc.stdout)
@@ -59,19 +86,23 @@ def test_documented_command_trains_with_separate(tmp_path):
         assert 0 < s["sent"] < s["dense_sent"] / 4, s
 
 
-def _pipeline_rank(rank, world):
-    return _example().main(
-        ["--cpu", "--pipeline-model-parallel-size", "2", "--subspace-method", "protocol"]
-    )
+def _main_rank(rank, world, args):
+    return _example().main(args)
 
 
-def test_pipeline_and_model_transform():
-    summaries = sorted(run_ranks(_pipeline_rank, 2), key=lambda s: s["pp_rank"])
-    first, last = summaries
-    assert all(loss is None for loss in first["losses"])
-    _assert_trains(last["losses"])
-    for s in summaries:  # the stage's activations or gradients, compressed
-        assert 0 < s["sent"] < s["dense_sent"] / 2, s
+@pytest.mark.parametrize("args", COMMANDS[1:], ids=lambda args: args[1].lstrip("-"))
+def test_documented_command_with_a_model_transform(args):
+    summaries = sorted(run_ranks(_main_rank, 2, args), key=lambda s: s["rank"])
+    if "--pipeline-model-parallel-size" in args:
+        first, last = sorted(summaries, key=lambda s: s["pp_rank"])
+        assert all(loss is None for loss in first["losses"])
+        _assert_trains(last["losses"])
+        for s in summaries:  # the stage's activations or gradients, compressed
+            assert 0 < s["sent"] < s["dense_sent"] / 2, s
+    else:  # Grass at DP=2: the replicas agree
+        assert summaries[0]["weights_sum"] == summaries[1]["weights_sum"], summaries
+        for s in summaries:
+            _assert_trains(s["losses"])
 
 
 def _one_call_rank(rank, world):

@@ -74,6 +74,11 @@ def test_the_documented_commands_are_the_tested_ones():
     ], COMMANDS
 
 
+# release_covered: torchrun's launch and SEPARATE through megatron-core's DDP are
+# megatron-ext's own and run on every release elsewhere (tests/megatron/
+# test_grad_compression.py); the example's use of the API runs on every release in the
+# tests below, so this launch runs once, in the main pass.
+@pytest.mark.release_covered
 def test_documented_command_trains_with_separate(tmp_path):
     command = torchrun_command([str(EXAMPLE), *COMMANDS[0]])
     proc = run_command(command, tmp_path, timeout=600, merge_output=True)

@@ -536,7 +536,7 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
             buf = torch.tensor([weight], dtype=torch.float32, device=self._device)
             flight.update(buf=buf, work=self.transport.start_sum(buf))
         elif not self.compressed and self._nobody_contributed(weight):
-            flight.update(buf=torch.zeros(1), work=None)  # the vote only, at the landing
+            flight.update(buf=torch.zeros(1), work=None)  # summed: the vote only, at the landing
         elif self.compressed:
             delta, self._sent_finite[index] = self._pseudo_gradient(view, fqns)
             if self.worker is None:
@@ -587,7 +587,7 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
                 "skipped", fragment=index, sites=sites, iteration=self._iteration, overlapped=1
             )
             return
-        if not fqns or ("handle" not in flight and flight["work"] is None):
+        if not fqns or flight.get("work", True) is None:  # the weights' sum alone
             total = float(flight["buf"][0])
         elif share is not None:
             total = share.total
@@ -635,11 +635,14 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         buf = torch.tensor([weight], dtype=torch.float32, device=self._device)
         with ProcessGroupTrafficMeter.tagged("outer", force=True):
             self.transport.start_sum(buf).wait()
-        if self.meter is not None:
-            sites = max(self.transport.num_participants(), 1)
-            wire = collective_wire_bytes("all_reduce", 4, sites)
-            self.meter.record("outer", sent=wire, recv=wire, dense_sent=wire, dense_recv=wire)
+        self._record_sum(1, self.transport.num_participants())
         return float(buf[0]) <= 0
+
+    def _record_sum(self, numel: int, sites: int) -> None:
+        """The bytes of a dense all-reduce of ``numel`` fp32 values over ``sites`` sites."""
+        if self.meter is not None:
+            wire = collective_wire_bytes("all_reduce", 4 * numel, max(sites, 1))
+            self.meter.record("outer", sent=wire, recv=wire, dense_sent=wire, dense_recv=wire)
 
     def _check_deadline(self, first: float, attempt: int) -> None:
         o = self.options
@@ -654,9 +657,7 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         """Fragment ``index``'s outer step from the committed dense sum
         ``[sum w * delta, sum w]`` (nothing when nobody contributed: every site joining)."""
         total = float(buf[-1])
-        if self.meter is not None:
-            wire = collective_wire_bytes("all_reduce", 4 * buf.numel(), max(sites, 1))
-            self.meter.record("outer", sent=wire, recv=wire, dense_sent=wire, dense_recv=wire)
+        self._record_sum(buf.numel(), sites)
         if total > 0:
             delta = buf[:-1].div_(total)
             self.pending[index] = (-1, PendingAverage(delta))

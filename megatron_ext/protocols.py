@@ -363,6 +363,9 @@ class OptimizerHook:
     """Runs around the optimizer step (override what you need)."""
 
     name: str = "base"
+    #: Role -> elastic-resume rule, declared by each concrete class in its own body
+    #: (:func:`~megatron_ext.protocols.elastic_rules_of` reads only the class's own).
+    elastic_rules: ClassVar[Mapping[str, str]]
 
     def pre_step(self, view: OptimizerView) -> None:
         """After gradients are final, before the update (default: nothing)."""

@@ -485,6 +485,9 @@ class GradReducer(abc.ABC):
 
     name: str = "base"
     supports: Tuple[str, ...] = ("all_reduce", "reduce_scatter")
+    #: Role -> elastic-resume rule, declared by each concrete class in its own body
+    #: (:func:`~megatron_ext.protocols.elastic_rules_of` reads only the class's own).
+    elastic_rules: ClassVar[Mapping[str, str]]
     #: Whether the reduced gradient is (an estimate of) the mean gradient; False for a
     #: method that leaves gradients local and exchanges something else at the optimizer
     #: step (QuantizedAdam's momentum).

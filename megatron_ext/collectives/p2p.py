@@ -58,6 +58,9 @@ class P2PCodec(abc.ABC):
 
     name: str = "base"
     needs_sample_ids: bool = False
+    #: Role -> elastic-resume rule, declared by each concrete class in its own body
+    #: (:func:`~megatron_ext.protocols.elastic_rules_of` reads only the class's own).
+    elastic_rules: ClassVar[Mapping[str, str]]
     """Codecs keyed by sample (AQ-SGD) need the schedule to determine microbatch ids."""
 
     @abc.abstractmethod

@@ -44,13 +44,13 @@ from typing import Any, ClassVar, Deque, Mapping, Optional, Tuple
 import torch
 
 from megatron_ext.collectives.p2p import P2PCodec, P2PContext
-from megatron_ext.compressors.subspace import Subspace
+from megatron_ext.compressors.subspace import Subspace, SubspaceUser
 from megatron_ext.kernels import subspace as kernels
 
 __all__ = ["SubspaceCodec"]
 
 
-class SubspaceCodec(P2PCodec):
+class SubspaceCodec(SubspaceUser, P2PCodec):
     """See module docstring.
 
     Args:
@@ -63,8 +63,14 @@ class SubspaceCodec(P2PCodec):
     name = "protocol"
     elastic_rules: ClassVar[Mapping[str, str]] = {}
 
-    def __init__(self, subspace: Subspace, *, sends_forward: bool = True, accumulate: bool = False):
-        self.subspace = subspace
+    def __init__(
+        self,
+        subspace: Optional[Subspace] = None,
+        *,
+        sends_forward: bool = True,
+        accumulate: bool = False,
+    ):
+        SubspaceUser.__init__(self, subspace)
         self.sends_forward = sends_forward
         self.accumulate = accumulate
         self._ids: Deque[torch.Tensor] = deque()
@@ -114,6 +120,10 @@ class SubspaceCodec(P2PCodec):
                 f"shape {tuple(tensor.shape)}"
             )
         fixed = self.subspace.fixed
+        if fixed is None:
+            raise RuntimeError(
+                "protocol codec: the subspace has no T_fixed (the model transform builds it)"
+            )
         if self.check_residual:
             v = tensor.float() - fixed[ids].float()
             err = (v - (v @ u) @ u.t()).norm() / v.norm().clamp_min(1e-30)

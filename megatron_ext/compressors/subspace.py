@@ -53,6 +53,7 @@ from megatron_ext.protocols import RESET, SAME, TOTAL
 
 __all__ = [
     "Subspace",
+    "SubspaceUser",
     "orthonormal_basis",
     "fixed_embedding",
     "project",
@@ -298,3 +299,26 @@ class Subspace:
             self.a = state["a"].to(device=self.u.device, dtype=torch.float32).clone()
         elif self.a is not None:
             self.a.zero_()
+
+
+class SubspaceUser:
+    """Base of the objects that work in a run's :class:`Subspace` (the pipeline codec, the
+    optimizer correction): the method builds them before the model exists and its model
+    transform, which knows the hidden size, sets ``subspace``."""
+
+    def __init__(self, subspace: Optional[Subspace] = None):
+        self._subspace = subspace
+
+    @property
+    def subspace(self) -> Subspace:
+        """The run's subspace (a clear error if used before the model transform set it)."""
+        if self._subspace is None:
+            raise RuntimeError(
+                f"megatron-ext: {type(self).__name__} used before the model transform of "
+                "Protocol Models set its subspace"
+            )
+        return self._subspace
+
+    @subspace.setter
+    def subspace(self, subspace: Subspace) -> None:
+        self._subspace = subspace

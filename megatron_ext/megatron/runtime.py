@@ -29,7 +29,7 @@ Why one object:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -50,8 +50,12 @@ from megatron_ext.methods.registry import (
 from megatron_ext.state import ExtState, StepClock
 
 if TYPE_CHECKING:  # megatron.core's p2p module is imported at install, not with this one
+    from megatron_ext.autograd.linear import LinearHook
     from megatron_ext.collectives.grad_reducer import GradReducer
     from megatron_ext.collectives.p2p import P2PCodec
+    from megatron_ext.megatron.ddp import GradSyncHandle
+    from megatron_ext.megatron.linear import LinearHooksHandle
+    from megatron_ext.megatron.optimizer import OptimizerHooksHandle
     from megatron_ext.megatron.p2p import ExtP2PCommunicator
     from megatron_ext.methods.registry import SampleSpace
     from megatron_ext.protocols import OptimizerHook
@@ -196,11 +200,11 @@ class ExtRuntime(Runtime):
         self.pg_meter: Optional[ProcessGroupTrafficMeter] = None
         self.handles = handles
         self.components = components
-        self.state: Optional[ExtState] = None
+        self._state: Optional[ExtState] = None
         self.communicator: Optional[ExtP2PCommunicator] = None
-        self.grad_handle = None
-        self.linear_handle = None
-        self.optimizer_handle = None
+        self.grad_handle: Optional[GradSyncHandle] = None
+        self.linear_handle: Optional[LinearHooksHandle] = None
+        self.optimizer_handle: Optional[OptimizerHooksHandle] = None
         self.last_pg_tagged: Dict[str, Traffic] = {}
         self.pg_collection = None
         self._transformed = False
@@ -231,6 +235,13 @@ class ExtRuntime(Runtime):
         return cls(cfg, layout, clock=clock, meter=meter, handles=handles, components=components)
 
     @property
+    def state(self) -> ExtState:
+        """The checkpointed state objects (from :meth:`install` on)."""
+        if self._state is None:
+            raise RuntimeError("megatron-ext: the runtime has state from install() on")
+        return self._state
+
+    @property
     def reducer(self) -> GradReducer:
         """The gradient reducer of the ``grad`` family (``none``'s is the dense one)."""
         reducer = self.components["grad"].reducer
@@ -239,13 +250,25 @@ class ExtRuntime(Runtime):
         return reducer
 
     @property
-    def pipeline_codec(self) -> Optional[P2PCodec]:
+    def pipeline_codec(self) -> P2PCodec:
         """The codec of pipeline transfers: Protocol Models' when selected (it implies its
-        own), else the ``p2p`` family's."""
+        own), else the ``p2p`` family's (``none``'s is the dense one)."""
         sub = self.components.get("subspace")
         if sub is not None and sub.codec is not None:
             return sub.codec
-        return self.components["p2p"].codec
+        codec = self.components["p2p"].codec
+        if codec is None:
+            raise RuntimeError("megatron-ext: the p2p family's method built no codec")
+        return codec
+
+    @property
+    def linear_hook(self) -> Tuple[LinearHook, str]:
+        """The ``linear`` family's hook and the pattern of the layers it applies to
+        (``none``'s is the pass-through)."""
+        linear = self.components["linear"]
+        if linear.linear_hook is None or linear.linear_layers is None:
+            raise RuntimeError("megatron-ext: the linear family's method built no linear hook")
+        return linear.linear_hook, linear.linear_layers
 
     def _optimizer_hooks(self) -> List[OptimizerHook]:
         # The outer synchronization (DiLoCo) wraps everything the inner step does: its hooks
@@ -328,7 +351,7 @@ class ExtRuntime(Runtime):
         layout = self.layout
         if self.config.comm.accounting:
             self.pg_meter = ProcessGroupTrafficMeter(_traffic_classifier()).install()
-        self.state = ExtState(
+        self._state = ExtState(
             settings=self.config.state_settings(),
             run_only=self.config.run_only_settings(),
             layout={
@@ -361,13 +384,9 @@ class ExtRuntime(Runtime):
                     meter=self.meter,
                 )
                 self.state.register("p2p_codec", codec)
-            linear = self.components["linear"]
-            if transformer_impl == "local" or not isinstance(
-                linear.linear_hook, PassThroughLinearHook
-            ):
-                self.linear_handle = install_linear_hooks(
-                    model_chunks, linear.linear_hook, linear.linear_layers
-                )
+            linear_hook, linear_layers = self.linear_hook
+            if transformer_impl == "local" or not isinstance(linear_hook, PassThroughLinearHook):
+                self.linear_handle = install_linear_hooks(model_chunks, linear_hook, linear_layers)
             # The reducer's step transaction (commit or drop its staged state once megatron
             # has decided whether the step is applied) runs first, around every other hook;
             # it holds no state and is not checkpointed.

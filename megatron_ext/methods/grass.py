@@ -8,7 +8,7 @@ hooks the linear layers. One options class serves every selection rule.
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Callable, Dict
 
 from megatron_ext.methods.registry import (
     BenchContext,
@@ -188,6 +188,15 @@ _SUMMARIES = {
     "uniform-nr": "rows sampled uniformly, without replacement",
 }
 
+
+def _label(name: str) -> Callable[[GrassConfig], str]:
+    def label(o: GrassConfig) -> str:
+        scale = "" if o.scale == GrassConfig.scale else f"-a{o.scale:g}"
+        return f"grass-{name}-r{o.rank}{scale}"
+
+    return label
+
+
 METHODS = tuple(
     register(
         Method(
@@ -198,8 +207,7 @@ METHODS = tuple(
             summary=f"Grass: {summary}, reselected every K steps",
             validate=_validate,
             bench_defaults=_bench_defaults,
-            bench_label=lambda o, name=name: f"grass-{name}-r{o.rank}"
-            + ("" if o.scale == GrassConfig.scale else f"-a{o.scale:g}"),
+            bench_label=_label(name),
         )
     )
     for name, summary in _SUMMARIES.items()

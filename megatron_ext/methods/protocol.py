@@ -164,9 +164,8 @@ def _build(ctx: MethodContext) -> Components:
     stage = torch.distributed.get_rank(pp) if pp is not None else 0
     stages = torch.distributed.get_world_size(pp) if pp is not None else 1
     last = stage == stages - 1
-    codec = SubspaceCodec(
-        None, sends_forward=not last, accumulate=last and opts.update_interval > 0
-    )
+    # Both work in the subspace the model transform makes (it knows the hidden size).
+    codec = SubspaceCodec(sends_forward=not last, accumulate=last and opts.update_interval > 0)
     hook = SubspaceOptimizerHook(
         None,
         {},

@@ -51,6 +51,7 @@ import torch
 
 from megatron_ext.compressors.subspace import (
     Subspace,
+    SubspaceUser,
     coordinates,
     from_coordinates,
     project_,
@@ -74,7 +75,7 @@ def _grad(param: torch.Tensor) -> Optional[torch.Tensor]:
     return param.grad if g is None else g
 
 
-class SubspaceOptimizerHook(OptimizerHook):
+class SubspaceOptimizerHook(SubspaceUser, OptimizerHook):
     """See module docstring.
 
     Args:
@@ -90,14 +91,14 @@ class SubspaceOptimizerHook(OptimizerHook):
 
     def __init__(
         self,
-        subspace: Subspace,
+        subspace: Optional[Subspace],
         constrained: Dict[str, int],
         *,
         update_interval: int,
         reproject_interval: int,
         update_basis: Optional[Callable[[], torch.Tensor]] = None,
     ):
-        self.subspace = subspace
+        SubspaceUser.__init__(self, subspace)
         self.constrained = constrained
         self.update_interval = update_interval
         self.reproject_interval = reproject_interval

@@ -42,11 +42,12 @@ Constraints:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -91,6 +92,13 @@ from megatron_ext.validation import (
     check_transformer_engine,
     check_writable,
 )
+
+if TYPE_CHECKING:  # megatron.core is imported when the process groups exist, not with this
+    from megatron.core.optimizer import MegatronOptimizer
+
+    from megatron_ext.megatron.data import FixedSampleSampler
+    from megatron_ext.megatron.runtime import ExtRuntime
+    from megatron_ext.methods.registry import SampleSpace
 
 __all__ = ["MegatronLMSession"]
 
@@ -137,8 +145,9 @@ class MegatronLMSession:
         self.cpu = cpu
         self.cpu_set_flags: List[str] = []
         self.cfg: Optional[ExtConfig] = None
-        self.runtime: Any = None
-        self._created: Any = None
+        self.runtime: Optional[ExtRuntime] = None
+        """The installed runtime (from :meth:`install_runtime` on)."""
+        self._created: Optional[ExtRuntime] = None
         self.hook_names: List[str] = []
         self.python_shims: List[str] = []
         self.start_iteration: Optional[int] = None
@@ -148,11 +157,11 @@ class MegatronLMSession:
         self.pending_log_field = ""
         self._step: Optional[int] = None
         self._sample_ids_fn: Optional[Callable[[int], torch.Tensor]] = None
-        self._fixed: Any = None
+        self._fixed: Optional[FixedSampleSampler] = None
         self._load: Optional[_LoadContext] = None
         self._saving = False
-        self._optimizer: Any = None
-        self._model_chunks: List[Any] = []
+        self._optimizer: Optional[MegatronOptimizer] = None
+        self._model_chunks: List[torch.nn.Module] = []
         self._saving_iteration: Optional[int] = None
         self._report_written = False
         self.run_dir: Optional[str] = None
@@ -186,7 +195,7 @@ class MegatronLMSession:
 
     # -- arguments ---------------------------------------------------------------------------
 
-    def check_values(self, args: Any) -> None:
+    def check_values(self, args: argparse.Namespace) -> None:
         """Before Megatron-LM's ``validate_args``: every numeric flag in its range and the
         flag relations of :mod:`megatron_ext.validation` (the driver's table), refused with
         one line naming the flag instead of an assertion or a failure inside training; and
@@ -200,7 +209,7 @@ class MegatronLMSession:
         check_flag_relations(args)
         check_save_interval(args)
 
-    def configure(self, args: Any) -> ExtConfig:
+    def configure(self, args: argparse.Namespace) -> ExtConfig:
         """Build and check megatron-ext's config from Megatron-LM's validated args.
 
         Raises:
@@ -246,15 +255,15 @@ class MegatronLMSession:
 
     # -- installation ------------------------------------------------------------------------
 
-    def _create_runtime(self, args: Any) -> Any:
+    def _create_runtime(self, args: argparse.Namespace) -> ExtRuntime:
         """Build the selected methods (once per process; the process groups exist)."""
         from megatron_ext.megatron.runtime import ExtRuntime
 
-        if self.cfg is None:
-            # validate_args was bypassed (e.g. --yaml-cfg goes through validate_yaml).
-            self.configure(args)
+        # validate_args was bypassed when cfg is None (e.g. --yaml-cfg goes through
+        # validate_yaml).
+        cfg = self.cfg if self.cfg is not None else self.configure(args)
         if self._created is None:
-            self._created = ExtRuntime.create(self.cfg, layout_from_args(args))
+            self._created = ExtRuntime.create(cfg, layout_from_args(args))
         return self._created
 
     def _check_one_model(self) -> None:
@@ -265,7 +274,9 @@ class MegatronLMSession:
                 "second model for training",
             )
 
-    def model_provider(self, provider: Callable[..., Any], args: Any) -> Callable[..., Any]:
+    def model_provider(
+        self, provider: Callable[..., Any], args: argparse.Namespace
+    ) -> Callable[..., Any]:
         """``get_model``'s model provider, followed by the methods' model transforms.
 
         Megatron-LM (0.16) calls it once per model chunk, before it moves the chunk to the GPU,
@@ -276,7 +287,7 @@ class MegatronLMSession:
         self._check_one_model()
         runtime = self._create_runtime(args)
 
-        def build(*p_args: Any, **p_kwargs: Any) -> Any:
+        def build(*p_args: argparse.Namespace, **p_kwargs: argparse.Namespace) -> Any:
             model = provider(*p_args, **p_kwargs)
             with self.clean_errors():
                 runtime.transform_model([model])
@@ -284,20 +295,27 @@ class MegatronLMSession:
 
         return build
 
-    def pre_wrap_hook(self, args: Any) -> Callable[[List[Any]], List[Any]]:
+    def pre_wrap_hook(
+        self, args: argparse.Namespace
+    ) -> Callable[[List[torch.nn.Module]], List[torch.nn.Module]]:
         """A hook for 0.19's ``ModelConfig.pre_wrap_hooks``: the methods' model transforms
         on the built chunks (all of this rank's), before Megatron-LM wraps them."""
         self._check_one_model()
         runtime = self._create_runtime(args)
 
-        def hook(model_chunks: List[Any]) -> List[Any]:
+        def hook(model_chunks: List[torch.nn.Module]) -> List[torch.nn.Module]:
             with self.clean_errors():
                 runtime.transform_model(list(model_chunks))
             return model_chunks
 
         return hook
 
-    def install_runtime(self, model_chunks: List[Any], optimizer: Any, args: Any) -> None:
+    def install_runtime(
+        self,
+        model_chunks: List[torch.nn.Module],
+        optimizer: MegatronOptimizer,
+        args: argparse.Namespace,
+    ) -> None:
         """Install every seam on the model chunks and the optimizer (once per process)."""
         from megatron.core.utils import get_model_config
 
@@ -318,7 +336,7 @@ class MegatronLMSession:
         )
         self._log_installed(args)
 
-    def _fixed_sampler(self, args: Any) -> Any:
+    def _fixed_sampler(self, args: argparse.Namespace) -> Optional[FixedSampleSampler]:
         """This rank's :class:`~megatron_ext.megatron.data.FixedSampleSampler` (or None)."""
         if getattr(args, "fixed_samples", None) is None:
             return None
@@ -338,7 +356,7 @@ class MegatronLMSession:
             )
         return self._fixed
 
-    def _sample_space(self, args: Any) -> Any:
+    def _sample_space(self, args: argparse.Namespace) -> SampleSpace:
         """The training samples as Megatron-LM's data loader hands them to this rank."""
         from megatron.core import parallel_state as ps
 
@@ -357,7 +375,9 @@ class MegatronLMSession:
             train_iters=getattr(args, "train_iters", None),
         )
 
-    def train_data_loader(self, dataset: Any, consumed_samples: int, args: Any) -> Any:
+    def train_data_loader(
+        self, dataset: Any, consumed_samples: int, args: argparse.Namespace
+    ) -> Any:
         """Fixed-sample mode's training data loader (None: leave it to Megatron-LM).
 
         Called for every split Megatron-LM builds a loader for; only the training split of
@@ -409,7 +429,9 @@ class MegatronLMSession:
             return None
         return outer.site_id, outer.sites
 
-    def train_valid_test_num_samples(self, numbers: Tuple[Any, ...], args: Any) -> Tuple:
+    def train_valid_test_num_samples(
+        self, numbers: Tuple[Any, ...], args: argparse.Namespace
+    ) -> Tuple:
         """Megatron-LM's dataset sizes; with sites in separate jobs the training split holds
         every site's samples (N times this job's), so that each site reads a block of its
         own (:meth:`site_dataset`)."""
@@ -418,7 +440,7 @@ class MegatronLMSession:
             return numbers
         return (numbers[0] * sites[1], *numbers[1:])
 
-    def site_dataset(self, dataset: Any, args: Any) -> Any:
+    def site_dataset(self, dataset: Any, args: argparse.Namespace) -> Any:
         """The training split as this site reads it: with sites in separate jobs (torchft),
         site ``s`` of ``N`` reads the ``s``-th of ``N`` equal blocks of the split (disjoint
         shards; Megatron-LM's sampler then runs over the block, its consumed samples and
@@ -439,9 +461,9 @@ class MegatronLMSession:
         )
         return torch.utils.data.Subset(dataset, range(site * block, (site + 1) * block))
 
-    def _log_installed(self, args: Any) -> None:
-        rt = self.runtime
-        cfg = self.cfg
+    def _log_installed(self, args: argparse.Namespace) -> None:
+        rt = self.check_installed()
+        cfg = rt.config
         seams = [
             f"grad reducer {type(rt.reducer).__name__} (--grad-compression {cfg.method('grad')})"
         ]
@@ -481,8 +503,9 @@ class MegatronLMSession:
                 f"{', '.join(self.python_shims)}"
             )
 
-    def check_installed(self) -> None:
-        """Raise unless :meth:`install_runtime` ran (called when training starts)."""
+    def check_installed(self) -> ExtRuntime:
+        """The installed runtime; raises unless :meth:`install_runtime` ran (called when
+        training starts)."""
         if self.runtime is None:
             raise ConfigError(
                 "--optimizer",
@@ -490,10 +513,11 @@ class MegatronLMSession:
                 "get_megatron_optimizer / get_megatron_muon_optimizer are hooked); "
                 "training would run without megatron-ext",
             )
+        return self.runtime
 
     # -- iterations ----------------------------------------------------------------------------
 
-    def begin_train_step(self, iteration: Optional[int], args: Any) -> None:
+    def begin_train_step(self, iteration: Optional[int], args: argparse.Namespace) -> None:
         """Before Megatron-LM's ``train_step`` (``iteration``: 0-based, steps done so far)."""
         step = getattr(args, "curr_iteration", 0) if iteration is None else iteration
         if self.start_iteration is None:
@@ -508,7 +532,7 @@ class MegatronLMSession:
             update_successful: whether Megatron-LM took the optimizer step (not
                 ``skipped_iter``; the same on every rank).
         """
-        totals = self.runtime.end_step(update_successful=update_successful)
+        totals = self.check_installed().end_step(update_successful=update_successful)
         for category, traffic in totals.items():
             self.interval.setdefault(category, Traffic()).add(traffic)
         self.interval_steps += 1
@@ -516,7 +540,7 @@ class MegatronLMSession:
         self._step = None
         self._sample_ids_fn = None
 
-    def _sample_ids(self, args: Any) -> Optional[Callable[[int], torch.Tensor]]:
+    def _sample_ids(self, args: argparse.Namespace) -> Optional[Callable[[int], torch.Tensor]]:
         """Microbatch -> dataset sample ids of this DP rank (MegatronPretrainingSampler, or
         the fixed-sample sampler of ``--fixed-samples``)."""
         if args.dataloader_type not in (None, "single"):
@@ -534,7 +558,9 @@ class MegatronLMSession:
         dp_size = ps.get_data_parallel_world_size()
         return lambda microbatch: sample_indices(consumed, microbatch, mbs, dp_rank, dp_size)
 
-    def before_forward_backward(self, forward_only: bool, args: Any) -> Dict[str, Any]:
+    def before_forward_backward(
+        self, forward_only: bool, args: argparse.Namespace
+    ) -> Dict[str, Any]:
         """Before each schedule call; returns the extra schedule kwargs."""
         if self.runtime is None:
             return {}
@@ -548,12 +574,14 @@ class MegatronLMSession:
 
     # -- logging -------------------------------------------------------------------------------
 
-    def interval_log_field(self, iteration: int, is_first_iteration: bool, args: Any) -> str:
+    def interval_log_field(
+        self, iteration: int, is_first_iteration: bool, args: argparse.Namespace
+    ) -> str:
         """The log-line field of the interval ending at ``iteration`` ('' if none is due).
 
         Collective (all ranks): Megatron-LM prints on the same iterations everywhere.
         """
-        if self.runtime is None or not self.cfg.comm.accounting:
+        if self.runtime is None or not self.runtime.config.comm.accounting:
             return ""
         if not (iteration % args.log_interval == 0 or is_first_iteration):
             return ""
@@ -596,24 +624,25 @@ class MegatronLMSession:
 
     # -- report --------------------------------------------------------------------------------
 
-    def report_path(self, args: Any) -> str:
+    def report_path(self, args: argparse.Namespace) -> str:
         """``--comm-report``, else ``<save>/comm_report.json``, else the run directory's."""
-        return report_file(self.cfg.comm.report, args.save, self.run_dir)
+        return report_file(self.check_installed().config.comm.report, args.save, self.run_dir)
 
-    def end_training(self, args: Any) -> None:
+    def end_training(self, args: argparse.Namespace) -> None:
         """Training has ended (collective): what is still in flight finishes (DiLoCo's
         overlapped exchanges, before Megatron-LM's final save), then the report."""
         if self.runtime is not None:
             self.runtime.finish()
         self.write_report(args)
 
-    def write_report(self, args: Any) -> None:
+    def write_report(self, args: argparse.Namespace) -> None:
         """Write the JSON communication report (collective; rank 0 writes). Once per run."""
-        if self.runtime is None or not self.cfg.comm.accounting or self._report_written:
+        rt = self.runtime
+        if rt is None or not rt.config.comm.accounting or self._report_written:
             return
         self._report_written = True
-        meter = self.runtime.meter
-        layout = self.runtime.layout
+        meter = rt.meter
+        layout = rt.layout
         report = {
             "source": "Megatron-LM pretrain (megatron-ext hooks)",
             "megatron_lm_release": self.release.tag,
@@ -628,7 +657,7 @@ class MegatronLMSession:
             },
             "global_batch_size": args.global_batch_size,
             "micro_batch_size": args.micro_batch_size,
-            "ext": self.cfg.summary(),
+            "ext": rt.config.summary(),
             "comm": comm_report(meter),
         }
         if is_rank_0():
@@ -654,7 +683,7 @@ class MegatronLMSession:
             self._load.loaded_optimizer = True
             lm_ckpt.init_optimizer_state_for_load(optimizer)
 
-    def extend_state_dict(self, state_dict: Dict[str, Any], args: Any) -> None:
+    def extend_state_dict(self, state_dict: Dict[str, Any], args: argparse.Namespace) -> None:
         """Add megatron-ext entries to a dict built by ``generate_state_dict``."""
         if self.runtime is None:
             return
@@ -672,9 +701,10 @@ class MegatronLMSession:
             )
             # Every rank builds this dict (torch_dist) before anything is written: no NaN
             # or Inf in Megatron-LM's model and optimizer or in ours gets saved.
+            assert self._saving_iteration is not None, "save_checkpoint builds this dict"
             check_finite_for_save(state_dict, args.save, self._saving_iteration)
 
-    def before_save(self, iteration: int, release: bool, args: Any) -> None:
+    def before_save(self, iteration: int, release: bool, args: argparse.Namespace) -> None:
         """Before Megatron-LM's ``save_checkpoint``: the torch format's per-rank files."""
         if self.runtime is None or args.save is None:
             return
@@ -724,7 +754,7 @@ class MegatronLMSession:
             request.add_finalize_fn(lambda: checksums.write_manifest(checkpoint_dir))
         return request
 
-    def after_save(self, iteration: int, release: bool, args: Any) -> None:
+    def after_save(self, iteration: int, release: bool, args: argparse.Namespace) -> None:
         """After Megatron-LM's ``save_checkpoint`` (collective): the torch format's checksum
         manifest (Megatron-LM has moved the marker already; see
         :mod:`megatron_ext.megatron.checksums`)."""
@@ -737,7 +767,7 @@ class MegatronLMSession:
         directory = get_checkpoint_name(args.save, iteration, release=release, return_base_dir=True)
         checksums.write_manifest(directory)
 
-    def verify_checksums(self, load_arg: str, args: Any) -> None:
+    def verify_checksums(self, load_arg: str, args: argparse.Namespace) -> None:
         """Before Megatron-LM's ``load_checkpoint`` reads anything (collective): the files of
         the checkpoint it will load match their checksums (or ``--no-verify-checkpoint-
         checksums``)."""
@@ -753,7 +783,7 @@ class MegatronLMSession:
         """Megatron-LM's ``load_checkpoint`` starts."""
         self._load = _LoadContext() if self.runtime is not None else None
 
-    def on_base_checkpoint(self, result: Any, rank0: bool, args: Any) -> None:
+    def on_base_checkpoint(self, result: Any, rank0: bool, args: argparse.Namespace) -> None:
         """Seen the return value of ``checkpointing._load_base_checkpoint`` during a load.
 
         ``rank0=True`` returns the common state (torch_dist) or the first legacy file: the
@@ -772,10 +802,11 @@ class MegatronLMSession:
                 ctx.include = False
                 ctx.reason = "--finetune" if args.finetune else "release checkpoint"
             else:
+                rt = self.check_installed()
                 ctx.include = lm_ckpt.decide_load(
                     state_dict.get(lm_ckpt.META_KEY),
-                    self.runtime,
-                    self.cfg.checkpoint.on_mismatch,
+                    rt,
+                    rt.config.checkpoint.on_mismatch,
                     ctx.where,
                 )
                 ctx.reason = "" if ctx.include else "--ext-state-on-mismatch reset"
@@ -793,7 +824,7 @@ class MegatronLMSession:
             if ctx.include and lm_ckpt.STATE_KEY in state_dict:
                 ctx.loaded = state_dict[lm_ckpt.STATE_KEY]
 
-    def name_load_error(self, exc: BaseException, args: Any) -> None:
+    def name_load_error(self, exc: BaseException, args: argparse.Namespace) -> None:
         """Megatron-LM's ``load_checkpoint`` raised ``exc``: raise a CheckpointError naming
         the file of a torch_dist checkpoint that cannot be read, if one is found (else
         return, and ``exc`` propagates). Errors of dist_checkpointing name no file."""
@@ -813,22 +844,26 @@ class MegatronLMSession:
             lm_ckpt.restore_adam_steps(self._optimizer, ctx.adam_step)
         return ctx
 
-    def finish_load(self, ctx: Optional[_LoadContext], args: Any) -> None:
+    def finish_load(self, ctx: Optional[_LoadContext], args: argparse.Namespace) -> None:
         """Load megatron-ext's state after Megatron-LM loaded its own (collective)."""
         if ctx is None or ctx.include is None:
             return
         if not ctx.include:
             print_rank_0(f"> megatron-ext: state not loaded from {ctx.where} ({ctx.reason})")
             return
+        rt = self.check_installed()
         state = ctx.loaded
         source = f"ShardedObject '{lm_ckpt.SHARDED_OBJECT_KEY}'"
-        if state is None and os.path.isdir(ctx.checkpoint_name):
-            raise StateMismatch(
-                f"{ctx.where} has megatron-ext metadata but no '{lm_ckpt.SHARDED_OBJECT_KEY}' "
-                "objects"
-            )
         if state is None:
-            directory = lm_ckpt.iteration_dir_of(ctx.checkpoint_name)
+            name = ctx.checkpoint_name
+            if name is None:
+                raise StateMismatch(f"{ctx.where}: Megatron-LM's load gave this rank no state")
+            if os.path.isdir(name):
+                raise StateMismatch(
+                    f"{ctx.where} has megatron-ext metadata but no "
+                    f"'{lm_ckpt.SHARDED_OBJECT_KEY}' objects"
+                )
+            directory = lm_ckpt.iteration_dir_of(name)
             path = lm_ckpt.rank_file(directory, torch.distributed.get_rank())
             missing = torch.tensor(
                 [0 if os.path.isfile(path) else 1], dtype=torch.int64, device=collective_device()
@@ -839,16 +874,16 @@ class MegatronLMSession:
                 # Raises with --ext-state-on-mismatch error, else warns: start fresh.
                 lm_ckpt.decide_load(
                     None,
-                    self.runtime,
-                    self.cfg.checkpoint.on_mismatch,
+                    rt,
+                    rt.config.checkpoint.on_mismatch,
                     f"{directory} ({missing.item()} ranks lack "
                     f"{lm_ckpt.RANK_FILE_DIR}/rank_XXXXX.pt)",
                 )
                 return
             state = lm_ckpt.load_rank_file(path)
             source = f"{lm_ckpt.RANK_FILE_DIR}/rank_XXXXX.pt"
-        self.runtime.state.load_state_dict(state)
+        rt.state.load_state_dict(state)
         print_rank_0(
             f"> megatron-ext: loaded the state of {torch.distributed.get_world_size()} ranks "
-            f"from {ctx.where} ({source}; objects: {', '.join(self.runtime.state.names)})"
+            f"from {ctx.where} ({source}; objects: {', '.join(rt.state.names)})"
         )

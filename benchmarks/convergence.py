@@ -84,9 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         "directory (the driver's --load DIR --finetune).",
     )
     p.add_argument("--iters", type=int, default=300, help="Training iterations (300).")
-    p.add_argument("--model", default="gpt-tiny")
     p.add_argument("--nproc", type=int, default=2, help="Data-parallel ranks (2).")
-    p.add_argument("--num-threads", type=int, default=1, help="torch threads per rank (1).")
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--global-batch-size", type=int, default=8)
     common.add_lr_schedule_args(p)
@@ -98,12 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.1,
         help="Final loss = mean logged loss of the last this fraction of iterations (0.1).",
     )
-    p.add_argument(
-        "--extra-train-args",
-        default="",
-        help="Extra driver flags (one string; write --extra-train-args='--flag ...' with '=').",
-    )
-    p.add_argument("--run-timeout", type=float, default=3600.0, help="Seconds per run.")
+    common.add_run_args(p, run_timeout=3600.0)
     common.add_machine_args(p, quiet_wait=120.0, what="run")
     p.add_argument(
         "--quick", action="store_true", help="Smoke run: 20 iterations, none and separate."
@@ -149,7 +142,7 @@ def label(method: str, args: argparse.Namespace) -> str:
     ``--separate-adaptive`` among the extra driver flags), ``powersgd-r14``,
     ``aqsgd-fw4bw8+quantized-adam-4bit``."""
     name, grad = _split(method)
-    extra = args.extra_train_args.split()
+    extra = common.extra_train_flags(args)
     out = common.MethodSettings(args, args.family).label(name, extra)
     if grad is not None:
         out += "+" + common.MethodSettings(args, "grad").label(grad, extra)
@@ -190,8 +183,7 @@ def train_command(args: argparse.Namespace, method: str, run_dir: str) -> List[s
     if args.finetune_from:
         cmd += ["--load", args.finetune_from, "--finetune"]
     cmd += method_flags(method, args)
-    if args.extra_train_args:
-        cmd += args.extra_train_args.split()
+    cmd += common.extra_train_flags(args)
     return cmd
 
 

@@ -158,15 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Link rates to train at inside netbench (e.g. 1gbit,100mbit,10mbit); default: "
         "loopback via torchrun.",
     )
-    p.add_argument(
-        "--time-limit",
-        default="",
-        help="Seconds per run at a rate, BW=S,... (e.g. 10mbit=600): stopped runs give lower "
-        "bounds.",
-    )
-    p.add_argument("--model", default="gpt-tiny")
     p.add_argument("--nproc", type=int, default=2, help="Data-parallel ranks (2).")
-    p.add_argument("--num-threads", type=int, default=1)
     p.add_argument(
         "--micro-batch-size",
         type=int,
@@ -175,10 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common.add_lr_schedule_args(p)
     p.add_argument("--eval-iters", type=int, default=4, help="Held-out batches at the end (4).")
-    p.add_argument(
-        "--extra-train-args", default="", help="Extra driver flags for every run (one string)."
-    )
-    p.add_argument("--run-timeout", type=float, default=7200.0)
+    common.add_run_args(p, run_timeout=7200.0, time_limits=True)
     common.add_machine_args(p, quiet_wait=0.0, what="run")
     p.add_argument("--quick", action="store_true", help="Smoke run: 6 steps, 2 points.")
     p.add_argument("--out", default=None, help="Run directory (runs/bench-frontier-<time>).")
@@ -236,16 +225,6 @@ def point_label(args: argparse.Namespace, point: Point, iters: int) -> str:
     return base + (f"@B/{point.batch_div}" if point.batch_div > 1 else "")
 
 
-def _per(spec: str, kind=int) -> Dict[str, Any]:
-    out = {}
-    for part in common.parse_list(spec):
-        key, _, value = part.partition("=")
-        if not value:
-            raise ValueError(f"expected KEY=VALUE, got {part!r}")
-        out[key.strip()] = kind(float(value)) if kind is int else kind(value)
-    return out
-
-
 def train_command(
     args: argparse.Namespace, point: Point, gbs: int, iters: int, run_dir: str
 ) -> List[str]:
@@ -254,7 +233,7 @@ def train_command(
     schedule = common.lr_schedule_flags(args, max(1, iters // 10))
     schedule += ["--eval-iters", str(args.eval_iters), "--log-interval", "1"]
     train = common.driver_command(args, run_dir, mbs, gbs, iters, schedule)
-    return train + point_flags(args, point, iters) + args.extra_train_args.split()
+    return train + point_flags(args, point, iters) + common.extra_train_flags(args)
 
 
 def run_one(
@@ -276,7 +255,8 @@ def run_one(
     name = f"b{gbs}-{label}" + (f"-{bandwidth}" if bandwidth else "")
     run_dir = common.fresh_run_dir(out_dir, name.replace("/", "_"))
     train = train_command(args, point, run_gbs, iters, run_dir)
-    limit = _per(args.time_limit, float).get(bandwidth or "", args.run_timeout)
+    time_limit = common.time_limit(args, bandwidth or "")
+    limit = args.run_timeout if time_limit is None else time_limit
     if bandwidth:
         cmd = netbench_command(
             args.nproc, 1, bandwidth, os.path.join(run_dir, "netbench.json"), limit, train
@@ -300,7 +280,7 @@ def run_one(
         "run_tokens_per_step": run_gbs * seq_length,
         "iters": iters,
         "bandwidth": bandwidth,
-        "time_limit_s": limit if limit != args.run_timeout else None,
+        "time_limit_s": time_limit,
         "exit_code": code,
         "ok": code == 0,
         "wall_s": wall,
@@ -399,8 +379,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         points = parse_points(args.points)
         batches = common.parse_list(args.batch_sizes, int)
-        iters = {int(k): v for k, v in _per(args.iters).items()}
-        _per(args.time_limit, float)
+        iters = {int(k): v for k, v in common.parse_per(args.iters, "--iters", int).items()}
+        common.time_limit(args, "")
     except ValueError as exc:
         print(f"frontier.py: error: {exc}")
         return 2

@@ -204,7 +204,7 @@ def train_command(
     cmd = common.driver_command(args, run_dir, mbs, args.global_batch_size, iters, schedule)
     if layout.pp > 1:
         cmd += ["--pipeline-model-parallel-size", str(layout.pp)]
-    return cmd + list(flags) + shlex.split(args.extra_train_args)
+    return cmd + list(flags) + common.extra_train_flags(args)
 
 
 def netbench_command(
@@ -425,16 +425,6 @@ def add_half_milestone(results: List[Dict[str, Any]]) -> None:
 # -- running -------------------------------------------------------------------------------
 
 
-def _per(spec: str) -> Dict[str, float]:
-    out = {}
-    for part in common.parse_list(spec):
-        key, _, value = part.partition("=")
-        if not value:
-            raise ValueError(f"--time-limit: expected RATE=SECONDS, got {part!r}")
-        out[key.strip()] = float(value)
-    return out
-
-
 def run_one(
     args: argparse.Namespace,
     layout: Layout,
@@ -449,7 +439,8 @@ def run_one(
     run_dir = common.fresh_run_dir(out_dir, f"{layout.name}-{rate}-{label}")
     iters, flags = config_iters(config_flags(flags, layout), args.iters)
     train = train_command(args, layout, flags, run_dir, iters)
-    limit = _per(args.time_limit).get(rate, args.run_timeout)
+    time_limit = common.time_limit(args, rate)
+    limit = args.run_timeout if time_limit is None else time_limit
     cmd = netbench_command(
         layout, rate, os.path.join(run_dir, "netbench.json"), limit, train, args.check_seconds
     )
@@ -466,7 +457,7 @@ def run_one(
         "flags": list(flags),
         "command": common.shell_join(["python" if c == sys.executable else c for c in cmd]),
         "run_dir": os.path.relpath(run_dir, out_dir),
-        "time_limit_s": limit if limit != args.run_timeout else None,
+        "time_limit_s": time_limit,
     }
     refusal = check_config(train, layout)
     if refusal is not None:
@@ -559,25 +550,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=300, help="Training iterations per run (300).")
     p.add_argument("--global-batch-size", type=int, default=8, help="Sequences per step (8).")
     p.add_argument("--micro-batch-size", type=int, default=None, help="Default: min(8, GBS / DP).")
-    p.add_argument(
-        "--time-limit",
-        default="",
-        help="Seconds per run at a rate, RATE=S,... (e.g. 10mbit=1800): a stopped run's "
-        "times are lower bounds.",
-    )
-    p.add_argument("--model", default="gpt-tiny")
-    p.add_argument("--num-threads", type=int, default=1)
     common.add_lr_schedule_args(p)
-    p.add_argument(
-        "--extra-train-args", default="", help="Extra driver flags for every run (one string)."
-    )
-    p.add_argument("--run-timeout", type=float, default=7200.0)
-    p.add_argument(
-        "--check-seconds",
-        type=float,
-        default=1.0,
-        help="netbench's link measurement per link before each run (1.0 s).",
-    )
+    common.add_run_args(p, run_timeout=7200.0, time_limits=True, link_checks=True)
     common.add_machine_args(p, quiet_wait=0.0, what="run")
     p.add_argument(
         "--quick",
@@ -672,7 +646,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise ValueError("--config: the 'none' reference trains --iters iterations")
         layouts = [parse_layout(t, args.pp) for t in common.parse_list(args.layouts)]
         rates = common.parse_list(args.rates)
-        _per(args.time_limit)
+        common.time_limit(args, "")
         if args.pp < 1 or args.iters < 1:
             raise ValueError("--pp and --iters must be positive")
         if len({label for label, _ in configs}) != len(configs):

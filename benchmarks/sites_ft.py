@@ -623,11 +623,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=int, default=10, help="DiLoCo's H (10).")
     p.add_argument("--save-interval", type=int, default=15, help="Checkpoint interval (15).")
     p.add_argument("--batch", type=int, default=4, help="Sequences per step per site (4).")
-    p.add_argument("--model", default="gpt-tiny")
-    p.add_argument("--num-threads", type=int, default=1)
     common.add_lr_schedule_args(p)
-    p.add_argument("--check-seconds", type=float, default=1.0)
-    p.add_argument("--run-timeout", type=float, default=1800.0)
+    common.add_run_args(p, run_timeout=1800.0, extra_train_args=False, link_checks=True)
     p.add_argument("--quick", action="store_true", help="Smoke run: a, 2 sites, 4 steps, H 2.")
     p.add_argument("--out", default=None, help="Run directory (runs/bench-sites_ft-<time>).")
     return p

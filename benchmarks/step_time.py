@@ -141,16 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--skip", type=int, default=2, help="Warm-up iterations excluded from the statistics (2)."
     )
-    p.add_argument("--model", default="gpt-tiny", help="Model preset (default gpt-tiny).")
-    p.add_argument("--num-threads", type=int, default=1, help="torch threads per rank (1).")
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--global-batch-size", type=int, default=8)
-    p.add_argument(
-        "--extra-train-args", default="", help="Extra flags for the driver (one string)."
-    )
-    p.add_argument(
-        "--run-timeout", type=float, default=1800.0, help="Seconds per run before it is stopped."
-    )
+    common.add_run_args(p, run_timeout=1800.0)
     common.add_machine_args(p, quiet_wait=120.0, what="run")
     p.add_argument(
         "--quick",
@@ -208,8 +201,7 @@ def train_command(
     if pp > 1:
         cmd += ["--pipeline-model-parallel-size", str(pp)]
     cmd += method_flags(method, args)
-    if args.extra_train_args:
-        cmd += args.extra_train_args.split()
+    cmd += common.extra_train_flags(args)
     return cmd
 
 

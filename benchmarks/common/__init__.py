@@ -63,14 +63,18 @@ from benchmarks.common.reports import (
 )
 from benchmarks.common.runs import (
     add_lr_schedule_args,
+    add_run_args,
     driver_command,
+    extra_train_flags,
     fresh_run_dir,
     lr_schedule_flags,
     median,
     parse_list,
+    parse_per,
     run_logged,
     run_measured,
     shell_join,
+    time_limit,
 )
 from megatron_ext.report import read_jsonl
 
@@ -104,6 +108,10 @@ __all__ = [
     "driver_command",
     "lr_schedule_flags",
     "add_lr_schedule_args",
+    "add_run_args",
+    "extra_train_flags",
+    "parse_per",
+    "time_limit",
     "median",
     "read_jsonl",
     "run_logged",

@@ -1,7 +1,9 @@
 """Running a benchmark's commands and summarizing them: logged runs, lists, the median.
 
 :func:`driver_command` and :func:`lr_schedule_flags` build the CPU driver runs the training
-benchmarks make (:func:`add_lr_schedule_args` declares the options the latter reads),
+benchmarks make (:func:`add_lr_schedule_args` declares the options the latter reads,
+:func:`add_run_args` the options every such benchmark has, read by :func:`extra_train_flags`
+and :func:`time_limit`),
 :func:`fresh_run_dir` and :func:`run_measured` run one of them, :func:`run_logged` runs a
 command with its output in a log file (optionally at raised priority), :func:`parse_list`
 reads comma-separated flag values, :func:`shell_join` prints a copy-pasteable command,
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -23,6 +26,10 @@ __all__ = [
     "driver_command",
     "lr_schedule_flags",
     "add_lr_schedule_args",
+    "add_run_args",
+    "extra_train_flags",
+    "parse_per",
+    "time_limit",
     "fresh_run_dir",
     "run_measured",
     "median",
@@ -84,6 +91,78 @@ def add_lr_schedule_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--min-lr", type=float, default=1e-4)
+
+
+def add_run_args(
+    parser: argparse.ArgumentParser,
+    *,
+    run_timeout: float,
+    extra_train_args: bool = True,
+    time_limits: bool = False,
+    link_checks: bool = False,
+) -> None:
+    """The options of a benchmark that launches driver runs: ``--model`` (gpt-tiny),
+    ``--num-threads`` (torch threads per rank, 1), ``--run-timeout`` (``run_timeout``
+    seconds), ``--extra-train-args`` (:func:`extra_train_flags`) unless ``extra_train_args``
+    is False, with ``time_limits`` ``--time-limit`` (:func:`time_limit`), and with
+    ``link_checks`` ``--check-seconds`` (netbench's measurement of the shaped links)."""
+    parser.add_argument("--model", default="gpt-tiny", help="Model preset (default gpt-tiny).")
+    parser.add_argument("--num-threads", type=int, default=1, help="torch threads per rank (1).")
+    parser.add_argument(
+        "--run-timeout",
+        type=float,
+        default=run_timeout,
+        help=f"Seconds per run before it is stopped ({run_timeout:g}).",
+    )
+    if extra_train_args:
+        parser.add_argument(
+            "--extra-train-args",
+            default="",
+            help="Extra driver flags for every run, one string in shell syntax (write "
+            "--extra-train-args='--flag ...' with '=').",
+        )
+    if time_limits:
+        parser.add_argument(
+            "--time-limit",
+            default="",
+            help="Seconds per run at a link rate, RATE=S,... (e.g. 10mbit=1800), in place of "
+            "--run-timeout: a stopped run's times are lower bounds.",
+        )
+    if link_checks:
+        parser.add_argument(
+            "--check-seconds",
+            type=float,
+            default=1.0,
+            help="netbench's measurement of each shaped link before each run (1.0 s).",
+        )
+
+
+def extra_train_flags(args: argparse.Namespace) -> List[str]:
+    """``--extra-train-args`` split as a shell would (quoted values stay one flag value)."""
+    return shlex.split(args.extra_train_args)
+
+
+def parse_per(spec: str, flag: str, kind: Any = float) -> Dict[str, Any]:
+    """``KEY=VALUE,...`` of ``flag`` as a dict (``kind`` int: a value may be written 1e3).
+
+    Raises:
+        ValueError: naming ``flag``, for an item without ``=VALUE`` or a value that is not a
+            number.
+    """
+    out: Dict[str, Any] = {}
+    for part in parse_list(spec):
+        key, _, value = part.partition("=")
+        try:
+            out[key.strip()] = int(float(value)) if kind is int else kind(value)
+        except ValueError:
+            raise ValueError(f"{flag}: expected KEY=NUMBER, got {part!r}") from None
+    return out
+
+
+def time_limit(args: argparse.Namespace, rate: str) -> Optional[float]:
+    """The ``--time-limit`` of a run at link ``rate`` (None: none given, ``--run-timeout``
+    applies)."""
+    return parse_per(args.time_limit, "--time-limit").get(rate)
 
 
 def lr_schedule_flags(args: Any, warmup_iters: int, decay_style: str = "cosine") -> List[str]:

@@ -209,6 +209,32 @@ def test_driver_flags_of_the_methods():
     assert "--separate-adaptive" in convergence.train_command(gargs, "separate", "/tmp/x")
 
 
+def test_training_benchmarks_share_their_run_options():
+    from benchmarks import frontier, sites, sites_ft
+
+    for module in (convergence, frontier, sites, sites_ft, step_time):
+        args = module.build_parser().parse_args([])
+        assert (args.model, args.num_threads) == ("gpt-tiny", 1), module.__name__
+    # --extra-train-args is split as a shell would: a quoted value stays one flag value.
+    args = sites.build_parser().parse_args(["--extra-train-args=--log-json 'a b.jsonl' --x"])
+    assert common.extra_train_flags(args) == ["--log-json", "a b.jsonl", "--x"]
+    assert "a b.jsonl" in convergence.train_command(
+        convergence.build_parser().parse_args([f"--extra-train-args={args.extra_train_args}"]),
+        "none",
+        "/tmp/x",
+    )
+    # --time-limit: per link rate, None where none is given (--run-timeout applies).
+    args = frontier.build_parser().parse_args(["--time-limit", "10mbit=600, 1gbit=1e2"])
+    assert common.time_limit(args, "10mbit") == 600.0
+    assert common.time_limit(args, "1gbit") == 100.0
+    assert common.time_limit(args, "100mbit") is None
+    assert common.parse_per("4=1e3,8=20", "--iters", int) == {"4": 1000, "8": 20}
+    for bad in ("10mbit", "10mbit=fast"):
+        args = sites.build_parser().parse_args(["--time-limit", bad])
+        with pytest.raises(ValueError, match="--time-limit: expected KEY=NUMBER"):
+            common.time_limit(args, "10mbit")
+
+
 def test_grass_runs_through_the_linear_family():
     cargs = convergence.build_parser().parse_args(
         ["--family", "linear", "--iters", "1000", "--grass-rank", "64", "--grass-scale", "1"]

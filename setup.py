@@ -66,7 +66,14 @@ setup(
         # --outer-method diloco with torchft's DiLoCo on the same inputs. The "megatron-lm"
         # extra's packages: the tests of Megatron-LM's pretrain_gpt.py (tests/megatron_lm),
         # which CI runs on every submission.
-        "test": ["pytest", "tensorboard", "matplotlib", "transformers", "torchft==0.2.0"]
+        "test": [
+            "pytest",
+            "pytest-xdist",
+            "tensorboard",
+            "matplotlib",
+            "transformers",
+            "torchft==0.2.0",
+        ]
         + _MEGATRON_LM,
         # --tokenizer-type HuggingFaceTokenizer (prepare-data, the driver; Megatron-LM's own
         # HuggingFaceTokenizer needs it too).

@@ -20,8 +20,9 @@
 # needed. triton is not installed: on CPU megatron-ext registers stand-ins for the two
 # megatron-core modules that import it only to define GPU kernels.
 #
-# Environment: PYTHON (python3), TORCH_SPEC (torch==2.13.0: the local CPU wheel), DRY_RUN (1:
-# print the commands instead of running them).
+# Environment: PYTHON (python3), TORCH_SPEC (torch==2.13.0: the local CPU wheel), PYTEST_WORKERS
+# (2: pytest-xdist workers, each test file on one; 0: no workers), DRY_RUN (1: print the
+# commands instead of running them).
 set -euo pipefail
 # bash >= 4.4 ('set -u' with empty arrays); RHEL/CentOS 7 ships 4.2.
 if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 404)); then
@@ -53,8 +54,8 @@ run_cmd pip install -q numpy packaging
 run_cmd pip install -q --no-deps -e .
 # megatron-ext's own dependencies and the test extra (Megatron-LM's imports included), without
 # letting pip touch megatron-core.
-run_cmd pip install -q einops sentencepiece datasets pyyaml psutil pytest tensorboard \
-    matplotlib six regex pydantic pybind11
+run_cmd pip install -q einops sentencepiece datasets pyyaml psutil pytest pytest-xdist \
+    tensorboard matplotlib six regex pydantic pybind11
 # torchft (the test extra's pin) for pretrain_gpt.py's sites in separate jobs; its other
 # dependencies are not torch.
 run_cmd pip install -q --no-deps torchft==0.2.0
@@ -63,6 +64,8 @@ if [[ "$DRY_RUN" != 1 ]]; then
     installed=$(python -c "from megatron_ext.megatron.version import mcore_version; print(mcore_version())")
     echo "megatron-ext tests against megatron-core ${installed} (Python $(python -c 'import sys; print(sys.version.split()[0])'))"
 fi
-run_cmd python -m pytest -q -p no:cacheprovider -m "not release_independent and not release_covered" tests/megatron \
+workers=${PYTEST_WORKERS:-2}
+run_cmd python -m pytest -q -p no:cacheprovider -n "$workers" --dist loadfile \
+    -m "not release_independent and not release_covered" tests/megatron \
     tests/megatron_lm tests/unit/test_flags.py tests/unit/test_cpu_execution.py \
     tests/unit/test_mcore_releases.py "$@"

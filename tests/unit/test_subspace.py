@@ -387,3 +387,20 @@ def test_fixed_embedding_is_drawn_in_the_model_dtype_on_its_device(dtype):
     assert torch.equal(fixed.view(bits), other.view(bits))
     assert float(fixed.float().std()) == pytest.approx(0.02, rel=0.05)
     assert not torch.equal(fixed, Subspace(d, 4, seed=8).make_fixed(rows, 0.02, dtype, "cpu"))
+
+
+def test_codec_and_hook_used_before_the_model_transform_name_the_cause():
+    # The method builds both before the model exists; its model transform sets the subspace.
+    codec = SubspaceCodec(sends_forward=True)
+    hook = SubspaceOptimizerHook(None, {}, update_interval=0, reproject_interval=0)
+    with pytest.raises(RuntimeError, match="SubspaceCodec used before the model transform"):
+        codec.encode(torch.zeros(2, 1, 8), BWD)
+    with pytest.raises(RuntimeError, match="SubspaceOptimizerHook used before the model"):
+        hook.subspace
+    sub = Subspace(8, 2, seed=1)
+    codec.subspace = hook.subspace = sub
+    assert codec.encode(torch.zeros(2, 1, 8), BWD).numel() == 2 * 2  # k coordinates a token
+    # A subspace without T_fixed cannot encode a forward activation.
+    codec.push_token_ids(torch.zeros(2, 1, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="no T_fixed"):
+        codec.encode(torch.zeros(2, 1, 8), FWD)

@@ -287,7 +287,7 @@ class MegatronLMSession:
         self._check_one_model()
         runtime = self._create_runtime(args)
 
-        def build(*p_args: argparse.Namespace, **p_kwargs: argparse.Namespace) -> Any:
+        def build(*p_args: Any, **p_kwargs: Any) -> torch.nn.Module:
             model = provider(*p_args, **p_kwargs)
             with self.clean_errors():
                 runtime.transform_model([model])

@@ -380,7 +380,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         points = parse_points(args.points)
         batches = common.parse_list(args.batch_sizes, int)
         iters = {int(k): v for k, v in common.parse_per(args.iters, "--iters", int).items()}
-        common.time_limit(args, "")
+        common.parse_per(args.time_limit, "--time-limit")
     except ValueError as exc:
         print(f"frontier.py: error: {exc}")
         return 2

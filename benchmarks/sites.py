@@ -646,7 +646,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise ValueError("--config: the 'none' reference trains --iters iterations")
         layouts = [parse_layout(t, args.pp) for t in common.parse_list(args.layouts)]
         rates = common.parse_list(args.rates)
-        common.time_limit(args, "")
+        common.parse_per(args.time_limit, "--time-limit")
         if args.pp < 1 or args.iters < 1:
             raise ValueError("--pp and --iters must be positive")
         if len({label for label, _ in configs}) != len(configs):

@@ -62,6 +62,8 @@ __all__ = [
     "OptimizerView",
     "OptimizerHook",
     "PseudoGradientExchange",
+    "AsynchronousPseudoGradientExchange",
+    "StagedPseudoGradientExchange",
     "SitesTransport",
     "NonFiniteError",
     "ElasticStateful",
@@ -202,17 +204,29 @@ class OptimizerView(abc.ABC):
     def step(self) -> int:
         """Training iteration being stepped."""
 
+    def owned_state(self, fqn: str) -> ParamOptimState:
+        """:meth:`param_state` of a parameter this rank holds state for (one of
+        :meth:`fqns`).
+
+        Raises:
+            KeyError: naming ``fqn``, when this rank holds none of its optimizer state.
+        """
+        state = self.param_state(fqn)
+        if state is None:
+            raise KeyError(f"megatron-ext: this rank holds no optimizer state of {fqn!r}")
+        return state
+
     def param_numels(self) -> Dict[str, int]:
         """Element count of every parameter the optimizer updates (whole parameters, also
         those whose shards are on other ranks): the same on every data-parallel rank.
         Default: the parameters of :meth:`fqns`, whole on this rank."""
-        return {f: self.param_state(f).model_param.numel() for f in self.fqns()}
+        return {f: self.owned_state(f).model_param.numel() for f in self.fqns()}
 
     def write_param(self, fqn: str, value: torch.Tensor) -> None:
         """Set ``fqn``'s optimizer copy (``main_param``, shaped as it) to ``value`` and this
         rank's part of the model parameter to match; other ranks' parts of a sharded
         parameter become current at :meth:`sync_params`."""
-        ps = self.param_state(fqn)
+        ps = self.owned_state(fqn)
         with torch.no_grad():
             ps.main_param.copy_(value.view_as(ps.main_param))
             if ps.model_param is ps.main_param:
@@ -234,7 +248,7 @@ class OptimizerView(abc.ABC):
             return
         mains, main_values, models, model_values = [], [], [], []
         for fqn, value in zip(fqns, values):
-            ps = self.param_state(fqn)
+            ps = self.owned_state(fqn)
             mains.append(ps.main_param)
             main_values.append(value.view_as(ps.main_param))
             if ps.model_param is ps.main_param:
@@ -290,14 +304,12 @@ class OptimizerView(abc.ABC):
 class PseudoGradientExchange(Protocol):
     """What DiLoCo's outer step needs of an exchange of one fragment's pseudo-gradient over
     the outer group (``megatron_ext.optim.diloco.exchange.DenseOuterExchange``, and the
-    compressed ``megatron_ext.collectives.outer_exchange.OuterExchange``).
-
-    ``asynchronous``: the exchange also has ``start(flat)``, which starts it on the calling
-    thread and returns a handle whose ``wait()`` gives the mean (the dense all-reduce);
-    otherwise an overlapped exchange runs ``average`` on the exchange thread.
+    compressed ``megatron_ext.collectives.outer_exchange.OuterExchange``). An overlapped
+    exchange (``--outer-delay``) starts on the calling thread when it is an
+    :class:`AsynchronousPseudoGradientExchange`; otherwise ``average`` runs on the exchange
+    thread.
     """
 
-    asynchronous: ClassVar[bool]
     group: Any
     size: int
 
@@ -315,6 +327,41 @@ class PseudoGradientExchange(Protocol):
 
     def shared_state_dict(self) -> Dict[str, Any]:
         """The state every rank of the group holds alike (a joining site's share)."""
+        ...
+
+
+@runtime_checkable
+class AsynchronousPseudoGradientExchange(PseudoGradientExchange, Protocol):
+    """A :class:`PseudoGradientExchange` that starts on the calling thread without waiting
+    (the dense all-reduce, ``megatron_ext.optim.diloco.exchange.DenseOuterExchange``)."""
+
+    def start(self, flat: torch.Tensor) -> Any:
+        """Start :meth:`average` of ``flat`` (consumed): a handle whose ``wait()`` gives the
+        mean."""
+        ...
+
+
+@runtime_checkable
+class StagedPseudoGradientExchange(PseudoGradientExchange, Protocol):
+    """A :class:`PseudoGradientExchange` whose error feedback waits for a vote: the outer step
+    of sites that are separate jobs (``megatron_ext.optim.diloco_ft``) exchanges with
+    ``average(flat, commit=False)``, which stages the new error feedback, and keeps it with
+    ``end(True)`` only once every site's exchange has succeeded (``end(False)``: as it was).
+    ``regroup(group)`` is the same exchange, its state kept, over another group (a new
+    quorum: another size, another position). The compressed
+    ``megatron_ext.collectives.outer_exchange.OuterExchange`` is one."""
+
+    def average(self, flat: torch.Tensor, *, commit: bool = True) -> torch.Tensor:
+        """The mean (or, built to sum, the sum) over the group of ``flat``; with
+        ``commit=False`` the new error feedback is staged for :meth:`end`."""
+        ...
+
+    def end(self, applied: bool) -> None:
+        """Keep the staged error feedback (``applied``) or drop it."""
+        ...
+
+    def regroup(self, group: Any) -> "StagedPseudoGradientExchange":
+        """This exchange over ``group``."""
         ...
 
 

@@ -95,7 +95,7 @@ Constraints:
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -186,9 +186,8 @@ class OuterExchange:
             global one whatever the group's size; :meth:`regroup` needs it).
     """
 
-    # A PseudoGradientExchange (megatron_ext.protocols) with several dependent collectives
-    # and its codec: an overlapped one runs on DiLoCo's exchange thread.
-    asynchronous: ClassVar[bool] = False
+    # A StagedPseudoGradientExchange (megatron_ext.protocols) with several dependent
+    # collectives and its codec: an overlapped one runs on DiLoCo's exchange thread.
 
     def __init__(
         self,

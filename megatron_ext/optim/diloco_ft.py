@@ -92,8 +92,9 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch.distributed import ProcessGroup
@@ -112,8 +113,8 @@ from megatron_ext.options.outer import OuterConfig
 from megatron_ext.protocols import (
     NonFiniteError,
     OptimizerView,
-    PseudoGradientExchange,
     SitesTransport,
+    StagedPseudoGradientExchange,
 )
 
 __all__ = ["TorchftTransport", "FaultTolerantDiLoCoHook", "torchft_missing"]
@@ -274,10 +275,10 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         # (count, fragment) of the outer step this site is in: what a healing peer is told
         # (count, fragment, count after which it is applied or None) of the outer step this
         # site is in: what a healing peer is told
-        self._at: tuple = (0, 0, None)
-        self._peer_at: Optional[tuple] = None
+        self._at: Tuple[int, int, Optional[int]] = (0, 0, None)
+        self._peer_at: Tuple[int, int, Optional[int]] = (0, 0, None)
         # --outer-delay: the fragment's outer step in flight (started, not yet voted on)
-        self._inflight: Optional[Dict[str, Any]] = None
+        self._inflight: Optional[_Flight] = None
         # a live site's outer state that does not fit this site (raised by the outer step)
         self._heal_error: Optional[ValueError] = None
         self._device: Any = "cpu"
@@ -299,6 +300,17 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
             state_dict=state_dict,
             load_state_dict=load_state_dict,
         )
+
+    @property
+    def sites(self) -> SitesTransport:
+        """The transport to the other sites (built at :meth:`setup`, shut down at
+        :meth:`finish`)."""
+        if self.transport is None:
+            raise RuntimeError(
+                "megatron-ext: the outer step across sites has no transport (used before "
+                "setup() or after finish())"
+            )
+        return self.transport
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -406,7 +418,7 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         self._iteration = view.step + 1
         self._since = [n + 1 for n in self._since]
         o = self.options
-        if self._inflight is not None and self._inflight["apply_after"] == self._count:
+        if self._inflight is not None and self._inflight.apply_after == self._count:
             self._land(view)
             view.sync_params()
         for index in fragment_due(self._count, o.interval, o.fragments):
@@ -427,7 +439,7 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
 
     def _quorum(self) -> None:
         try:
-            self.transport.quorum()
+            self.sites.quorum()
         except Exception as exc:
             if self._heal_error is not None:
                 raise self._heal_error from exc
@@ -463,14 +475,14 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
             if not fqns:  # this rank holds none of the fragment: the weights' sum, the vote
                 committed, total = self._empty_attempt(weight)
             elif not self.compressed and self._nobody_contributed(weight):
-                committed, total, exchanged = self.transport.commit(), 0.0, False
+                committed, total, exchanged = self.sites.commit(), 0.0, False
             elif self.compressed:
                 committed, total, result = self._compressed_attempt(view, index, weight)
             else:
                 buf, sent_finite = self._dense_buffer(view, fqns, weight)
                 with ProcessGroupTrafficMeter.tagged("outer", force=True):
-                    committed = self.transport.sum_and_commit(buf)
-            sites = self.transport.num_participants()
+                    committed = self.sites.sum_and_commit(buf)
+            sites = self.sites.num_participants()
             if committed:
                 break
             if failed_at is None:
@@ -488,7 +500,7 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         self._since[index] = 0
         self._event(
             "commit",
-            step=self.transport.step(),
+            step=self.sites.step(),
             sites=sites,
             attempts=attempt,
             iteration=self._iteration,
@@ -506,7 +518,7 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         self._since = [0] * len(self.fragments)
         fqns = list(view.fqns())
         if fqns:
-            device = view.param_state(fqns[0]).main_param.device
+            device = view.owned_state(fqns[0]).main_param.device
             view.write_params(fqns, [self.snapshot[f].to(device) for f in fqns])
 
     # -- the overlapped outer step (--outer-delay) --------------------------------------------
@@ -525,28 +537,23 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
             index = self._at[1]
         fqns = self.fragments[index]
         weight = self._weight(index) if contribute and not self._healed else 0.0
-        flight: Dict[str, Any] = {
-            "index": index,
-            "apply_after": self._at[2],
-            "weight": weight,
-            "since": self._since[index],
-        }
+        flight = _Flight(index, self._at[2], weight, self._since[index])
         self._since[index] = 0  # the steps from here on belong to the next outer step
         if not fqns:
-            buf = torch.tensor([weight], dtype=torch.float32, device=self._device)
-            flight.update(buf=buf, work=self.transport.start_sum(buf))
+            flight.buf = torch.tensor([weight], dtype=torch.float32, device=self._device)
+            flight.work = self.sites.start_sum(flight.buf)
         elif not self.compressed and self._nobody_contributed(weight):
-            flight.update(buf=torch.zeros(1), work=None)  # summed: the vote only, at the landing
+            flight.buf = torch.zeros(1)  # summed: the vote only, at the landing
         elif self.compressed:
             delta, self._sent_finite[index] = self._pseudo_gradient(view, fqns)
             if self.worker is None:
                 self.worker = ExchangeWorker(delta.device)
-            share = _WeightedShare(self._exchange_for(index), weight)
-            flight.update(share=share, handle=self.worker.submit(share, delta))
+            flight.share = _WeightedShare(self._exchange_for(index), weight)
+            flight.handle = self.worker.submit(flight.share, delta)
         else:
-            buf, flight["sent_finite"] = self._dense_buffer(view, fqns, weight)
+            flight.buf, flight.sent_finite = self._dense_buffer(view, fqns, weight)
             with ProcessGroupTrafficMeter.tagged("outer", force=True):
-                flight.update(buf=buf, work=self.transport.start_sum(buf))
+                flight.work = self.sites.start_sum(flight.buf)
         self._inflight = flight
 
     def _land(self, view: OptimizerView) -> None:
@@ -555,24 +562,25 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         during the exchange): skipped on this site, nothing applied, the exchange's error
         feedback as it was; the fragment's progress is carried by its next outer step."""
         flight, self._inflight = self._inflight, None
-        index = flight["index"]
+        assert flight is not None, "_land without an outer step in flight"
+        index = flight.index
         fqns = self.fragments[index]
-        result: Any = None
-        if "handle" in flight:
+        result: Union[None, torch.Tensor, NonFiniteError] = None
+        if flight.handle is not None:
             try:
-                result = flight["handle"].wait()
+                result = flight.handle.wait()
             except NonFiniteError as exc:  # on every site alike (the same sum)
                 result = exc
             except Exception as exc:  # a peer gone mid-exchange: the vote says no
-                self.transport.report_error(exc)
-        elif flight["work"] is not None:
+                self.sites.report_error(exc)
+        elif flight.work is not None:
             try:
-                flight["work"].wait()
+                flight.work.wait()
             except Exception as exc:
-                self.transport.report_error(exc)
-        committed = self.transport.commit()
-        sites = self.transport.num_participants()
-        share = flight.get("share")
+                self.sites.report_error(exc)
+        committed = self.sites.commit()
+        sites = self.sites.num_participants()
+        share = flight.share
         if share is not None:
             share.exchange.end(committed and torch.is_tensor(result) and share.total > 0)
             self.last_exchange = {
@@ -581,34 +589,35 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
                 "total_weight": share.total,
             }
         if not committed:
-            self._since[index] += flight["since"]
+            self._since[index] += flight.since
             self._sent_finite.pop(index, None)
             self._event(
                 "skipped", fragment=index, sites=sites, iteration=self._iteration, overlapped=1
             )
             return
-        if not fqns or flight.get("work", True) is None:  # the weights' sum alone
-            total = float(flight["buf"][0])
-        elif share is not None:
+        if share is not None:
             total = share.total
             self._apply_compressed(view, index, total, result)
+        elif not fqns or flight.work is None:  # the weights' sum alone
+            total = float(flight.buf[0])
         else:
-            total = self._apply_dense(view, index, flight["buf"], sites, flight["sent_finite"])
+            total = self._apply_dense(view, index, flight.buf, sites, flight.sent_finite)
         self._event(
             "commit",
-            step=self.transport.step(),
+            step=self.sites.step(),
             sites=sites,
             attempts=1,
             iteration=self._iteration,
             fragment=index,
-            weight=f"{flight['weight']:g}",
+            weight=f"{flight.weight:g}",
             total_weight=f"{total:g}",
         )
 
     def _land_in_flight(self) -> None:
         if self._inflight is not None:
-            self._land(self._view)
-            self._view.sync_params()
+            _, view = self.views()
+            self._land(view)
+            view.sync_params()
 
     def state_dict(self) -> Dict[str, Any]:
         """As the one-world hook's; an outer step in flight lands first (its vote, then its
@@ -621,7 +630,7 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         """An outer step of a fragment this rank holds nothing of: the sum of the weights and
         the commit vote, so that its Manager keeps the others' steps."""
         buf = torch.tensor([weight], dtype=torch.float32, device=self._device)
-        committed = self.transport.sum_and_commit(buf)
+        committed = self.sites.sum_and_commit(buf)
         return committed, float(buf[0])
 
     def _nobody_contributed(self, weight: float) -> bool:
@@ -630,12 +639,12 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         when it is 0 (every site joining), and the pseudo-gradients are then not sent. From
         the first commit on, False at once: the weights travel inside the dense exchange.
         A failed sum is reported to the Manager, whose vote then says no on every site."""
-        if self.transport.step() != 0:
+        if self.sites.step() != 0:
             return False
         buf = torch.tensor([weight], dtype=torch.float32, device=self._device)
         with ProcessGroupTrafficMeter.tagged("outer", force=True):
-            self.transport.start_sum(buf).wait()
-        self._record_sum(1, self.transport.num_participants())
+            self.sites.start_sum(buf).wait()
+        self._record_sum(1, self.sites.num_participants())
         return float(buf[0]) <= 0
 
     def _record_sum(self, numel: int, sites: int) -> None:
@@ -682,13 +691,26 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         buf[-1] = weight
         return buf, finite
 
-    def _exchange_for(self, index: int) -> PseudoGradientExchange:
+    def _exchange_for(self, index: int) -> StagedPseudoGradientExchange:
         """Fragment ``index``'s compressed exchange over the quorum's group (rebuilt after a
         new quorum: another size, another position)."""
-        group = self.transport.group()
-        if self.exchanges[index].group is not group:
-            self.exchanges[index] = self.exchanges[index].regroup(group)
-        return self.exchanges[index]
+        exchange = self._staged(index)
+        group = self.sites.group()
+        if exchange.group is not group:
+            exchange = exchange.regroup(group)
+            self.exchanges[index] = exchange
+        return exchange
+
+    def _staged(self, index: int) -> StagedPseudoGradientExchange:
+        """Fragment ``index``'s compressed exchange (built by :func:`_local_exchange`)."""
+        exchange = self.exchanges[index]
+        if not isinstance(exchange, StagedPseudoGradientExchange):
+            raise TypeError(
+                f"megatron-ext: the outer exchange of fragment {index} "
+                f"({type(exchange).__name__}) cannot stage its error feedback for the sites' "
+                "vote (megatron_ext.protocols.StagedPseudoGradientExchange)"
+            )
+        return exchange
 
     def _compressed_attempt(self, view: OptimizerView, index: int, weight: float):
         """One attempt of a compressed outer step over the quorum's group: the sum of the
@@ -706,10 +728,10 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         except NonFiniteError as exc:  # on every site alike (the same sum)
             result = exc
         except Exception as exc:  # a peer gone mid-exchange, a timeout: the vote says no
-            self.transport.report_error(exc)
-        committed = self.transport.commit()
+            self.sites.report_error(exc)
+        committed = self.sites.commit()
         total = share.total if share is not None else 0.0
-        self.exchanges[index].end(committed and torch.is_tensor(result) and total > 0)
+        self._staged(index).end(committed and torch.is_tensor(result) and total > 0)
         # What this site sent and received in the last attempt (read by tests and tools).
         self.last_exchange = {
             "sent": share.sent if share is not None else None,
@@ -723,11 +745,11 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         one-world hook's SGD step and non-finite handling; nothing when nobody contributed)."""
         if total > 0:
             if isinstance(result, NonFiniteError):
-                pending: Any = ThreadedAverage(None)
+                pending: Any = ThreadedAverage()
                 pending._finish(None, result)
             else:
                 pending = PendingAverage(result)
-                self._record_bytes(self.exchanges[index], result.numel())
+                self._record_bytes(self._staged(index), result.numel())
             self.pending[index] = (-1, pending)
             self.finish_fragment(view, index)
         else:
@@ -741,13 +763,32 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
             self.transport = None
 
 
+@dataclass
+class _Flight:
+    """A fragment's outer step in flight (``--outer-delay``), started by
+    :meth:`FaultTolerantDiLoCoHook._start` and landed by its ``_land``: one of the weights'
+    sum alone (``buf`` of one value, ``work`` its all-reduce, or None when nobody
+    contributed and only the vote remains), the compressed exchange (``share`` on the
+    exchange thread, ``handle``) or the dense sum (``buf``, ``work``, ``sent_finite``)."""
+
+    index: int
+    apply_after: Optional[int]
+    weight: float
+    since: int
+    buf: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    work: Any = None
+    sent_finite: Optional[torch.Tensor] = None
+    share: Optional["_WeightedShare"] = None
+    handle: Optional[ThreadedAverage] = None
+
+
 class _WeightedShare:
     """One compressed outer step (blocking, or overlapped on the exchange thread): the sum of
     the sites' weights (a dense all-reduce of one value), then this site's share
     ``w / sum(w)`` of its pseudo-gradient through the exchange (SUM), its new error feedback
     staged."""
 
-    def __init__(self, exchange: PseudoGradientExchange, weight: float):
+    def __init__(self, exchange: StagedPseudoGradientExchange, weight: float):
         self.exchange = exchange
         self.weight = weight
         self.total = 0.0

@@ -546,20 +546,29 @@ def test_sites_starting_together_send_no_pseudo_gradient_at_their_join(delay):
 
 def test_exchanges_and_transports_implement_their_contracts():
     """The outer step's contracts (megatron_ext/protocols.py): both exchanges are
-    PseudoGradientExchanges (the dense one asynchronous), the torchft transport and the
-    tests' stand-in are SitesTransports."""
+    PseudoGradientExchanges, the dense one asynchronous, the compressed one staged (what
+    the sites' outer step needs of it); the torchft transport and the tests' stand-in are
+    SitesTransports."""
     from megatron_ext.collectives.outer_exchange import OuterExchange
     from megatron_ext.optim.diloco_ft import TorchftTransport
-    from megatron_ext.protocols import PseudoGradientExchange, SitesTransport
+    from megatron_ext.protocols import (
+        AsynchronousPseudoGradientExchange,
+        PseudoGradientExchange,
+        SitesTransport,
+        StagedPseudoGradientExchange,
+    )
 
     dense = make_outer_exchange("none", None, 4, None, "cpu")
     from megatron_ext.optim.diloco_ft import _local_exchange
 
     shapes = [("w", (8, 8))]
     compressed = _local_exchange("quantized", None, 64, None, "cpu", name="outer/0", shapes=shapes)
-    assert isinstance(dense, PseudoGradientExchange) and dense.asynchronous
-    assert isinstance(compressed, OuterExchange) and not compressed.asynchronous
-    assert isinstance(compressed, PseudoGradientExchange)
+    assert isinstance(dense, PseudoGradientExchange)
+    assert isinstance(dense, AsynchronousPseudoGradientExchange)
+    assert not isinstance(dense, StagedPseudoGradientExchange)
+    assert isinstance(compressed, OuterExchange)
+    assert isinstance(compressed, StagedPseudoGradientExchange)
+    assert not isinstance(compressed, AsynchronousPseudoGradientExchange)
     for transport in (TorchftTransport, _OneSiteTransport):
         assert issubclass(transport, SitesTransport), transport
 

@@ -31,7 +31,7 @@ Constraints:
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed import ProcessGroup
@@ -41,7 +41,7 @@ from megatron_ext.optim.diloco.overlap import PendingAverage
 
 # The names --outer-compression takes (each but "none" is an OuterExchange with that
 # data-parallel method's compression); defined with the options, which need no torch.
-from megatron_ext.options.outer import OUTER_EXCHANGES, OuterConfig
+from megatron_ext.options.outer import OUTER_EXCHANGES
 from megatron_ext.protocols import PseudoGradientExchange
 
 __all__ = [
@@ -121,7 +121,7 @@ def fragment_due(steps_taken: int, interval: int, num_fragments: int) -> List[in
 class DenseOuterExchange:
     """The dense pseudo-gradient exchange: an all-reduce mean over the outer group.
 
-    A :class:`~megatron_ext.protocols.PseudoGradientExchange`, asynchronous (``start``); it
+    A :class:`~megatron_ext.protocols.AsynchronousPseudoGradientExchange` (``start``); it
     holds no state.
 
     Args:
@@ -134,12 +134,10 @@ class DenseOuterExchange:
             in it), which compressed exchanges use; the dense one ignores them.
     """
 
-    asynchronous: ClassVar[bool] = True
-
     def __init__(
         self,
         method: str,
-        options: OuterConfig,
+        options: Any,
         numel: int,
         group: Optional[ProcessGroup],
         device: torch.device,
@@ -202,7 +200,7 @@ class DenseOuterExchange:
 
 def make_outer_exchange(
     method: str,
-    options: OuterConfig,
+    options: Any,
     numel: int,
     group: Optional[ProcessGroup],
     device: torch.device,
@@ -210,6 +208,8 @@ def make_outer_exchange(
 ) -> PseudoGradientExchange:
     """The outer exchange called ``method`` (``--outer-compression``).
 
+    ``options``: the compressed exchange's options (the options dataclass of its
+    data-parallel method; None: its defaults); the dense exchange takes none.
     ``layout``: ``name=`` the flat buffer's stable name (``outer/<fragment>``) and
     ``shapes=`` the ``(fqn, shape)`` of its parameters, for exchanges that compress per
     matrix or key their state by name.

@@ -92,7 +92,7 @@ Constraints:
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.distributed import ProcessGroup
@@ -120,6 +120,7 @@ from megatron_ext.optim.diloco.overlap import (
 from megatron_ext.options.outer import OuterConfig
 from megatron_ext.protocols import (
     RESET,
+    AsynchronousPseudoGradientExchange,
     NonFiniteError,
     OptimizerHook,
     OptimizerView,
@@ -192,7 +193,7 @@ class DiLoCoHook(OptimizerHook):
         )
         self.syncs = 0
         # fragment -> (step count after which it is applied, its exchange in flight)
-        self.pending: Dict[int, Tuple[int, PendingAverage]] = {}
+        self.pending: Dict[int, Tuple[int, Union[PendingAverage, ThreadedAverage]]] = {}
         self._pending_load: Optional[Dict[str, Any]] = None
         # The snapshots hold the weights training starts from: False until the first step
         # (or a load of a saved state) confirms it. State allocated at install is taken from
@@ -232,16 +233,23 @@ class DiLoCoHook(OptimizerHook):
             self._raw, self._view = view, wrapped
         return self._view
 
+    def views(self) -> Tuple[OptimizerView, OptimizerView]:
+        """The optimizer's view and the outer step's (:meth:`outer_view`), once the hook has
+        seen the optimizer (at install's :meth:`setup`)."""
+        if self._raw is None or self._view is None:
+            raise RuntimeError("megatron-ext: DiLoCo's outer step has not seen the optimizer")
+        return self._raw, self._view
+
     def setup(self, view: OptimizerView) -> None:
         """Allocate the outer state from the current parameters (identical on every site at
         the start of training): fragments, fp32 snapshots, exchanges."""
         o = self.options
         view = self.outer_view(view)
-        sizes = [(f, view.param_state(f).main_param.numel()) for f in view.fqns()]
+        sizes = [(f, view.owned_state(f).main_param.numel()) for f in view.fqns()]
         # Fragments are of whole parameters, split by whole sizes, the same on every rank.
         # With the distributed optimizer this rank holds shards of some of them and
         # exchanges those with the ranks holding the same shards in the other sites.
-        sharded = any(view.param_state(f).param_range is not None for f in view.fqns())
+        sharded = any(view.owned_state(f).param_range is not None for f in view.fqns())
         whole = split_fragments(
             sorted(view.param_numels().items()) if sharded else sizes, o.fragments
         )
@@ -250,13 +258,13 @@ class DiLoCoHook(OptimizerHook):
         self._nonempty = [bool(frag) for frag in whole]
         device = None
         for fqn in view.fqns():
-            main = view.param_state(fqn).main_param
+            main = view.owned_state(fqn).main_param
             device = main.device
             self.snapshot[fqn] = main.detach().to(
                 self._state_device(main), torch.float32, copy=True
             )
         numel = dict(sizes)
-        shapes = {f: tuple(view.param_state(f).main_param.shape) for f in numel}
+        shapes = {f: tuple(view.owned_state(f).main_param.shape) for f in numel}
         # options=None: an exchange's own defaults (the compressed exchanges take the options
         # dataclass of their data-parallel method, not the --outer-* options).
         self.exchanges = [
@@ -276,7 +284,7 @@ class DiLoCoHook(OptimizerHook):
             for i, frag in enumerate(self.fragments)
         ]
         if self._pending_load is not None:
-            self._apply_load(self._pending_load, view)
+            self._apply_load(self._pending_load)
             self._pending_load = None
 
     # -- the outer step -----------------------------------------------------------------------
@@ -294,7 +302,7 @@ class DiLoCoHook(OptimizerHook):
         view = self.outer_view(view)
         view.anchor()
         for fqn in view.fqns():
-            self.snapshot[fqn].copy_(view.param_state(fqn).main_param.detach())
+            self.snapshot[fqn].copy_(view.owned_state(fqn).main_param.detach())
         self.momentum = {}
         self.anchored = True
 
@@ -327,7 +335,7 @@ class DiLoCoHook(OptimizerHook):
         self.finish_fragment(view, index)
 
     def _flat(self, view: OptimizerView, fqns: Sequence[str]) -> Tuple[Any, torch.Tensor]:
-        states = [view.param_state(f) for f in fqns]
+        states = [view.owned_state(f) for f in fqns]
         return states, torch.cat([s.main_param.detach().reshape(-1).float() for s in states])
 
     def start_fragment(
@@ -344,8 +352,9 @@ class DiLoCoHook(OptimizerHook):
         # Read only if the outer update turns out non-finite (which site sent what); the
         # check is inside the subtraction's pass (megatron_ext/kernels/outer.py).
         pseudo_grad, self._sent_finite[index] = pseudo_gradient(snap, current)
-        exchange = self.exchanges[index]
-        if apply_after is not None and not exchange.asynchronous:
+        exchange = self._exchange(index)
+        asynchronous = isinstance(exchange, AsynchronousPseudoGradientExchange)
+        if apply_after is not None and not asynchronous:
             # A compressed exchange overlapped: on the worker thread, every one of the hook's
             # exchanges through it (the outer group's collectives in one order); its bytes
             # are recorded when it has landed (finish_fragment).
@@ -356,13 +365,20 @@ class DiLoCoHook(OptimizerHook):
         if self.worker is not None:
             raise RuntimeError("megatron-ext: DiLoCo mixes blocking and threaded exchanges")
         with ProcessGroupTrafficMeter.tagged("outer", force=True):
-            if apply_after is None:
-                pending = _blocking_average(exchange, pseudo_grad)
-            else:
+            if apply_after is not None and isinstance(exchange, AsynchronousPseudoGradientExchange):
                 pending = exchange.start(pseudo_grad)
+            else:
+                pending = _blocking_average(exchange, pseudo_grad)
         if isinstance(pending, PendingAverage):  # not an exchange that refused its input
             self._record_bytes(exchange, current.numel())
         self.pending[index] = (-1 if apply_after is None else apply_after, pending)
+
+    def _exchange(self, index: int) -> PseudoGradientExchange:
+        """Fragment ``index``'s exchange (a fragment this rank holds part of)."""
+        exchange = self.exchanges[index]
+        if exchange is None:
+            raise RuntimeError(f"megatron-ext: DiLoCo fragment {index} has no exchange here")
+        return exchange
 
     def _record_bytes(self, exchange: PseudoGradientExchange, numel: int) -> None:
         if self.meter is not None:
@@ -387,7 +403,7 @@ class DiLoCoHook(OptimizerHook):
             delta = None
         states, current = self._flat(view, fqns)
         if isinstance(pending, ThreadedAverage) and delta is not None:
-            self._record_bytes(pending.exchange, current.numel())
+            self._record_bytes(self._exchange(index), current.numel())
         device = current.device
         finite = delta is not None
         if finite:
@@ -549,6 +565,7 @@ class DiLoCoHook(OptimizerHook):
                     )
                 continue  # skipped when it lands, as the resumed run then has nothing to apply
             pending[str(i)] = {"apply_after": due, "delta": delta.cpu().clone()}
+        raw, view = self.views()
         out = {
             "snapshot": {f: t.detach().cpu().clone() for f, t in self.snapshot.items()},
             "momentum": {f: t.detach().cpu().clone() for f, t in self.momentum.items()},
@@ -556,13 +573,13 @@ class DiLoCoHook(OptimizerHook):
             "fragments": [list(f) for f in self.fragments],
             "syncs": self.syncs,
             "pending": pending,
-            "view": self._view.site_state(),
+            "view": view.site_state(),
             "anchored": self.anchored,
         }
         if self.num_sites > 1:
             params, optim = {}, {}
-            for fqn in self._raw.fqns():
-                ps = self._raw.param_state(fqn)
+            for fqn in raw.fqns():
+                ps = raw.owned_state(fqn)
                 params[fqn] = ps.main_param.detach().cpu().clone()
                 optim[fqn] = {
                     k: v.detach().cpu().clone()
@@ -611,11 +628,11 @@ class DiLoCoHook(OptimizerHook):
         if set(state) != expected:
             raise ValueError(f"diloco state keys {sorted(state)}, expected {sorted(expected)}")
         if self.initialized:
-            self._apply_load(state, self._view)
+            self._apply_load(state)
         else:
             self._pending_load = state
 
-    def _apply_load(self, state: Dict[str, Any], view: OptimizerView) -> None:
+    def _apply_load(self, state: Dict[str, Any]) -> None:
         if not state["anchored"]:
             # State taken before any step (a save at iteration 0, or an elastic resume's
             # reset, which keeps the freshly built state): nothing in it but the initial
@@ -626,6 +643,7 @@ class DiLoCoHook(OptimizerHook):
             raise ValueError("diloco state was saved with other fragments (--outer-fragments)")
         if set(state["snapshot"]) != set(self.snapshot):
             raise ValueError("diloco state was saved for other parameters")
+        raw, view = self.views()
         self._load_outer_state(state)
         self.pending = {}
         self._sent_finite = {}
@@ -633,12 +651,12 @@ class DiLoCoHook(OptimizerHook):
             i = int(i)
             if not 0 <= i < len(self.fragments) or not self.fragments[i]:
                 raise ValueError(f"diloco state: no fragment {i} to apply an exchange to")
-            device = view.param_state(self.fragments[i][0]).main_param.device
+            device = view.owned_state(self.fragments[i][0]).main_param.device
             delta = p["delta"].to(device, torch.float32, copy=True)
             self.pending[i] = (int(p["apply_after"]), PendingAverage(delta))
         view.load_site_state(state["view"])
         if "site" in state:
-            self._load_site(state["site"], self._raw)
+            self._load_site(state["site"], raw)
         self.anchored = True
 
     def _load_site(self, site: Dict[str, Any], view: OptimizerView) -> None:
@@ -647,7 +665,7 @@ class DiLoCoHook(OptimizerHook):
         if set(site["params"]) != set(view.fqns()):
             raise ValueError("diloco site state was saved for other parameters")
         for fqn, value in site["params"].items():
-            ps = view.param_state(fqn)
+            ps = view.owned_state(fqn)
             if tuple(value.shape) != tuple(ps.main_param.shape):
                 raise ValueError(f"diloco site state: {fqn} does not fit (another sharding)")
             for k, v in site["optim"][fqn].items():
@@ -657,7 +675,7 @@ class DiLoCoHook(OptimizerHook):
                     )
         with torch.no_grad():
             for fqn, value in site["params"].items():
-                ps = view.param_state(fqn)
+                ps = view.owned_state(fqn)
                 view.write_param(fqn, value.to(ps.main_param.device))
                 for k, v in site["optim"][fqn].items():
                     ps.state[k].copy_(v)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Callable, Optional, Protocol, TypeVar, Union
 
 import torch
 
@@ -63,15 +63,19 @@ class PendingAverage:
         return self._work is not None
 
 
+class Averaging(Protocol):
+    """What :class:`ExchangeWorker` runs: a
+    :class:`~megatron_ext.protocols.PseudoGradientExchange`, or one outer step's use of one."""
+
+    def average(self, flat: torch.Tensor) -> torch.Tensor: ...
+
+
 class ThreadedAverage:
     """A compressed outer exchange running on :class:`ExchangeWorker`'s thread: ``wait()``
     returns its mean (idempotent) or raises what the exchange raised (a NaN, a peer gone).
+    The bytes it sent are the exchange's ``wire_bytes()`` once it has finished."""
 
-    ``exchange`` is kept so the bytes it sent can be read once it has finished
-    (``wire_bytes()`` is only known then)."""
-
-    def __init__(self, exchange: Optional[PseudoGradientExchange]):
-        self.exchange = exchange
+    def __init__(self) -> None:
         self._done = threading.Event()
         self._result: Optional[torch.Tensor] = None
         self._error: Optional[BaseException] = None
@@ -126,16 +130,16 @@ class ExchangeWorker:
             except BaseException as exc:  # raised to the main thread by wait()
                 handle._finish(None, exc)
 
-    def submit(self, exchange: PseudoGradientExchange, flat: torch.Tensor) -> ThreadedAverage:
+    def submit(self, exchange: Averaging, flat: torch.Tensor) -> ThreadedAverage:
         """Queue ``exchange.average(flat)``; ``flat`` must not be modified until it lands."""
-        handle = ThreadedAverage(exchange)
+        handle = ThreadedAverage()
         self._queue.put((exchange, flat, handle))
         return handle
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn()`` on the thread after the queued exchanges (another collective on the
         outer group, in the same order on every rank) and return its result."""
-        handle = ThreadedAverage(None)
+        handle = ThreadedAverage()
         self._queue.put((_Call(fn), None, handle))
         return handle.wait()
 
@@ -164,6 +168,6 @@ def _blocking_average(
     try:
         return PendingAverage(exchange.average(flat))
     except NonFiniteError as exc:
-        handle = ThreadedAverage(None)
+        handle = ThreadedAverage()
         handle._finish(None, exc)
         return handle

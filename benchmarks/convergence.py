@@ -35,7 +35,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import sys
@@ -210,19 +209,16 @@ def run_one(args: argparse.Namespace, method: str, out_dir: str) -> Dict[str, An
         "run_dir": os.path.relpath(run_dir, out_dir),
         "contention": contention,
     }
-    log_path = os.path.join(run_dir, "log.jsonl")
-    if os.path.exists(log_path):
-        result.update(summarize_curve(common.read_jsonl(log_path), args.final_fraction))
-    rep_path = os.path.join(run_dir, "comm_report.json")
-    if os.path.exists(rep_path):
-        with open(rep_path) as f:
-            rep = json.load(f)
+    records = common.run_records(run_dir)
+    if records:
+        result.update(summarize_curve(records, args.final_fraction))
+    rep = common.run_json(run_dir, "comm_report.json")
+    if rep is not None:
         result["final_valid_loss"] = rep.get("final_valid_loss")
         result["driver_mean_step_time_s"] = rep.get("mean_step_time_s")
         result["comm_all_ranks_per_step"] = (rep.get("comm") or {}).get("all_ranks_per_step")
     if code != 0:
-        with open(os.path.join(run_dir, "stdout.txt")) as f:
-            result["error_tail"] = f.read()[-2000:]
+        result["error_tail"] = common.stdout_tail(run_dir)
     return result
 
 

@@ -246,8 +246,6 @@ def run_one(
     seq_length: int,
 ) -> Dict[str, Any]:
     """Train one point at one batch size (and link rate); returns its record."""
-    import json
-
     from benchmarks.step_time import netbench_command
 
     label = point_label(args, point, iters)
@@ -289,8 +287,7 @@ def run_one(
         "run_dir": os.path.relpath(run_dir, out_dir),
         "contention": contention,
     }
-    log_path = os.path.join(run_dir, "log.jsonl")
-    records = common.read_jsonl(log_path) if os.path.exists(log_path) else []
+    records = common.run_records(run_dir)
     if records:
         result.update(summarize_curve(records))
         complete = len(records) >= iters
@@ -300,13 +297,11 @@ def run_one(
         result["truncated"] = stopped and not complete
         result["ok"] = code == 0 or (stopped and complete)
         result["iterations_done"] = len(records)
-    rep_path = os.path.join(run_dir, "comm_report.json")
-    if os.path.exists(rep_path):
-        with open(rep_path) as f:
-            result["final_valid_loss"] = json.load(f).get("final_valid_loss")
+    rep = common.run_json(run_dir, "comm_report.json")
+    if rep is not None:
+        result["final_valid_loss"] = rep.get("final_valid_loss")
     if code != 0 and not result.get("truncated"):
-        with open(os.path.join(run_dir, "stdout.txt")) as f:
-            result["error_tail"] = f.read()[-2000:]
+        result["error_tail"] = common.stdout_tail(run_dir)
     return result
 
 

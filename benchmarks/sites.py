@@ -434,8 +434,6 @@ def run_one(
     out_dir: str,
 ) -> Dict[str, Any]:
     """Check, then (if the driver accepts it) train one configuration; returns its record."""
-    import json
-
     run_dir = common.fresh_run_dir(out_dir, f"{layout.name}-{rate}-{label}")
     iters, flags = config_iters(config_flags(flags, layout), args.iters)
     train = train_command(args, layout, flags, run_dir, iters)
@@ -465,8 +463,7 @@ def run_one(
         return result
     code, wall, contention = common.run_measured(args, cmd, run_dir, limit + 120)
     result.update(exit_code=code, wall_s=wall, contention=contention)
-    log_path = os.path.join(run_dir, "log.jsonl")
-    records = common.read_jsonl(log_path) if os.path.exists(log_path) else []
+    records = common.run_records(run_dir)
     if records:
         result.update(summarize_run(records, iters, args.iters))
     done = len(records) >= iters
@@ -476,12 +473,9 @@ def run_one(
         result["status"] = "ok" if done else "stopped"  # a lower bound when stopped
     else:
         result["status"] = "failed"
-        with open(os.path.join(run_dir, "stdout.txt")) as f:
-            result["error_tail"] = f.read()[-2000:]
-    nb_path = os.path.join(run_dir, "netbench.json")
-    if os.path.exists(nb_path):
-        with open(nb_path) as f:
-            nb = json.load(f)
+        result["error_tail"] = common.stdout_tail(run_dir)
+    nb = common.run_json(run_dir, "netbench.json")
+    if nb is not None:
         result["link_check"] = nb.get("link_check")
         result["netbench_wall_s"] = nb.get("wall_time_s")
     return result

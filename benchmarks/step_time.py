@@ -395,8 +395,6 @@ def run_one(
     round_index: int = 0,
 ) -> Dict[str, Any]:
     """One netbench run; returns its record (see :func:`summarize_run`)."""
-    import json
-
     nproc, pp, _ = LAYOUTS[layout]
     iters = _iters_for(args, bandwidth)
     name = f"{layout}-{method}-{bandwidth}-r{round_index + 1}"
@@ -433,23 +431,19 @@ def run_one(
     }
     result["family"] = args.family
     result["method_options"] = common.MethodSettings(args, args.family).options(method)
-    log_path = os.path.join(run_dir, "log.jsonl")
-    if os.path.exists(log_path):
+    records = common.run_records(run_dir)
+    if records:
         category = "pp-act" if args.family in ("p2p", "subspace") else "dp-grad"
-        result.update(summarize_run(common.read_jsonl(log_path), args.skip, category))
-    nb_path = os.path.join(run_dir, "netbench.json")
-    if os.path.exists(nb_path):
-        with open(nb_path) as f:
-            nb = json.load(f)
+        result.update(summarize_run(records, args.skip, category))
+    nb = common.run_json(run_dir, "netbench.json")
+    if nb is not None:
         result["link_check"] = _link_summary(nb, bandwidth)
         result["netbench_wall_s"] = nb.get("wall_time_s")
-        report_path = os.path.join(run_dir, "comm_report.json")
-        if nb.get("interface_bytes") and os.path.exists(report_path):
-            with open(report_path) as f:
-                result["wire_check"] = wire_check(nb["interface_bytes"], json.load(f))
+        report = common.run_json(run_dir, "comm_report.json")
+        if nb.get("interface_bytes") and report is not None:
+            result["wire_check"] = wire_check(nb["interface_bytes"], report)
     if code != 0:
-        with open(os.path.join(run_dir, "stdout.txt")) as f:
-            result["error_tail"] = f.read()[-2000:]
+        result["error_tail"] = common.stdout_tail(run_dir)
     return result
 
 

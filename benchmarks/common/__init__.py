@@ -13,8 +13,8 @@ make_report``):
 * :mod:`.models`: GPT presets' shapes and PowerSGD's rank at equal bytes;
 * :mod:`.methods`: the registry's methods as benchmark flags (``--family``, ``--methods`` and
   each method's options) and settings;
-* :mod:`.runs`: the CPU driver's command, its run folder, logged and measured command runs,
-  list flags, the median.
+* :mod:`.runs`: the CPU driver's command, its run folder and what a run left there, logged
+  and measured command runs, list flags, the median.
 
 A driver run's layout is checked with ``megatron_ext.train_config.layout_sizes``, the driver's
 own check. Torch is imported lazily (only :func:`environment` needs it), so the step-time and
@@ -71,9 +71,12 @@ from benchmarks.common.runs import (
     median,
     parse_list,
     parse_per,
+    run_json,
     run_logged,
     run_measured,
+    run_records,
     shell_join,
+    stdout_tail,
     time_limit,
 )
 from megatron_ext.report import read_jsonl
@@ -116,6 +119,9 @@ __all__ = [
     "read_jsonl",
     "run_logged",
     "run_measured",
+    "run_records",
+    "run_json",
+    "stdout_tail",
     "fresh_run_dir",
     "parse_list",
     "shell_join",

@@ -4,8 +4,10 @@
 benchmarks make (:func:`add_lr_schedule_args` declares the options the latter reads,
 :func:`add_run_args` the options every such benchmark has, read by :func:`extra_train_flags`
 and :func:`time_limit`),
-:func:`fresh_run_dir` and :func:`run_measured` run one of them, :func:`run_logged` runs a
-command with its output in a log file (optionally at raised priority), :func:`parse_list`
+:func:`fresh_run_dir` and :func:`run_measured` run one of them, :func:`run_records`,
+:func:`run_json` and :func:`stdout_tail` read back what it left in its folder,
+:func:`run_logged` runs a command with its output in a log file (optionally at raised
+priority), :func:`parse_list`
 reads comma-separated flag values, :func:`shell_join` prints a copy-pasteable command,
 :func:`median` is the statistic.
 """
@@ -13,6 +15,7 @@ reads comma-separated flag values, :func:`shell_join` prints a copy-pasteable co
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import subprocess
@@ -21,6 +24,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from benchmarks.common.machine import CpuMonitor, PriorityBooster, wait_for_quiet
+from megatron_ext.report import read_jsonl
 
 __all__ = [
     "driver_command",
@@ -32,6 +36,9 @@ __all__ = [
     "time_limit",
     "fresh_run_dir",
     "run_measured",
+    "run_records",
+    "run_json",
+    "stdout_tail",
     "median",
     "shell_join",
     "run_logged",
@@ -267,6 +274,30 @@ def run_measured(
             priority=args.priority,
         )
     return code, wall, dict(mon.result(), quiet_wait=quiet)
+
+
+def run_records(run_dir: str) -> List[Dict[str, Any]]:
+    """The driver's per-iteration records (``<run_dir>/log.jsonl``); none when the run
+    wrote none."""
+    path = os.path.join(run_dir, "log.jsonl")
+    return read_jsonl(path) if os.path.exists(path) else []
+
+
+def run_json(run_dir: str, name: str) -> Optional[Dict[str, Any]]:
+    """``<run_dir>/<name>`` (the driver's ``comm_report.json``, netbench's
+    ``netbench.json``) parsed; None when the run wrote none."""
+    path = os.path.join(run_dir, name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def stdout_tail(run_dir: str, chars: int = 2000) -> str:
+    """The end of a run's output (``<run_dir>/stdout.txt``, :func:`run_measured`'s): what a
+    failed run's result carries as ``error_tail``."""
+    with open(os.path.join(run_dir, "stdout.txt")) as f:
+        return f.read()[-chars:]
 
 
 def parse_list(text: str, kind=str) -> List[Any]:

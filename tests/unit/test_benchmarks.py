@@ -235,6 +235,28 @@ def test_training_benchmarks_share_their_run_options():
             common.time_limit(args, "10mbit")
 
 
+def test_training_benchmarks_read_back_what_a_run_left(tmp_path):
+    """A run's folder as the benchmarks read it: the driver's records and JSON outputs (none
+    when it wrote none, also after fresh_run_dir cleared an earlier run's), and the end of
+    its output for a failed run's error_tail."""
+    run_dir = common.fresh_run_dir(str(tmp_path), "r")
+    assert common.run_records(run_dir) == [] and common.run_json(run_dir, "netbench.json") is None
+    with open(os.path.join(run_dir, "log.jsonl"), "w") as f:
+        f.write(json.dumps({"iteration": 1, "lm_loss": 9.5}) + "\n")
+    with open(os.path.join(run_dir, "comm_report.json"), "w") as f:
+        json.dump({"final_valid_loss": 7.25}, f)
+    with open(os.path.join(run_dir, "stdout.txt"), "w") as f:
+        f.write("x" * 3000 + "Traceback: the end")
+    assert common.run_records(run_dir) == [{"iteration": 1, "lm_loss": 9.5}]
+    assert common.run_json(run_dir, "comm_report.json") == {"final_valid_loss": 7.25}
+    tail = common.stdout_tail(run_dir)
+    assert len(tail) == 2000 and tail.endswith("Traceback: the end")
+    run_dir = common.fresh_run_dir(str(tmp_path), "r")  # the same run again
+    assert (
+        common.run_records(run_dir) == [] and common.run_json(run_dir, "comm_report.json") is None
+    )
+
+
 def test_grass_runs_through_the_linear_family():
     cargs = convergence.build_parser().parse_args(
         ["--family", "linear", "--iters", "1000", "--grass-rank", "64", "--grass-scale", "1"]

@@ -12,6 +12,8 @@
   start, and removes it at the end (tests/helpers/megatron_lm_archives.py).
 * ``--require-megatron-lm`` (CI passes it through ``PYTEST_ADDOPTS``): no checkout is an
   error before any test runs, and a ``megatron_lm`` test that skips fails.
+* ``fresh_kernel_mode``: the fused kernels' mode reset around each test of a module that
+  asks for it (``pytestmark = pytest.mark.usefixtures("fresh_kernel_mode")``).
 * Without triton, megatron-core 0.19's triton kernel modules get megatron-ext's
   stand-ins before any test imports megatron.core (importing ``megatron_ext.megatron``
   does that in every process, as it does for users).
@@ -29,6 +31,18 @@ from tests.helpers.paths import REPO
 os.environ.setdefault("MEGATRON_EXT_CACHE", str(REPO / ".cache" / "tests"))
 
 _REQUIRE = "--require-megatron-lm"
+
+
+@pytest.fixture
+def fresh_kernel_mode(monkeypatch):
+    """The fused kernels' mode (megatron_ext/kernels) from nothing: the environment's
+    ``--fused-kernels`` variable removed and the mode reset, before and after the test."""
+    from megatron_ext import kernels
+
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    kernels.set_mode(None)
+    yield
+    kernels.set_mode(None)
 
 
 def pytest_addoption(parser):

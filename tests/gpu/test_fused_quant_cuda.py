@@ -26,17 +26,12 @@ import torch
 
 from megatron_ext import kernels
 from megatron_ext.kernels import quant as Q
-from tests.helpers.fused_modes import eager_and_compiled, fresh_kernel_mode
+from tests.helpers.fused_modes import eager_and_compiled
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_kernel_mode")]
 
 BYTES_MISMATCH = 1e-3
 VALUES_REL = 1e-6
-
-
-@pytest.fixture(autouse=True)
-def _mode_restored(monkeypatch):
-    yield from fresh_kernel_mode(monkeypatch)
 
 
 def _randn(*shape, seed=0, dtype=torch.float32, device="cpu", scale=1.0):

@@ -1,7 +1,5 @@
 """The fused kernels (megatron_ext/kernels) run eager and compiled in one test, and compared.
 
-* :func:`fresh_kernel_mode`: the body of a test module's autouse fixture: the environment's
-  ``--fused-kernels`` variable removed and the mode reset before and after each test.
 * :func:`eager_and_compiled`: an op's result eager (mode "off") and compiled (mode "on").
 * :func:`seeded_randn`: a reproducible normal tensor (CPU generator) in a given dtype.
 * :func:`assert_same`: bitwise equality, NaN == NaN, dtype and shape included.
@@ -12,14 +10,6 @@ from __future__ import annotations
 import torch
 
 from megatron_ext import kernels
-
-
-def fresh_kernel_mode(monkeypatch):
-    """Generator for an autouse fixture: ``yield from fresh_kernel_mode(monkeypatch)``."""
-    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
-    kernels.set_mode(None)
-    yield
-    kernels.set_mode(None)
 
 
 def eager_and_compiled(op, *args, **kwargs):

@@ -23,9 +23,7 @@ def _pending(residuals, op):
 def test_spread_preserves_pending_mass(old_dp, new_dp, old_op, new_op):
     gen = torch.Generator().manual_seed(old_dp * 10 + new_dp)
     old = [torch.randn(5, generator=gen, dtype=torch.float64) for _ in range(old_dp)]
-    scale = elastic.spread_scale(
-        SUM, old_dp=old_dp, new_dp=new_dp, old_op=old_op, new_op=new_op
-    )
+    scale = elastic.spread_scale(SUM, old_dp=old_dp, new_dp=new_dp, old_op=old_op, new_op=new_op)
     new = [torch.stack(old).sum(0) * scale for _ in range(new_dp)]
     # float64 throughout: only the rounding of a handful of additions and one product.
     torch.testing.assert_close(_pending(new, new_op), _pending(old, old_op), rtol=1e-12, atol=0)

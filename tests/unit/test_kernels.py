@@ -14,12 +14,8 @@ from megatron_ext.config import (
     ext_config_from_flags,
     validate_ext_config,
 )
-from tests.helpers.fused_modes import fresh_kernel_mode
 
-
-@pytest.fixture(autouse=True)
-def _reset_mode(monkeypatch):
-    yield from fresh_kernel_mode(monkeypatch)
+pytestmark = pytest.mark.usefixtures("fresh_kernel_mode")
 
 
 def test_modes_decide_per_device(monkeypatch):

@@ -33,12 +33,9 @@ from megatron_ext.collectives.p2p import P2PContext
 from megatron_ext.kernels import quant as Q
 from megatron_ext.methods.aqsgd import AQSGDConfig
 from tests.helpers.aqsgd_samples import fixed_samples
-from tests.helpers.fused_modes import assert_same, fresh_kernel_mode, seeded_randn
+from tests.helpers.fused_modes import assert_same, seeded_randn
 
-
-@pytest.fixture(autouse=True)
-def _eager_after(monkeypatch):
-    yield from fresh_kernel_mode(monkeypatch)
+pytestmark = pytest.mark.usefixtures("fresh_kernel_mode")
 
 
 def _same_payload(a, b, k, rows, cols, bits, granularity, what):

@@ -22,14 +22,11 @@ from megatron_ext import kernels
 from megatron_ext.kernels.finite import nonfinite
 from megatron_ext.kernels.outer import outer_sgd_step_, pseudo_gradient
 from megatron_ext.optim.diloco import outer_sgd_step
-from tests.helpers.fused_modes import fresh_kernel_mode
 
 N = 1001
 
 
-@pytest.fixture(autouse=True)
-def _eager_after(monkeypatch):
-    yield from fresh_kernel_mode(monkeypatch)
+pytestmark = pytest.mark.usefixtures("fresh_kernel_mode")
 
 
 def _randn(seed, scale=1.0):

@@ -30,14 +30,10 @@ from megatron_ext.kernels import quant as Q
 from tests.helpers.fused_modes import (
     assert_same,
     eager_and_compiled,
-    fresh_kernel_mode,
     seeded_randn,
 )
 
-
-@pytest.fixture(autouse=True)
-def _eager_after(monkeypatch):
-    yield from fresh_kernel_mode(monkeypatch)
+pytestmark = pytest.mark.usefixtures("fresh_kernel_mode")
 
 
 # -- building blocks (eager) -------------------------------------------------------------------

@@ -333,11 +333,13 @@ class PseudoGradientExchange(Protocol):
 @runtime_checkable
 class AsynchronousPseudoGradientExchange(PseudoGradientExchange, Protocol):
     """A :class:`PseudoGradientExchange` that starts on the calling thread without waiting
-    (the dense all-reduce, ``megatron_ext.optim.diloco.exchange.DenseOuterExchange``)."""
+    (the dense all-reduce, ``megatron_ext.optim.diloco.exchange.DenseOuterExchange``). An
+    exchange that has ``start`` is one: an overlapped outer step calls it on the training
+    thread instead of running ``average`` on the exchange thread, so it must not block."""
 
     def start(self, flat: torch.Tensor) -> Any:
-        """Start :meth:`average` of ``flat`` (consumed): a handle whose ``wait()`` gives the
-        mean."""
+        """Start :meth:`average` of ``flat`` (consumed) and return at once: a handle whose
+        ``wait()`` gives the mean."""
         ...
 
 

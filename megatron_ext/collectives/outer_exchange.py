@@ -184,10 +184,10 @@ class OuterExchange:
             one-world path) or ``"sum"`` (the sum: each rank passes its share already scaled,
             its residual is in the units of the result and the ranks' residuals add up to the
             global one whatever the group's size; :meth:`regroup` needs it).
-    """
 
-    # A StagedPseudoGradientExchange (megatron_ext.protocols) with several dependent
-    # collectives and its codec: an overlapped one runs on DiLoCo's exchange thread.
+    A :class:`~megatron_ext.protocols.StagedPseudoGradientExchange` with several dependent
+    collectives and its codec: an overlapped one runs on DiLoCo's exchange thread.
+    """
 
     def __init__(
         self,

@@ -272,9 +272,8 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         self._count = 0
         self._since: List[int] = []
         self._iteration = 0
-        # (count, fragment) of the outer step this site is in: what a healing peer is told
         # (count, fragment, count after which it is applied or None) of the outer step this
-        # site is in: what a healing peer is told
+        # site is in: what a healing peer is told; the live peer's, once this site healed
         self._at: Tuple[int, int, Optional[int]] = (0, 0, None)
         self._peer_at: Tuple[int, int, Optional[int]] = (0, 0, None)
         # --outer-delay: the fragment's outer step in flight (started, not yet voted on)
@@ -562,7 +561,8 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         during the exchange): skipped on this site, nothing applied, the exchange's error
         feedback as it was; the fragment's progress is carried by its next outer step."""
         flight, self._inflight = self._inflight, None
-        assert flight is not None, "_land without an outer step in flight"
+        if flight is None:
+            raise RuntimeError("megatron-ext: DiLoCo over torchft: no outer step in flight")
         index = flight.index
         fqns = self.fragments[index]
         result: Union[None, torch.Tensor, NonFiniteError] = None

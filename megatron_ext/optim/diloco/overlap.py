@@ -73,7 +73,7 @@ class Averaging(Protocol):
 class ThreadedAverage:
     """A compressed outer exchange running on :class:`ExchangeWorker`'s thread: ``wait()``
     returns its mean (idempotent) or raises what the exchange raised (a NaN, a peer gone).
-    The bytes it sent are the exchange's ``wire_bytes()`` once it has finished."""
+    The hook reads the bytes from its exchange's ``wire_bytes()`` once it has landed."""
 
     def __init__(self) -> None:
         self._done = threading.Event()

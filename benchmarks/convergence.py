@@ -210,7 +210,7 @@ def run_one(args: argparse.Namespace, method: str, out_dir: str) -> Dict[str, An
         "contention": contention,
     }
     records = common.run_records(run_dir)
-    if records:
+    if records is not None:
         result.update(summarize_curve(records, args.final_fraction))
     rep = common.run_json(run_dir, "comm_report.json")
     if rep is not None:

@@ -287,7 +287,7 @@ def run_one(
         "run_dir": os.path.relpath(run_dir, out_dir),
         "contention": contention,
     }
-    records = common.run_records(run_dir)
+    records = common.run_records(run_dir) or []
     if records:
         result.update(summarize_curve(records))
         complete = len(records) >= iters

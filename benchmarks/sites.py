@@ -463,7 +463,7 @@ def run_one(
         return result
     code, wall, contention = common.run_measured(args, cmd, run_dir, limit + 120)
     result.update(exit_code=code, wall_s=wall, contention=contention)
-    records = common.run_records(run_dir)
+    records = common.run_records(run_dir) or []
     if records:
         result.update(summarize_run(records, iters, args.iters))
     done = len(records) >= iters

@@ -432,15 +432,15 @@ def run_one(
     result["family"] = args.family
     result["method_options"] = common.MethodSettings(args, args.family).options(method)
     records = common.run_records(run_dir)
-    if records:
+    if records is not None:
         category = "pp-act" if args.family in ("p2p", "subspace") else "dp-grad"
         result.update(summarize_run(records, args.skip, category))
     nb = common.run_json(run_dir, "netbench.json")
     if nb is not None:
         result["link_check"] = _link_summary(nb, bandwidth)
         result["netbench_wall_s"] = nb.get("wall_time_s")
-        report = common.run_json(run_dir, "comm_report.json")
-        if nb.get("interface_bytes") and report is not None:
+        report = common.run_json(run_dir, "comm_report.json") if nb.get("interface_bytes") else None
+        if report is not None:
             result["wire_check"] = wire_check(nb["interface_bytes"], report)
     if code != 0:
         result["error_tail"] = common.stdout_tail(run_dir)

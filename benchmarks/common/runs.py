@@ -276,11 +276,11 @@ def run_measured(
     return code, wall, dict(mon.result(), quiet_wait=quiet)
 
 
-def run_records(run_dir: str) -> List[Dict[str, Any]]:
-    """The driver's per-iteration records (``<run_dir>/log.jsonl``); none when the run
-    wrote none."""
+def run_records(run_dir: str) -> Optional[List[Dict[str, Any]]]:
+    """The driver's per-iteration records (``<run_dir>/log.jsonl``); None when the run
+    wrote no log."""
     path = os.path.join(run_dir, "log.jsonl")
-    return read_jsonl(path) if os.path.exists(path) else []
+    return read_jsonl(path) if os.path.exists(path) else None
 
 
 def run_json(run_dir: str, name: str) -> Optional[Dict[str, Any]]:

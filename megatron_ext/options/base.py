@@ -27,6 +27,7 @@ import ast
 import dataclasses
 import inspect
 import math
+import sys
 import textwrap
 import typing
 from functools import lru_cache
@@ -61,15 +62,25 @@ class ConfigError(ValueError):
 
 
 _C = TypeVar("_C", bound=type)
+_F = TypeVar("_F")
+
+if sys.version_info >= (3, 11):
+    from typing import dataclass_transform
+else:  # Python 3.10: the marker is for type checkers only
+
+    def dataclass_transform(**_: Any) -> Callable[[_F], _F]:
+        return lambda decorator: decorator
 
 
+@dataclass_transform(frozen_default=True, kw_only_default=True)
 def options_dataclass(*, group: str, prefix: str) -> Callable[[_C], _C]:
     """Class decorator of an options dataclass: frozen, keyword-only, flags ``--<prefix>-*``.
 
     Sets the class attributes the flag machinery reads, ``ARG_GROUP`` (the title of the
     class's argument group in ``--help``) and ``ARG_PREFIX`` (``""``: flags ``--<field>``),
-    then makes the class a ``dataclass(frozen=True, kw_only=True)``. Each field's attribute
-    docstring becomes its flag's help.
+    then makes the class a ``dataclass(frozen=True, kw_only=True)`` (declared to type
+    checkers with ``typing.dataclass_transform``, so a class's fields are its constructor's
+    keywords). Each field's attribute docstring becomes its flag's help.
 
     Args:
         group: the argument group's title.

@@ -52,6 +52,7 @@ from typing import (
     Protocol,
     Sequence,
     Tuple,
+    TypeGuard,
     runtime_checkable,
 )
 
@@ -63,6 +64,7 @@ __all__ = [
     "OptimizerHook",
     "PseudoGradientExchange",
     "AsynchronousPseudoGradientExchange",
+    "is_asynchronous",
     "StagedPseudoGradientExchange",
     "SitesTransport",
     "NonFiniteError",
@@ -304,12 +306,15 @@ class OptimizerView(abc.ABC):
 class PseudoGradientExchange(Protocol):
     """What DiLoCo's outer step needs of an exchange of one fragment's pseudo-gradient over
     the outer group (``megatron_ext.optim.diloco.exchange.DenseOuterExchange``, and the
-    compressed ``megatron_ext.collectives.outer_exchange.OuterExchange``). An overlapped
-    exchange (``--outer-delay``) starts on the calling thread when it is an
-    :class:`AsynchronousPseudoGradientExchange`; otherwise ``average`` runs on the exchange
-    thread.
+    compressed ``megatron_ext.collectives.outer_exchange.OuterExchange``).
+
+    ``asynchronous``: the exchange is an :class:`AsynchronousPseudoGradientExchange` (it
+    declares so; :func:`is_asynchronous` reads it): an overlapped exchange
+    (``--outer-delay``) then starts on the calling thread; otherwise ``average`` runs on the
+    exchange thread.
     """
 
+    asynchronous: ClassVar[bool]
     group: Any
     size: int
 
@@ -333,14 +338,21 @@ class PseudoGradientExchange(Protocol):
 @runtime_checkable
 class AsynchronousPseudoGradientExchange(PseudoGradientExchange, Protocol):
     """A :class:`PseudoGradientExchange` that starts on the calling thread without waiting
-    (the dense all-reduce, ``megatron_ext.optim.diloco.exchange.DenseOuterExchange``). An
-    exchange that has ``start`` is one: an overlapped outer step calls it on the training
-    thread instead of running ``average`` on the exchange thread, so it must not block."""
+    (the dense all-reduce, ``megatron_ext.optim.diloco.exchange.DenseOuterExchange``); it
+    declares ``asynchronous = True``. An overlapped outer step calls :meth:`start` on the
+    training thread instead of running ``average`` on the exchange thread."""
 
     def start(self, flat: torch.Tensor) -> Any:
         """Start :meth:`average` of ``flat`` (consumed) and return at once: a handle whose
         ``wait()`` gives the mean."""
         ...
+
+
+def is_asynchronous(
+    exchange: PseudoGradientExchange,
+) -> TypeGuard[AsynchronousPseudoGradientExchange]:
+    """The exchange declares itself an :class:`AsynchronousPseudoGradientExchange`."""
+    return bool(exchange.asynchronous)
 
 
 @runtime_checkable

@@ -95,7 +95,7 @@ Constraints:
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -188,6 +188,8 @@ class OuterExchange:
     A :class:`~megatron_ext.protocols.StagedPseudoGradientExchange` with several dependent
     collectives and its codec: an overlapped one runs on DiLoCo's exchange thread.
     """
+
+    asynchronous: ClassVar[bool] = False
 
     def __init__(
         self,

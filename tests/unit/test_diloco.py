@@ -556,6 +556,7 @@ def test_exchanges_and_transports_implement_their_contracts():
         PseudoGradientExchange,
         SitesTransport,
         StagedPseudoGradientExchange,
+        is_asynchronous,
     )
 
     dense = make_outer_exchange("none", None, 4, None, "cpu")
@@ -563,11 +564,12 @@ def test_exchanges_and_transports_implement_their_contracts():
 
     shapes = [("w", (8, 8))]
     compressed = _local_exchange("quantized", None, 64, None, "cpu", name="outer/0", shapes=shapes)
-    assert isinstance(dense, PseudoGradientExchange)
+    assert isinstance(dense, PseudoGradientExchange) and is_asynchronous(dense)
     assert isinstance(dense, AsynchronousPseudoGradientExchange)
     assert not isinstance(dense, StagedPseudoGradientExchange)
     assert isinstance(compressed, OuterExchange)
     assert isinstance(compressed, StagedPseudoGradientExchange)
+    assert not is_asynchronous(compressed)
     assert not isinstance(compressed, AsynchronousPseudoGradientExchange)
     for transport in (TorchftTransport, _OneSiteTransport):
         assert issubclass(transport, SitesTransport), transport

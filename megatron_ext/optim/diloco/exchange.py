@@ -31,7 +31,7 @@ Constraints:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed import ProcessGroup
@@ -133,6 +133,8 @@ class DenseOuterExchange:
         layout: ``name`` (the buffer's stable name) and ``shapes`` (the parameters laid out
             in it), which compressed exchanges use; the dense one ignores them.
     """
+
+    asynchronous: ClassVar[bool] = True
 
     def __init__(
         self,

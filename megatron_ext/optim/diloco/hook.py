@@ -120,11 +120,11 @@ from megatron_ext.optim.diloco.overlap import (
 from megatron_ext.options.outer import OuterConfig
 from megatron_ext.protocols import (
     RESET,
-    AsynchronousPseudoGradientExchange,
     NonFiniteError,
     OptimizerHook,
     OptimizerView,
     PseudoGradientExchange,
+    is_asynchronous,
 )
 
 __all__ = ["DiLoCoHook"]
@@ -353,8 +353,7 @@ class DiLoCoHook(OptimizerHook):
         # check is inside the subtraction's pass (megatron_ext/kernels/outer.py).
         pseudo_grad, self._sent_finite[index] = pseudo_gradient(snap, current)
         exchange = self._exchange(index)
-        asynchronous = isinstance(exchange, AsynchronousPseudoGradientExchange)
-        if apply_after is not None and not asynchronous:
+        if apply_after is not None and not is_asynchronous(exchange):
             # A compressed exchange overlapped: on the worker thread, every one of the hook's
             # exchanges through it (the outer group's collectives in one order); its bytes
             # are recorded when it has landed (finish_fragment).
@@ -365,7 +364,7 @@ class DiLoCoHook(OptimizerHook):
         if self.worker is not None:
             raise RuntimeError("megatron-ext: DiLoCo mixes blocking and threaded exchanges")
         with ProcessGroupTrafficMeter.tagged("outer", force=True):
-            if apply_after is not None and isinstance(exchange, AsynchronousPseudoGradientExchange):
+            if apply_after is not None and is_asynchronous(exchange):
                 pending = exchange.start(pseudo_grad)
             else:
                 pending = _blocking_average(exchange, pseudo_grad)

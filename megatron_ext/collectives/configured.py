@@ -16,25 +16,29 @@ Constraints:
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar
+from typing import Callable, ClassVar, Generic, TypeVar
 
 from megatron_ext.collectives.grad_reducer import BoundReduction, BucketGroupSpec, GradReducer
 
 __all__ = ["ConfiguredReducer"]
 
+C = TypeVar("C")
 
-class ConfiguredReducer(GradReducer):
+
+class ConfiguredReducer(GradReducer[BoundReduction], Generic[C]):
     """A reducer that binds each bucket group to ``reduction(cfg, spec)``.
 
-    Subclasses set ``name``, ``elastic_rules``, ``supports`` and ``reduction``.
+    Subclasses name their options dataclass (``ConfiguredReducer[SeparateConfig]``) and set
+    ``name``, ``elastic_rules``, ``supports`` and ``reduction``.
 
     Args:
-        cfg: the method's config dataclass (kept as ``self.cfg``).
+        cfg: the method's options dataclass (kept as ``self.cfg``).
     """
 
-    reduction: ClassVar[Callable[[Any, BucketGroupSpec], BoundReduction]]
+    reduction: ClassVar[Callable[..., BoundReduction]]
+    """The bound reduction's class, built as ``reduction(cfg, spec)``."""
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: C):
         super().__init__()
         self.cfg = cfg
 

@@ -62,7 +62,19 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    Callable,
+    ClassVar,
+    Dict,
+    Generic,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    TypeVar,
+)
 
 import torch
 from torch.distributed import ProcessGroup
@@ -476,11 +488,15 @@ def check_state_keys(expected: Dict[str, Any], state: Dict[str, Any], what: str)
         )
 
 
-class GradReducer(abc.ABC):
+B = TypeVar("B", bound=BoundReduction)
+
+
+class GradReducer(abc.ABC, Generic[B]):
     """A data-parallel gradient reduction method (see module docstring).
 
-    Subclasses set ``name`` and ``supports`` and implement :meth:`bind`. The reducer keeps
-    every reduction it bound, so its state (keyed by parameter FQN) spans all groups.
+    Subclasses set ``name`` and ``supports`` and implement :meth:`_bind`, which returns
+    their :class:`BoundReduction` (``B``). The reducer keeps every reduction it bound, so its
+    state (keyed by parameter FQN) spans all groups.
     """
 
     name: str = "base"
@@ -494,7 +510,7 @@ class GradReducer(abc.ABC):
     reduces_gradient: bool = True
 
     def __init__(self) -> None:
-        self.bound: List[BoundReduction] = []
+        self.bound: List[B] = []
         self.dense_before_step = 0
         """Steps before this one are reduced densely (megatron-core's collectives): the
         uncompressed warm-up of ``--aqsgd-warmup-epochs``. Set by the runtime at install;
@@ -504,7 +520,7 @@ class GradReducer(abc.ABC):
         """Step ``step`` is reduced densely (the warm-up is still running)."""
         return step < self.dense_before_step
 
-    def bind(self, spec: BucketGroupSpec) -> BoundReduction:
+    def bind(self, spec: BucketGroupSpec) -> B:
         """Bind one bucket group (at install, before any checkpoint load); may check
         cross-rank agreement and raise.
 
@@ -517,7 +533,7 @@ class GradReducer(abc.ABC):
             self._gate(bound)
         return bound
 
-    def _gate(self, bound: BoundReduction) -> None:
+    def _gate(self, bound: B) -> None:
         """Route ``bound.launch`` to the dense collectives for warm-up steps (the instance's
         attribute; the class and its other methods stay as they are)."""
         compressed = bound.launch
@@ -531,7 +547,7 @@ class GradReducer(abc.ABC):
         bound.launch = launch  # type: ignore[method-assign]
 
     @abc.abstractmethod
-    def _bind(self, spec: BucketGroupSpec) -> BoundReduction:
+    def _bind(self, spec: BucketGroupSpec) -> B:
         """The bound reduction of ``spec``."""
 
     def end_step(self, applied: bool, rescale: Optional[torch.Tensor] = None) -> None:
@@ -604,7 +620,7 @@ class _DenseReduction(BoundReduction):
         return cm
 
 
-class DenseGradReducer(GradReducer):
+class DenseGradReducer(GradReducer[BoundReduction]):
     """Pass-through: exactly the collectives megatron-core issues, plus accounting."""
 
     name = "none"

@@ -49,6 +49,7 @@ from megatron_ext.collectives.grad_reducer import (
 from megatron_ext.compressors.lowrank import compressible, initial_q, orthogonalize
 from megatron_ext.kernels.packing import Runs
 from megatron_ext.kernels.powersgd import powersgd_compress, powersgd_decompress
+from megatron_ext.options.powersgd import PowerSGDConfig
 from megatron_ext.protocols import SAME, SUM
 
 __all__ = ["PowerSGDReducer"]
@@ -96,7 +97,7 @@ class _Bucket:
 class _PowerSGDReduction(CompressedReduction):
     """PowerSGD on one bucket group: two all-reduces per bucket (P, then Q)."""
 
-    def __init__(self, cfg: Any, spec: BucketGroupSpec):
+    def __init__(self, cfg: PowerSGDConfig, spec: BucketGroupSpec):
         self.cfg = cfg
         super().__init__(spec)
         self._dense = _DenseReduction(spec)
@@ -259,7 +260,7 @@ class _PowerSGDReduction(CompressedReduction):
                         error[i].copy_(state[f"error/{s.fqn}"])
 
 
-class PowerSGDReducer(ConfiguredReducer):
+class PowerSGDReducer(ConfiguredReducer[PowerSGDConfig]):
     """PowerSGD gradient reduction (see module docstring); ``cfg`` is a
     :class:`~megatron_ext.options.powersgd.PowerSGDConfig`."""
 

@@ -63,6 +63,7 @@ from megatron_ext.kernels.quant import (
     quantized_reduce_rows,
     rows_layout,
 )
+from megatron_ext.options.quantized import QuantizedConfig
 from megatron_ext.protocols import PARTITION, SUM
 
 __all__ = ["QuantizedReducer"]
@@ -97,7 +98,7 @@ class _Partitioned:
 class _QuantizedReduction(CompressedReduction):
     """The quantized exchange of one bucket group (see module docstring)."""
 
-    def __init__(self, cfg: Any, spec: BucketGroupSpec):
+    def __init__(self, cfg: QuantizedConfig, spec: BucketGroupSpec):
         super().__init__(spec)
         self.cfg = cfg
         self.layouts = [_Partitioned(v, spec.group_size, cfg.block_size) for v in spec.buckets]
@@ -258,7 +259,7 @@ class _QuantizedReduction(CompressedReduction):
             self.server_error[i] = layout.spread(flat_s)[self.spec.group_rank].clone()
 
 
-class QuantizedReducer(ConfiguredReducer):
+class QuantizedReducer(ConfiguredReducer[QuantizedConfig]):
     """k-bit quantized gradient exchange (see module docstring); ``cfg`` is a
     :class:`~megatron_ext.options.quantized.QuantizedConfig`."""
 

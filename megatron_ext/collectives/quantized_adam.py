@@ -111,7 +111,7 @@ from megatron_ext.protocols import (
 __all__ = ["QuantizedAdamReducer", "QuantizedAdamHook", "MomentumExchange"]
 
 
-class QuantizedAdamReducer(GradReducer):
+class QuantizedAdamReducer(GradReducer[BoundReduction]):
     """Dense all-reduce during the warm-up; afterwards gradients stay local.
 
     Args:

@@ -43,7 +43,6 @@ import torch
 from megatron_ext.accounting import ProcessGroupTrafficMeter
 from megatron_ext.collectives.grad_reducer import (
     REDUCE_SCATTER,
-    BoundReduction,
     BucketGroupSpec,
     CompressedReduction,
     GradReducer,
@@ -55,6 +54,7 @@ from megatron_ext.collectives.grad_reducer import (
 from megatron_ext.compressors.topk import adamw_corrected_gradient, topk_mask
 from megatron_ext.kernels.radius import radius_compress, radius_decompress
 from megatron_ext.logging import get_logger, log_rank_0
+from megatron_ext.options.radius import RadiusConfig
 from megatron_ext.protocols import SAME, SUM, OptimizerHook, OptimizerView
 
 logger = get_logger(__name__)
@@ -76,7 +76,7 @@ class _Index:
     shard_count: int = 0
 
 
-class RadiusReducer(GradReducer):
+class RadiusReducer(GradReducer["_RadiusReduction"]):
     """Radius gradient reduction (see module docstring).
 
     Args:
@@ -87,7 +87,7 @@ class RadiusReducer(GradReducer):
     elastic_rules: ClassVar[Mapping[str, str]] = {"residual": SUM, "mask": SAME, "selections": SAME}
     supports = ("all_reduce", "reduce_scatter")
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: RadiusConfig):
         super().__init__()
         self.cfg = cfg
         self.masks: Dict[str, torch.Tensor] = {}
@@ -111,7 +111,7 @@ class RadiusReducer(GradReducer):
             return "select"
         return "sparse"
 
-    def _bind(self, spec: BucketGroupSpec) -> BoundReduction:
+    def _bind(self, spec: BucketGroupSpec) -> _RadiusReduction:
         return _RadiusReduction(self, spec)
 
     def set_masks(self, masks: Dict[str, torch.Tensor], step: int) -> None:

@@ -64,6 +64,7 @@ from megatron_ext.compressors.separate import (
 )
 from megatron_ext.kernels.packing import Region, Runs, gather
 from megatron_ext.kernels.separate import separate_compress, separate_decompress
+from megatron_ext.options.separate import SeparateConfig
 from megatron_ext.protocols import SAME, SUM
 
 __all__ = ["SeparateReducer", "projection_peak_bytes"]
@@ -99,12 +100,12 @@ def projection_peak_bytes(block: int, num_projections: int) -> int:
 class _SeparateReduction(CompressedReduction):
     """SEPARATE on one bucket group: per bucket, segments of matrices sharing a setting."""
 
-    def __init__(self, cfg: Any, spec: BucketGroupSpec):
+    def __init__(self, cfg: SeparateConfig, spec: BucketGroupSpec):
         super().__init__(spec)
         self.cfg = cfg
         self._staged: Optional[Tuple[list, list]] = None
         self.block = cfg.block_size
-        self.per_layer = getattr(cfg, "blocks", "bucket") == "layer"
+        self.per_layer = cfg.blocks == "layer"
         self._omega_cache: Dict[Tuple[str, int, int, int], torch.Tensor] = {}
         self.ratio: Dict[str, int] = {}
         self.beta_scale: Dict[str, float] = {}
@@ -164,7 +165,7 @@ class _SeparateReduction(CompressedReduction):
         """The segment's projection at ``step``: drawn afresh every ``refresh_interval``
         steps (0: at every error reset), keyed by the bucket or, with blocks=layer, by the
         parameter name."""
-        every = getattr(self.cfg, "refresh_interval", 1) or self.cfg.reset_interval
+        every = self.cfg.refresh_interval or self.cfg.reset_interval
         draw = step // every
         name = seg.key or f"{key}#{seg.index}"
         cache_key = (name, seg.ratio, seg.block, draw)
@@ -201,7 +202,7 @@ class _SeparateReduction(CompressedReduction):
         if device.type == "meta":
             return  # no memory behind it (the strict-device tests)
         need = max((projection_peak_bytes(c, k) for c, k in sizes), default=0)
-        if (getattr(self.cfg, "refresh_interval", 1) or 0) != 1:
+        if self.cfg.refresh_interval != 1:
             need += sum(4 * c * k for c, k in sizes)
         # The smallest over the group (collective): every rank refuses alike, in one line.
         free = agreed_minimum(available_memory(device), self.spec.group, device)
@@ -217,7 +218,7 @@ class _SeparateReduction(CompressedReduction):
 
     def _smallest_ratio(self, seg: _Segment) -> int:
         """The smallest ratio ``seg`` may take (G-SEPARATE halves ratios down to its min)."""
-        if getattr(self.cfg, "adaptive", False):
+        if self.cfg.adaptive:
             return min(seg.ratio, self.cfg.min_ratio)
         return seg.ratio
 
@@ -434,7 +435,7 @@ class _SeparateReduction(CompressedReduction):
         self.segments = [self._build_segments(split, residuals) for split in self.splits]
 
 
-class SeparateReducer(ConfiguredReducer):
+class SeparateReducer(ConfiguredReducer[SeparateConfig]):
     """SEPARATE gradient reduction (see module docstring); ``cfg`` is a
     :class:`~megatron_ext.options.separate.SeparateConfig`."""
 

@@ -472,32 +472,32 @@ def method_state_needs(args: Sequence[str]) -> List[Dict[str, object]]:
 
         cfg = config_from_args(SubspaceConfig, ext)
         k = cfg.rank_for(shape.hidden)
-        plan = protocol_plan(
+        sub = protocol_plan(
             shape, k=k, update_interval=cfg.update_interval, params_dtype=dtype,
             pipeline_parallel=pp,
         )  # fmt: skip
         d = shape.hidden
-        if plan.fixed_bytes is None:
+        if sub.fixed_bytes is None:
             fixed = (
-                f"T_fixed {fb(plan.fixed_bytes_per_row)} per vocabulary row (not counted: the "
+                f"T_fixed {fb(sub.fixed_bytes_per_row)} per vocabulary row (not counted: the "
                 f"vocabulary is {a.tokenizer_type}'s, known when it loads)"
             )
         else:
-            fixed = f"T_fixed {shape.vocab} x {d} x {plan.fixed_bytes_per_row // d} B = " + fb(
-                plan.fixed_bytes
+            fixed = f"T_fixed {shape.vocab} x {d} x {sub.fixed_bytes_per_row // d} B = " + fb(
+                sub.fixed_bytes
             )
         acc = ""
-        if plan.accumulator_bytes:
+        if sub.accumulator_bytes:
             acc = (
                 f"; the last stage's Grassmann accumulator A and staged g^T g 2 x {d}^2 x 4 B"
-                f" = {fb(plan.accumulator_bytes)}"
+                f" = {fb(sub.accumulator_bytes)}"
             )
         what = (
-            f"Protocol Models state (k={k} of d={d}: U {d} x {k} x 4 B = {fb(plan.u_bytes)} "
+            f"Protocol Models state (k={k} of d={d}: U {d} x {k} x 4 B = {fb(sub.u_bytes)} "
             f"and {fixed} on each of {pp} stage{'s' if pp > 1 else ''}{acc})"
         )
         needs.append(
-            dict(where="device", nbytes=plan.per_gpu_max, what=what, flags="--subspace-rank")
+            dict(where="device", nbytes=sub.per_gpu_max, what=what, flags="--subspace-rank")
         )
     return needs
 

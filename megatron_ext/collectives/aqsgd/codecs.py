@@ -119,6 +119,7 @@ from megatron_ext.kernels.quant import (
     quant_pack,
     unpack_dequant,
 )
+from megatron_ext.options.aqsgd import AQSGDConfig
 from megatron_ext.options.base import ConfigError
 from megatron_ext.protocols import RESET, SAME
 from megatron_ext.state_plan import format_bytes  # ``1.50 GB`` style (torch-free, preflight)
@@ -129,7 +130,7 @@ __all__ = ["AQSGDCodec", "DirectQCodec"]
 class _QuantizingCodec(P2PCodec):
     """What AQ-SGD and DirectQ share: options, generators, gradient quantization."""
 
-    def __init__(self, cfg: Any, ctx: Any):
+    def __init__(self, cfg: AQSGDConfig, ctx: Any):
         self.cfg = cfg
         self.ctx = ctx
         self.stage = 0
@@ -255,7 +256,7 @@ class AQSGDCodec(_QuantizingCodec):
     """AQ-SGD (see module docstring).
 
     Args:
-        cfg: an :class:`~megatron_ext.methods.aqsgd.AQSGDConfig`.
+        cfg: an :class:`~megatron_ext.options.aqsgd.AQSGDConfig`.
         ctx: the method's :class:`~megatron_ext.methods.registry.MethodContext`; its
             handles (model config, sample space) are read by :meth:`setup`.
     """
@@ -264,7 +265,7 @@ class AQSGDCodec(_QuantizingCodec):
     elastic_rules: ClassVar[Mapping[str, str]] = {"policy": SAME, "send": RESET, "recv": RESET}
     needs_sample_ids = True
 
-    def __init__(self, cfg: Any, ctx: Any):
+    def __init__(self, cfg: AQSGDConfig, ctx: Any):
         super().__init__(cfg, ctx)
         self.send: Optional[SampleBuffers] = None
         self.recv: Optional[SampleBuffers] = None

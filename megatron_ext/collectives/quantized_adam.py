@@ -99,6 +99,7 @@ from megatron_ext.collectives.grad_reducer import (
 from megatron_ext.collectives.quantized import _QuantizedReduction
 from megatron_ext.options.base import ConfigError
 from megatron_ext.options.quantized import QuantizedConfig
+from megatron_ext.options.quantized_adam import QuantizedAdamConfig
 from megatron_ext.protocols import (
     MEAN,
     PARTITION,
@@ -115,7 +116,7 @@ class QuantizedAdamReducer(GradReducer[BoundReduction]):
     """Dense all-reduce during the warm-up; afterwards gradients stay local.
 
     Args:
-        cfg: a :class:`~megatron_ext.methods.quantized_adam.QuantizedAdamConfig`.
+        cfg: a :class:`~megatron_ext.options.quantized_adam.QuantizedAdamConfig`.
     """
 
     name = "quantized-adam"
@@ -123,7 +124,7 @@ class QuantizedAdamReducer(GradReducer[BoundReduction]):
     supports = ("all_reduce", "reduce_scatter")
     reduces_gradient = False
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: QuantizedAdamConfig):
         super().__init__()
         self.cfg = cfg
         self.applied_steps = 0
@@ -257,7 +258,7 @@ class QuantizedAdamHook(OptimizerHook):
     """Owns the optimizer update after the warm-up (see module docstring).
 
     Args:
-        cfg: a :class:`~megatron_ext.methods.quantized_adam.QuantizedAdamConfig`.
+        cfg: a :class:`~megatron_ext.options.quantized_adam.QuantizedAdamConfig`.
         reducer: the run's :class:`QuantizedAdamReducer` (its bucket groups give the
             data-parallel group, the byte meter and the parameter names).
     """
@@ -272,7 +273,7 @@ class QuantizedAdamHook(OptimizerHook):
         "server_error": PARTITION,
     }
 
-    def __init__(self, cfg: Any, reducer: QuantizedAdamReducer):
+    def __init__(self, cfg: QuantizedAdamConfig, reducer: QuantizedAdamReducer):
         self.cfg = cfg
         self.reducer = reducer
         # Per optimizer leaf (its FQNs, in order): the momentum buffers.

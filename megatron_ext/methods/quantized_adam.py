@@ -1,4 +1,4 @@
-"""QuantizedAdam (``--grad-compression quantized-adam``): options, factory, registration.
+"""QuantizedAdam (``--grad-compression quantized-adam``): factory, refusals, registration.
 
 QuantizedAdam is the data-parallel half of the AQ-SGD authors' end-to-end compression
 (AQ-SGD paper, section 4.3; Tang et al. 2021, "1-bit Adam", with k-bit quantization): Adam
@@ -13,11 +13,12 @@ different ranks' local gradients), an Adam optimizer with decoupled weight
 decay (``--optimizer adam``, AdamW mode), one data-parallel group for every parameter (no
 expert data parallelism). One ``--grad-compression`` method runs at a time, so no other
 data-parallel method can be combined with it.
+
+Its options: :class:`~megatron_ext.options.quantized_adam.QuantizedAdamConfig`.
 """
 
 from __future__ import annotations
 
-from dataclasses import field
 from typing import Any, Dict
 
 from megatron_ext.methods.registry import (
@@ -27,36 +28,12 @@ from megatron_ext.methods.registry import (
     MethodContext,
     register,
 )
-from megatron_ext.options.base import ConfigError, arg, check_positive, options_dataclass
-from megatron_ext.options.quantized import BITS, check_wire
+from megatron_ext.options.base import ConfigError
+from megatron_ext.options.quantized_adam import QuantizedAdamConfig
 
 __all__ = ["QuantizedAdamConfig", "METHOD"]
 
 _FLAG = "--grad-compression"
-
-
-@options_dataclass(
-    group="megatron-ext: QuantizedAdam (--grad-compression quantized-adam)", prefix="quantized-adam"
-)
-class QuantizedAdamConfig:
-    """QuantizedAdam: frozen Adam variance, k-bit momentum exchange with error compensation."""
-
-    bits: int = field(default=4, metadata=arg(choices=BITS))
-    """Bits per momentum value on the wire (the AQ-SGD paper's end-to-end runs: 4)."""
-
-    block_size: int = 512
-    """Values per fp16 max-abs scale (the authors' bucket of 512)."""
-
-    warmup_steps: int = 1000
-    """Applied optimizer steps of dense gradient all-reduce and ordinary Adam before the
-    variance is frozen and the momentum is exchanged quantized (at least 1: the frozen
-    variance is the one Adam reached; fp16 steps skipped for overflow do not count). The
-    authors warm up for one epoch of ten (10% of training); set it to about 10% of
-    --train-iters."""
-
-    def __post_init__(self):
-        check_wire(type(self), self.bits, self.block_size)
-        check_positive(type(self), "warmup_steps", self.warmup_steps)
 
 
 def check_adam(optimizer: Any) -> None:

@@ -3,8 +3,9 @@
 What: :mod:`megatron_ext.options.base` (``ConfigError``, ``arg``, ``flag_of``,
 ``add_config_args`` ...) and the options dataclasses that more than one layer reads: the
 quantized, Radius, SEPARATE and PowerSGD options (a data-parallel method's flags, and the
-compression of DiLoCo's outer exchange), AQ-SGD's (its methods and codecs) and the outer
-exchanges' table (:mod:`megatron_ext.options.outer`).
+compression of DiLoCo's outer exchange), AQ-SGD's (its methods and codecs), QuantizedAdam's
+(its method and momentum exchange) and the outer exchanges' table
+(:mod:`megatron_ext.options.outer`).
 
 Why: the methods (``megatron_ext.methods``), the pure-torch collectives and the flag parser
 (``megatron_ext.config``) all read these; here none of them has to import another, and flags

@@ -4,7 +4,7 @@
 
 :data:`BITS` and :func:`check_wire` serve every options class whose values travel through
 the quantized collective (``megatron_ext.collectives.quantized``): this one and
-``megatron_ext.methods.quantized_adam.QuantizedAdamConfig``.
+``megatron_ext.options.quantized_adam.QuantizedAdamConfig``.
 """
 
 from __future__ import annotations

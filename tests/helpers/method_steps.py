@@ -325,7 +325,7 @@ class CodecBoundary:
         num_samples: samples of the (fixed-sample) epoch; AQ-SGD keeps one buffer row each.
         device: where activations and buffers live.
         dtype: activation (and gradient) dtype; AQ-SGD's ``auto`` buffers take it too.
-        options: :class:`~megatron_ext.methods.aqsgd.AQSGDConfig` fields.
+        options: :class:`~megatron_ext.options.aqsgd.AQSGDConfig` fields.
     """
 
     def __init__(

@@ -575,6 +575,38 @@ def test_exchanges_and_transports_implement_their_contracts():
         assert issubclass(transport, SitesTransport), transport
 
 
+def test_outer_step_names_what_it_lacks():
+    """The outer step's contracts refuse naming the cause (each was an AttributeError on
+    None): a view asked for the state of a parameter another rank holds, the sites' hook
+    before setup or after finish, a fragment's exchange that cannot stage its error
+    feedback for the sites' vote."""
+    from megatron_ext.optim.diloco_ft import FaultTolerantDiLoCoHook
+    from megatron_ext.options.outer import OuterConfig
+    from tests.helpers.views import ParamsView
+
+    class _Sharded(ParamsView):  # another rank holds all of "b"
+        def param_state(self, fqn):
+            return None if fqn == "b" else super().param_state(fqn)
+
+    params = {name: torch.nn.Parameter(torch.ones(2)) for name in ("a", "b")}
+    view = _Sharded(params, {"step": 0})
+    assert view.owned_state("a").fqn == "a"
+    with pytest.raises(KeyError, match="holds no optimizer state of 'b'"):
+        view.owned_state("b")
+
+    opts = OuterConfig(interval=4, fragments=2, transport="torchft", site_id=0, sites=2)
+    unset = FaultTolerantDiLoCoHook(opts, make_transport=_OneSiteTransport)
+    with pytest.raises(RuntimeError, match="no transport \\(used before setup"):
+        unset.sites
+    site, _, _ = _ft_site(0)  # the dense exchange: nothing to stage
+    assert site.sites is site.transport
+    with pytest.raises(TypeError, match="fragment 0 \\(DenseOuterExchange\\) cannot stage"):
+        site._staged(0)
+    site.finish()
+    with pytest.raises(RuntimeError, match="after finish"):
+        site.sites
+
+
 def test_torchft_site_whose_vote_failed_heals_at_the_retry():
     """torchft's commit vote is per site: a site whose exchange failed while the others
     committed is behind, and torchft heals it at its next quorum (the retry of the same

@@ -94,7 +94,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Tuple, Union, cast
 
 import torch
 from torch.distributed import ProcessGroup
@@ -380,6 +380,14 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
 
     def setup(self, view: OptimizerView) -> None:
         super().setup(view)
+        if self.compressed:  # once, before training: the outer steps then take them as such
+            for index, exchange in enumerate(self.exchanges):
+                if exchange is not None and not isinstance(exchange, StagedPseudoGradientExchange):
+                    raise TypeError(
+                        f"megatron-ext: the outer exchange of fragment {index} "
+                        f"({type(exchange).__name__}) cannot stage its error feedback for the "
+                        "sites' vote (megatron_ext.protocols.StagedPseudoGradientExchange)"
+                    )
         self._since = [0] * len(self.fragments)
         if self.transport is None:
             self._device = next(iter(self.snapshot.values())).device if self.snapshot else "cpu"
@@ -702,15 +710,9 @@ class FaultTolerantDiLoCoHook(DiLoCoHook):
         return exchange
 
     def _staged(self, index: int) -> StagedPseudoGradientExchange:
-        """Fragment ``index``'s compressed exchange (built by :func:`_local_exchange`)."""
-        exchange = self.exchanges[index]
-        if not isinstance(exchange, StagedPseudoGradientExchange):
-            raise TypeError(
-                f"megatron-ext: the outer exchange of fragment {index} "
-                f"({type(exchange).__name__}) cannot stage its error feedback for the sites' "
-                "vote (megatron_ext.protocols.StagedPseudoGradientExchange)"
-            )
-        return exchange
+        """Fragment ``index``'s compressed exchange (built by :func:`_local_exchange`, checked
+        at :meth:`setup`; :meth:`_exchange_for` replaces it by its ``regroup``)."""
+        return cast(StagedPseudoGradientExchange, self.exchanges[index])
 
     def _compressed_attempt(self, view: OptimizerView, index: int, weight: float):
         """One attempt of a compressed outer step over the quorum's group: the sum of the

@@ -575,11 +575,13 @@ def test_exchanges_and_transports_implement_their_contracts():
         assert issubclass(transport, SitesTransport), transport
 
 
-def test_outer_step_names_what_it_lacks():
+def test_outer_step_names_what_it_lacks(monkeypatch):
     """The outer step's contracts refuse naming the cause (each was an AttributeError on
-    None): a view asked for the state of a parameter another rank holds, the sites' hook
-    before setup or after finish, a fragment's exchange that cannot stage its error
-    feedback for the sites' vote."""
+    None, or a failure at the first outer step): a view asked for the state of a parameter
+    another rank holds, the sites' hook before setup or after finish, a compressed
+    fragment exchange that cannot stage its error feedback for the sites' vote (at setup,
+    before training)."""
+    from megatron_ext.optim import diloco_ft
     from megatron_ext.optim.diloco_ft import FaultTolerantDiLoCoHook
     from megatron_ext.options.outer import OuterConfig
     from tests.helpers.views import ParamsView
@@ -598,13 +600,18 @@ def test_outer_step_names_what_it_lacks():
     unset = FaultTolerantDiLoCoHook(opts, make_transport=_OneSiteTransport)
     with pytest.raises(RuntimeError, match="no transport \\(used before setup"):
         unset.sites
-    site, _, _ = _ft_site(0)  # the dense exchange: nothing to stage
+    site, _, _ = _ft_site(0, compression="quantized")  # compressed: staged exchanges
     assert site.sites is site.transport
-    with pytest.raises(TypeError, match="fragment 0 \\(DenseOuterExchange\\) cannot stage"):
-        site._staged(0)
     site.finish()
     with pytest.raises(RuntimeError, match="after finish"):
         site.sites
+
+    def dense(method, options, numel, group, device, **layout):  # stages nothing
+        return make_outer_exchange("none", None, numel, group, device)
+
+    monkeypatch.setattr(diloco_ft, "_local_exchange", dense)
+    with pytest.raises(TypeError, match="fragment 0 \\(DenseOuterExchange\\) cannot stage"):
+        _ft_site(0, compression="quantized")
 
 
 def test_torchft_site_whose_vote_failed_heals_at_the_retry():
